@@ -1,0 +1,47 @@
+"""Shared helpers of the benchmarks: the JSON-line contract, timing and memory readings."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+REQUIRED = ("bench", "system", "config", "step_time_s", "tokens_per_s")
+OPTIONAL = ("peak_rss_mb", "model_state_bytes", "comm_bytes", "final_loss")
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Print one result as a JSON line after checking it has the contract's keys."""
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"benchmark record lacks {missing}: {record}")
+    print(json.dumps(record, sort_keys=False), flush=True)
+
+
+def median_time(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time in seconds of ``step()`` over ``iters`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def table(records: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
+    """Print a fixed-width table of ``records`` to stderr (stdout carries only JSON lines)."""
+    rows = [[str(r.get(k, "")) for k in keys] for r in records]
+    widths = [max(len(k), *(len(row[i]) for row in rows)) for i, k in enumerate(keys)]
+    for row in [list(keys), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)), file=sys.stderr)

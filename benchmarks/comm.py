@@ -1,0 +1,78 @@
+"""Collectives on 2 gloo ranks: Tessera's typed, metered, non-mutating collectives beside the
+raw torch.distributed calls (system "torch-c10d") on the same buffers, in one run.
+
+A "token" here is one fp32 element reduced or gathered, so tokens_per_s is elements/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from _common import emit, median_time, table
+from tessera.comm import CommMeter, all_gather, all_reduce, reduce_scatter
+from tessera.comm.testing import WorkerPool
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _bench(rank: int, op: str, numel: int, iters: int) -> dict[str, Any]:
+    n = dist.get_world_size()
+    x = torch.randn(numel)
+    shard = torch.randn(numel // n)
+    out_full = torch.empty(numel)
+    out_shard = torch.empty(numel // n)
+    tessera_step = {
+        "all_reduce": lambda: all_reduce(x),
+        "all_gather": lambda: all_gather(shard),
+        "reduce_scatter": lambda: reduce_scatter(x),
+    }[op]
+    torch_step = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_single(out_full, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(out_shard, x),
+    }[op]
+    with CommMeter() as meter:
+        tessera_step()
+    return {
+        "tessera": median_time(tessera_step, iters=iters),
+        "torch-c10d": median_time(torch_step, iters=iters),
+        "comm_bytes": meter.volume_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20, 1 << 22])
+    parser.add_argument("--iters", type=int, default=15)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    records = []
+    with WorkerPool(2, timeout=600) as pool:
+        for op in OPS:
+            for numel in args.sizes:
+                result = pool.run(_bench, op, numel, args.iters)[0]
+                for system in ("tessera", "torch-c10d"):
+                    t = result[system]
+                    rec = {
+                        "bench": "comm",
+                        "system": system,
+                        "config": f"{op} world=2 numel={numel} fp32 gloo",
+                        "step_time_s": round(t, 6),
+                        "tokens_per_s": round(numel / t, 1),
+                        "comm_bytes": result["comm_bytes"],
+                        "ratio_vs_peer": None,
+                    }
+                    records.append(rec)
+                records[-2]["ratio_vs_peer"] = round(result["torch-c10d"] / result["tessera"], 3)
+    for rec in records:
+        emit(rec)
+    table(records, ("system", "config", "step_time_s", "ratio_vs_peer"))
+
+
+if __name__ == "__main__":
+    main()

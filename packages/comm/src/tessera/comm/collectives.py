@@ -1,0 +1,210 @@
+"""Typed collectives over a process group, each recorded by any open CommMeter.
+
+Every function takes the group explicitly (``None`` means the default world group), never
+mutates its input, and returns a new tensor; ``*_async`` forms return a Handle whose
+``wait()`` gives that tensor. A group of one rank returns without communicating.
+Tensors must be on the device the group's backend serves (cpu for gloo, cuda for NCCL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, Literal, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from tessera.comm.meters import CommOp, record
+from torch import Tensor
+
+__all__ = [
+    "Group",
+    "Handle",
+    "ReduceOpName",
+    "all_gather",
+    "all_gather_async",
+    "all_reduce",
+    "all_reduce_async",
+    "all_to_all",
+    "broadcast",
+    "group_rank",
+    "group_size",
+    "reduce_scatter",
+    "reduce_scatter_async",
+]
+
+Group = dist.ProcessGroup | None
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+T = TypeVar("T")
+
+_OPS: dict[str, dist.ReduceOp.RedOpType] = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class Waitable(Protocol):
+    """Anything that can be waited on: a torch Work, or another Handle."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Handle(Generic[T]):
+    """An operation in flight; ``wait()`` blocks until it completes and returns its result."""
+
+    __slots__ = ("_done", "_finish", "_result", "_works")
+
+    def __init__(self, works: list[Waitable], finish: Callable[[], T]) -> None:
+        self._works = works
+        self._finish = finish
+        self._done = False
+        self._result: T | None = None
+
+    def wait(self) -> T:
+        """Wait for completion (idempotent) and return the result."""
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            self._result = self._finish()
+            self._done = True
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        """Whether every underlying operation has finished (the result may still need wait())."""
+        return all(w.is_completed() for w in self._works)
+
+
+def group_size(group: Group) -> int:
+    """The number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This rank's index inside ``group``."""
+    return dist.get_rank(group)
+
+
+def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
+    if op not in _OPS:
+        raise ValueError(f"reduce op must be one of {sorted(_OPS)}, got {op!r}")
+    return _OPS[op]
+
+
+def _check_divisible(x: Tensor, dim: int, n: int, what: str) -> int:
+    if x.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar")
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"{what}: size {x.shape[dim]} of dim {dim} (shape {tuple(x.shape)}) is not divisible "
+            f"by the group size {n}"
+        )
+    return dim
+
+
+def _done(result: T) -> Handle[T]:
+    return Handle([], lambda: result)
+
+
+def all_reduce_async(x: Tensor, group: Group = None, op: ReduceOpName = "sum") -> Handle[Tensor]:
+    """Start reducing ``x`` over the group: every rank gets the sum (avg, max, min); moves 2x x."""
+    red = _reduce_op(op)
+    n = group_size(group)
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if n == 1:
+        return _done(out)
+    record(CommOp.ALL_REDUCE, group_size=n, nbytes=out.nbytes, like=out)
+    work = dist.all_reduce(out, op=red, group=group, async_op=True)
+    if op == "avg":
+        return Handle([work], lambda: out.div_(n))
+    return Handle([work], lambda: out)
+
+
+def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum") -> Tensor:
+    """Reduce ``x`` over the group (sum by default) and return the result on every rank."""
+    return all_reduce_async(x, group, op).wait()
+
+
+def all_gather_async(x: Tensor, group: Group = None, dim: int = 0) -> Handle[Tensor]:
+    """Start concatenating every rank's ``x`` along ``dim`` in rank order; moves the output."""
+    n = group_size(group)
+    if x.dim() == 0:
+        raise ValueError("all_gather needs a tensor with at least one dimension, got a scalar")
+    dim = dim % x.dim()
+    if n == 1:
+        return _done(x.detach().clone(memory_format=torch.contiguous_format))
+    src = x.detach().contiguous()
+    flat = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    record(CommOp.ALL_GATHER, group_size=n, nbytes=flat.nbytes, like=src)
+    work = dist.all_gather_single(flat, src, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        if dim == 0:
+            return flat
+        return torch.cat(flat.view(n, *src.shape).unbind(0), dim=dim)
+
+    return Handle([work], finish)
+
+
+def all_gather(x: Tensor, group: Group = None, dim: int = 0) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order."""
+    return all_gather_async(x, group, dim).wait()
+
+
+def reduce_scatter_async(
+    x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum"
+) -> Handle[Tensor]:
+    """Start reducing ``x`` over the group, rank i keeping chunk i along ``dim``; moves the input."""
+    red = _reduce_op(op)
+    n = group_size(group)
+    dim = _check_divisible(x, dim, n, "reduce_scatter")
+    if n == 1:
+        return _done(x.detach().clone(memory_format=torch.contiguous_format))
+    chunks = x.detach().chunk(n, dim=dim)
+    out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+    src = torch.cat(chunks, 0) if dim != 0 else x.detach()
+    record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
+    work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
+    if op == "avg":
+        return Handle([work], lambda: out.div_(n))
+    return Handle([work], lambda: out)
+
+
+def reduce_scatter(x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum") -> Tensor:
+    """Reduce ``x`` over the group and keep this rank's chunk along ``dim``."""
+    return reduce_scatter_async(x, group, dim, op).wait()
+
+
+def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0) -> Tensor:
+    """Send chunk j of ``x`` (split along ``scatter_dim``) to rank j; concatenate what arrives
+    along ``gather_dim`` in rank order. Moves the input, less the chunk a rank keeps."""
+    n = group_size(group)
+    scatter_dim = _check_divisible(x, scatter_dim, n, "all_to_all")
+    gather_dim = gather_dim % x.dim()
+    if n == 1:
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    src = torch.stack(x.detach().chunk(n, dim=scatter_dim), 0).contiguous()
+    out = torch.empty_like(src)
+    record(
+        CommOp.ALL_TO_ALL, group_size=n, nbytes=src.nbytes, kept_bytes=src.nbytes // n, like=src
+    )
+    dist.all_to_all_single(out, src, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
+    """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""
+    n = group_size(group)
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast source {src} is outside the group of {n} ranks")
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if n == 1:
+        return out
+    me = group_rank(group)
+    record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    dist.broadcast(out, src=global_src, group=group)
+    return out

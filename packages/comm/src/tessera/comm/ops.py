@@ -1,0 +1,183 @@
+"""Differentiable collectives: the conjugate pairs that tensor and sequence parallelism use.
+
+Each op is a small autograd Function wrapped in a typed function. The backward of each is
+the adjoint of its forward for the way parallel layers use it:
+
+=========================  ======================================  ===================================
+op                         forward                                 backward
+=========================  ======================================  ===================================
+copy_to_region (f)         identity                                all-reduce (sum)
+reduce_from_region (g)     all-reduce (sum)                        identity
+split_along                keep this rank's chunk along ``dim``    all-gather along ``dim``
+gather_along               all-gather along ``dim``                keep this rank's chunk
+all_gather_along           all-gather along ``dim``                reduce-scatter along ``dim``
+reduce_scatter_along       reduce-scatter along ``dim``            all-gather along ``dim``
+all_to_all_along           all-to-all, scatter ``s``, gather ``g``  all-to-all, scatter ``g``, gather ``s``
+broadcast_from             broadcast from ``src``                  sum of gradients to ``src``, 0 elsewhere
+=========================  ======================================  ===================================
+
+``gather_along`` suits a replicated consumer (every rank computes the same thing from the
+gathered tensor, so each holds the whole gradient); ``all_gather_along`` a consumer whose
+work differs per rank (sequence parallelism), whose partial gradients must be summed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from tessera.comm import collectives as C
+from tessera.comm.collectives import Group
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+__all__ = [
+    "all_gather_along",
+    "all_to_all_along",
+    "broadcast_from",
+    "copy_to_region",
+    "gather_along",
+    "reduce_from_region",
+    "reduce_scatter_along",
+    "split_along",
+]
+
+
+def _apply(fn: type[torch.autograd.Function], *args: object) -> Tensor:
+    """Typed entry to an autograd Function (``Function.apply`` is untyped)."""
+    return cast(Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
+
+
+def _own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
+    n = C.group_size(group)
+    if n == 1:
+        return x
+    if x.dim() == 0 or x.shape[dim] % n:
+        raise ValueError(
+            f"split_along: size of dim {dim} in shape {tuple(x.shape)} is not divisible by the "
+            f"group size {n}"
+        )
+    return x.chunk(n, dim=dim)[C.group_rank(group)].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return C.all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: Group) -> Tensor:
+        return C.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group  # type: ignore[attr-defined]
+        return _own_chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return C.all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group, sum_grads: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.sum_grads = dim, group, sum_grads  # type: ignore[attr-defined]
+        return C.all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.sum_grads:
+            return C.reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
+        return _own_chunk(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group  # type: ignore[attr-defined]
+        return C.reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return C.all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group  # type: ignore[attr-defined]
+        return C.all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        scatter_dim, gather_dim = ctx.dims
+        return C.all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, src: int, group: Group) -> Tensor:
+        ctx.src, ctx.group = src, group  # type: ignore[attr-defined]
+        return C.broadcast(x, src, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        total = C.all_reduce(grad, ctx.group)
+        if C.group_rank(ctx.group) != ctx.src:
+            total.zero_()
+        return total, None, None
+
+
+def copy_to_region(x: Tensor, group: Group = None) -> Tensor:
+    """Megatron's f: identity forward; backward all-reduces the gradient (moves 2x it)."""
+    return _apply(_CopyToRegion, x, group)
+
+
+def reduce_from_region(x: Tensor, group: Group = None) -> Tensor:
+    """Megatron's g: all-reduce (sum) forward, moving 2x ``x``; identity backward."""
+    return _apply(_ReduceFromRegion, x, group)
+
+
+def split_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
+    """Keep this rank's chunk of ``x`` along ``dim``; backward all-gathers the gradient."""
+    return _apply(_Split, x, dim, group)
+
+
+def gather_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
+    """All-gather along ``dim`` for a replicated consumer; backward keeps this rank's chunk."""
+    return _apply(_Gather, x, dim, group, False)
+
+
+def all_gather_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
+    """All-gather along ``dim`` for a per-rank consumer; backward reduce-scatters the gradient."""
+    return _apply(_Gather, x, dim, group, True)
+
+
+def reduce_scatter_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
+    """Sum over ranks and keep this rank's chunk along ``dim``; backward all-gathers."""
+    return _apply(_ReduceScatter, x, dim, group)
+
+
+def all_to_all_along(x: Tensor, scatter_dim: int, gather_dim: int, group: Group = None) -> Tensor:
+    """Split ``x`` along ``scatter_dim`` to the ranks and concatenate what arrives along
+    ``gather_dim`` (Ulysses' head/sequence swap); backward swaps the two dims back."""
+    return _apply(_AllToAll, x, scatter_dim, gather_dim, group)
+
+
+def broadcast_from(x: Tensor, src: int, group: Group = None) -> Tensor:
+    """Every rank gets group rank ``src``'s ``x``; backward sums the gradients into ``src``."""
+    return _apply(_Broadcast, x, src, group)

@@ -1,0 +1,84 @@
+"""Point-to-point transfers: batched isend/irecv and the ring shift, with async handles.
+
+Peers are named by their rank *inside* ``group`` (``None``: the world). Torch's threaded
+test backend has no send/recv; use the gloo worker pool (tessera.comm.testing) to test p2p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from tessera.comm.collectives import Group, Handle, group_rank, group_size
+from tessera.comm.meters import CommOp, record
+from torch import Tensor
+
+__all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send"]
+
+
+def _global(peer: int, group: Group) -> int:
+    n = group_size(group)
+    if not 0 <= peer < n:
+        raise ValueError(f"peer {peer} is outside the group of {n} ranks")
+    if peer == group_rank(group):
+        raise ValueError(f"peer {peer} is this rank itself; p2p needs another rank")
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+def batch_isend_irecv(
+    sends: Sequence[tuple[Tensor, int]],
+    recvs: Sequence[tuple[Tensor, int]],
+    group: Group = None,
+) -> Handle[list[Tensor]]:
+    """Post every send ``(tensor, peer)`` and receive ``(buffer, peer)`` at once.
+
+    Receives land in the given buffers; ``wait()`` returns them in order. Sends read their
+    tensor until the handle completes, so do not modify it before ``wait()``.
+    """
+    ops: list[dist.P2POp] = []
+    for tensor, peer in sends:
+        t = tensor.detach().contiguous()
+        record(CommOp.SEND, group_size=2, nbytes=t.nbytes, like=t)
+        ops.append(dist.P2POp(dist.isend, t, _global(peer, group), group))
+    buffers: list[Tensor] = []
+    for buffer, peer in recvs:
+        if not buffer.is_contiguous():
+            raise ValueError(f"receive buffer from peer {peer} must be contiguous")
+        record(CommOp.RECV, group_size=2, nbytes=buffer.nbytes, like=buffer)
+        ops.append(dist.P2POp(dist.irecv, buffer, _global(peer, group), group))
+        buffers.append(buffer)
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Handle(list(works), lambda: buffers)
+
+
+def send(x: Tensor, peer: int, group: Group = None) -> None:
+    """Send ``x`` to ``peer`` and wait until it has left."""
+    batch_isend_irecv([(x, peer)], [], group).wait()
+
+
+def recv(like: Tensor, peer: int, group: Group = None) -> Tensor:
+    """Receive a tensor shaped and typed like ``like`` from ``peer``."""
+    buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+    return batch_isend_irecv([], [(buffer, peer)], group).wait()[0]
+
+
+def ring_shift_async(x: Tensor, group: Group = None, shift: int = 1) -> Handle[Tensor]:
+    """Start sending ``x`` to rank ``r + shift`` while receiving rank ``r - shift``'s (mod n).
+
+    Every rank's ``x`` must have the same shape and dtype. A shift that is a multiple of the
+    group size returns a copy of ``x`` without communicating.
+    """
+    n = group_size(group)
+    if shift % n == 0:
+        copy = x.detach().clone(memory_format=torch.contiguous_format)
+        return Handle([], lambda: copy)
+    me = group_rank(group)
+    buffer = torch.empty_like(x, memory_format=torch.contiguous_format)
+    handle = batch_isend_irecv([(x, (me + shift) % n)], [(buffer, (me - shift) % n)], group)
+    return Handle([handle], lambda: buffer)
+
+
+def ring_shift(x: Tensor, group: Group = None, shift: int = 1) -> Tensor:
+    """Send ``x`` to rank ``r + shift`` and return what rank ``r - shift`` sent (mod n)."""
+    return ring_shift_async(x, group, shift).wait()

@@ -1,0 +1,21 @@
+"""Test support for every Tessera package: threaded ranks, a gloo worker pool, the reference GPT.
+
+- ``run_threaded(n, fn, *args)``: tier 1, ranks as threads (collectives only, milliseconds).
+- ``WorkerPool(n).run(fn, *args)``: tier 2, ranks as persistent gloo processes (p2p too).
+- ``GPT``, ``GPTConfig``, ``make_batch``: the serial model the parallel ones are compared to.
+- ``tessera.comm.testing.fixtures``: pytest fixtures (import them into a conftest.py).
+"""
+
+from tessera.comm.testing.gpt import GPT, GPTConfig, make_batch
+from tessera.comm.testing.pool import PoolTimeout, RankFailure, WorkerPool
+from tessera.comm.testing.threaded import run_threaded
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "PoolTimeout",
+    "RankFailure",
+    "WorkerPool",
+    "make_batch",
+    "run_threaded",
+]

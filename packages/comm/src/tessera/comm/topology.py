@@ -1,0 +1,249 @@
+"""The parallel layout of a job: degrees, rank <-> coordinates, and the rank groups of every axis.
+
+Everything here is pure arithmetic over integers: no process group is touched.
+
+Ranks are laid out in the order (pp, dp, sp, tp) from slowest to fastest varying, so the
+ranks of one tensor-parallel group are contiguous (one node keeps its TP traffic). Tensor
+parallelism of mode 2d, 2.5d and 3d decomposes the tp coordinate further:
+
+- 2d (SUMMA), tp = q*q: tp = i*q + j. ``tp_row`` holds the ranks of one row (same i,
+  varying j); ``tp_col`` the ranks of one column (same j, varying i). As in Colossal-AI, a
+  rank's index in its ``tp_row`` group is its column j and in its ``tp_col`` group its row i.
+- 2.5d (Tesseract), tp = q*q*d: tp = k*q*q + i*q + j with depth index k; ``tp_row`` and
+  ``tp_col`` as in 2d inside one layer of depth, ``tp_dep`` the d ranks with the same (i, j).
+- 3d, tp = q**3: tp = c*q*q + b*q + a; ``tp_input`` varies a, ``tp_weight`` varies b and
+  ``tp_output`` varies c (each a line through the cube).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = ["Axis", "TPMode", "Topology"]
+
+
+class TPMode(StrEnum):
+    """How the tensor-parallel ranks split a layer."""
+
+    ONE_D = "1d"
+    TWO_D = "2d"
+    TWO_P5_D = "2.5d"
+    THREE_D = "3d"
+
+
+class Axis(StrEnum):
+    """Names of the axes whose rank groups a Topology lists."""
+
+    PP = "pp"
+    DP = "dp"
+    SP = "sp"
+    TP = "tp"
+    TP_ROW = "tp_row"
+    TP_COL = "tp_col"
+    TP_DEP = "tp_dep"
+    TP_INPUT = "tp_input"
+    TP_WEIGHT = "tp_weight"
+    TP_OUTPUT = "tp_output"
+
+
+# The sub-axes of each tp mode, as (axis, atom) pairs, atoms listed slowest first.
+_TP_ATOMS: dict[TPMode, tuple[tuple[str, Axis | None], ...]] = {
+    TPMode.ONE_D: (("tp", None),),
+    TPMode.TWO_D: (("tp.i", Axis.TP_COL), ("tp.j", Axis.TP_ROW)),
+    TPMode.TWO_P5_D: (("tp.k", Axis.TP_DEP), ("tp.i", Axis.TP_COL), ("tp.j", Axis.TP_ROW)),
+    TPMode.THREE_D: (("tp.c", Axis.TP_OUTPUT), ("tp.b", Axis.TP_WEIGHT), ("tp.a", Axis.TP_INPUT)),
+}
+
+
+def _integer_root(n: int, k: int) -> int | None:
+    """The integer r with r**k == n, or None."""
+    r: int = round(float(n) ** (1.0 / k))
+    for c in (r - 1, r, r + 1):
+        if c >= 1 and c**k == n:
+            return c
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """An immutable, validated description of the degrees of a job.
+
+    ``world_size = pp * dp * sp * tp``. ``depth`` is the 2.5d depth d (tp = q*q*d) and must
+    be 1 for every other mode.
+
+    >>> t = Topology(dp=2, tp=4, tp_mode="2d")
+    >>> t.world_size, t.groups("tp_row")[:2]
+    (8, ((0, 1), (2, 3)))
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    tp_mode: TPMode = TPMode.ONE_D
+    depth: int = 1
+    _atoms: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "sp", "depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
+        try:
+            mode = TPMode(self.tp_mode)
+        except ValueError:
+            modes = ", ".join(m.value for m in TPMode)
+            raise ValueError(f"tp_mode must be one of {modes}; got {self.tp_mode!r}") from None
+        object.__setattr__(self, "tp_mode", mode)
+        object.__setattr__(self, "_atoms", self._layout(mode))
+
+    def _layout(self, mode: TPMode) -> tuple[tuple[str, int], ...]:
+        tp, depth = self.tp, self.depth
+        if mode is not TPMode.TWO_P5_D and depth != 1:
+            raise ValueError(f"depth={depth} is only meaningful for tp_mode 2.5d, not {mode}")
+        if mode is TPMode.ONE_D:
+            tp_atoms: tuple[tuple[str, int], ...] = (("tp", tp),)
+        elif mode is TPMode.TWO_D:
+            q = _integer_root(tp, 2)
+            if q is None:
+                raise ValueError(f"tp_mode 2d needs tp to be a square q*q; tp={tp} is not")
+            tp_atoms = (("tp.i", q), ("tp.j", q))
+        elif mode is TPMode.TWO_P5_D:
+            if tp % depth:
+                raise ValueError(f"tp_mode 2.5d needs tp = q*q*depth; depth={depth} does not divide tp={tp}")
+            q = _integer_root(tp // depth, 2)
+            if q is None:
+                raise ValueError(
+                    f"tp_mode 2.5d needs tp = q*q*depth; tp={tp} / depth={depth} = {tp // depth} "
+                    "is not a square"
+                )
+            tp_atoms = (("tp.k", depth), ("tp.i", q), ("tp.j", q))
+        else:
+            q = _integer_root(tp, 3)
+            if q is None:
+                raise ValueError(f"tp_mode 3d needs tp to be a cube q*q*q; tp={tp} is not")
+            tp_atoms = (("tp.c", q), ("tp.b", q), ("tp.a", q))
+        return (("pp", self.pp), ("dp", self.dp), ("sp", self.sp), *tp_atoms)
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the topology needs."""
+        return self.pp * self.dp * self.sp * self.tp
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """The axes this topology has groups for (tp sub-axes only for the modes that have them)."""
+        subs = tuple(a for _, a in _TP_ATOMS[self.tp_mode] if a is not None)
+        return (Axis.PP, Axis.DP, Axis.SP, Axis.TP, *subs)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError unless ``world_size`` is exactly what the degrees multiply to."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != pp*dp*sp*tp = {self.pp}*{self.dp}*{self.sp}*{self.tp}"
+                f" = {self.world_size}"
+            )
+
+    def _atoms_of(self, axes: Axis | str | Iterable[Axis | str]) -> list[int]:
+        names = [axes] if isinstance(axes, str) else list(axes)
+        chosen: set[str] = set()
+        for raw in names:
+            try:
+                axis = Axis(raw)
+            except ValueError:
+                raise ValueError(f"unknown axis {raw!r}; known: {[a.value for a in Axis]}") from None
+            if axis not in self.axes:
+                raise ValueError(f"axis {axis.value!r} does not exist for tp_mode {self.tp_mode.value}")
+            if axis is Axis.TP:
+                chosen.update(n for n, _ in self._atoms if n.startswith("tp"))
+            elif axis.value.startswith("tp_"):
+                chosen.update(n for n, a in _TP_ATOMS[self.tp_mode] if a is axis)
+            else:
+                chosen.add(axis.value)
+        return [i for i, (n, _) in enumerate(self._atoms) if n in chosen]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+
+    def _digits(self, rank: int) -> list[int]:
+        self._check_rank(rank)
+        digits = []
+        for _, size in reversed(self._atoms):
+            rank, d = divmod(rank, size)
+            digits.append(d)
+        return digits[::-1]
+
+    def _compose(self, digits: list[int], idx: list[int]) -> int:
+        value = 0
+        for i in idx:
+            value = value * self._atoms[i][1] + digits[i]
+        return value
+
+    def size(self, axes: Axis | str | Iterable[Axis | str]) -> int:
+        """The number of ranks in one group of ``axes`` (one axis or several combined)."""
+        return math.prod(self._atoms[i][1] for i in self._atoms_of(axes))
+
+    def coordinate(self, rank: int, axes: Axis | str | Iterable[Axis | str]) -> int:
+        """The index of ``rank`` inside its group of ``axes``."""
+        return self._compose(self._digits(rank), self._atoms_of(axes))
+
+    def coordinates(self, rank: int) -> dict[Axis, int]:
+        """The index of ``rank`` inside its group of every axis."""
+        digits = self._digits(rank)
+        return {a: self._compose(digits, self._atoms_of(a)) for a in self.axes}
+
+    def rank(self, coords: Mapping[Axis | str, int]) -> int:
+        """The rank at ``coords`` (pp, dp, sp, tp; missing ones are 0): inverse of coordinates."""
+        unknown = set(map(str, coords)) - {"pp", "dp", "sp", "tp"}
+        if unknown:
+            raise ValueError(f"rank() takes pp, dp, sp and tp coordinates, not {sorted(unknown)}")
+        value = 0
+        for name in ("pp", "dp", "sp", "tp"):
+            c, n = coords.get(name, 0), getattr(self, name)
+            if not 0 <= c < n:
+                raise ValueError(f"{name} coordinate {c} is outside [0, {n})")
+            value = value * n + c
+        return value
+
+    def groups(self, axes: Axis | str | Iterable[Axis | str]) -> tuple[tuple[int, ...], ...]:
+        """Every group of ``axes``: ranks that differ only along those axes, in coordinate order.
+
+        The groups of any axis partition the world; they are ordered by their smallest rank.
+        """
+        varying = self._atoms_of(axes)
+        fixed = [i for i in range(len(self._atoms)) if i not in varying]
+        out = []
+        for fixed_digits in itertools.product(*(range(self._atoms[i][1]) for i in fixed)):
+            group = []
+            for var_digits in itertools.product(*(range(self._atoms[i][1]) for i in varying)):
+                digits = [0] * len(self._atoms)
+                for i, d in zip(fixed, fixed_digits, strict=True):
+                    digits[i] = d
+                for i, d in zip(varying, var_digits, strict=True):
+                    digits[i] = d
+                group.append(self._compose(digits, list(range(len(self._atoms)))))
+            out.append(tuple(group))
+        return tuple(sorted(out))
+
+    def group_of(self, rank: int, axes: Axis | str | Iterable[Axis | str]) -> tuple[int, ...]:
+        """The group of ``axes`` that holds ``rank``."""
+        digits = self._digits(rank)
+        varying = self._atoms_of(axes)
+        group = []
+        for var_digits in itertools.product(*(range(self._atoms[i][1]) for i in varying)):
+            d = list(digits)
+            for i, v in zip(varying, var_digits, strict=True):
+                d[i] = v
+            group.append(self._compose(d, list(range(len(self._atoms)))))
+        return tuple(group)
+
+    def describe(self) -> str:
+        """One line naming the degrees, e.g. ``pp=2 dp=2 sp=1 tp=4 (2d)``."""
+        extra = f", depth={self.depth}" if self.tp_mode is TPMode.TWO_P5_D else ""
+        return f"pp={self.pp} dp={self.dp} sp={self.sp} tp={self.tp} ({self.tp_mode.value}{extra})"
