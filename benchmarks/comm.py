@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,12 +27,12 @@ def _bench(rank: int, op: str, numel: int, iters: int) -> dict[str, Any]:
     shard = torch.randn(numel // n)
     out_full = torch.empty(numel)
     out_shard = torch.empty(numel // n)
-    tessera_step = {
+    tessera_step: Callable[[], object] = {
         "all_reduce": lambda: all_reduce(x),
         "all_gather": lambda: all_gather(shard),
         "reduce_scatter": lambda: reduce_scatter(x),
     }[op]
-    torch_step = {
+    torch_step: Callable[[], object] = {
         "all_reduce": lambda: dist.all_reduce(x),
         "all_gather": lambda: dist.all_gather_single(out_full, shard),
         "reduce_scatter": lambda: dist.reduce_scatter_single(out_shard, x),

@@ -78,6 +78,23 @@ class Action:
         """True for F, B, W and BW."""
         return self.kind in COMPUTE_KINDS
 
+    @property
+    def message(self) -> tuple[str, int, int]:
+        """For p2p actions, the tensor moved: (``"F"`` or ``"B"``, microbatch, sending stage).
+
+        A send and a receive match exactly when their messages are equal.
+        """
+        mb, s = self.microbatch, self.stage
+        if self.kind is ActionKind.SEND_F:
+            return ("F", mb, s)
+        if self.kind is ActionKind.RECV_F:
+            return ("F", mb, s - 1)
+        if self.kind is ActionKind.SEND_B:
+            return ("B", mb, s)
+        if self.kind is ActionKind.RECV_B:
+            return ("B", mb, s + 1)
+        raise ValueError(f"{self} is a compute action; only p2p actions carry a message")
+
     def __str__(self) -> str:
         base = f"{self.kind}{self.microbatch}s{self.stage}"
         if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B):

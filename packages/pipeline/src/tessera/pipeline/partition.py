@@ -22,6 +22,7 @@ All of this is pure integer and float arithmetic: no processes, no torch.distrib
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -210,7 +211,8 @@ def partition_by_params(
     by two blocks counts in both).
     """
     counts: list[float] = []
-    for i, block in enumerate(blocks):
+    items: Sequence[nn.Module | int] = blocks
+    for i, block in enumerate(items):
         if isinstance(block, bool):
             raise ValueError(f"block {i} is a bool, not a module or a parameter count")
         if isinstance(block, int):
@@ -246,7 +248,7 @@ def _partition(
             f"{num_ranks} x chunks_per_rank={chunks_per_rank}): each stage needs a block"
         )
     bounds = _min_max_split(values, num_stages)
-    ranges = tuple(zip(bounds[:-1], bounds[1:], strict=True))
+    ranges = tuple(itertools.pairwise(bounds))
     stage_costs = tuple(math.fsum(values[a:b]) for a, b in ranges)
     part = Partition(ranges, stage_costs, values, num_ranks, chunks_per_rank, layout, balance)
     logger.debug("partitioned %d blocks by %s: ranges=%s", len(values), balance, ranges)

@@ -119,7 +119,7 @@ def _pick(
     pending_w: deque[tuple[int, int]],
     may_forward: bool,
 ) -> Action | None:
-    """The action a rank holding ``stages`` starts at time ``t``: a ready B, else an F, else a W, else none."""
+    """What a rank holding ``stages`` starts at time ``t``: a ready B, else F, else W, else None."""
     for s in stages:
         i = next_b[s]
         if (

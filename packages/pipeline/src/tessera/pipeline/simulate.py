@@ -1,0 +1,165 @@
+"""Time a schedule under simple costs: makespan, bubble, peak activations, per-action times.
+
+The timing model (the same p2p model `validate` proves progress under):
+
+- each rank runs its actions in list order, one at a time, from time 0;
+- F costs ``f``, B costs ``b``, W costs ``w``, BW (unsplit backward) costs ``b + w``;
+- a send costs its rank nothing and never waits; the tensor is available to the receiver
+  ``p2p_latency`` after the send was issued;
+- a receive waits until its tensor is available; the waiting is idle time.
+
+Bubble of rank ``r`` is ``(makespan - busy_r) / makespan`` where ``busy_r`` is the rank's
+compute time and ``makespan`` the end of the last action on any rank. The fraction does not
+depend on the time unit, so only the ratios between ``f``, ``b``, ``w`` and the latency matter.
+
+Activations are counted in (microbatch, stage) units, i.e. per chunk for multi-chunk
+schedules, by walking each rank's list in order (memory only changes at that rank's own
+actions, so timing does not matter):
+
+- ``peak_in_flight[r]``: the most units whose F has run and whose backward for the input (B,
+  or BW when unsplit) has not. This is the usual 1F1B count: ``min(p - r, m)`` for 1F1B,
+  ``m`` for GPipe.
+- ``peak_held[r]``: the most units whose F has run and whose W (or BW) has not: a split
+  backward keeps the inputs of the weight gradient until W. Equal to ``peak_in_flight`` for
+  unsplit schedules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.pipeline.actions import Action, ActionKind, Schedule
+from tessera.pipeline.validate import validate
+
+__all__ = ["Costs", "SimResult", "TimedAction", "activation_peaks", "simulate"]
+
+K = ActionKind
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Durations of one action on one (microbatch, stage) unit, and the p2p latency."""
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    p2p_latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "p2p_latency"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost {name}={value} must be finite and >= 0")
+
+    def of(self, kind: ActionKind) -> float:
+        """Duration of an action of ``kind`` on its rank (p2p actions take no rank time)."""
+        return {K.F: self.f, K.B: self.b, K.W: self.w, K.BW: self.b + self.w}.get(kind, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """One action of one rank with its simulated start and end (receives: the wait)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What `simulate` measured; ``timeline[r]`` lists rank ``r``'s actions in order."""
+
+    schedule: Schedule
+    costs: Costs
+    makespan: float
+    busy: tuple[float, ...]
+    bubble: tuple[float, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_held: tuple[int, ...]
+    timeline: tuple[tuple[TimedAction, ...], ...]
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Idle time of each rank: ``makespan - busy``."""
+        return tuple(self.makespan - b for b in self.busy)
+
+    @property
+    def mean_bubble(self) -> float:
+        """The bubble fraction averaged over ranks."""
+        return math.fsum(self.bubble) / len(self.bubble)
+
+    def compute_actions(self) -> tuple[TimedAction, ...]:
+        """All compute actions (F, B, W, BW) of all ranks."""
+        return tuple(t for row in self.timeline for t in row if t.action.is_compute)
+
+
+def activation_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(peak_in_flight, peak_held)`` per rank, as defined in the module docstring."""
+    in_flight_peaks: list[int] = []
+    held_peaks: list[int] = []
+    for acts in schedule.actions:
+        in_flight = held = peak_f = peak_h = 0
+        for a in acts:
+            if a.kind is K.F:
+                in_flight += 1
+                held += 1
+            elif a.kind is K.B:
+                in_flight -= 1
+            elif a.kind is K.W:
+                held -= 1
+            elif a.kind is K.BW:
+                in_flight -= 1
+                held -= 1
+            peak_f, peak_h = max(peak_f, in_flight), max(peak_h, held)
+        in_flight_peaks.append(peak_f)
+        held_peaks.append(peak_h)
+    return tuple(in_flight_peaks), tuple(held_peaks)
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Validate ``schedule``, then time it under ``costs`` (default: F = B = W = 1, no latency)."""
+    costs = costs or Costs()
+    validate(schedule)
+    acts = schedule.actions
+    p = schedule.num_ranks
+    clock = [0.0] * p
+    busy = [0.0] * p
+    ptr = [0] * p
+    sent_at: dict[tuple[str, int, int], float] = {}
+    rows: list[list[TimedAction]] = [[] for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while ptr[r] < len(acts[r]):
+                a = acts[r][ptr[r]]
+                start = clock[r]
+                if a.kind in (K.RECV_F, K.RECV_B):
+                    if a.message not in sent_at:
+                        break
+                    end = max(start, sent_at[a.message] + costs.p2p_latency)
+                elif a.kind in (K.SEND_F, K.SEND_B):
+                    sent_at[a.message] = start
+                    end = start
+                else:
+                    end = start + costs.of(a.kind)
+                    busy[r] += end - start
+                rows[r].append(TimedAction(r, a, start, end))
+                clock[r] = end
+                ptr[r] += 1
+                moved = True
+    makespan = max(clock)
+    bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
+    peak_in_flight, peak_held = activation_peaks(schedule)
+    return SimResult(
+        schedule=schedule,
+        costs=costs,
+        makespan=makespan,
+        busy=tuple(busy),
+        bubble=bubble,
+        peak_in_flight=peak_in_flight,
+        peak_held=peak_held,
+        timeline=tuple(tuple(row) for row in rows),
+    )
