@@ -182,3 +182,31 @@ def test_meters_nest_and_are_per_rank() -> None:
     for outer, inner, by_op in run_threaded(2, _meter_nesting):
         assert (outer, inner) == (2, 1)
         assert by_op == {CommOp.ALL_REDUCE: 32, CommOp.ALL_GATHER: 32}
+
+
+def _into_buffers(rank: int, n: int) -> tuple[bool, bool, bool, Tensor, Tensor]:
+    x = torch.full((2 * n, 3), float(rank + 1))
+    gathered = torch.empty(2 * n * n, 3)
+    shard = torch.empty(2, 3)
+    reduced = all_reduce(x, inplace=True)
+    g = all_gather(x, out=gathered)
+    r = reduce_scatter(x, out=shard)
+    return reduced is x, g is gathered, r is shard, g, r
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_inplace_and_out_variants_write_where_told(n: int) -> None:
+    total = n * (n + 1) / 2
+    for same_x, same_g, same_r, g, r in run_threaded(n, _into_buffers, n):
+        assert same_x and same_g and same_r
+        assert torch.equal(g, torch.full((2 * n * n, 3), total))
+        assert torch.equal(r, torch.full((2, 3), total * n))
+
+
+def _bad_out(rank: int) -> None:
+    all_gather(torch.ones(2, 3), out=torch.empty(4, 2))
+
+
+def test_wrong_out_buffer_names_the_shapes() -> None:
+    with pytest.raises(ValueError, match=r"shape \(4, 3\), got torch.float32 \(4, 2\)"):
+        run_threaded(2, _bad_out)

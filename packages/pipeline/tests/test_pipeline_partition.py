@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from tessera.pipeline import (
     Balance,
@@ -91,14 +92,16 @@ def test_heavy_block_gets_its_own_stage() -> None:
 
 
 def test_params_from_modules_and_ints() -> None:
-    torch = pytest.importorskip("torch")
-    blocks = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)]
+    blocks = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 8), nn.Linear(8, 2)]
     counts = [20, 0, 40, 18]
-    from_modules = partition_by_params(blocks, 2)
-    from_ints = partition_by_params(counts, 2)
+    from_modules = partition_by_params(blocks, 3)
+    from_ints = partition_by_params(counts, 3)
     assert from_modules.block_costs == tuple(float(c) for c in counts)
     assert from_modules.ranges == from_ints.ranges
     assert from_modules.max_cost == 40 and from_modules.balance is Balance.PARAMS
+    assert from_modules.stage_of_block(2) == 1
+    with pytest.raises(ValueError, match="block 1 is a bool"):
+        partition_by_params([3, True], 1)
 
 
 def test_interleaved_layout() -> None:

@@ -109,35 +109,66 @@ def _done(result: T) -> Handle[T]:
     return Handle([], lambda: result)
 
 
-def all_reduce_async(x: Tensor, group: Group = None, op: ReduceOpName = "sum") -> Handle[Tensor]:
-    """Start reducing ``x`` over the group: every rank gets the sum (avg, max, min); moves 2x x."""
+def all_reduce_async(
+    x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False
+) -> Handle[Tensor]:
+    """Start reducing ``x`` over the group: every rank gets the sum (avg, max, min); moves 2x x.
+
+    With ``inplace=True`` the result is written into ``x`` itself (which must be contiguous)
+    instead of a new tensor.
+    """
     red = _reduce_op(op)
     n = group_size(group)
-    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if inplace and not x.is_contiguous():
+        raise ValueError(f"all_reduce(inplace=True) needs a contiguous tensor, got strides {x.stride()}")
+    result = x if inplace else x.detach().clone(memory_format=torch.contiguous_format)
     if n == 1:
-        return _done(out)
-    record(CommOp.ALL_REDUCE, group_size=n, nbytes=out.nbytes, like=out)
-    work = dist.all_reduce(out, op=red, group=group, async_op=True)
-    if op == "avg":
-        return Handle([work], lambda: out.div_(n))
-    return Handle([work], lambda: out)
+        return _done(result)
+    buffer = result.detach()
+    record(CommOp.ALL_REDUCE, group_size=n, nbytes=buffer.nbytes, like=buffer)
+    work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        if op == "avg":
+            buffer.div_(n)
+        return result
+
+    return Handle([work], finish)
 
 
-def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum") -> Tensor:
+def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False) -> Tensor:
     """Reduce ``x`` over the group (sum by default) and return the result on every rank."""
-    return all_reduce_async(x, group, op).wait()
+    return all_reduce_async(x, group, op, inplace=inplace).wait()
 
 
-def all_gather_async(x: Tensor, group: Group = None, dim: int = 0) -> Handle[Tensor]:
-    """Start concatenating every rank's ``x`` along ``dim`` in rank order; moves the output."""
+def _check_out(out: Tensor, shape: tuple[int, ...], like: Tensor, what: str) -> None:
+    if tuple(out.shape) != shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"{what}: out must be a contiguous {like.dtype} tensor of shape {shape}, got "
+            f"{out.dtype} {tuple(out.shape)} (contiguous={out.is_contiguous()})"
+        )
+
+
+def all_gather_async(
+    x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None
+) -> Handle[Tensor]:
+    """Start concatenating every rank's ``x`` along ``dim`` in rank order; moves the output.
+
+    ``out`` (dim 0 only): a preallocated contiguous result to gather into.
+    """
     n = group_size(group)
     if x.dim() == 0:
         raise ValueError("all_gather needs a tensor with at least one dimension, got a scalar")
     dim = dim % x.dim()
-    if n == 1:
-        return _done(x.detach().clone(memory_format=torch.contiguous_format))
     src = x.detach().contiguous()
-    flat = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    shape = (n * src.shape[0], *src.shape[1:])
+    if out is not None:
+        if dim != 0:
+            raise ValueError(f"all_gather: out= is supported for dim 0 only, got dim {dim}")
+        _check_out(out, shape, src, "all_gather")
+    if n == 1:
+        return _done(out.copy_(src) if out is not None else src.clone())
+    flat = out if out is not None else torch.empty(shape, dtype=src.dtype, device=src.device)
     record(CommOp.ALL_GATHER, group_size=n, nbytes=flat.nbytes, like=src)
     work = dist.all_gather_single(flat, src, group=group, async_op=True)
 
@@ -149,22 +180,34 @@ def all_gather_async(x: Tensor, group: Group = None, dim: int = 0) -> Handle[Ten
     return Handle([work], finish)
 
 
-def all_gather(x: Tensor, group: Group = None, dim: int = 0) -> Tensor:
+def all_gather(x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
-    return all_gather_async(x, group, dim).wait()
+    return all_gather_async(x, group, dim, out=out).wait()
 
 
 def reduce_scatter_async(
-    x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum"
+    x: Tensor,
+    group: Group = None,
+    dim: int = 0,
+    op: ReduceOpName = "sum",
+    *,
+    out: Tensor | None = None,
 ) -> Handle[Tensor]:
-    """Start reducing ``x`` over the group, rank i keeping chunk i along ``dim``; moves the input."""
+    """Start reducing ``x`` over the group, rank i keeping chunk i along ``dim``; moves the input.
+
+    ``out``: a preallocated contiguous tensor of the chunk's shape to receive the result.
+    """
     red = _reduce_op(op)
     n = group_size(group)
     dim = _check_divisible(x, dim, n, "reduce_scatter")
-    if n == 1:
-        return _done(x.detach().clone(memory_format=torch.contiguous_format))
     chunks = x.detach().chunk(n, dim=dim)
-    out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+    if out is not None:
+        _check_out(out, tuple(chunks[0].shape), x, "reduce_scatter")
+    if n == 1:
+        result = x.detach().clone(memory_format=torch.contiguous_format)
+        return _done(out.copy_(result) if out is not None else result)
+    if out is None:
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
     src = torch.cat(chunks, 0) if dim != 0 else x.detach()
     record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
     work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
@@ -173,9 +216,11 @@ def reduce_scatter_async(
     return Handle([work], lambda: out)
 
 
-def reduce_scatter(x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum") -> Tensor:
+def reduce_scatter(
+    x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum", *, out: Tensor | None = None
+) -> Tensor:
     """Reduce ``x`` over the group and keep this rank's chunk along ``dim``."""
-    return reduce_scatter_async(x, group, dim, op).wait()
+    return reduce_scatter_async(x, group, dim, op, out=out).wait()
 
 
 def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0) -> Tensor:
