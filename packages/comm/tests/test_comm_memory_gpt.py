@@ -70,3 +70,34 @@ def test_gpt_is_deterministic_and_its_blocks_compose() -> None:
 def test_gpt_config_errors_name_the_numbers() -> None:
     with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
         GPTConfig(d_model=30)
+
+
+def _log_from_every_rank(rank: int) -> None:
+    import logging
+
+    logging.getLogger("tessera.test").info("info from %d", rank)
+    logging.getLogger("tessera.test").warning("warning from %d", rank)
+
+
+def test_rank_filter_lets_rank_zero_speak(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from tessera.comm import RankFilter
+    from tessera.comm.testing import run_threaded
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.rank}:{record.getMessage()}")  # type: ignore[attr-defined]
+
+    handler = Keep()
+    handler.addFilter(RankFilter())
+    logger = logging.getLogger("tessera")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        run_threaded(2, _log_from_every_rank)
+    finally:
+        logger.removeHandler(handler)
+    assert sorted(seen) == ["0:info from 0", "0:warning from 0", "1:warning from 1"]

@@ -18,6 +18,7 @@ from tessera.comm.collectives import (
     reduce_scatter,
     reduce_scatter_async,
 )
+from tessera.comm.logs import RankFilter, configure_logging, current_rank
 from tessera.comm.memory import MemoryReport, measure_memory, storage_bytes
 from tessera.comm.mesh import Mesh, default_device
 from tessera.comm.meters import CommMeter, CommOp, CommRecord
@@ -45,6 +46,7 @@ __all__ = [
     "Handle",
     "MemoryReport",
     "Mesh",
+    "RankFilter",
     "TPMode",
     "Topology",
     "all_gather",
@@ -57,7 +59,9 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_from",
+    "configure_logging",
     "copy_to_region",
+    "current_rank",
     "default_device",
     "gather_along",
     "group_rank",
