@@ -8,9 +8,10 @@ is unit-free, so only cost ratios matter):
   F = 1, BW = 3.)
 - Interleaved 1F1B with v chunks per rank: per-chunk F = B = 1, W = 0 (equivalently 1/v each,
   a full-rank forward costing 1). Every rank's bubble is exactly (p-1)/(v*m+p-1) when
-  m % p == 0.
+  m % p == 0 (also with F = 1, BW = 2, which one test checks).
 - ZB-H1 vs 1F1B: F = B = W = 1 (so 1F1B's BW = 2). For every p in 1..8 and m in p..32 each
   rank idles exactly p-1, a third of 1F1B's 3(p-1).
+- ZBV: per-chunk F = B = W = 1, compared with ZB-H1 on the same model (per-stage 2 each).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tessera.pipeline import (
     SCHEDULE_LAYOUTS,
     SCHEDULES,
@@ -78,6 +78,20 @@ def test_every_schedule_validates(name: str, p: int, m: int, v: int) -> None:
             assert a.is_compute or a.peer != sch.stage_to_rank[a.stage]
 
 
+@pytest.mark.parametrize("p", range(1, 9))
+def test_every_schedule_validates_exhaustively(p: int) -> None:
+    """All of p in 1..8, m in 1..32, v in 1..4: valid combinations validate, others raise."""
+    for m in range(1, 33):
+        for name in ("gpipe", "1f1b", "zb-h1", "zbv"):
+            validate(build_schedule(name, p, m))
+        for v in range(1, 5):
+            if interleaved_ok(p, m, v):
+                validate(interleaved_1f1b(p, m, v))
+            else:
+                with pytest.raises(ValueError, match=f"got m={m}, p={p}"):
+                    interleaved_1f1b(p, m, v)
+
+
 @settings(max_examples=100, deadline=None)
 @given(p=P, m=M)
 def test_gpipe_and_1f1b_bubble_is_exact(p: int, m: int) -> None:
@@ -101,6 +115,8 @@ def test_interleaved_bubble_is_exact(p: int, m: int, v: int) -> None:
     result = simulate(interleaved_1f1b(p, m, v), UNIT_NO_W)
     expected = (p - 1) / (v * m + p - 1)
     assert all(math.isclose(b, expected, abs_tol=1e-12) for b in result.bubble), result.bubble
+    uneven = simulate(interleaved_1f1b(p, m, v), Costs(f=1, b=2, w=0))
+    assert all(math.isclose(b, expected, abs_tol=1e-12) for b in uneven.bubble)
 
 
 @settings(max_examples=100, deadline=None)
@@ -129,12 +145,14 @@ def test_zbh1_bubble_is_a_third_of_1f1b(p: int) -> None:
 @pytest.mark.parametrize("p", range(1, 9))
 def test_zbv_memory_and_bubble(p: int) -> None:
     """ZBV (per-chunk F = B = W = 1) idles no more than ZB-H1 on the same model (per-stage
-    F = B = W = 2) for m in 2p..32, and holds at most 2p chunk activations (1F1B's peak)."""
+    F = B = W = 2) for m in 2p..32, is within 2 of the makespan bound 6m + p - 1, and holds
+    at most 2p chunk activations (1F1B's peak on rank 0)."""
     for m in range(1, 33):
         result = simulate(zbv(p, m), UNIT)
         assert max(result.peak_held) <= 2 * p
         assert max(result.peak_in_flight) <= 2 * p
         if m >= 2 * p:
+            assert 6 * m + p - 1 <= result.makespan <= 6 * m + p + 1
             zb = simulate(zero_bubble_h1(p, m), Costs(f=2, b=2, w=2))
             assert all(a <= b + 1e-9 for a, b in zip(result.idle, zb.idle, strict=True))
 
