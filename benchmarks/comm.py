@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from _common import emit, median_time, table
+
 from tessera.comm import CommMeter, all_gather, all_reduce, reduce_scatter
 from tessera.comm.testing import WorkerPool
 

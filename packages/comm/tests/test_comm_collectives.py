@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
+
 from tessera.comm import (
     CommMeter,
     CommOp,
@@ -20,7 +22,6 @@ from tessera.comm import (
     reduce_scatter,
 )
 from tessera.comm.testing import run_threaded
-from torch import Tensor
 
 WORLDS = st.sampled_from([1, 2, 3, 4, 8])
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])

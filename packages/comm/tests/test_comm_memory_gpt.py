@@ -6,9 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from tessera.comm import measure_memory, storage_bytes
 from tessera.comm.testing import GPT, GPTConfig, make_batch
-from torch import nn
 
 
 @settings(max_examples=30)

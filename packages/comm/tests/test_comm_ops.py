@@ -15,6 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
+
 from tessera.comm import (
     all_gather_along,
     all_to_all_along,
@@ -27,7 +29,6 @@ from tessera.comm import (
     split_along,
 )
 from tessera.comm.testing import run_threaded
-from torch import Tensor
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
+
 from tessera.comm import (
     CommMeter,
     Mesh,
@@ -22,7 +24,6 @@ from tessera.comm import (
 )
 from tessera.comm.testing import PoolTimeout, RankFailure, WorkerPool
 from tessera.comm.testing.fixtures import PoolFactory
-from torch import Tensor
 
 
 def _ring(rank: int, xs: list[Tensor], shift: int, use_async: bool) -> tuple[Tensor, int, int]:

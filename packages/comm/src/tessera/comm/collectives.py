@@ -13,8 +13,9 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from tessera.comm.meters import CommOp, record
 from torch import Tensor
+
+from tessera.comm.meters import CommOp, record
 
 __all__ = [
     "Group",

@@ -14,8 +14,9 @@ from types import TracebackType
 
 import torch
 import torch.distributed as dist
-from tessera.comm.topology import Axis, Topology
 from torch.distributed.device_mesh import DeviceMesh
+
+from tessera.comm.topology import Axis, Topology
 
 __all__ = ["Mesh", "default_device"]
 

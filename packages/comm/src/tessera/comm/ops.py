@@ -26,10 +26,11 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from tessera.comm import collectives as C
-from tessera.comm.collectives import Group
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
+
+from tessera.comm import collectives as C
+from tessera.comm.collectives import Group
 
 __all__ = [
     "all_gather_along",

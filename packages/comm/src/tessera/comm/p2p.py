@@ -10,9 +10,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from tessera.comm.collectives import Group, Handle, group_rank, group_size
 from tessera.comm.meters import CommOp, record
-from torch import Tensor
 
 __all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send"]
 

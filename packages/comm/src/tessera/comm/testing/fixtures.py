@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+
 from tessera.comm.testing.pool import WorkerPool
 
 __all__ = ["PoolFactory", "worker_pools"]

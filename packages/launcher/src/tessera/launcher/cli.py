@@ -1,0 +1,217 @@
+"""The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``.
+
+Exit codes: 0 success, 1 a rank failed, 2 a configuration or usage mistake (found before
+anything spawns), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from tessera.comm import Axis, Topology
+from tessera.launcher.config import Config
+from tessera.launcher.config_io import (
+    RESOLVED_ENV,
+    ConfigError,
+    config_to_dict,
+    config_to_toml,
+    resolve_config,
+)
+from tessera.launcher.loopback import loopback_rendezvous
+from tessera.launcher.nodes import NodePlan, plan_nodes
+
+__all__ = ["build_torchrun_argv", "main", "rank_table"]
+
+MAIN_JOB = "tessera.launcher.main_job"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field, e.g. --set parallel.tp=2 (repeatable; wins over file and environment)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Train PyTorch models across processes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch a script on every rank (over torch.distributed.run)")
+    run.add_argument(
+        "--nproc-per-node", type=int, help="processes per node (default: the config's world size / nodes)"
+    )
+    run.add_argument("--nnodes", type=int, help="number of nodes")
+    run.add_argument("--node-rank", type=int, help="this node's rank (default: from SLURM/OpenMPI or 0)")
+    run.add_argument(
+        "--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: 127.0.0.1, any free port)"
+    )
+    run.add_argument("--hostfile", help="file listing the nodes, one 'host [slots=N]' per line")
+    run.add_argument("--log-dir", default=None, help="per-rank log files (default: runs/logs)")
+    run.add_argument(
+        "--dry-run", action="store_true", help="print the per-node commands and the rank table, then exit"
+    )
+    run.add_argument("-m", dest="module", help="run a module instead of a script")
+    _add_config_args(run)
+    run.add_argument("script", nargs="?", help="the training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    cfg = sub.add_parser("config", help="show the resolved configuration")
+    cfg.add_argument("--print", action="store_true", dest="show", help="print it as TOML (the default)")
+    _add_config_args(cfg)
+
+    train = sub.add_parser("train", help="the main job: a character-level GPT on the Python standard library")
+    _add_config_args(train)
+    train.add_argument(
+        "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
+    )
+    return parser
+
+
+def rank_table(config: Config, plan: NodePlan) -> str:
+    """One line per rank: node, local rank and (pp, dp, sp, tp) coordinates."""
+    p = config.parallel
+    topo = Topology(dp=p.dp, pp=p.pp, tp=p.tp, sp=p.sp)
+    lines = ["rank  node  local  pp  dp  sp  tp"]
+    for rank in range(topo.world_size):
+        c = topo.coordinates(rank)
+        node, local = divmod(rank, plan.nproc_per_node)
+        lines.append(
+            f"{rank:>4}  {node:>4}  {local:>5}  "
+            f"{c[Axis.PP]:>2}  {c[Axis.DP]:>2}  {c[Axis.SP]:>2}  {c[Axis.TP]:>2}"
+        )
+    return "\n".join(lines)
+
+
+def build_torchrun_argv(plan: NodePlan, *, log_dir: str, target: Sequence[str]) -> list[str]:
+    """Arguments for torch.distributed.run: no restarts, per-rank logs, rank 0 on the console."""
+    argv = [f"--nproc-per-node={plan.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
+    if plan.source == "local":
+        argv += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={plan.rdzv_endpoint}",
+            "--nnodes=1",
+            "--local-addr=127.0.0.1",
+        ]
+    else:
+        argv += [
+            f"--nnodes={plan.nnodes}",
+            f"--node-rank={plan.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={plan.rdzv_endpoint}",
+            f"--rdzv-id={plan.rdzv_id}",
+        ]
+    argv += [f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0"]
+    return [*argv, "-m", "tessera.launcher.worker", *target]
+
+
+def _fail(lines: Sequence[str]) -> int:
+    for line in lines:
+        print(f"tessera: {line}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace, target: list[str], config: Config) -> int:
+    nnodes_hint = args.nnodes or 1
+    nproc = args.nproc_per_node or max(1, config.world_size // nnodes_hint)
+    try:
+        plan = plan_nodes(
+            nproc_per_node=nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            hostfile=args.hostfile,
+            env=os.environ,
+        )
+    except ValueError as exc:
+        return _fail([str(exc)])
+    if plan.world_size != config.world_size:
+        p = config.parallel
+        return _fail(
+            [
+                f"{plan.nnodes} node(s) x {plan.nproc_per_node} processes = {plan.world_size} ranks, but the "
+                f"config needs dp*pp*tp*sp = {p.dp}*{p.pp}*{p.tp}*{p.sp} = {config.world_size}"
+            ]
+        )
+    log_dir = args.log_dir or os.path.join(config.train.run_dir, "logs")
+    if args.dry_run:
+        for node in range(plan.nnodes):
+            node_plan = dataclasses.replace(plan, node_rank=node)
+            cmd = [
+                "python",
+                "-m",
+                "torch.distributed.run",
+                *build_torchrun_argv(node_plan, log_dir=log_dir, target=target),
+            ]
+            print(f"# node {node} ({plan.hosts[node]})\n{shlex.join(cmd)}")
+        print(rank_table(config, plan))
+        return 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    with tempfile.TemporaryDirectory(prefix="tessera-run-") as tmp:
+        resolved = Path(tmp, "config.json")
+        resolved.write_text(json.dumps(config_to_dict(config)))
+        os.environ[RESOLVED_ENV] = str(resolved)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.makedirs(log_dir, exist_ok=True)
+        try:
+            with contextlib.ExitStack() as stack:
+                if plan.source == "local" and args.rdzv_endpoint is None:
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
+                    endpoint = stack.enter_context(loopback_rendezvous())
+                    plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
+                argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
+                torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
+        except ChildFailedError as exc:
+            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+            return 1
+        except (KeyboardInterrupt, SignalException) as exc:
+            print(f"tessera: interrupted ({exc}); every rank was stopped", file=sys.stderr)
+            return 130
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tessera`` command."""
+    args = _parser().parse_args(argv)
+    try:
+        config = resolve_config(args.config, args.sets)
+    except ConfigError as exc:
+        return _fail(exc.lines)
+    if args.command == "config":
+        print(config_to_toml(config), end="")
+        return 0
+    if args.command == "train":
+        args.nproc_per_node = args.nnodes = args.node_rank = args.rdzv_endpoint = args.hostfile = None
+        args.log_dir = None
+        return _run(args, ["-m", MAIN_JOB], config)
+    if (args.module is None) == (args.script is None):
+        return _fail(["tessera run needs exactly one of: a script path, or -m MODULE"])
+    target = (
+        ["-m", args.module, *([args.script] if args.script else []), *args.args]
+        if args.module
+        else [args.script, *args.args]
+    )
+    if args.script and not args.module and not args.dry_run and not Path(args.script).is_file():
+        return _fail([f"script {args.script!r} does not exist"])
+    return _run(args, target, config)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""One typed configuration for a Tessera job, and its validation.
+
+Sections are frozen dataclasses; ``Config.validate()`` returns every mistake as one line
+naming the field and the numbers, so a launcher can refuse a job before anything spawns.
+Loading (TOML file, then environment, then command-line flags) lives in ``config_io``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+__all__ = [
+    "SCHEDULES",
+    "Config",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "ZeroConfig",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zbv": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroConfig:
+    """ZeRO sharding over the data-parallel group: stage 0 (plain DP) to 3, CPU offload."""
+
+    stage: int = 0
+    offload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The character-level GPT of the main job (vocab_size 0: taken from the corpus)."""
+
+    vocab_size: int = 0
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OptimConfig:
+    """AdamW (or Adam, SGD) with warmup then cosine decay, and global gradient clipping."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+    clip_grad_norm: float = 1.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    """Where the text comes from ("stdlib": the Python standard library's source files)."""
+
+    corpus: str = "stdlib"
+    max_chars: int = 2_000_000
+    batch_size: int = 16
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """The training loop: length, precision, seeds, logging, evaluation and checkpoints."""
+
+    steps: int = 200
+    seed: int = 0
+    precision: str = "fp32"
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 0
+    run_dir: str = "runs"
+    name: str = ""
+    resume: str = ""
+    sample_chars: int = 300
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """Log level, and whether every rank (not only rank 0) logs below WARNING."""
+
+    level: str = "info"
+    all_ranks: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration of a job."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes the job needs: dp * pp * tp * sp."""
+        p = self.parallel
+        return p.dp * p.pp * p.tp * p.sp
+
+    def validate(self) -> list[str]:
+        """Every mistake in the configuration, one line each (empty when it can run)."""
+        errors: list[str] = []
+        p, m = self.parallel, self.model
+
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                errors.append(message)
+
+        for section in (p, self.zero, m, self.optim, self.data, self.train):
+            for f in fields(section):
+                value = getattr(section, f.name)
+                if (
+                    isinstance(value, int)
+                    and not isinstance(value, bool)
+                    and f.name not in ("seed", "vocab_size", "checkpoint_every", "warmup_steps", "stage")
+                ):
+                    name = f"{type(section).__name__.removesuffix('Config').lower()}.{f.name}"
+                    need(value >= 1, f"{name} must be >= 1, got {value}")
+        if errors:  # the checks below divide by these numbers
+            return errors
+        need(
+            p.sp == 1,
+            f"parallel.sp={p.sp}: context parallelism (ring/Ulysses attention) is not built yet; use 1",
+        )
+        need(
+            p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}"
+        )
+        if p.schedule in _CHUNKS:
+            need(
+                p.virtual_stages == _CHUNKS[p.schedule],
+                f"parallel.virtual_stages={p.virtual_stages} but schedule {p.schedule} uses "
+                f"{_CHUNKS[p.schedule]} per rank",
+            )
+        elif p.schedule == "interleaved-1f1b" and p.virtual_stages > 1:
+            need(
+                p.microbatches % p.pp == 0,
+                f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} "
+                "for interleaved-1f1b",
+            )
+        blocks = m.n_layers + 2
+        need(
+            blocks >= p.pp * p.virtual_stages,
+            f"model.n_layers={m.n_layers} gives {blocks} blocks (with embedding and head), fewer than "
+            f"parallel.pp * parallel.virtual_stages = {p.pp} * {p.virtual_stages}",
+        )
+        need(
+            m.d_model % m.n_heads == 0,
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
+        )
+        need(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        need(
+            (m.mlp_ratio * m.d_model) % p.tp == 0,
+            f"model.mlp_ratio * model.d_model = {m.mlp_ratio * m.d_model} is not divisible by "
+            f"parallel.tp={p.tp}",
+        )
+        if p.sequence_parallel:
+            need(
+                m.seq_len % p.tp == 0,
+                f"model.seq_len={m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)",
+            )
+        need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+        per_step = p.dp * p.microbatches
+        need(
+            self.data.batch_size % per_step == 0,
+            f"data.batch_size={self.data.batch_size} is not divisible by parallel.dp * parallel.microbatches "
+            f"= {p.dp} * {p.microbatches} = {per_step}",
+        )
+        need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
+        need(not self.zero.offload or self.zero.stage >= 1, "zero.offload needs zero.stage >= 1")
+        need(
+            self.train.precision in ("fp32", "bf16", "fp16"),
+            f"train.precision={self.train.precision!r} is not one of fp32, bf16, fp16",
+        )
+        need(
+            self.optim.name in ("adamw", "adam", "sgd"),
+            f"optim.name={self.optim.name!r} is not one of adamw, adam, sgd",
+        )
+        need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
+        need(
+            0.0 < self.data.val_fraction < 1.0,
+            f"data.val_fraction={self.data.val_fraction} must be in (0, 1)",
+        )
+        need(
+            self.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+            f"logging.level={self.logging.level!r} is not one of debug, info, warning, error",
+        )
+        return errors

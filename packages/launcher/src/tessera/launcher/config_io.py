@@ -1,0 +1,188 @@
+"""Resolve a Config from a TOML file, then the environment, then command-line flags.
+
+Later sources override earlier ones, field by field:
+
+- TOML: ``[parallel]`` ``dp = 2`` and so on, one table per section.
+- Environment: ``TESSERA_<SECTION>_<FIELD>``, e.g. ``TESSERA_PARALLEL_DP=2``,
+  ``TESSERA_TRAIN_STEPS=50``.
+- Flags: ``--set section.field=value`` (repeatable), e.g. ``--set parallel.tp=2``.
+
+Unknown sections or fields and values of the wrong type are errors naming the key. The
+resolved config travels to the workers of ``tessera run`` as a file named by
+``TESSERA_RESOLVED_CONFIG``, so every rank sees exactly what was validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tessera.launcher.config import Config
+
+__all__ = [
+    "RESOLVED_ENV",
+    "ConfigError",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_toml",
+    "load_config",
+    "resolve_config",
+]
+
+RESOLVED_ENV = "TESSERA_RESOLVED_CONFIG"
+_PREFIX = "TESSERA_"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; ``lines`` holds one message per mistake."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
+
+
+def _convert(key: str, value: Any, default: Any) -> Any:
+    kind = type(default)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError([f"{key}={value!r} is not a boolean (true/false)"])
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError([f"{key}={value!r} is not a valid {kind.__name__}"]) from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not kind:
+        raise ConfigError([f"{key}={value!r} should be a {kind.__name__}, not a {type(value).__name__}"])
+    return value
+
+
+def _apply(config: Config, updates: Mapping[str, Mapping[str, Any]], source: str) -> Config:
+    errors: list[str] = []
+    new_sections: dict[str, Any] = {}
+    for section, values in updates.items():
+        if not hasattr(config, section) or not dataclasses.is_dataclass(getattr(config, section)):
+            known = ", ".join(f.name for f in dataclasses.fields(Config))
+            errors.append(f"{source}: unknown section [{section}] (known: {known})")
+            continue
+        current = getattr(config, section)
+        names = {f.name for f in dataclasses.fields(current)}
+        changes: dict[str, Any] = {}
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if name not in names:
+                errors.append(f"{source}: unknown field {key} (known: {', '.join(sorted(names))})")
+                continue
+            try:
+                changes[name] = _convert(key, value, getattr(current, name))
+            except ConfigError as exc:
+                errors.extend(f"{source}: {line}" for line in exc.lines)
+        new_sections[section] = dataclasses.replace(current, **changes)
+    if errors:
+        raise ConfigError(errors)
+    return dataclasses.replace(config, **new_sections)
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    sections = [f.name for f in dataclasses.fields(Config)]
+    out: dict[str, dict[str, str]] = {}
+    for key, value in env.items():
+        if not key.startswith(_PREFIX) or key == RESOLVED_ENV:
+            continue
+        rest = key[len(_PREFIX) :].lower()
+        for section in sections:
+            if rest.startswith(section + "_"):
+                out.setdefault(section, {})[rest[len(section) + 1 :]] = value
+                break
+    return out
+
+
+def _from_flags(sets: Sequence[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    errors = []
+    for item in sets:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            errors.append(f"--set {item!r}: expected section.field=value, e.g. parallel.tp=2")
+            continue
+        out.setdefault(section, {})[name] = value
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def resolve_config(
+    path: str | Path | None = None, sets: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Config:
+    """Defaults, then the TOML file at ``path``, then ``env``, then ``sets``; validated.
+
+    Raises ConfigError listing every mistake (unknown keys, wrong types, impossible values).
+    """
+    env = os.environ if env is None else env
+    config = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {str(p)!r} does not exist"])
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"{p}: not valid TOML: {exc}"]) from None
+        bad = [k for k, v in data.items() if not isinstance(v, dict)]
+        if bad:
+            raise ConfigError([f"{p}: top-level key {k!r} must be a [section] table" for k in bad])
+        config = _apply(config, data, str(p))
+    config = _apply(config, _from_env(env), "environment")
+    config = _apply(config, _from_flags(sets), "--set")
+    errors = config.validate()
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """Inside a worker of ``tessera run``: the resolved config it was started with.
+
+    Outside one (no ``TESSERA_RESOLVED_CONFIG``), defaults plus the environment.
+    """
+    env = os.environ if env is None else env
+    resolved = env.get(RESOLVED_ENV)
+    if resolved:
+        return config_from_dict(json.loads(Path(resolved).read_text()))
+    return resolve_config(None, (), env)
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    """The config as plain nested dicts (JSON- and TOML-friendly)."""
+    return {f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(Config)}
+
+
+def config_from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
+    """Inverse of config_to_dict (validated)."""
+    config = _apply(Config(), data, "resolved config")
+    errors = config.validate()
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def config_to_toml(config: Config) -> str:
+    """The config as a TOML document that resolve_config reads back to the same Config."""
+    lines: list[str] = []
+    for section, values in config_to_dict(config).items():
+        lines.append(f"[{section}]")
+        for name, value in values.items():
+            lines.append(f"{name} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)

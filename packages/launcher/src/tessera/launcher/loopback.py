@@ -1,0 +1,66 @@
+"""Keep a one-node job's rendezvous on loopback.
+
+torch's elastic agent starts its TCPStore servers listening on every interface. For a
+one-node job nothing needs to reach them from outside, so ``loopback_rendezvous()`` hosts
+them on 127.0.0.1 instead: it pre-creates the rendezvous store on a socket bound to
+127.0.0.1 (the agent's own store of the same port then reuses it, as torch stores are
+multi-tenant) and, for the life of the context, has the agent create its shared worker
+store the same way. Gloo's own sockets follow ``GLOO_SOCKET_IFNAME=lo``, set by the CLI.
+This touches one private method of torch's DynamicRendezvousHandler, in the launcher
+process only; tests/test_launcher_cli.py checks that every listening socket of a job is
+on loopback, so a torch upgrade that changes it is caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+__all__ = ["loopback_rendezvous", "loopback_store"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store() -> tuple[Any, socket.socket]:
+    """A multi-tenant TCPStore server listening on 127.0.0.1 only, and its socket."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        LOOPBACK,
+        port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.fileno(),
+        wait_for_workers=False,
+    )
+    return store, sock
+
+
+@contextlib.contextmanager
+def loopback_rendezvous() -> Iterator[str]:
+    """Yield a ``127.0.0.1:PORT`` rendezvous endpoint whose stores listen on loopback only."""
+    keep: list[Any] = []
+    rdzv_store, rdzv_sock = loopback_store()
+    keep += [rdzv_store, rdzv_sock]
+    original = DynamicRendezvousHandler._create_tcp_store_server
+
+    def create(self: DynamicRendezvousHandler, master_addr: str, master_port: int) -> Any:
+        store, sock = loopback_store()
+        keep.append(sock)
+        return store
+
+    DynamicRendezvousHandler._create_tcp_store_server = create  # type: ignore[method-assign]
+    try:
+        yield f"{LOOPBACK}:{rdzv_store.port}"
+    finally:
+        DynamicRendezvousHandler._create_tcp_store_server = original  # type: ignore[method-assign]
+        for item in keep:
+            if isinstance(item, socket.socket):
+                item.close()

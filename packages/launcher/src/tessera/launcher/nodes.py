@@ -1,0 +1,118 @@
+"""Where a job runs: one node, several nodes from flags or a hostfile, SLURM or OpenMPI.
+
+Pure functions over the command-line values and the environment; nothing is contacted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["NodePlan", "expand_slurm_nodelist", "plan_nodes", "read_hostfile"]
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """The nodes of a job and this node's place among them."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    hosts: tuple[str, ...]
+    rdzv_endpoint: str
+    rdzv_id: str
+    source: str  # "local", "flags", "hostfile", "slurm" or "openmpi"
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the whole job."""
+        return self.nnodes * self.nproc_per_node
+
+
+def read_hostfile(path: str | Path) -> list[tuple[str, int | None]]:
+    """Hosts of a DeepSpeed/MPI-style hostfile: ``host [slots=N]`` per line, ``#`` comments."""
+    hosts: list[tuple[str, int | None]] = []
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots: int | None = None
+        for extra in parts[1:]:
+            m = re.fullmatch(r"slots=(\d+)", extra)
+            if m is None:
+                raise ValueError(f"{path}:{number}: expected 'host [slots=N]', got {raw.strip()!r}")
+            slots = int(m.group(1))
+        hosts.append((parts[0], slots))
+    if not hosts:
+        raise ValueError(f"hostfile {path} lists no hosts")
+    return hosts
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed node list, e.g. ``node[01-03,07],gpu5`` -> 4 + 1 names."""
+    names: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if m is None:
+            names.append(item)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                names.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo)
+            names.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+    return names
+
+
+def plan_nodes(
+    *,
+    nproc_per_node: int,
+    nnodes: int | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    hostfile: str | None,
+    env: Mapping[str, str],
+) -> NodePlan:
+    """Decide the node layout: explicit flags win, then a hostfile, then SLURM, then OpenMPI,
+    else one local node whose rendezvous binds to loopback."""
+    if nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    job = env.get("SLURM_JOB_ID", "tessera")
+    if hostfile is not None:
+        hosts = tuple(h for h, _ in read_hostfile(hostfile))
+        source = "hostfile"
+    elif nnodes is None and "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env:
+        hosts = tuple(expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]))
+        node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
+        source = "slurm"
+    elif nnodes is None and "OMPI_COMM_WORLD_SIZE" in env:
+        # one `tessera run` per node under mpirun: the MPI rank is the node rank
+        count = int(env["OMPI_COMM_WORLD_SIZE"])
+        node_rank = int(env.get("OMPI_COMM_WORLD_RANK", "0")) if node_rank is None else node_rank
+        hosts = tuple(f"node{i}" for i in range(count))
+        if rdzv_endpoint is None and count > 1:
+            raise ValueError("under OpenMPI with several nodes, pass --rdzv-endpoint HOST:PORT of node 0")
+        source = "openmpi"
+    else:
+        count = 1 if nnodes is None else nnodes
+        hosts = tuple(f"node{i}" for i in range(count))
+        source = "local" if count == 1 else "flags"
+        if count > 1 and rdzv_endpoint is None:
+            raise ValueError(f"--nnodes {count} needs --rdzv-endpoint HOST:PORT (the host of node 0)")
+    if nnodes is not None and nnodes != len(hosts):
+        raise ValueError(f"--nnodes {nnodes} but the {source} lists {len(hosts)} hosts")
+    count = len(hosts)
+    rank = 0 if node_rank is None else node_rank
+    if not 0 <= rank < count:
+        raise ValueError(f"node rank {rank} is outside [0, {count}) for {count} nodes")
+    if rdzv_endpoint is None:
+        rdzv_endpoint = "127.0.0.1:0" if count == 1 else f"{hosts[0]}:{DEFAULT_PORT}"
+    return NodePlan(count, rank, nproc_per_node, hosts, rdzv_endpoint, job, source)
