@@ -26,41 +26,35 @@ __all__ = ["loopback_rendezvous", "loopback_store"]
 LOOPBACK = "127.0.0.1"
 
 
-def loopback_store() -> tuple[Any, socket.socket]:
-    """A multi-tenant TCPStore server listening on 127.0.0.1 only, and its socket."""
+def loopback_store() -> Any:
+    """A multi-tenant TCPStore server listening on 127.0.0.1 only (it owns the socket)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((LOOPBACK, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(  # type: ignore[attr-defined]
+    return dist.TCPStore(  # type: ignore[attr-defined]
         LOOPBACK,
         port,
         is_master=True,
         multi_tenant=True,
-        master_listen_fd=sock.fileno(),
+        master_listen_fd=sock.detach(),
         wait_for_workers=False,
     )
-    return store, sock
 
 
 @contextlib.contextmanager
 def loopback_rendezvous() -> Iterator[str]:
     """Yield a ``127.0.0.1:PORT`` rendezvous endpoint whose stores listen on loopback only."""
-    keep: list[Any] = []
-    rdzv_store, rdzv_sock = loopback_store()
-    keep += [rdzv_store, rdzv_sock]
+    keep = [loopback_store()]  # stores live as long as the context: the agent reuses them
     original = DynamicRendezvousHandler._create_tcp_store_server
 
     def create(self: DynamicRendezvousHandler, master_addr: str, master_port: int) -> Any:
-        store, sock = loopback_store()
-        keep.append(sock)
-        return store
+        keep.append(loopback_store())
+        return keep[-1]
 
     DynamicRendezvousHandler._create_tcp_store_server = create  # type: ignore[method-assign]
     try:
-        yield f"{LOOPBACK}:{rdzv_store.port}"
+        yield f"{LOOPBACK}:{keep[0].port}"
     finally:
         DynamicRendezvousHandler._create_tcp_store_server = original  # type: ignore[method-assign]
-        for item in keep:
-            if isinstance(item, socket.socket):
-                item.close()
+        keep.clear()

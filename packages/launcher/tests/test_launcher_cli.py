@@ -1,0 +1,141 @@
+"""Tier 3: real `tessera run` launches (two ranks each, a few seconds a launch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+from tessera.launcher import load_config
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = sys.argv[1]
+open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+x = torch.ones(1) * (rank + 1)
+dist.all_reduce(x)
+config = load_config()
+open(os.path.join(out, f"rank{rank}"), "w").write(f"{x.item()} {config.train.steps}")
+mode = sys.argv[2] if len(sys.argv) > 2 else ""
+if mode == "fail" and rank == 1:
+    raise ValueError("rank one is broken")
+if mode == "sleep":
+    time.sleep(120)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _tessera(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tessera.launcher.cli", *args],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    return tmp_path
+
+
+def test_two_ranks_run_with_the_resolved_config(job: Path) -> None:
+    proc = _tessera("run", "--set", "parallel.dp=2", "--set", "train.steps=7", "job.py", str(job), cwd=job)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert (job / "rank0").read_text() == "3.0 7" and (job / "rank1").read_text() == "3.0 7"
+    assert any((job / "runs" / "logs").rglob("stdout.log")), "per-rank log files are written"
+
+
+def test_a_failing_rank_ends_the_job_with_its_traceback(job: Path) -> None:
+    proc = _tessera("run", "--set", "parallel.dp=2", "job.py", str(job), "fail", cwd=job)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "ValueError: rank one is broken" in out
+    assert "rank      : 1" in out
+
+
+def test_a_config_mistake_exits_2_before_anything_spawns(job: Path) -> None:
+    proc = _tessera("run", "--set", "parallel.dp=2", "--set", "parallel.tp=3", "job.py", str(job), cwd=job)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert out.strip().splitlines() == [
+        "tessera: model.n_heads=4 is not divisible by parallel.tp=3",
+        "tessera: model.mlp_ratio * model.d_model = 256 is not divisible by parallel.tp=3",
+    ]
+    assert not (job / "pid0").exists()
+    proc = _tessera("run", "--nproc-per-node", "3", "--set", "parallel.dp=2", "job.py", cwd=job)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "1 node(s) x 3 processes = 3 ranks, but the config needs dp*pp*tp*sp = 2*1*1*1 = 2" in out
+
+
+def test_dry_run_prints_commands_and_rank_table(job: Path) -> None:
+    proc = _tessera("run", "--dry-run", "--set", "parallel.dp=2", "--set", "parallel.tp=2", "job.py", cwd=job)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "torch.distributed.run --nproc-per-node=4" in out
+    assert "rank  node  local  pp  dp  sp  tp" in out
+    assert out.strip().splitlines()[-1].split() == ["3", "0", "3", "0", "1", "0", "1"]
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out.extend(int(c) for c in text)
+    return out
+
+
+def test_loopback_only_and_ctrl_c_leaves_no_process(job: Path) -> None:
+    proc = _tessera("run", "--set", "parallel.dp=2", "job.py", str(job), "sleep", cwd=job)
+    deadline = time.monotonic() + 120
+    while not ((job / "rank0").exists() and (job / "rank1").exists()):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.2)
+    workers = [int((job / f"pid{r}").read_text()) for r in range(2)]
+    addresses = _listening_addresses([proc.pid, *_children(proc.pid), *workers])
+    assert addresses, "the job listens somewhere"
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    assert set(addresses) <= loopback, addresses
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    for pid in workers:
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"worker {pid} still running after Ctrl-C")
