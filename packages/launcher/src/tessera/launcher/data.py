@@ -1,0 +1,105 @@
+"""The main job's data: a character corpus every machine has, a tokenizer, deterministic batches.
+
+The default corpus is the Python standard library's own top-level source files (read in
+sorted order, so every rank and every run sees the same text). Batches are a pure function
+of (seed, split, step): the data position of a run is just its step count, so a resumed
+run draws exactly the batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["CharTokenizer", "TextData", "load_corpus"]
+
+
+def load_corpus(spec: str, max_chars: int) -> str:
+    """The text named by ``spec``: "stdlib", a text file, or a directory of .py/.txt files."""
+    if spec == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(root.glob("*.py"))
+    else:
+        path = Path(spec)
+        if path.is_file():
+            files = [path]
+        elif path.is_dir():
+            files = sorted([*path.rglob("*.py"), *path.rglob("*.txt")])
+        else:
+            raise ValueError(f"data.corpus={spec!r} is neither 'stdlib', a file nor a directory")
+    parts: list[str] = []
+    total = 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    corpus = "".join(parts)[:max_chars]
+    if len(corpus) < 1000:
+        raise ValueError(f"data.corpus={spec!r} holds only {len(corpus)} characters; need at least 1000")
+    return corpus
+
+
+@dataclass(frozen=True, slots=True)
+class CharTokenizer:
+    """Characters to ids and back; the vocabulary is the sorted set of the corpus's characters."""
+
+    chars: str
+
+    @classmethod
+    def fit(cls, text: str) -> CharTokenizer:
+        """The tokenizer of every character in ``text``."""
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct characters."""
+        return len(self.chars)
+
+    def encode(self, text: str) -> Tensor:
+        """Ids of ``text`` (characters outside the vocabulary raise KeyError)."""
+        index = {c: i for i, c in enumerate(self.chars)}
+        return torch.tensor([index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids: Tensor | list[int]) -> str:
+        """The text of ``ids``."""
+        values = ids.tolist() if isinstance(ids, Tensor) else ids
+        return "".join(self.chars[i] for i in values)
+
+    def to_json(self) -> str:
+        """The tokenizer as JSON (saved beside checkpoints)."""
+        return json.dumps({"chars": self.chars})
+
+    @classmethod
+    def from_json(cls, text: str) -> CharTokenizer:
+        """Inverse of to_json."""
+        return cls(json.loads(text)["chars"])
+
+
+class TextData:
+    """A tokenized corpus split into train and validation, with seeded batches."""
+
+    def __init__(self, text: str, *, val_fraction: float, seq_len: int, seed: int) -> None:
+        self.tokenizer = CharTokenizer.fit(text)
+        ids = self.tokenizer.encode(text)
+        cut = int(len(ids) * (1.0 - val_fraction))
+        self.splits = {"train": ids[:cut], "val": ids[cut:]}
+        for name, part in self.splits.items():
+            if len(part) <= seq_len + 1:
+                raise ValueError(f"the {name} split has {len(part)} tokens, too few for seq_len={seq_len}")
+        self.seq_len = seq_len
+        self.seed = seed
+
+    def batch(self, split: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        """Batch ``step`` of ``split``: ``(inputs, targets)`` of shape (batch_size, seq_len)."""
+        ids = self.splits[split]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
+        starts = torch.randint(0, len(ids) - self.seq_len - 1, (batch_size,), generator=gen)
+        rows = torch.stack([ids[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
