@@ -1,0 +1,272 @@
+"""Megatron's column- and row-parallel linear layers, made of tessera.comm's operators.
+
+For ``y = x W^T + b`` with ``W`` of shape (out, in):
+
+- ``ColumnParallelLinear`` holds rows ``W[o0:o1]`` (a slice of the output features) and
+  ``b[o0:o1]``; it reads the whole input and writes its slice of the output features.
+- ``RowParallelLinear`` holds columns ``W[:, i0:i1]`` (a slice of the input features) and
+  the whole ``b``; it reads its slice of the input features and sums the partial outputs
+  over the group (an all-reduce, or with sequence parallelism a reduce-scatter along the
+  sequence), then adds ``b``.
+
+A column layer followed by a row layer (attention's q/k/v then output projection, the MLP)
+needs one entry and one exit: no communication between them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm import Group, gather_along, group_rank, group_size, split_along
+from tessera.tensor_parallel.init import linear_weights
+from tessera.tensor_parallel.partition import fused_shard_indices, shard_range
+from tessera.tensor_parallel.sequence import enter_tp_region, exit_tp_region, mark_sequence_parallel
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "dense_weights", "is_dense"]
+
+
+def is_dense(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` or a Hugging Face ``Conv1D`` (a transposed linear)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def dense_weights(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(weight, bias)`` of a dense layer in nn.Linear layout: weight (out, in)."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if is_dense(module):  # HF Conv1D: y = x @ weight + bias, weight (in, out)
+        weight = module.weight
+        bias = module.bias
+        assert isinstance(weight, Tensor)
+        return weight.t(), bias if isinstance(bias, Tensor) else None
+    raise TypeError(f"expected nn.Linear or Conv1D, got {type(module).__name__}")
+
+
+def _param(t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous())
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer whose output features are split across ``group``.
+
+    Forward it enters the tensor-parallel region (unless ``enter_region=False``, when an
+    enclosing module already did): nothing moved, or with ``sequence_parallel`` an
+    all-gather of the input along ``seq_dim``; backward that becomes an all-reduce (or a
+    reduce-scatter) of the input gradient. With ``gather_output`` the output slices are
+    all-gathered along the last dim (backward keeps this rank's slice). ``sections`` > 1
+    treats the output as that many equal fused parts (q, k, v) and shards each part.
+    ``seed`` initialises the slice of ``torch.manual_seed(seed); nn.Linear(in, out)``;
+    ``seed=None`` leaves the weights uninitialised (to be loaded).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Group,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = -2,
+        enter_region: bool = True,
+        sections: int = 1,
+        seed: int | None = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        n = group_size(group)
+        where = type(self).__name__
+        if sections > 1 and gather_output:
+            raise ValueError(f"{where}: gather_output with sections={sections} would interleave the parts")
+        self._index = fused_shard_indices(
+            out_features, sections, n, group_rank(group), what="out_features", where=where
+        )
+        self.in_features, self.out_features, self.sections = in_features, out_features, sections
+        self.group, self.tp = group, n
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.seq_dim, self.enter_region = seq_dim, enter_region
+        local = len(self._index)
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
+        if seed is not None:
+            w, b = linear_weights(in_features, out_features, bias=bias, seed=seed)
+            self.load_full(w, b)
+
+    def shard_of(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of the serial layer's ``weight`` (out, in) or ``bias`` (out,)."""
+        expect = {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}[name]
+        if tuple(full.shape) != expect:
+            raise ValueError(
+                f"{type(self).__name__}.shard_of({name!r}): shape {tuple(full.shape)} != {expect}"
+            )
+        return full.index_select(0, torch.tensor(self._index, device=full.device))
+
+    @torch.no_grad()
+    def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        """Copy this rank's slice of a full (out, in) weight and (out,) bias into the layer."""
+        self.weight.copy_(self.shard_of("weight", weight))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError(f"{type(self).__name__}.load_full: the layer has a bias, none given")
+            self.bias.copy_(self.shard_of("bias", bias))
+
+    @classmethod
+    def from_dense(
+        cls,
+        module: nn.Module,
+        *,
+        group: Group,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = -2,
+        enter_region: bool = True,
+        sections: int = 1,
+    ) -> ColumnParallelLinear:
+        """This rank's slice of an nn.Linear (or HF Conv1D), on its device and in its dtype."""
+        weight, bias = dense_weights(module)
+        layer = cls(
+            weight.shape[1],
+            weight.shape[0],
+            group=group,
+            bias=bias is not None,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            enter_region=enter_region,
+            sections=sections,
+            seed=None,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        layer.load_full(weight, bias)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.enter_region:
+            x = enter_tp_region(x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_along(y, -1, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} ({len(self._index)} here), "
+            f"tp={self.tp}, bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}, enter_region={self.enter_region}"
+            + (f", sections={self.sections}" if self.sections > 1 else "")
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across ``group``.
+
+    With ``input_is_parallel=False`` it first keeps its slice of a replicated input (nothing
+    moved; all-gather of the gradient backward). Forward it sums the partial products over
+    the group: an all-reduce of the output (2x it), or with ``sequence_parallel`` a
+    reduce-scatter along ``seq_dim`` (backward: nothing, or an all-gather), then adds the
+    (replicated) bias. Under sequence parallelism the bias gradient is partial per rank and
+    the bias is tagged for ``sync_sequence_parallel_grads``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Group,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = -2,
+        seed: int | None = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        n = group_size(group)
+        self._start, self._end = shard_range(
+            in_features, n, group_rank(group), what="in_features", where=type(self).__name__
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp = group, n
+        self.input_is_parallel, self.sequence_parallel, self.seq_dim = (
+            input_is_parallel,
+            sequence_parallel,
+            seq_dim,
+        )
+        local = self._end - self._start
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            mark_sequence_parallel(self.bias)
+        if seed is not None:
+            w, b = linear_weights(in_features, out_features, bias=bias, seed=seed)
+            self.load_full(w, b)
+
+    def shard_of(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of the serial layer's ``weight`` (out, in), or the whole ``bias``."""
+        expect = {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}[name]
+        if tuple(full.shape) != expect:
+            raise ValueError(
+                f"{type(self).__name__}.shard_of({name!r}): shape {tuple(full.shape)} != {expect}"
+            )
+        return full[:, self._start : self._end] if name == "weight" else full
+
+    @torch.no_grad()
+    def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        """Copy this rank's slice of a full (out, in) weight and the whole bias into the layer."""
+        self.weight.copy_(self.shard_of("weight", weight))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError(f"{type(self).__name__}.load_full: the layer has a bias, none given")
+            self.bias.copy_(self.shard_of("bias", bias))
+
+    @classmethod
+    def from_dense(
+        cls,
+        module: nn.Module,
+        *,
+        group: Group,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = -2,
+    ) -> RowParallelLinear:
+        """This rank's slice of an nn.Linear (or HF Conv1D), on its device and in its dtype."""
+        weight, bias = dense_weights(module)
+        layer = cls(
+            weight.shape[1],
+            weight.shape[0],
+            group=group,
+            bias=bias is not None,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim,
+            seed=None,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        layer.load_full(weight, bias)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = split_along(x, -1, self.group)
+        y = exit_tp_region(
+            F.linear(x, self.weight),
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            seq_dim=self.seq_dim,
+        )
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} ({self._end - self._start} here), "
+            f"out_features={self.out_features}, tp={self.tp}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
+        )

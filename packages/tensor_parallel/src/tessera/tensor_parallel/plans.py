@@ -1,0 +1,76 @@
+"""Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2.
+
+``GPT_PLAN`` (the reference GPT of ``tessera.comm.testing``, with or without sequence
+parallelism): vocab-parallel token embedding; with SP the positional embedding keeps this
+rank's positions; attention and MLP are regions with column-parallel q/k/v/fc_in and
+row-parallel out_proj/fc_out; the LM head is column-parallel over the vocabulary and its
+vocab-sharded logits go to ``vocab_parallel_cross_entropy`` (``parallel_gpt_loss``).
+
+``GPT2_PLAN`` (``transformers.GPT2LMHeadModel``; importing this module does not import
+transformers): the same layout for HF's fused ``c_attn`` (q|k|v) and ``Conv1D`` layers, the
+LM head tied to the token embedding (the tie is kept). Tensor parallelism only: HF builds
+position ids, masks and output shapes from the sequence length it sees, so it cannot run on
+sequence-sharded activations.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from tessera.comm import Group
+from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
+from tessera.tensor_parallel.plan import Plan, Style
+
+__all__ = ["GPT2_PLAN", "GPT_PLAN", "parallel_gpt_loss"]
+
+GPT_PLAN = Plan.of(
+    {
+        "embed.tok": Style.VOCAB,
+        "embed.pos": Style.SEQUENCE_SPLIT,
+        "embed.drop": Style.DROPOUT,
+        "layers.*.ln1": Style.SEQUENCE_NORM,
+        "layers.*.attn": Style.ATTENTION,
+        "layers.*.attn.q_proj": Style.COLWISE,
+        "layers.*.attn.k_proj": Style.COLWISE,
+        "layers.*.attn.v_proj": Style.COLWISE,
+        "layers.*.attn.out_proj": Style.ROWWISE,
+        "layers.*.attn.resid_drop": Style.DROPOUT,
+        "layers.*.ln2": Style.SEQUENCE_NORM,
+        "layers.*.mlp": Style.REGION,
+        "layers.*.mlp.fc_in": Style.COLWISE,
+        "layers.*.mlp.fc_out": Style.ROWWISE,
+        "layers.*.mlp.drop": Style.DROPOUT,
+        "head.ln_f": Style.SEQUENCE_NORM,
+        "head.lm_head": Style.COLWISE,
+    },
+    name="tessera-gpt",
+)
+
+GPT2_PLAN = Plan.of(
+    {
+        "transformer.wte": Style.VOCAB,
+        "transformer.drop": Style.DROPOUT,
+        "transformer.h.*.ln_1": Style.SEQUENCE_NORM,
+        "transformer.h.*.attn": Style.ATTENTION,
+        "transformer.h.*.attn.c_attn": Style.COLWISE_QKV,
+        "transformer.h.*.attn.c_proj": Style.ROWWISE,
+        "transformer.h.*.attn.attn_dropout": Style.DROPOUT_SPLIT,
+        "transformer.h.*.attn.resid_dropout": Style.DROPOUT,
+        "transformer.h.*.ln_2": Style.SEQUENCE_NORM,
+        "transformer.h.*.mlp": Style.REGION,
+        "transformer.h.*.mlp.c_fc": Style.COLWISE,
+        "transformer.h.*.mlp.c_proj": Style.ROWWISE,
+        "transformer.h.*.mlp.dropout": Style.DROPOUT,
+        "transformer.ln_f": Style.SEQUENCE_NORM,
+        "lm_head": Style.COLWISE,
+    },
+    name="hf-gpt2",
+    supports_sequence_parallel=False,
+)
+
+
+def parallel_gpt_loss(model: nn.Module, idx: Tensor, targets: Tensor, group: Group) -> Tensor:
+    """Mean next-token cross-entropy of a GPT parallelized with GPT_PLAN (its logits are
+    vocab-sharded; they are never gathered). Equals the serial ``GPT.loss(idx, targets)``."""
+    logits = model(idx)
+    return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group)
