@@ -8,6 +8,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from tessera.pipeline import (
     Balance,
     Layout,
@@ -18,7 +20,6 @@ from tessera.pipeline import (
     rank_of_stage,
     stage_to_rank,
 )
-from torch import nn
 
 
 def brute_force(costs: list[float], k: int) -> float:

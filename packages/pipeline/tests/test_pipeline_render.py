@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+
 from tessera.pipeline import Costs, build_schedule, chrome_trace, simulate, timeline_png
 from tessera.pipeline.render import encode_png
 

@@ -21,6 +21,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tessera.pipeline import (
     SCHEDULE_LAYOUTS,
     SCHEDULES,

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 import pytest
+
 from tessera.pipeline import (
     Action,
     ActionKind,

@@ -1,7 +1,8 @@
-"""Tessera pipeline parallelism: partitioner, schedules as data, validator, simulator, render.
+"""Tessera pipeline parallelism: partitioner, schedules as data, validator, simulator, runtime.
 
-Everything here is pure (no processes, no torch.distributed): split a model into stages,
-generate a schedule (per-rank action lists), validate it, time it, and draw it.
+The pure half (no processes): split a model into stages, generate a schedule (per-rank
+action lists), validate it, time it, and draw it. The runtime (`PipelineRuntime`) executes
+a schedule over torch.distributed p2p, one instance per rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tessera.pipeline.partition import (
     stage_to_rank,
 )
 from tessera.pipeline.render import chrome_trace, timeline_png
+from tessera.pipeline.runtime import LossFn, PipelineAborted, PipelineRuntime, StepResult, stage_modules
 from tessera.pipeline.schedules import (
     SCHEDULE_LAYOUTS,
     SCHEDULES,
@@ -43,11 +45,15 @@ __all__ = [
     "Balance",
     "Costs",
     "Layout",
+    "LossFn",
     "P2PModel",
     "Partition",
+    "PipelineAborted",
+    "PipelineRuntime",
     "Schedule",
     "ScheduleFn",
     "SimResult",
+    "StepResult",
     "TimedAction",
     "activation_peaks",
     "build_schedule",
@@ -61,6 +67,7 @@ __all__ = [
     "rank_of_stage",
     "schedule_stage_to_rank",
     "simulate",
+    "stage_modules",
     "stage_to_rank",
     "timeline_png",
     "validate",

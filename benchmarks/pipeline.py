@@ -1,0 +1,306 @@
+"""Pipeline parallelism: Tessera's runtime, measured two ways, on gloo worker processes.
+
+1. ``bubble``: p = 4 ranks, m = 8 microbatches, stages whose compute is a fixed sleep (F, B
+   and W each ``--sleep-ms`` per virtual stage and microbatch; BW sleeps B + W), so the idle
+   time measured is the schedule's, not the CPU's. For every schedule, one line
+   with ``bubble_measured`` (per rank ``1 - busy / makespan``, busy timed around each
+   compute, makespan from the first rank's start to the last compute anywhere; averaged
+   over ranks, median over steps) beside ``bubble_simulated`` (`tessera.pipeline.simulate`
+   with the same costs). A "token" is one microbatch.
+   The first stage is ``Sequential(Identity, SleepStage)``, like an embedding before layers.
+2. ``gpt``: the reference GPT at p = 2 (v = 1 and v = 2), m = 8, each Tessera schedule beside
+   torch.distributed.pipelining (system "torch-pipelining": Schedule1F1B,
+   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and also ScheduleGPipe and
+   ScheduleZBVZeroBubble) on the same partition by parameters (torch's interleaved schedules
+   get the loop layout, ZBV the V layout), initial weights, data and SGD steps (zero grads,
+   forward/backward, step). The two systems alternate steps (ABBA) so that both see the same
+   machine load; a step's time runs from the barrier before it to the last rank's end.
+   ``ratio_vs_peer`` is the ratio of the median step times, ``ratio_paired_median`` the
+   median of the ratios of back-to-back steps (steadier on a shared machine).
+   ``final_loss`` is the mean microbatch loss of the last step; both sides must agree
+   (``loss_match``). A "token" is one sequence position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as tpp
+import torch.nn.functional as F
+from _common import emit, table
+from torch import Tensor, nn
+
+from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.pipeline import (
+    SCHEDULE_LAYOUTS,
+    Costs,
+    PipelineRuntime,
+    Schedule,
+    build_schedule,
+    partition_by_params,
+    simulate,
+    stage_modules,
+)
+
+SCHEDULE_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zbv": 2}
+
+
+# ---------------------------------------------------------------------------- 1. bubble
+class _SleepGrad(torch.autograd.Function):
+    """Identity whose backward sleeps: the B part (input path) or W part (weight path)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepStage(nn.Module):
+    """A stage costing ``f`` seconds forward, ``b`` for its input gradient, ``w`` for its weight."""
+
+    def __init__(self, f: float, b: float, w: float, width: int) -> None:
+        super().__init__()
+        self.f, self.b, self.w = f, b, w
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.anchor = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.f)
+        if not x.requires_grad:  # the first stage under BW: its layers' input-gradient work still runs
+            x = x + self.anchor
+        return _sleep_grad(x, self.b) + _sleep_grad(self.weight, self.w)
+
+
+def _sleep_grad(x: Tensor, seconds: float) -> Tensor:
+    return cast(Tensor, _SleepGrad.apply(x, seconds))  # type: ignore[no-untyped-call]
+
+
+def _sleep_stages(schedule: Schedule, rank: int, cost: float) -> dict[int, nn.Module]:
+    """This rank's sleeping stages. Stage 0 is ``Sequential(Identity, SleepStage)`` like an
+    embedding before layers, so its B has the layers' input-gradient work (see the runtime)."""
+    stages: dict[int, nn.Module] = {s: SleepStage(cost, cost, cost, 4) for s in schedule.stages_of(rank)}
+    if 0 in stages:
+        stages[0] = nn.Sequential(nn.Identity(), stages[0])
+    return stages
+
+
+def _sum_loss(y: Tensor, _targets: Tensor) -> Tensor:
+    return y.sum()
+
+
+def _bubble(
+    rank: int, name: str, p: int, m: int, cost: float, steps: int
+) -> list[tuple[float, float, float]]:
+    """Per step: (start, end of last compute, busy seconds) on this rank."""
+    schedule = build_schedule(name, p, m, SCHEDULE_CHUNKS[name])
+    runtime = PipelineRuntime(schedule, _sleep_stages(schedule, rank, cost), _sum_loss)
+    x, targets = torch.zeros(m, 4), torch.zeros(m)
+    out = []
+    for _ in range(steps):
+        dist.barrier()
+        result = runtime.step(x, targets)
+        end = max(t.end for t in result.timeline)
+        out.append((result.started, end, result.busy))
+    runtime.close()
+    return out
+
+
+def bench_bubble(sleep_ms: float, steps: int, only: list[str]) -> list[dict[str, Any]]:
+    p, m, cost = 4, 8, sleep_ms / 1000
+    records = []
+    with WorkerPool(p, timeout=900) as pool:
+        for name, v in SCHEDULE_CHUNKS.items():
+            if only and name not in only:
+                continue
+            per_rank = pool.run(_bubble, name, p, m, cost, steps + 1)
+            makespans, bubbles = [], []
+            for step in range(1, steps + 1):  # the first step warms up
+                rows = [r[step] for r in per_rank]
+                makespan = max(end for _, end, _ in rows) - min(start for start, _, _ in rows)
+                makespans.append(makespan)
+                bubbles.append(statistics.fmean(1 - busy / makespan for *_, busy in rows))
+            split = name in ("zb-h1", "zbv")
+            sim = simulate(build_schedule(name, p, m, v), Costs(f=cost, b=cost, w=cost))
+            step_time = statistics.median(makespans)
+            records.append({
+                "bench": "pipeline",
+                "system": "tessera",
+                "config": f"bubble sleep F=B=W={sleep_ms:g}ms/stage p={p} v={v} m={m} {name}"
+                + (" (B/W split)" if split else " (BW = B + W)"),
+                "step_time_s": round(step_time, 4),
+                "tokens_per_s": round(m / step_time, 2),
+                "bubble_measured": round(statistics.median(bubbles), 4),
+                "bubble_simulated": round(sim.mean_bubble, 4),
+                "makespan_simulated_s": round(sim.makespan, 4),
+            })
+    return records
+
+
+# ---------------------------------------------------------------------------- 2. gpt
+def _ce(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def _torch_schedule(cls_name: str, stages: list[tpp.PipelineStage], m: int) -> Any:
+    cls = getattr(tpp, cls_name)
+    if cls_name in ("ScheduleGPipe", "Schedule1F1B"):
+        return cls(stages[0], m, loss_fn=_ce)
+    return cls(stages, m, loss_fn=_ce)
+
+
+def _gpt_pair(
+    rank: int, ours: str, theirs: str, cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float
+) -> dict[str, Any]:
+    """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
+    p = dist.get_world_size()
+    v = SCHEDULE_CHUNKS[ours]
+    idx, targets = make_batch(cfg, m * mb, seed=1)
+    probe = GPT(cfg, seed=0).blocks()
+    part = partition_by_params(probe, p, chunks_per_rank=v, layout=SCHEDULE_LAYOUTS[ours])
+    if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
+        torch_part = partition_by_params(probe, p, chunks_per_rank=v)  # torch's loop layout
+    else:
+        torch_part = part
+    last = part.num_stages - 1
+
+    # Tessera
+    t_stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
+    runtime = PipelineRuntime(build_schedule(ours, p, m, v), t_stages, _ce)
+    t_opt = torch.optim.SGD([q for s in t_stages.values() for q in s.parameters()], lr=lr)
+    t_has = (0 in t_stages, last in t_stages)
+
+    def tessera_step() -> float | None:
+        t_opt.zero_grad(set_to_none=True)
+        result = runtime.step(idx if t_has[0] else None, targets if t_has[1] else None)
+        t_opt.step()
+        return result.loss
+
+    # torch.distributed.pipelining
+    p_mods = stage_modules(GPT(cfg, seed=0).blocks(), torch_part, rank)
+    cpu = torch.device("cpu")
+    p_stages = [tpp.PipelineStage(mod, s, torch_part.num_stages, cpu) for s, mod in p_mods.items()]
+    schedule = _torch_schedule(theirs, p_stages, m)
+    p_opt = torch.optim.SGD([q for s in p_mods.values() for q in s.parameters()], lr=lr)
+    p_has = (0 in p_mods, last in p_mods)
+
+    def torch_step() -> float | None:
+        p_opt.zero_grad(set_to_none=True)
+        losses: list[Tensor] = []
+        args = (idx,) if p_has[0] else ()
+        if p_has[1]:
+            schedule.step(*args, target=targets, losses=losses)
+        else:
+            schedule.step(*args)
+        p_opt.step()
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    steps: dict[str, Callable[[], float | None]] = {"tessera": tessera_step, "torch-pipelining": torch_step}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
+    final: dict[str, float | None] = {}
+    order = list(steps.items())
+    for i in range(warmup + iters):
+        for system, step in order if i % 2 == 0 else order[::-1]:  # ABBA: no side always goes first
+            dist.barrier()
+            t0 = time.perf_counter()
+            final[system] = step()
+            t1 = time.perf_counter()
+            if i >= warmup:
+                times[system].append((t0, t1))
+    runtime.close()
+    return {"times": times, "final": final}
+
+
+def bench_gpt(
+    cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float, only: list[str]
+) -> list[dict[str, Any]]:
+    pairs = [
+        ("gpipe", "ScheduleGPipe"),
+        ("1f1b", "Schedule1F1B"),
+        ("zb-h1", "Schedule1F1B"),
+        ("zb-h1", "ScheduleInterleavedZeroBubble"),
+        ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
+        ("zbv", "ScheduleZBVZeroBubble"),
+        ("zbv", "ScheduleInterleavedZeroBubble"),
+    ]
+    tokens = m * mb * cfg.seq_len
+    records = []
+    with WorkerPool(2, timeout=900) as pool:
+        for ours, theirs in pairs:
+            if only and ours not in only:
+                continue
+            per_rank = pool.run(_gpt_pair, ours, theirs, cfg, m, mb, warmup, iters, lr)
+            v = SCHEDULE_CHUNKS[ours]
+            config = (
+                f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} p=2 v={v} m={m} "
+                f"mb={mb} sgd: tessera {ours} vs torch {theirs}"
+            )
+            medians, finals, steps = {}, {}, {}
+            for system in ("tessera", "torch-pipelining"):
+                spans = zip(*(r["times"][system] for r in per_rank), strict=True)
+                steps[system] = [max(t1 for _, t1 in step) - min(t0 for t0, _ in step) for step in spans]
+                medians[system] = statistics.median(steps[system])
+                finals[system] = next(f for r in per_rank if (f := r["final"][system]) is not None)
+            gap = abs(finals["tessera"] - finals["torch-pipelining"])
+            match = gap <= 1e-4 * max(1.0, abs(finals["tessera"]))
+            for system in ("tessera", "torch-pipelining"):
+                records.append({
+                    "bench": "pipeline",
+                    "system": system,
+                    "config": config,
+                    "step_time_s": round(medians[system], 4),
+                    "tokens_per_s": round(tokens / medians[system], 1),
+                    "final_loss": round(finals[system], 6),
+                    "ratio_vs_peer": round(medians["torch-pipelining"] / medians["tessera"], 3)
+                    if system == "tessera" else None,
+                    "loss_match": match if system == "tessera" else None,
+                    # back-to-back steps of the two systems see the same load: their ratio's median
+                    "ratio_paired_median": round(statistics.median(
+                        b / a for a, b in zip(steps["tessera"], steps["torch-pipelining"], strict=True)
+                    ), 3) if system == "tessera" else None,
+                })
+    return records
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--part", choices=["all", "bubble", "gpt"], default="all")
+    parser.add_argument("--schedules", nargs="*", default=[], help="only these Tessera schedules")
+    parser.add_argument("--sleep-ms", type=float, default=50.0)
+    parser.add_argument("--bubble-steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=9)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    records = []
+    if args.part in ("all", "bubble"):
+        records += bench_bubble(args.sleep_ms, args.bubble_steps, args.schedules)
+    if args.part in ("all", "gpt"):
+        cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
+                        n_layers=args.layers)
+        records += bench_gpt(cfg, 8, args.microbatch, args.warmup, args.iters, 0.1, args.schedules)
+    for rec in records:
+        emit(rec)
+    keys = ("system", "config", "step_time_s", "ratio_vs_peer", "ratio_paired_median", "bubble_measured",
+            "bubble_simulated")
+    table(records, (*keys, "final_loss"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Tier 2: the pipeline runtime on the gloo worker pool, against the serial reference GPT.
+
+For every registered schedule, p in {2, 4} and its number of chunks per rank v (2 for
+interleaved-1f1b and zbv, 1 otherwise), a few microbatch counts (fewer than, equal to and
+more than the ranks where the schedule allows): each microbatch's loss and every parameter's
+gradient equal those of the serial model on the whole batch (`GPT.loss`, one backward) to
+fp32 round-off. The model has two blocks per virtual stage, partitioned by parameter count.
+
+Failure: a stage that raises ends the step on every rank with that error (no hang), and the
+runtime refuses to step again. The failure tests run last: an aborted step can leave
+unmatched p2p messages in the pool's process group, so they restart (close) their pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.pipeline import (
+    SCHEDULE_LAYOUTS,
+    SCHEDULES,
+    PipelineAborted,
+    PipelineRuntime,
+    build_schedule,
+    partition_by_params,
+    stage_modules,
+)
+
+CHUNKS = {"interleaved-1f1b": 2, "zbv": 2}
+MB_SIZE = 2
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def config(p: int, v: int) -> GPTConfig:
+    """Two blocks per virtual stage: ``2 p v`` blocks in all (embed, layers, head)."""
+    return GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2 * p * v - 2)
+
+
+def microbatch_counts(name: str, p: int) -> list[int]:
+    if name == "interleaved-1f1b":
+        return [p, 2 * p]  # the Megatron rule m % p == 0
+    return [p - 1, p, 2 * p + 1]
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+class Opaque(nn.Module):
+    """Hides that a stage is an nn.Sequential (the runtime then cannot cut off its first block)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Any:
+        return self.inner(x)
+
+
+def _build(
+    rank: int, name: str, p: int, m: int, cfg: GPTConfig, opaque: bool = False
+) -> tuple[GPT, PipelineRuntime]:
+    v = CHUNKS.get(name, 1)
+    model = GPT(cfg, seed=0)
+    blocks = model.blocks()
+    part = partition_by_params(blocks, p, chunks_per_rank=v, layout=SCHEDULE_LAYOUTS[name])
+    schedule = build_schedule(name, p, m, v)
+    assert part.stage_to_rank == schedule.stage_to_rank
+    stages = stage_modules(blocks, part, rank)
+    if opaque:
+        stages = {s: Opaque(mod) for s, mod in stages.items()}
+    return model, PipelineRuntime(schedule, stages, loss_fn)
+
+
+Result = tuple[tuple[float, ...], float | None, dict[str, Tensor]]
+
+
+def _run_case(
+    rank: int, name: str, p: int, cfg: GPTConfig, batches: dict[int, tuple[Tensor, Tensor]], opaque: bool
+) -> dict[int, list[Result]]:
+    """Per microbatch count, per step: (losses, mean loss, gradients by parameter name)."""
+    out: dict[int, list[Result]] = {}
+    for m, (idx, targets) in batches.items():
+        model, runtime = _build(rank, name, p, m, cfg, opaque)
+        out[m] = []
+        for step in range(2):  # a second step on the same runtime, after zeroing the gradients
+            model.zero_grad(set_to_none=True)
+            result = runtime.step(idx, targets, broadcast_loss=step == 1)
+            grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+            out[m].append((result.losses, result.loss, grads))
+        runtime.close()
+    return out
+
+
+def serial(cfg: GPTConfig, idx: Tensor, targets: Tensor, m: int) -> tuple[list[float], dict[str, Tensor]]:
+    """The reference: microbatch losses and the gradients of the whole-batch loss."""
+    model = GPT(cfg, seed=0)
+    model.loss(idx, targets).backward()
+    grads = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
+    with torch.no_grad():
+        losses = [model.loss(i, t).item() for i, t in zip(idx.chunk(m), targets.chunk(m), strict=True)]
+    return losses, grads
+
+
+def check_case(worker_pools: PoolFactory, p: int, name: str, ms: list[int], opaque: bool) -> None:
+    cfg = config(p, CHUNKS.get(name, 1))
+    batches = {m: make_batch(cfg, MB_SIZE * m, seed=m) for m in ms}
+    per_rank = worker_pools(p).run(_run_case, name, p, cfg, batches, opaque)
+    last_rank = build_schedule(name, p, p, CHUNKS.get(name)).stage_to_rank[-1]
+    for m, (idx, targets) in batches.items():
+        want_losses, want_grads = serial(cfg, idx, targets, m)
+        for step in range(2):
+            got: dict[str, Tensor] = {}
+            for rank, result in enumerate(per_rank):
+                losses, loss, grads = result[m][step]
+                assert bool(losses) == (rank == last_rank)
+                if losses:
+                    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
+                if losses or step == 1:  # the second step broadcasts the mean loss to every rank
+                    assert loss == pytest.approx(sum(want_losses) / m, rel=1e-5)
+                else:
+                    assert loss is None
+                assert not got.keys() & grads.keys(), "a parameter got gradients on two ranks"
+                got.update(grads)
+            assert got.keys() == want_grads.keys()
+            for key, grad in want_grads.items():
+                torch.testing.assert_close(got[key], grad, **TOL, msg=lambda s, k=key: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("p", [2, 4])
+def test_runtime_equals_serial(worker_pools: PoolFactory, p: int, name: str) -> None:
+    check_case(worker_pools, p, name, microbatch_counts(name, p), opaque=False)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_runtime_equals_serial_with_opaque_stages(worker_pools: PoolFactory, name: str) -> None:
+    """Stage 0 not an nn.Sequential: its B computes nothing and its W the whole backward."""
+    check_case(worker_pools, 2, name, [4], opaque=True)
+
+
+def _wrong_stages(rank: int) -> str:
+    schedule = build_schedule("1f1b", 2, 2)
+    try:
+        PipelineRuntime(schedule, {1 - rank: nn.Identity()}, loss_fn)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_runtime_rejects_stages_of_another_rank(worker_pools: PoolFactory) -> None:
+    for rank, message in enumerate(worker_pools(2).run(_wrong_stages)):
+        assert f"rank {rank} holds stages [{rank}]" in message
+
+
+class Boom(nn.Module):
+    """Runs ``inner``, but raises ValueError("boom") on forward call number ``at`` (from 0)."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x: Tensor) -> Any:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise ValueError("boom")
+        return self.inner(x)
+
+
+def _failing_step(rank: int, name: str, p: int, m: int, stage: int, at: int, catch: bool) -> tuple[str, str]:
+    cfg = config(p, CHUNKS.get(name, 1))
+    _, runtime = _build(rank, name, p, m, cfg)
+    if stage in runtime.stages:
+        runtime.stages[stage] = Boom(runtime.stages[stage], at)
+    idx, targets = make_batch(cfg, MB_SIZE * m, seed=0)
+    if not catch:
+        runtime.step(idx, targets)
+    try:
+        runtime.step(idx, targets)
+    except Exception as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    else:
+        first = "no error"
+    try:
+        runtime.step(idx, targets)
+    except RuntimeError as exc:
+        return first, str(exc)
+    return first, "stepped again"
+
+
+@pytest.mark.parametrize(("name", "p", "stage"), [("zbv", 4, 5), ("1f1b", 4, 2), ("zb-h1", 2, 0)])
+def test_a_raising_stage_ends_every_rank(worker_pools: PoolFactory, name: str, p: int, stage: int) -> None:
+    pool = worker_pools(p)
+    try:
+        messages = pool.run(_failing_step, name, p, 4, stage, 2, True)
+    finally:
+        pool.close()  # the aborted step may have left messages in flight; restart on next use
+    owner = build_schedule(name, p, 4, CHUNKS.get(name)).stage_to_rank[stage]
+    for rank, (first, again) in enumerate(messages):
+        assert "boom" in first, (rank, first)
+        if rank == owner:
+            assert first == "ValueError: boom"
+        else:
+            assert first.startswith(PipelineAborted.__name__), (rank, first)
+            assert f"rank {owner} raised ValueError in step 1: boom" in first
+        assert "was aborted" in again
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if ctx.fail:
+            raise ValueError("boom in backward")
+        return grad, None
+
+
+class BoomInLastBackward(nn.Module):
+    """Raises in the backward of forward call number ``at`` (from 0)."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x: Tensor) -> Any:
+        self.calls += 1
+        return _RaiseInBackward.apply(self.inner(x), self.calls - 1 == self.at)
+
+
+def _late_failure(rank: int, m: int) -> tuple[str, str]:
+    """Rank 0 fails in its last backward, after rank 1 has finished the step."""
+    cfg = config(2, 1)
+    _, runtime = _build(rank, "1f1b", 2, m, cfg)
+    if rank == 0:
+        runtime.stages[0] = BoomInLastBackward(runtime.stages[0], m - 1)
+    idx, targets = make_batch(cfg, MB_SIZE * m, seed=0)
+    messages = []
+    for _ in range(2):
+        try:
+            runtime.step(idx, targets)
+        except Exception as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+        else:
+            messages.append("no error")
+    return messages[0], messages[1]
+
+
+def test_a_rank_failing_after_its_peers_finished_the_step(worker_pools: PoolFactory) -> None:
+    pool = worker_pools(2)
+    try:
+        (first0, second0), (first1, second1) = pool.run(_late_failure, 3)
+    finally:
+        pool.close()
+    assert first0 == "ValueError: boom in backward"
+    assert "was aborted" in second0
+    assert first1 == "no error"  # rank 1 had finished step 1: it learns in step 2
+    assert second1.startswith("PipelineAborted: pipeline step 2 aborted: rank 0 raised ValueError in step 1")
+
+
+def test_the_error_reaches_the_caller_of_the_pool(worker_pools: PoolFactory) -> None:
+    with pytest.raises(Exception, match="boom"):
+        worker_pools(2).run(_failing_step, "1f1b", 2, 3, 1, 1, False)
