@@ -152,3 +152,18 @@ def _raise_unpicklable(rank: int) -> None:
 def test_unpicklable_exceptions_arrive_as_text() -> None:
     with WorkerPool(1) as pool, pytest.raises(RankFailure, match="_Unpicklable: odd"):
         pool.run(_raise_unpicklable)
+
+
+def _tagged(rank: int) -> list[float]:
+    if rank == 0:
+        # sent in the order tag 1, tag 2; received below in the order tag 2, tag 1
+        batch_isend_irecv([(torch.ones(1), 1)], [], tag=1).wait()
+        batch_isend_irecv([(torch.full((1,), 2.0), 1)], [], tag=2).wait()
+        return []
+    second = batch_isend_irecv([], [(torch.empty(1), 0)], tag=2)
+    first = batch_isend_irecv([], [(torch.empty(1), 0)], tag=1)
+    return [first.wait()[0].item(), second.wait()[0].item()]
+
+
+def test_p2p_tags_match_sends_to_receives(worker_pools: PoolFactory) -> None:
+    assert worker_pools(2).run(_tagged)[1] == [1.0, 2.0]

@@ -74,7 +74,11 @@ class Handle(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     def is_completed(self) -> bool:
-        """Whether every underlying operation has finished (the result may still need wait())."""
+        """Whether every underlying operation has finished (the result may still need wait()).
+
+        A backend may only report completion once ``wait()`` was called: gloo's p2p works do.
+        Poll it as a hint, never as the only way to learn that a transfer is done.
+        """
         return all(w.is_completed() for w in self._works)
 
 

@@ -31,23 +31,26 @@ def batch_isend_irecv(
     sends: Sequence[tuple[Tensor, int]],
     recvs: Sequence[tuple[Tensor, int]],
     group: Group = None,
+    *,
+    tag: int = 0,
 ) -> Handle[list[Tensor]]:
     """Post every send ``(tensor, peer)`` and receive ``(buffer, peer)`` at once.
 
     Receives land in the given buffers; ``wait()`` returns them in order. Sends read their
-    tensor until the handle completes, so do not modify it before ``wait()``.
+    tensor until the handle completes, so do not modify it before ``wait()``. A send matches
+    only a receive of the same ``tag`` (gloo honours tags; NCCL ignores them).
     """
     ops: list[dist.P2POp] = []
     for tensor, peer in sends:
         t = tensor.detach().contiguous()
         record(CommOp.SEND, group_size=2, nbytes=t.nbytes, like=t)
-        ops.append(dist.P2POp(dist.isend, t, _global(peer, group), group))
+        ops.append(dist.P2POp(dist.isend, t, _global(peer, group), group, tag))
     buffers: list[Tensor] = []
     for buffer, peer in recvs:
         if not buffer.is_contiguous():
             raise ValueError(f"receive buffer from peer {peer} must be contiguous")
         record(CommOp.RECV, group_size=2, nbytes=buffer.nbytes, like=buffer)
-        ops.append(dist.P2POp(dist.irecv, buffer, _global(peer, group), group))
+        ops.append(dist.P2POp(dist.irecv, buffer, _global(peer, group), group, tag))
         buffers.append(buffer)
     works = dist.batch_isend_irecv(ops) if ops else []
     return Handle(list(works), lambda: buffers)
