@@ -1,0 +1,260 @@
+"""ZeRO on 2 gloo ranks: Tessera ZeRO-2 beside torch DDP (system "torch-ddp") and Tessera
+ZeRO-3 beside FSDP2 ``fully_shard`` (system "torch-fsdp2"), on the same ~50M-parameter
+reference GPT, data and AdamW settings, in one run.
+
+- A token is one position of one sequence; ``tokens_per_s`` counts both ranks' tokens.
+- ``step_time_s``: median of ``--iters`` steps (forward, backward, optimizer step); the two
+  systems of a pair alternate step by step, so load from other processes hits both alike.
+- ``peak_rss_mb``: the larger over the ranks of the growth of the resident set while the
+  system is built and runs ``--warmup`` steps, over a baseline taken just before (after
+  ``gc`` and ``malloc_trim``): ``VmHWM`` of /proc/self/status after resetting it by writing
+  "5" to /proc/self/clear_refs. ``peak_rss_mb_per_rank`` lists both ranks. The workers set
+  glibc's mmap threshold to 128 KiB (``mallopt``), so large tensors are unmapped when freed
+  and the resident set follows the live bytes instead of what the heap happens to retain;
+  both systems of a pair run under the same setting. Each code path runs once on a tiny
+  model first, so lazy initialisation is not charged to whichever system goes first.
+- ``model_state_bytes``: parameters + gradients + optimizer state per rank, right after a
+  backward (gradients present): ``ZeroOptimizer.memory()`` for Tessera,
+  ``measure_memory`` for DDP, the storages of the local shards for FSDP2.
+- ``comm_bytes``: bytes per step by the paper accounting. Tessera's are metered by
+  ``CommMeter``; DDP's and FSDP2's collectives bypass ``tessera.comm``, so theirs are the
+  formulas (DDP: all-reduce of the fp32 gradients, 2 x 4 bytes per parameter; FSDP2: 3 x 4),
+  marked ``"comm_source": "formula"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import emit, table
+
+from tessera.comm import CommMeter, measure_memory, storage_bytes
+from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.zero import ZeroOptimizer
+
+PAIRS = {2: "torch-ddp", 3: "torch-fsdp2"}
+LR = 1e-4
+
+
+# ---------------------------------------------------------------------- resident memory
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _rss_baseline() -> int:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    return _status_kb("VmRSS")
+
+
+# ---------------------------------------------------------------------- systems
+class System:
+    """One training setup on this rank: ``step(i, measure)`` runs step i and returns the loss."""
+
+    model_state = 0
+    comm_bytes = 0
+
+    def __init__(self, model: GPT, rank: int, batch: int) -> None:
+        self.model, self.rank, self.batch = model, rank, batch
+
+    def data(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_batch(self.model.config, self.batch, seed=1000 * i + self.rank)
+
+    def step(self, i: int, measure: bool = False) -> float:
+        raise NotImplementedError
+
+
+class Tessera(System):
+    def __init__(self, model: GPT, rank: int, batch: int, stage: int) -> None:
+        super().__init__(model, rank, batch)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.zero = ZeroOptimizer(model, opt, stage=stage, bucket_bytes=25 * 2**20)
+
+    def step(self, i: int, measure: bool = False) -> float:
+        with CommMeter() as meter:
+            loss = self.model.loss(*self.data(i))
+            self.zero.backward(loss)
+            if measure:
+                self.model_state = self.zero.memory().model_state
+            self.zero.step()
+        if measure:
+            self.comm_bytes = meter.volume_bytes
+        return loss.item()
+
+
+class DDP(System):
+    def __init__(self, model: GPT, rank: int, batch: int) -> None:
+        super().__init__(model, rank, batch)
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(model)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.comm_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
+
+    def step(self, i: int, measure: bool = False) -> float:
+        idx, targets = self.data(i)
+        logits = self.ddp(idx)
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        torch.autograd.backward(loss)
+        if measure:
+            self.model_state = measure_memory(modules=[self.model], optimizers=[self.opt]).model_state
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+class FSDP2(System):
+    def __init__(self, model: GPT, rank: int, batch: int) -> None:
+        super().__init__(model, rank, batch)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.comm_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
+        self._local: Callable[[Any], torch.Tensor] = lambda t: t.to_local() if isinstance(t, DTensor) else t
+
+    def step(self, i: int, measure: bool = False) -> float:
+        loss = self.model.loss(*self.data(i))
+        torch.autograd.backward(loss)
+        if measure:
+            params = [self._local(p) for p in self.model.parameters()]
+            grads = [self._local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            state = [self._local(v) for s in self.opt.state.values() for v in s.values()]
+            self.model_state = storage_bytes(params) + storage_bytes(grads) + storage_bytes(state)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+def _build(name: str, stage: int, cfg: GPTConfig, rank: int, batch: int) -> System:
+    model = GPT(cfg, seed=0)
+    if name == "tessera":
+        return Tessera(model, rank, batch, stage)
+    return DDP(model, rank, batch) if name == "torch-ddp" else FSDP2(model, rank, batch)
+
+
+def _pair(rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict[str, Any]:
+    names = ("tessera", PAIRS[stage])
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: see the module docstring
+    tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    for name in names:  # first use of each code path (lazy initialisation) outside the measurements
+        _build(name, stage, tiny, rank, 1).step(0)
+    systems: dict[str, System] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:  # one at a time: resident-memory growth over a fresh baseline
+        base = _rss_baseline()
+        system = _build(name, stage, cfg, rank, batch)
+        for i in range(warmup):
+            system.step(i, measure=i == warmup - 1)
+        out[name] = {
+            "peak_rss_mb": (_status_kb("VmHWM") - base) / 1024,
+            "model_state_bytes": system.model_state,
+            "comm_bytes": system.comm_bytes,
+        }
+        systems[name] = system
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup, warmup + iters):  # alternate, so both see the same background load
+        for name in names:
+            t0 = time.perf_counter()
+            out[name]["final_loss"] = systems[name].step(i)
+            times[name].append(time.perf_counter() - t0)
+    for name in names:
+        out[name]["step_time_s"] = sorted(times[name])[len(times[name]) // 2]
+    out["psi"] = {"n": sum(p.numel() for p in systems["tessera"].model.parameters())}
+    return out
+
+
+def main() -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[2, 3])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_heads=8, n_layers=args.layers
+    )
+    world = 2
+    records: list[dict[str, Any]] = []
+    with WorkerPool(world, timeout=900) as pool:
+        for stage in args.stages:
+            per_rank = pool.run(_pair, stage, cfg, args.batch, args.warmup, args.iters)
+            psi = per_rank[0]["psi"]["n"]
+            config = (
+                f"stage={stage} gpt {psi / 1e6:.1f}M d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} "
+                f"seq={cfg.seq_len} batch={args.batch}/rank world={world} AdamW fp32 gloo"
+            )
+            tokens = world * args.batch * cfg.seq_len
+            pair = []
+            for name in ("tessera", PAIRS[stage]):
+                step_time = max(r[name]["step_time_s"] for r in per_rank)
+                rss = [round(r[name]["peak_rss_mb"], 1) for r in per_rank]
+                pair.append(
+                    {
+                        "bench": "zero",
+                        "system": name,
+                        "config": config,
+                        "step_time_s": round(step_time, 4),
+                        "tokens_per_s": round(tokens / step_time, 1),
+                        "peak_rss_mb": max(rss),
+                        "peak_rss_mb_per_rank": rss,
+                        "model_state_bytes": max(r[name]["model_state_bytes"] for r in per_rank),
+                        "comm_bytes": per_rank[0][name]["comm_bytes"],
+                        "comm_source": "CommMeter" if name == "tessera" else "formula",
+                        "final_loss": round(sum(r[name]["final_loss"] for r in per_rank) / world, 5),
+                        "ratio_vs_peer": None,
+                    }
+                )
+            ours, peer = pair
+            ours["ratio_vs_peer"] = round(peer["step_time_s"] / ours["step_time_s"], 3)
+            ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
+            ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
+            records += pair
+    for rec in records:
+        emit(rec)
+    table(
+        records,
+        ("system", "step_time_s", "peak_rss_mb", "model_state_bytes", "comm_bytes", "ratio_vs_peer"),
+    )
+
+
+if __name__ == "__main__":
+    main()

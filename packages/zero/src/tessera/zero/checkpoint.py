@@ -1,0 +1,249 @@
+"""Sharded checkpoints: each rank's master shards and optimizer state as safetensors, plus JSON.
+
+Directory layout: ``rank-RRRRR-of-NNNNN.safetensors`` per rank (fp32 master shards,
+optimizer state tensors, the rank's model buffers; non-tensor optimizer state in the
+safetensors header) and ``meta.json`` written by rank 0 last (format, world size, stage,
+precision, optimizer class, the FlatParam layout, loss-scaler state and the sha256 of every
+rank file). Every file is written atomically (temp file, fsync, ``os.replace``, directory
+fsync), so ``meta.json`` commits a complete checkpoint. Nothing is unpickled.
+
+Loading checks, before touching any state and identically on every rank: the format, the
+world size (a different one is refused naming both numbers), the stage, the optimizer class
+and the layout; then each rank verifies its file's checksum, and the ranks agree (one
+all-reduce) that every rank read its file before any state changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from tessera.comm import all_gather, all_reduce, group_rank
+
+if TYPE_CHECKING:
+    from tessera.zero.optimizer import ZeroOptimizer
+
+__all__ = ["FORMAT", "load", "save"]
+
+FORMAT = "tessera-zero/1"
+META = "meta.json"
+_HEADER_KEY = "tessera-zero"
+
+
+def rank_file(rank: int, world: int) -> str:
+    """The file name of ``rank``'s shard in a checkpoint of ``world`` ranks."""
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _layout(zero: ZeroOptimizer) -> list[dict[str, Any]]:
+    return [
+        {
+            "group": f.group_index,
+            "names": f.names,
+            "shapes": [list(p.shape) for p in f.params],
+            "padded_numel": f.layout.padded_numel,
+        }
+        for f in zero.flats
+    ]
+
+
+def _agree(zero: ZeroOptimizer, error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed (its own error on the failing rank)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=zero.device)
+    failed = int(all_reduce(flag, zero.group, "sum").item())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{what} failed on {failed} other rank(s); see their errors")
+
+
+def _json_ready(value: Any, where: str) -> Any:
+    try:
+        json.dumps(value)
+    except TypeError as exc:
+        raise TypeError(f"cannot save {where}={value!r} in a ZeRO checkpoint: not JSON") from exc
+    return value
+
+
+def _rank_payload(zero: ZeroOptimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    tensors: dict[str, Tensor] = {}
+    for i, flat in enumerate(zero.flats):
+        tensors[f"master.{i}"] = flat.master.detach().cpu().clone()
+    sd = zero.optimizer.state_dict()
+    state: dict[str, dict[str, Any]] = {}
+    for idx, entry in sd["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().clone()
+            else:
+                state.setdefault(str(idx), {})[key] = _json_ready(value, f"optimizer state {key}")
+    groups: list[dict[str, Any]] = []
+    for gi, group in enumerate(sd["param_groups"]):
+        entry_json: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, Tensor):
+                tensors[f"group.{gi}.{key}"] = value.detach().cpu().clone()
+            else:
+                entry_json[key] = _json_ready(value, f"param group {key}")
+        groups.append(entry_json)
+    for name, buf in zero.model.named_buffers():
+        tensors[f"buffer.{name}"] = buf.detach().cpu().clone()
+    return tensors, {"state": state, "param_groups": groups}
+
+
+def save(zero: ZeroOptimizer, path: Path) -> None:
+    """Write ``zero``'s shards under ``path`` (collective over its group)."""
+    rank, world = group_rank(zero.group), zero.world_size
+    error: BaseException | None = None
+    digest = bytes(32)
+    try:
+        tensors, extra = _rank_payload(zero)
+        data = safetensors.torch.save(tensors, metadata={_HEADER_KEY: json.dumps(extra)})
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / rank_file(rank, world), data)
+        digest = hashlib.sha256(data).digest()
+    except Exception as exc:
+        error = exc
+    _agree(zero, error, "saving a shard")
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(zero.device)
+    digests = all_gather(mine, zero.group).cpu().view(world, 32)
+    error = None
+    if rank == 0:
+        try:
+            meta = {
+                "format": FORMAT,
+                "world_size": world,
+                "stage": zero.stage,
+                "precision": zero.config.precision,
+                "offload": zero.config.offload,
+                "optimizer": type(zero.optimizer).__name__,
+                "steps": zero.steps,
+                "scaler": None if zero.scaler is None else zero.scaler.state_dict(),
+                "files": [rank_file(r, world) for r in range(world)],
+                "sha256": [bytes(digests[r].tolist()).hex() for r in range(world)],
+                "layout": _layout(zero),
+            }
+            _atomic_write(path / META, json.dumps(meta, indent=1).encode())
+        except Exception as exc:
+            error = exc
+    _agree(zero, error, "writing meta.json")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The parsed ``meta.json`` of the checkpoint at ``path``."""
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"no ZeRO checkpoint at {path}: {META} is missing (an unfinished save?)")
+    meta: dict[str, Any] = json.loads(meta_path.read_text())
+    return meta
+
+
+def _check_meta(zero: ZeroOptimizer, meta: dict[str, Any], path: Path) -> None:
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta["world_size"] != zero.world_size:
+        raise ValueError(
+            f"the checkpoint at {path} was saved by {meta['world_size']} ranks but this group has "
+            f"{zero.world_size}; a sharded ZeRO checkpoint loads only at the world size it was saved at"
+        )
+    if meta["stage"] != zero.stage:
+        raise ValueError(
+            f"the checkpoint at {path} is ZeRO stage {meta['stage']}, this optimizer is {zero.stage}"
+        )
+    kind = type(zero.optimizer).__name__
+    if meta["optimizer"] != kind:
+        raise ValueError(
+            f"the checkpoint at {path} holds {meta['optimizer']} state, this optimizer is {kind}"
+        )
+    mine = _layout(zero)
+    if meta["layout"] != mine:
+        diff = next(
+            (i for i, (a, b) in enumerate(zip(meta["layout"], mine, strict=False)) if a != b),
+            min(len(meta["layout"]), len(mine)),
+        )
+        raise ValueError(
+            f"the checkpoint at {path} has a different parameter layout ({len(meta['layout'])} flat "
+            f"buffers, this model {len(mine)}; first difference at buffer {diff}): same model, "
+            "parameter groups, stage, bucket size and precision are needed"
+        )
+
+
+def _header(data: bytes) -> dict[str, Any]:
+    size = int.from_bytes(data[:8], "little")
+    header: dict[str, Any] = json.loads(data[8 : 8 + size])
+    meta = header.get("__metadata__") or {}
+    extra: dict[str, Any] = json.loads(meta.get(_HEADER_KEY, "{}"))
+    return extra
+
+
+def load(zero: ZeroOptimizer, path: Path) -> None:
+    """Load the checkpoint at ``path`` into ``zero`` (collective over its group)."""
+    meta = read_meta(path)
+    _check_meta(zero, meta, path)
+    rank = group_rank(zero.group)
+    error: BaseException | None = None
+    tensors: dict[str, Tensor] = {}
+    extra: dict[str, Any] = {}
+    try:
+        file = path / meta["files"][rank]
+        data = file.read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta["sha256"][rank]:
+            raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
+        tensors = safetensors.torch.load(data)
+        extra = _header(data)
+    except Exception as exc:
+        error = exc
+    _agree(zero, error, "reading a shard")
+
+    with torch.no_grad():
+        for i, flat in enumerate(zero.flats):
+            flat.master.copy_(tensors[f"master.{i}"])
+        for name, buf in zero.model.named_buffers():
+            buf.copy_(tensors[f"buffer.{name}"])
+    current = zero.optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    for idx, entry in extra["state"].items():
+        state.setdefault(int(idx), {}).update(entry)
+    groups = []
+    for gi, (saved, now) in enumerate(zip(extra["param_groups"], current["param_groups"], strict=True)):
+        group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
+        for key, value in tensors.items():
+            if key.startswith(f"group.{gi}."):
+                group[key.split(".", 2)[2]] = value
+        group["params"] = now["params"]
+        groups.append(group)
+    zero.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if zero.scaler is not None and meta["scaler"] is not None:
+        zero.scaler.load_state_dict(meta["scaler"])
+    zero.steps = int(meta["steps"])
+    zero.zero_grad()
+    for flat in zero.flats:
+        flat.push_master()
+    zero._refresh_params()

@@ -1,0 +1,264 @@
+"""One flat, sharded group of parameters: the unit every ZeRO stage moves and steps.
+
+A ``FlatParam`` takes parameters of one optimizer group (a stage-1/2 bucket, or one
+module's parameters in stage 3), copies them end to end into one padded buffer in the
+compute dtype, and points each parameter's ``.data`` at its slice of that buffer (the
+``nn.Parameter`` objects the user holds stay the same). The ranks of the group split the
+buffer evenly (``FlatLayout``): rank r keeps
+
+- ``shard``: its slice in the compute dtype; a view of the full buffer in stages 1-2, a
+  tensor of its own in stage 3, where the full buffer's storage is freed between uses;
+- ``master``: the fp32 values the optimizer steps; the shard itself when computing in fp32
+  without offload (no copy exists), otherwise a separate fp32 tensor (on the host with
+  offload);
+- gradients: the reduce-scatter of the flat gradient lands in ``shard.grad`` (compute
+  dtype), or, with offload, is copied into the persistent fp32 host buffer ``master.grad``.
+
+Collectives: ``start_reduce`` reduce-scatters the flat gradient (moves the padded buffer
+once); ``gather_async`` all-gathers the shard into the full buffer (moves it once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from tessera.comm import Group, Handle, all_gather_async, group_rank, group_size, reduce_scatter_async
+from tessera.zero.flat import FlatLayout
+from tessera.zero.offload import host_empty, host_zeros, to_device_, to_host_
+
+__all__ = ["FlatParam", "Residency"]
+
+
+class Residency(Enum):
+    """Whether the full buffer of a FlatParam is allocated and holds the parameters."""
+
+    FREE = "free"
+    GATHERING = "gathering"
+    READY = "ready"
+
+
+class FlatParam:
+    """Parameters of one optimizer group flattened into one padded buffer, sharded over ``group``."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        *,
+        group_index: int,
+        group: Group,
+        compute_dtype: torch.dtype,
+        offload: bool,
+        sharded: bool,
+        align: int = 1,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatParam needs at least one parameter")
+        self.params = list(params)
+        self.names = list(names)
+        self.group_index = group_index
+        self.group = group
+        self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group), align)
+        self.device = params[0].device
+        self.compute_dtype = compute_dtype
+        self.offload = offload
+        self.sharded = sharded
+        lo, hi = self.layout.shard_range(group_rank(group))
+        with torch.no_grad():
+            source = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for i, p in enumerate(self.params):
+                start, stop = self.layout.span(i)
+                source[start:stop].copy_(p.detach().reshape(-1))
+            full = source if compute_dtype == torch.float32 else source.to(compute_dtype)
+            master: Tensor | None = None
+            if offload:
+                master = host_empty(hi - lo)
+                master.copy_(source[lo:hi])
+            elif compute_dtype != torch.float32:
+                master = source[lo:hi].clone()
+            shard = full[lo:hi].clone() if sharded else full[lo:hi]
+            del source
+        self.full = full
+        self._full_out = full.data  # an alias with its own version counter: writes through it
+        # (the all-gather refilling freed parameters in stage 3) do not invalidate autograd's
+        # saved references to the parameters
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.span(i)
+            p.data = full[start:stop].view(p.shape)
+        self.shard = nn.Parameter(shard, requires_grad=False)
+        self.master = self.shard if master is None else nn.Parameter(master, requires_grad=False)
+        if offload:
+            self.master.grad = host_zeros(hi - lo)
+        self.has_grad = False
+        self.residency = Residency.READY
+        self._gather: Handle[Tensor] | None = None
+        self._reduce: tuple[Handle[Tensor], Tensor] | None = None
+        self._grad_flat: Tensor | None = None  # the buffer the parameters' .grad views point into
+        self.ready_params = 0  # parameters whose gradient is final in the current backward
+        self.launched = False  # whether the current backward has started this reduce
+        if sharded:
+            self.free()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def numel(self) -> int:
+        """Parameter elements held (without padding)."""
+        return self.layout.numel
+
+    @property
+    def padded_bytes(self) -> int:
+        """Bytes of the full padded buffer in the compute dtype (what one collective moves)."""
+        return self.layout.padded_numel * self.full.element_size()
+
+    # ------------------------------------------------------------------ parameters
+    def gather_async(self) -> None:
+        """Start refilling the full buffer from every rank's shard (stage 3); no-op if there."""
+        if self.residency is not Residency.FREE:
+            return
+        self.full.untyped_storage().resize_(self.padded_bytes)
+        self._gather = all_gather_async(self.shard, self.group, out=self._full_out)
+        self.residency = Residency.GATHERING
+
+    def wait_gathered(self) -> None:
+        """Make sure the full buffer holds the parameters (gathering them if needed)."""
+        self.gather_async()
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+        self.residency = Residency.READY
+
+    def free(self) -> None:
+        """Release the full buffer's memory (stage 3); the parameters keep their shapes."""
+        if not self.sharded or self.residency is Residency.FREE:
+            return
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+        self.full.untyped_storage().resize_(0)
+        self.residency = Residency.FREE
+
+    def gather_params_async(self) -> Handle[Tensor]:
+        """All-gather the updated shards into the persistent full buffer (stages 1-2), in place."""
+        return all_gather_async(self.shard, self.group, out=self._full_out)
+
+    def push_master(self) -> None:
+        """Write the stepped fp32 master into the compute-dtype shard (a no-op when they are one)."""
+        if self.master is self.shard:
+            return
+        if self.offload:
+            to_device_(self.shard, self.master)
+        else:
+            with torch.no_grad():
+                self.shard.copy_(self.master)
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_grads(self) -> None:
+        """Point every parameter's ``.grad`` at its slice of one zeroed flat buffer, so autograd
+        accumulates into it in place and the reduce needs no copy (stage 3, before a unit's
+        backward); a no-op when gradients already exist."""
+        if self._grad_flat is not None or any(p.grad is not None for p in self.params):
+            return
+        buf = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.span(i)
+            p.grad = buf[start:stop].view(p.shape)
+        self._grad_flat = buf
+
+    def _in_place(self) -> bool:
+        if self._grad_flat is None:
+            return False
+        ptr = self._grad_flat.untyped_storage().data_ptr()
+        return all(p.grad is not None and p.grad.untyped_storage().data_ptr() == ptr for p in self.params)
+
+    def start_reduce(self) -> None:
+        """Gather the parameters' gradients (zeros where none) into one padded buffer (already
+        there after ``prepare_grads``), release them, and start reduce-scattering it (sum)."""
+        if self._reduce is not None:
+            self.finish_reduce()
+        if self._in_place():
+            assert self._grad_flat is not None
+            buf = self._grad_flat
+            for p in self.params:
+                p.grad = None
+        else:
+            buf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    start, stop = self.layout.span(i)
+                    if p.grad is None:
+                        buf[start:stop].zero_()
+                    else:
+                        buf[start:stop].copy_(p.grad.reshape(-1))
+                        p.grad = None
+                buf[self.layout.numel :].zero_()
+        self._grad_flat = None
+        out = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
+        # The backend keeps its input alive until the collective completes (gloo copies it at
+        # once, NCCL stashes it), so the flat buffer is not held here: gloo frees it right away.
+        self._reduce = (reduce_scatter_async(buf, self.group, out=out), out)
+
+    @property
+    def reducing(self) -> bool:
+        """Whether a reduce-scatter is in flight."""
+        return self._reduce is not None
+
+    def reduce_done(self) -> bool:
+        """Whether the reduce-scatter in flight has completed (so finishing it will not block)."""
+        return self._reduce is not None and self._reduce[0].is_completed()
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and add its result to this rank's gradient shard."""
+        if self._reduce is None:
+            return
+        handle, _ = self._reduce
+        reduced = handle.wait()
+        self._reduce = None
+        if self.offload:
+            assert self.master.grad is not None
+            to_host_(self.master.grad, reduced, accumulate=self.has_grad)
+        elif self.has_grad and self.shard.grad is not None:
+            self.shard.grad.add_(reduced)
+        else:
+            self.shard.grad = reduced
+        self.has_grad = True
+
+    def reduce_output(self) -> Tensor | None:
+        """The output shard of the reduce-scatter in flight, if any."""
+        return None if self._reduce is None else self._reduce[1]
+
+    def master_grad(self) -> Tensor:
+        """The fp32 gradient of this rank's master shard, for the optimizer (summed over ranks,
+        not yet averaged or unscaled)."""
+        if not self.has_grad:
+            raise RuntimeError("no gradient has been reduced into this shard yet; call backward first")
+        if self.offload or self.master is self.shard:
+            grad = self.master.grad
+        else:
+            assert self.shard.grad is not None
+            grad = self.master.grad = self.shard.grad.float()
+            self.shard.grad = None
+        assert grad is not None
+        return grad
+
+    def release_grads(self) -> None:
+        """Drop this shard's gradients (the offload host buffer is kept, marked empty)."""
+        if self._reduce is not None:
+            self.finish_reduce()
+        if self._grad_flat is not None:
+            for p in self.params:
+                p.grad = None
+            self._grad_flat = None
+        self.shard.grad = None
+        if not self.offload:
+            self.master.grad = None
+        self.has_grad = False
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatParam(group={self.group_index}, params={len(self.params)}, numel={self.numel}, "
+            f"padded={self.layout.padded_numel}, {self.compute_dtype}, {self.residency.value})"
+        )

@@ -1,0 +1,306 @@
+"""``ZeroOptimizer``: ZeRO stages 1-3 around any elementwise torch.optim optimizer.
+
+The user builds the model and a torch optimizer over its parameters as usual, then hands
+both over::
+
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2,
+                         group=dp_group, precision="bf16", clip_grad_norm=1.0)
+    loss = model.loss(idx, targets)      # this rank's microbatch, mean loss
+    zero.backward(loss)
+    zero.step()                          # False when an fp16 overflow skipped the step
+
+Each optimizer group's parameters are flattened into FlatParams (stage 1-2: buckets of
+``bucket_bytes``; stage 3: one per unit module), and the optimizer is rewired to step this
+rank's fp32 master shards, one optimizer parameter per FlatParam, with its group's
+hyperparameters. Per step each stage moves, by the paper accounting, the padded parameter
+bytes (in the compute dtype) twice (reduce-scatter of gradients, all-gather of updated
+parameters) in stages 1-2 and three times in stage 3 (all-gathers in forward and
+backward, reduce-scatter), plus 32 bytes for the gradient norm / overflow check when
+clipping or fp16 is on.
+
+Averaging: the gradient stepped is the mean over ranks of each rank's gradient (summed over
+its microbatches), so with per-rank mean losses over equal microbatches it is the gradient
+of the mean loss over the concatenation of every rank's batch: exactly the serial
+reference's, up to fp32 round-off. Divide each microbatch loss by the number of
+accumulated microbatches for the mean over them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tessera.comm import Group, MemoryReport, all_gather, group_size, measure_memory
+from tessera.zero.clip import clip_coefficient, global_grad_stats
+from tessera.zero.flat import bucketize
+from tessera.zero.flat_param import FlatParam
+from tessera.zero.grads import GradReducer, HookRunner
+from tessera.zero.offload import sync_device
+from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
+from tessera.zero.stage3 import ParamGatherer
+from tessera.zero.units import assign_params, default_units
+from tessera.zero.validate import ZeroConfig, collect_params
+
+__all__ = ["ZeroOptimizer"]
+
+log = logging.getLogger(__name__)
+
+
+class ZeroOptimizer:
+    """Shards optimizer state (stage 1), gradients (2) and parameters (3) over ``group``.
+
+    ``optimizer`` must be a fresh torch optimizer over every parameter of ``model`` (all
+    trainable, on one device); it is rewired in place to step this rank's shards, so an LR
+    scheduler built on it keeps working. ``precision``: compute dtype (the model's
+    parameters and floating buffers are cast to it; fp32 masters are kept). ``offload``:
+    master shards, their gradients, the optimizer state and the step live on the host.
+    ``clip_grad_norm``: clip the global gradient norm like ``clip_grad_norm_``.
+    ``bucket_bytes``: stage 1-2 bucket size. ``units``: stage-3 modules to gather together
+    (default: ``default_units(model)``). ``loss_scaler``: fp16's (a default one if None).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        group: Group = None,
+        precision: Precision = "fp32",
+        offload: bool = False,
+        clip_grad_norm: float | None = None,
+        bucket_bytes: int = 25 * 2**20,
+        units: Sequence[nn.Module] | None = None,
+        prefetch: bool = True,
+        loss_scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        self.config = ZeroConfig(stage, precision, offload, clip_grad_norm, bucket_bytes)
+        dtype = compute_dtype(precision)
+        named, group_of = collect_params(model, optimizer)
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.world_size = group_size(group)
+        self.device = named[0][1].device
+        self.dtype = dtype
+        align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+        n_groups = len(optimizer.param_groups)
+
+        def make(pairs: list[tuple[str, nn.Parameter]], gi: int, sharded: bool) -> FlatParam:
+            return FlatParam(
+                [p for _, p in pairs],
+                [n for n, _ in pairs],
+                group_index=gi,
+                group=group,
+                compute_dtype=dtype,
+                offload=offload,
+                sharded=sharded,
+                align=align,
+            )
+
+        self.flats: list[FlatParam] = []
+        self.units: list[tuple[nn.Module, list[FlatParam]]] = []
+        if stage in (1, 2):
+            for gi in range(n_groups):
+                mine = [(n, p) for n, p in reversed(named) if group_of[id(p)] == gi]
+                sizes = [p.numel() * dtype.itemsize for _, p in mine]
+                for bucket in bucketize(sizes, bucket_bytes):
+                    self.flats.append(make([mine[i] for i in reversed(bucket)], gi, False))
+        else:
+            chosen = default_units(model) if units is None else list(units)
+            for unit, pairs in assign_params(model, chosen):
+                unit_flats = []
+                for gi in range(n_groups):
+                    mine = [(n, p) for n, p in pairs if group_of[id(p)] == gi]
+                    if mine:
+                        unit_flats.append(make(mine, gi, True))
+                self.units.append((unit, unit_flats))
+                self.flats.extend(unit_flats)
+        cast_buffers_(model, dtype)
+        for gi, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [f.master for f in self.flats if f.group_index == gi]
+        optimizer.state.clear()
+
+        self._runner = HookRunner()
+        self._gatherer = (
+            ParamGatherer(model, self.units, self._runner, prefetch=prefetch) if stage == 3 else None
+        )
+        self._reducer = GradReducer(
+            self.flats,
+            self._runner,
+            overlap=stage >= 2,
+            on_final=(lambda f: f.free()) if stage == 3 else None,
+        )
+        self.scaler = (
+            loss_scaler if loss_scaler is not None else (DynamicLossScaler() if precision == "fp16" else None)
+        )
+        self._holder = nn.ParameterList(_unique([t for f in self.flats for t in (f.shard, f.master)]))
+        self.last_grad_norm: float | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage: 1, 2 or 3."""
+        return self.config.stage
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor ``backward`` multiplies the loss by (1 without fp16 loss scaling)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    # ------------------------------------------------------------------ training
+    def backward(self, loss: Tensor) -> None:
+        """Backpropagate ``loss`` (scaled for fp16); outside ``no_sync``, reduce-scatter the
+        gradients (during backward in stages 2-3) so each rank ends with its shard."""
+        self._runner.begin()
+        scaled = loss if self.scaler is None else loss.float() * self.scaler.scale
+        torch.autograd.backward(scaled)
+        self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        self._reducer.finish_backward()
+        if self._gatherer is not None:
+            self._gatherer.free_all()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients in ``param.grad`` over microbatches without communicating
+        them (stage 3 still gathers parameters); the backward after the block reduces."""
+        previous = self._reducer.sync
+        self._reducer.sync = False
+        try:
+            yield
+        finally:
+            self._reducer.sync = previous
+
+    def step(self) -> bool:
+        """Average the gradient shards over ranks, unscale, clip, step the optimizer on the
+        masters and update the parameters; returns False when an overflow skipped the step.
+
+        The gradients are consumed either way (no ``zero_grad`` is needed before the next
+        backward). Stages 1-2 end with every rank's parameters updated in full.
+        """
+        if any(f.ready_params or f.launched for f in self.flats):
+            self._finish_backward()  # backward ran without ZeroOptimizer.backward
+        if self.stage == 1:
+            self._reducer.reduce_all()
+        else:
+            self._reducer.wait_all()
+        if self.config.offload:
+            sync_device(self.device)
+        grads = [f.master_grad() for f in self.flats]
+        factor = 1.0 / (self.world_size * self.loss_scale)
+        if self.config.clip_grad_norm is not None or self.scaler is not None:
+            stats = global_grad_stats(grads, self.group, self.device)
+            if stats.overflow:
+                return self._skip()
+            self.last_grad_norm = stats.norm * factor
+            if self.config.clip_grad_norm is not None:
+                factor *= clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        for flat in self.flats:
+            flat.release_grads()
+            flat.push_master()
+        self._refresh_params()
+        self.steps += 1
+        return True
+
+    def _skip(self) -> bool:
+        if self.scaler is not None:
+            self.scaler.update(True)
+            log.info("gradient overflow: step skipped, loss scale now %s", self.scaler.scale)
+        else:
+            log.warning("non-finite gradient norm without a loss scaler: step skipped")
+        self.last_grad_norm = float("inf")
+        self.zero_grad()
+        return False
+
+    def _refresh_params(self) -> None:
+        if self.stage in (1, 2):
+            for handle in [f.gather_params_async() for f in self.flats]:
+                handle.wait()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient: the parameters' and this rank's shards."""
+        self._reducer.wait_all()
+        for flat in self.flats:
+            for p in flat.params:
+                p.grad = None
+            flat.release_grads()
+
+    # ------------------------------------------------------------------ inspection
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside the block every parameter of the model holds its full value (stage 3 gathers
+        them, collectively; stages 1-2 always do)."""
+        if self._gatherer is None:
+            yield
+            return
+        for flat in self.flats:
+            flat.wait_gathered()
+        try:
+            yield
+        finally:
+            self._gatherer.free_all()
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Every parameter's fp32 master value in full, by name (collective: all-gathers)."""
+        out: dict[str, Tensor] = {}
+        for flat in self.flats:
+            full = all_gather(flat.master.detach().to(self.device), self.group)
+            for i, name in enumerate(flat.names):
+                start, stop = flat.layout.span(i)
+                out[name] = full[start:stop].view(flat.params[i].shape).cpu()
+        return out
+
+    def declared_buffers(self) -> list[Tensor]:
+        """Transient buffers held right now beyond model state: the output shards of reductions
+        in flight (none between steps; their flat inputs are held by the backend)."""
+        return self._reducer.in_flight()
+
+    def memory(self) -> MemoryReport:
+        """Bytes held by this rank, by storage: parameters (full or gathered compute copies,
+        shards, masters), gradients (parameter and shard), optimizer state, declared buffers."""
+        return measure_memory(
+            modules=[self.model, self._holder], optimizers=[self.optimizer], tensors=self.declared_buffers()
+        )
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: str | Path) -> None:
+        """Write this rank's shards and optimizer state under directory ``path`` (collective)."""
+        from tessera.zero.checkpoint import save
+
+        save(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        """Load what ``save`` wrote, at the same world size and layout (collective)."""
+        from tessera.zero.checkpoint import load
+
+        load(self, Path(path))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"ZeroOptimizer(stage={c.stage}, world={self.world_size}, precision={c.precision}, "
+            f"offload={c.offload}, flats={len(self.flats)}, optimizer={type(self.optimizer).__name__})"
+        )
+
+
+def _unique(tensors: list[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out

@@ -1,0 +1,152 @@
+"""Stage 3's parameter life cycle: gather a unit's parameters just before use, free them after.
+
+Forward: a unit's pre-hook makes sure its FlatParams are gathered (waiting for a prefetch
+if one is in flight) and starts the all-gather of the unit expected next (the order the
+previous forward ran in; the registration order the first time); its post-hook frees them
+and hooks the unit's output tensors. Backward: the first gradient to reach a unit's output
+means its backward is about to run, so that hook gathers the unit again and prefetches the
+unit that ran before it in forward. The gradient reducer frees a unit's FlatParams once
+their gradients are final. The model itself is a unit too (it owns tied and otherwise
+unowned parameters); its post-forward hook frees anything still gathered, and every
+gathered FlatParam is freed at the end of backward.
+
+Moves each unit's padded parameters twice per step (forward and backward all-gathers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tessera.zero.flat_param import FlatParam
+from tessera.zero.grads import HookRunner
+
+__all__ = ["ParamGatherer"]
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+class ParamGatherer:
+    """Hooks that gather and free each unit's FlatParams around its forward and backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[tuple[nn.Module, list[FlatParam]]],
+        runner: HookRunner,
+        *,
+        prefetch: bool = True,
+    ) -> None:
+        self.model = model
+        self.prefetch = prefetch
+        self._runner = runner
+        self._flats: dict[int, list[FlatParam]] = {id(m): fl for m, fl in units if fl}
+        self._root_flats = self._flats.get(id(model), [])
+        self._units = [m for m, fl in units if fl and m is not model]
+        self._last_order: list[nn.Module] = []
+        self._order: list[nn.Module] = []
+        self._order_index: dict[int, int] = {}
+        self._backward_seen: set[int] = set()
+        self._handles = [
+            model.register_forward_pre_hook(self._root_pre_forward),
+            model.register_forward_hook(self._root_post_forward),
+        ]
+        for unit in self._units:
+            self._handles.append(unit.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(unit.register_forward_hook(self._post_forward))
+
+    # ------------------------------------------------------------------ helpers
+    def all_flats(self) -> list[FlatParam]:
+        """Every FlatParam this gatherer manages."""
+        return [f for fl in self._flats.values() for f in fl]
+
+    def _gather(self, module: nn.Module, *, for_backward: bool = False) -> None:
+        for flat in self._flats.get(id(module), []):
+            flat.wait_gathered()
+            if for_backward:
+                flat.prepare_grads()
+
+    def _prefetch(self, module: nn.Module | None) -> None:
+        if module is None or not self.prefetch:
+            return
+        for flat in self._flats.get(id(module), []):
+            flat.gather_async()
+
+    def _free(self, module: nn.Module) -> None:
+        for flat in self._flats.get(id(module), []):
+            flat.free()
+
+    def free_all(self) -> None:
+        """Free every gathered FlatParam (the end of a forward without grad, or of backward)."""
+        for flat in self.all_flats():
+            flat.free()
+
+    def _hook_backward(self, module: nn.Module, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(  # type: ignore[no-untyped-call]
+                    lambda grad, m=module: self._runner.run(self._pre_backward, m)
+                )
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._order, self._order_index = [], {}
+        self._backward_seen = set()
+        for flat in self._root_flats:
+            flat.wait_gathered()
+        predicted = self._last_order or self._units
+        self._prefetch(predicted[0] if predicted else None)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._last_order = list(self._order)
+        self.free_all()
+        self._hook_backward(module, output)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._gather(module)
+        if id(module) not in self._order_index:
+            self._order_index[id(module)] = len(self._order)
+            self._order.append(module)
+        predicted = self._last_order or self._units
+        try:
+            i = next(k for k, m in enumerate(predicted) if m is module)
+        except StopIteration:
+            return
+        self._prefetch(predicted[i + 1] if i + 1 < len(predicted) else None)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._free(module)
+        self._hook_backward(module, output)
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, module: nn.Module) -> None:
+        if id(module) in self._backward_seen:
+            return
+        self._backward_seen.add(id(module))
+        if module is self.model:
+            self._gather(module, for_backward=True)
+            self._prefetch(self._order[-1] if self._order else None)
+            return
+        self._gather(module, for_backward=True)
+        i = self._order_index.get(id(module))
+        if i is not None and i > 0:
+            self._prefetch(self._order[i - 1])
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

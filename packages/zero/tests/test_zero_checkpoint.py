@@ -1,0 +1,104 @@
+"""Tier 2: sharded checkpoints resume bit for bit, and refuse what they cannot load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.zero import ZeroOptimizer
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+
+
+def _build(case: dict[str, Any]) -> tuple[GPT, ZeroOptimizer]:
+    model = GPT(CFG, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zero = ZeroOptimizer(
+        model,
+        opt,
+        stage=case["stage"],
+        precision=case["precision"],
+        offload=case["offload"],
+        clip_grad_norm=1.0,
+        bucket_bytes=2048,
+    )
+    return model, zero
+
+
+def _run(rank: int, model: GPT, zero: ZeroOptimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model.loss(*make_batch(CFG, 2, seed=10 * step + rank))
+        zero.backward(loss)
+        zero.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume(rank: int, case: dict[str, Any], path: str) -> tuple[list[float], list[float], float, float]:
+    model, zero = _build(case)
+    _run(rank, model, zero, range(3))
+    zero.save(path)
+    straight = _run(rank, model, zero, range(3, 6))
+    model2, zero2 = _build(case)
+    zero2.load(path)
+    resumed = _run(rank, model2, zero2, range(3, 6))
+    return straight, resumed, zero.loss_scale, zero2.loss_scale
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"stage": 1, "precision": "fp32", "offload": True},
+        {"stage": 2, "precision": "fp16", "offload": False},
+        {"stage": 3, "precision": "bf16", "offload": False},
+    ],
+    ids=lambda c: f"stage{c['stage']}-{c['precision']}{'-offload' if c['offload'] else ''}",
+)
+def test_save_and_load_resume_exactly(worker_pools: Any, tmp_path: Path, case: dict[str, Any]) -> None:
+    results = worker_pools(2).run(_resume, case, str(tmp_path / "ckpt"))
+    for straight, resumed, scale, scale2 in results:
+        assert straight == resumed and scale == scale2
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["meta.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["stage"] == case["stage"] and len(meta["sha256"]) == 2
+
+
+def _save(rank: int, case: dict[str, Any], path: str) -> None:
+    model, zero = _build(case)
+    _run(rank, model, zero, range(1))
+    zero.save(path)
+
+
+def _load_error(rank: int, case: dict[str, Any], path: str) -> str:
+    _, zero = _build(case)
+    try:
+        zero.load(path)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_load_refuses_what_it_cannot_load(worker_pools: Any, tmp_path: Path) -> None:
+    case = {"stage": 2, "precision": "fp32", "offload": False}
+    path = str(tmp_path / "ckpt")
+    worker_pools(2).run(_save, case, path)
+    four = worker_pools(4).run(_load_error, case, path)
+    assert all("saved by 2 ranks but this group has 4" in msg for msg in four), four
+    other_stage = worker_pools(2).run(_load_error, case | {"stage": 3}, path)
+    assert all("is ZeRO stage 2, this optimizer is 3" in msg for msg in other_stage), other_stage
+    shard = tmp_path / "ckpt" / "rank-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    tampered = worker_pools(2).run(_load_error, case, path)
+    assert tampered[0] == "RuntimeError: reading a shard failed on 1 other rank(s); see their errors"
+    assert tampered[1].startswith("ValueError:") and "checksum mismatch" in tampered[1]
+    missing = worker_pools(2).run(_load_error, case, str(tmp_path / "nothing"))
+    assert all("meta.json is missing" in msg for msg in missing)

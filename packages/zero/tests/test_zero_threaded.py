@@ -1,0 +1,199 @@
+"""Tier 1: ZeRO logic with ranks as threads, against one process on the concatenated batch.
+
+A small MLP (several parameter groups, tied weights, unused parameters) keeps every example
+to milliseconds, so hypothesis can draw world sizes, stages, bucket sizes and optimizers.
+The reference sums the same mean loss over the concatenation of every rank's batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from tessera.comm import CommMeter, CommOp
+from tessera.comm.testing import run_threaded
+from tessera.zero import ZeroOptimizer
+
+D, H = 6, 10
+
+
+class MLP(nn.Module):
+    """in -> [Linear, Tanh, Linear] -> out; ``tie``: both body layers share one weight (its
+    owner for stage 3 is then the model itself, the innermost unit enclosing both uses)."""
+
+    def __init__(self, seed: int, *, tie: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(D, H)
+        self.body = nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H))
+        self.out = nn.Linear(H, D)
+        if tie:
+            self.body[2].weight = self.body[0].weight  # type: ignore[union-attr]
+        self.spare = nn.Linear(2, 2) if unused else None
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(self.body(h))  # type: ignore[no-any-return]
+
+
+def batch(step: int, rank: int, micro: int = 0, size: int = 3) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randn(size, D, generator=gen), torch.randn(size, D, generator=gen)
+
+
+def make_optimizer(model: nn.Module, kind: str, groups: bool) -> torch.optim.Optimizer:
+    if groups:
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        spec: Any = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
+    else:
+        spec = model.parameters()
+    if kind == "sgd":
+        return torch.optim.SGD(spec, lr=0.05, momentum=0.9, weight_decay=0.01)
+    if kind == "adam":
+        return torch.optim.Adam(spec, lr=0.01, eps=1e-6)
+    return torch.optim.AdamW(spec, lr=0.01, weight_decay=0.1, eps=1e-6)
+
+
+def serial(case: dict[str, Any]) -> dict[str, Tensor]:
+    model = MLP(0, tie=case.get("tie", False))
+    opt = make_optimizer(model, case["opt"], case["groups"])
+    for step in range(case["steps"]):
+        parts = [batch(step, r, m) for r in range(case["world"]) for m in range(case.get("micro", 1))]
+        xs, ys = zip(*parts, strict=True)
+        opt.zero_grad()
+        F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        if case.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(rank: int, case: dict[str, Any]) -> dict[str, Any]:
+    model = MLP(0, tie=case.get("tie", False))
+    zero = ZeroOptimizer(
+        model,
+        make_optimizer(model, case["opt"], case["groups"]),
+        stage=case["stage"],
+        bucket_bytes=case.get("bucket", 25 * 2**20),
+        clip_grad_norm=case.get("clip"),
+        offload=case.get("offload", False),
+    )
+    micro = case.get("micro", 1)
+    quiet_ops: list[dict[CommOp, int]] = []
+    for step in range(case["steps"]):
+        with CommMeter() as quiet, zero.no_sync():
+            for m in range(micro - 1):
+                x, y = batch(step, rank, m)
+                zero.backward(F.mse_loss(model(x), y) / micro)
+        quiet_ops.append(quiet.by_op())
+        x, y = batch(step, rank, micro - 1)
+        zero.backward(F.mse_loss(model(x), y) / micro)
+        assert zero.step()
+    return {"params": zero.full_parameters(), "quiet": quiet_ops, "flats": len(zero.flats)}
+
+
+def check(case: dict[str, Any], atol: float = 2e-6) -> list[dict[str, Any]]:
+    results = run_threaded(case["world"], _train, case)
+    ref = serial(case)
+    for res in results:
+        assert res["params"].keys() == ref.keys()
+        for name, want in ref.items():
+            torch.testing.assert_close(res["params"][name], want, atol=atol, rtol=1e-5, msg=name)
+    return results
+
+
+@settings(max_examples=30)
+@given(
+    st.integers(1, 4),
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from(["sgd", "adam", "adamw"]),
+    st.booleans(),
+    st.sampled_from([1, 64, 300, 10_000]),
+    st.sampled_from([None, 0.5]),
+)
+def test_stages_equal_serial(
+    world: int, stage: int, opt: str, groups: bool, bucket: int, clip: float | None
+) -> None:
+    case = {"world": world, "stage": stage, "opt": opt, "groups": groups, "bucket": bucket, "clip": clip}
+    check(case | {"steps": 3})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulation_communicates_only_on_the_last_microbatch(stage: int) -> None:
+    case = {"world": 2, "stage": stage, "opt": "adamw", "groups": True, "bucket": 200, "micro": 3}
+    case["steps"] = 2
+    for res in check(case):
+        for ops in res["quiet"]:
+            assert CommOp.REDUCE_SCATTER not in ops and CommOp.ALL_REDUCE not in ops
+            assert set(ops) == ({CommOp.ALL_GATHER} if stage == 3 else set())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tied_weights_are_sharded_once(stage: int) -> None:
+    case = {"world": 3, "stage": stage, "opt": "adamw", "groups": False, "bucket": 100, "tie": True}
+    check(case | {"clip": 0.1, "steps": 3})
+
+
+def _unused(rank: int, stage: int) -> list[bool]:
+    model = MLP(0, unused=True)
+    zero = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, bucket_bytes=64)
+    x, y = batch(0, rank)
+    zero.backward(F.mse_loss(model(x), y))
+    assert zero.step()
+    assert model.spare is not None
+    fresh = MLP(0, unused=True).spare
+    assert fresh is not None
+    with zero.gathered():
+        pairs = zip(model.spare.parameters(), fresh.parameters(), strict=True)
+        return [bool(torch.equal(p, q)) for p, q in pairs]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unused_parameters_get_zero_gradients(stage: int) -> None:
+    assert run_threaded(2, _unused, stage) == [[True, True]] * 2
+
+
+def _fresh(tie: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = MLP(0, tie=tie)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_unsupported_layouts_are_refused_before_any_collective() -> None:
+    model, opt = _fresh()
+    model.out.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen parameters are not supported \(out\.bias\)"):
+        ZeroOptimizer(model, opt, stage=2)
+    model = MLP(0)
+    with pytest.raises(
+        ValueError, match=r"2 model parameters are in no optimizer group: out\.weight, out\.b"
+    ):
+        ZeroOptimizer(model, torch.optim.SGD(list(model.parameters())[:-2], lr=0.1), stage=1)
+    model, _ = _fresh()
+    stray = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="1 optimizer parameters are not parameters of the model"):
+        ZeroOptimizer(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1), stage=1)
+    model, _ = _fresh()
+    with pytest.raises(ValueError, match="cannot shard LBFGS"):
+        ZeroOptimizer(model, torch.optim.LBFGS(model.parameters()), stage=1)
+    model, opt = _fresh()
+    F.mse_loss(model(torch.ones(1, D)), torch.zeros(1, D)).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already holds state for 8 parameters"):
+        ZeroOptimizer(model, opt, stage=3)
+    model = MLP(0)
+    model.out.weight = nn.Parameter(model.inp.weight.data.t())  # a second Parameter on the same storage
+    with pytest.raises(ValueError, match=r"'inp\.weight' and 'out\.weight' are distinct Parameters sharing"):
+        ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    model, opt = _fresh()
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 0"):
+        ZeroOptimizer(model, opt, stage=0)
