@@ -5,7 +5,7 @@ and CPU offload, around any elementwise torch.optim optimizer.
 and ``bucketize`` are the pure shard arithmetic under it.
 """
 
-from tessera.zero.clip import GradStats, clip_coefficient, global_grad_stats
+from tessera.zero.clip import GradStats, clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import FlatLayout, bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.optimizer import ZeroOptimizer
@@ -29,4 +29,5 @@ __all__ = [
     "compute_dtype",
     "default_units",
     "global_grad_stats",
+    "shard_weights",
 ]

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from tessera.comm import Group, all_reduce
+from tessera.zero.flat import FlatLayout
 
-__all__ = ["GradStats", "clip_coefficient", "global_grad_stats"]
+__all__ = ["GradStats", "clip_coefficient", "global_grad_stats", "shard_weights"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,23 +31,54 @@ class GradStats:
     overflow: bool
 
 
-def _local_sq(grads: Sequence[Tensor]) -> tuple[float, bool]:
+def shard_weights(layout: FlatLayout, rank: int, weights: Sequence[float]) -> list[tuple[int, int, float]]:
+    """The ``[start, stop)`` pieces of ``rank``'s shard (shard-local offsets) whose tensors
+    have a weight other than 1 in the squared norm, with that weight."""
+    lo, hi = layout.shard_range(rank)
+    pieces = []
+    for i, w in enumerate(weights):
+        start, stop = layout.span(i)
+        a, b = max(start, lo), min(stop, hi)
+        if w != 1.0 and a < b:
+            pieces.append((a - lo, b - lo, w))
+    return pieces
+
+
+def _local_sq(
+    grads: Sequence[Tensor], weights: Sequence[list[tuple[int, int, float]] | None] | None
+) -> tuple[float, bool]:
     if not grads:
         return 0.0, False
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float().cpu() for g in grads])
     sq = float(torch.sum(norms.double() ** 2))
+    for g, pieces in zip(grads, weights or [None] * len(grads), strict=True):
+        for a, b, w in pieces or ():
+            part = float(torch.linalg.vector_norm(g.detach()[a:b].double(), 2.0)) ** 2
+            sq += (w - 1.0) * part
     return sq, not math.isfinite(sq)
 
 
-def global_grad_stats(grads: Sequence[Tensor], group: Group, device: torch.device) -> GradStats:
+def global_grad_stats(
+    grads: Sequence[Tensor],
+    group: Group,
+    device: torch.device,
+    *,
+    extra_groups: Sequence[Group] = (),
+    weights: Sequence[list[tuple[int, int, float]] | None] | None = None,
+) -> GradStats:
     """All-reduce the squared norm of this rank's gradient shards and its overflow flag.
 
     ``device`` is where the collective runs (the group's device: gradients offloaded to the
-    host are reduced through it). Moves 32 bytes.
+    host are reduced through it). ``extra_groups``: model-parallel groups summed over too;
+    ``weights``: per gradient, shard pieces counted with a weight (see ``shard_weights``).
+    Moves 32 bytes per group.
     """
-    sq, bad = _local_sq(grads)
+    sq, bad = _local_sq(grads, weights)
     stats = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64, device=device)
-    total = all_reduce(stats, group, "sum").cpu()
+    total = all_reduce(stats, group, "sum")
+    for extra in extra_groups:
+        total = all_reduce(total, extra, "sum")
+    total = total.cpu()
     overflow = bool(total[1] > 0)
     return GradStats(norm=math.inf if overflow else math.sqrt(float(total[0])), overflow=overflow)
 

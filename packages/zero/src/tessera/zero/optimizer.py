@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, MemoryReport, all_gather, group_size, measure_memory
-from tessera.zero.clip import clip_coefficient, global_grad_stats
+from tessera.comm import Group, MemoryReport, all_gather, group_rank, group_size, measure_memory
+from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
@@ -62,6 +62,12 @@ class ZeroOptimizer:
     ``clip_grad_norm``: clip the global gradient norm like ``clip_grad_norm_``.
     ``bucket_bytes``: stage 1-2 bucket size. ``units``: stage-3 modules to gather together
     (default: ``default_units(model)``). ``loss_scaler``: fp16's (a default one if None).
+
+    Under tensor or pipeline parallelism the model here is this rank's part: pass the
+    model-parallel groups as ``norm_groups`` (the squared gradient norm and the overflow flag
+    are summed over them too, so clipping and loss scaling agree on every rank) and, in
+    ``replication``, how many model-parallel ranks hold an identical copy of each replicated
+    parameter (e.g. tp for a LayerNorm not split by tensor parallelism), so it counts once.
     """
 
     def __init__(
@@ -78,8 +84,11 @@ class ZeroOptimizer:
         units: Sequence[nn.Module] | None = None,
         prefetch: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
+        norm_groups: Sequence[Group] = (),
+        replication: Mapping[nn.Parameter, int] | None = None,
     ) -> None:
         self.config = ZeroConfig(stage, precision, offload, clip_grad_norm, bucket_bytes)
+        self.norm_groups = tuple(norm_groups)
         dtype = compute_dtype(precision)
         named, group_of = collect_params(model, optimizer)
         self.model = model
@@ -139,6 +148,14 @@ class ZeroOptimizer:
         self.scaler = (
             loss_scaler if loss_scaler is not None else (DynamicLossScaler() if precision == "fp16" else None)
         )
+        self._norm_weights = [
+            shard_weights(
+                f.layout, group_rank(group), [1.0 / (replication or {}).get(p, 1) for p in f.params]
+            )
+            if replication
+            else None
+            for f in self.flats
+        ]
         self._holder = nn.ParameterList(_unique([t for f in self.flats for t in (f.shard, f.master)]))
         self.last_grad_norm: float | None = None
         self.steps = 0
@@ -197,7 +214,9 @@ class ZeroOptimizer:
         grads = [f.master_grad() for f in self.flats]
         factor = 1.0 / (self.world_size * self.loss_scale)
         if self.config.clip_grad_norm is not None or self.scaler is not None:
-            stats = global_grad_stats(grads, self.group, self.device)
+            stats = global_grad_stats(
+                grads, self.group, self.device, extra_groups=self.norm_groups, weights=self._norm_weights
+            )
             if stats.overflow:
                 return self._skip()
             self.last_grad_norm = stats.norm * factor
