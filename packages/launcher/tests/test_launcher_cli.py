@@ -39,7 +39,10 @@ dist.destroy_process_group()
 def _tessera(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tessera.launcher.cli", *args],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 

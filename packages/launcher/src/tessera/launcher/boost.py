@@ -1,0 +1,143 @@
+"""``boost(model, optimizer, config)``: apply TP, then PP, then ZeRO / DP, and return an Engine.
+
+The order matters: tensor parallelism replaces modules by their sharded twins (in place,
+keeping the serial weights' slices), the pipeline partitioner then cuts the model's blocks
+``[embed, *layers, head]`` into this rank's stages, and the optimizer is rebuilt over the
+parameters this rank still holds, to be sharded over the data-parallel group by ZeRO.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.comm import Mesh, Topology
+from tessera.launcher.config import Config
+from tessera.launcher.engine import Engine, Placement
+from tessera.pipeline import (
+    SCHEDULE_LAYOUTS,
+    PipelineRuntime,
+    build_schedule,
+    partition_by_params,
+    stage_modules,
+)
+from tessera.tensor_parallel import GPT_PLAN, PlanLike, parallelize, vocab_parallel_cross_entropy
+from tessera.zero import ZeroOptimizer
+
+__all__ = ["boost", "rebuild_optimizer"]
+
+log = logging.getLogger(__name__)
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and hyperparameters over ``params``.
+
+    Tensor and pipeline parallelism replace or drop parameters, so the user's optimizer is
+    rebuilt over what this rank holds; it must have one parameter group and no state yet.
+    """
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"boost() rebuilds the optimizer over this rank's parameters and supports one parameter "
+            f"group; got {len(optimizer.param_groups)}"
+        )
+    if optimizer.state:
+        raise ValueError("boost() needs a fresh optimizer (it already holds state)")
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings: dict[str, Any] = {
+        k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted
+    }
+    return type(optimizer)(params, **settings)
+
+
+def boost(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    *,
+    plan: PlanLike = GPT_PLAN,
+    scheduler_fn: Any = None,
+) -> Engine:
+    """Compose dp x pp x tp x ZeRO for ``model`` (a reference-GPT-shaped model: ``blocks()``,
+    ``embed``/``layers``/``head``) per ``config``; collective over the default process group.
+
+    ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
+    rebuilt optimizer (none by default).
+    """
+    errors = config.validate()
+    if errors:
+        raise ValueError("; ".join(errors))
+    p = config.parallel
+    mesh = Mesh(Topology(dp=p.dp, pp=p.pp, tp=p.tp))
+    full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    tp_group, dp_group, pp_group = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
+    if p.tp > 1:
+        parallelize(
+            model, plan=plan, mesh=mesh, sequence_parallel=p.sequence_parallel, seed=config.train.seed
+        )
+    named = {name: param for name, param in model.named_parameters()}
+    names = {id(param): name for name, param in named.items()}
+    replicated = {param: p.tp for name, param in named.items() if tuple(param.shape) == full_shapes[name]}
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
+
+    runtime: PipelineRuntime | None = None
+    stage_to_rank: tuple[int, ...] = ()
+    if p.pp > 1:
+        blocks = model.blocks()  # type: ignore[operator]
+        v = p.virtual_stages
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, v)
+        partition = partition_by_params(
+            blocks, p.pp, chunks_per_rank=schedule.chunks_per_rank, layout=SCHEDULE_LAYOUTS[p.schedule]
+        )
+        stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
+        module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
+        stage_to_rank = schedule.stage_to_rank
+    else:
+        module = model
+    local = [param for param in module.parameters()]
+    placement = Placement(
+        names={param: names[id(param)] for param in local},
+        full_shapes=full_shapes,
+        replicated={param: n for param, n in replicated.items() if any(param is q for q in local)},
+        stage_to_rank=stage_to_rank,
+    )
+    optimizer = rebuild_optimizer(optimizer, local)
+    zero: ZeroOptimizer | None = None
+    if config.zero.stage >= 1:
+        zero = ZeroOptimizer(
+            module,
+            optimizer,
+            stage=config.zero.stage,
+            group=dp_group,
+            precision=config.train.precision,  # type: ignore[arg-type]
+            offload=config.zero.offload,
+            clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
+            norm_groups=[g for g, n in ((tp_group, p.tp), (pp_group, p.pp)) if n > 1],
+            replication=placement.replicated,
+        )
+    if p.pp > 1:
+        runtime = PipelineRuntime(schedule, stages, loss_fn, group=pp_group, device=mesh.device)
+    scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
+    log.info(
+        "boosted: %s, zero stage %d, %s; this rank holds %d parameters",
+        mesh.topology.describe(),
+        config.zero.stage,
+        config.train.precision,
+        sum(t.numel() for t in local),
+    )
+    return Engine(
+        config=config,
+        mesh=mesh,
+        module=module,
+        optimizer=optimizer,
+        zero=zero,
+        runtime=runtime,
+        scheduler=scheduler,
+        loss_fn=loss_fn,
+        placement=placement,
+    )
