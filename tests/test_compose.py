@@ -7,6 +7,8 @@ optimizer, clipping and data. Each composition runs a few AdamW steps on the wor
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +107,45 @@ def test_dp_pp_tp_with_zero_on_eight_ranks(worker_pools: PoolFactory) -> None:
     serial = _serial()
     for result in worker_pools(8).run(_parallel, config, timeout=180):
         _check(result, serial)
+
+
+def _resume(rank: int, config: Config, path: str) -> tuple[list[float], list[float]]:
+    """Five steps straight, and two steps + save + a new engine that loads and runs three more."""
+
+    def fresh() -> Any:
+        model = GPT(GPT_CFG, seed=1)
+        opt = _optimizer(model)
+        return boost(
+            model,
+            opt,
+            config,
+            scheduler_fn=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),
+        )
+
+    straight = fresh()
+    a = [straight.train_step(*make_batch(GPT_CFG, BATCH, seed=s)).loss for s in range(5)]
+    first = fresh()
+    b = [first.train_step(*make_batch(GPT_CFG, BATCH, seed=s)).loss for s in range(2)]
+    first.save(path)
+    second = fresh()
+    second.load(path)
+    assert second.step == 2
+    b += [second.train_step(*make_batch(GPT_CFG, BATCH, seed=s)).loss for s in range(second.step, 5)]
+    return a, b
+
+
+@pytest.mark.parametrize(
+    ("parallel", "zero"),
+    [
+        (ParallelConfig(dp=2, tp=2, microbatches=2), 1),
+        (ParallelConfig(pp=2, tp=2, microbatches=2), 0),
+        (ParallelConfig(dp=4, microbatches=2), 3),
+    ],
+    ids=["dp2-tp2-zero1", "pp2-tp2", "dp4-zero3"],
+)
+def test_resume_continues_the_exact_loss_curve(
+    worker_pools: PoolFactory, tmp_path: Path, parallel: ParallelConfig, zero: int
+) -> None:
+    config = _config(parallel, zero)
+    for straight, resumed in worker_pools(4).run(_resume, config, str(tmp_path / "ckpt"), timeout=180):
+        assert resumed == straight  # bit for bit

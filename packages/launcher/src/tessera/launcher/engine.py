@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,6 +157,19 @@ class Engine:
             if n > 1:
                 sq = all_reduce(sq.reshape(1), group).reshape(())
         return math.sqrt(float(sq))
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: str | Path) -> None:
+        """Checkpoint model, optimizer, scheduler, RNG and data position (collective)."""
+        from tessera.launcher.checkpoint import save_engine
+
+        save_engine(self, path)
+
+    def load(self, path: str | Path) -> None:
+        """Resume from ``save``'s checkpoint at the same topology (collective)."""
+        from tessera.launcher.checkpoint import load_engine
+
+        load_engine(self, path)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
