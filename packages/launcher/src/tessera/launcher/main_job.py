@@ -1,0 +1,184 @@
+"""The main job: a character-level GPT trained on the Python standard library's own source.
+
+Run it with ``tessera train --config configs/main.toml`` (``hatch run train``); every rank
+executes this module. Rank 0 shows progress and writes the run folder under
+``train.run_dir``: ``metrics.jsonl`` (a ``loss`` field per logged step, ``val_loss`` at each
+evaluation), ``plot.png`` (loss and tokens/s), ``checkpoint/`` (the resumable engine state),
+``model.safetensors`` (the consolidated serial model), ``tokenizer.json`` and
+``sample.txt`` (text the trained model generates).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.comm import broadcast, default_device
+from tessera.comm.testing import GPT, GPTConfig
+from tessera.launcher.boost import boost
+from tessera.launcher.config import Config
+from tessera.launcher.config_io import config_to_toml, load_config
+from tessera.launcher.consolidate import consolidate
+from tessera.launcher.data import TextData, load_corpus
+from tessera.launcher.engine import Engine
+from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics
+
+__all__ = ["main", "sample"]
+
+log = logging.getLogger("tessera.train")
+
+
+def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = config.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def _lr_lambda(config: Config) -> object:
+    warmup, total, floor = config.optim.warmup_steps, config.train.steps, config.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@torch.no_grad()
+def sample(
+    model: GPT, data: TextData, *, prompt: str, chars: int, seed: int, temperature: float = 0.8
+) -> str:
+    """Text the serial model writes after ``prompt`` (multinomial sampling, seeded)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = data.tokenizer.encode(prompt).tolist()
+    vocab = data.tokenizer.vocab_size
+    for _ in range(chars):
+        window = torch.tensor([ids[-model.config.seq_len :]])
+        logits = model(window)[0, -1, :vocab] / temperature
+        ids.append(int(torch.multinomial(F.softmax(logits, -1), 1, generator=gen)))
+    return data.tokenizer.decode(ids)
+
+
+def _run_dir(config: Config, device: torch.device) -> Path:
+    stamp = broadcast(torch.tensor([int(time.time())], dtype=torch.int64, device=device), 0)
+    name = config.train.name or time.strftime("char-gpt-%Y%m%d-%H%M%S", time.localtime(int(stamp[0])))
+    return Path(config.train.run_dir) / name
+
+
+def _evaluate(engine: Engine, data: TextData, config: Config, step: int) -> float:
+    losses = [
+        engine.eval_loss(*data.batch("val", step * 1000 + i, config.data.batch_size))
+        for i in range(config.train.eval_batches)
+    ]
+    return sum(losses) / len(losses)
+
+
+def main() -> None:
+    """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank)."""
+    config = load_config()
+    device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.accelerator.is_available() else "gloo"
+        dist.init_process_group(backend)
+        device = default_device()
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
+    rank = dist.get_rank()
+    data = TextData(
+        load_corpus(config.data.corpus, config.data.max_chars),
+        val_fraction=config.data.val_fraction,
+        seq_len=config.model.seq_len,
+        seed=config.train.seed,
+    )
+    m, tp = config.model, config.parallel.tp
+    vocab = config.model.vocab_size or -(-data.tokenizer.vocab_size // tp) * tp  # padded to split over tp
+    gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
+    model = GPT(gpt_cfg, seed=config.train.seed).to(device)
+    factor = _lr_lambda(config)
+    engine = boost(
+        model,
+        _optimizer(config, model),
+        config,
+        scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),  # type: ignore[arg-type]
+    )
+    run = _run_dir(config, device)
+    if config.train.resume:
+        engine.load(config.train.resume)
+        log.info("resumed from %s at step %d", config.train.resume, engine.step)
+    metrics = progress = None
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "config.toml").write_text(config_to_toml(config))
+        (run / "tokenizer.json").write_text(data.tokenizer.to_json())
+        metrics = MetricsWriter(run / "metrics.jsonl")
+        progress = Progress(config.train.steps)
+        log.info(
+            "training %s on %d chars (vocab %d) into %s",
+            engine.mesh.topology.describe(),
+            sum(len(s) for s in data.splits.values()),
+            data.tokenizer.vocab_size,
+            run,
+        )
+    tokens = config.data.batch_size * m.seq_len
+    started = time.perf_counter()
+    window_start, window_steps = started, 0
+    for step in range(engine.step, config.train.steps):
+        out = engine.train_step(*data.batch("train", step, config.data.batch_size))
+        window_steps += 1
+        done = step + 1
+        if done % config.train.log_every == 0 or done == config.train.steps:
+            now = time.perf_counter()
+            speed = tokens * window_steps / (now - window_start)
+            window_start, window_steps = now, 0
+            if metrics is not None and progress is not None:
+                metrics.write(
+                    step=done,
+                    loss=out.loss,
+                    lr=out.lr,
+                    grad_norm=out.grad_norm,
+                    tokens_per_s=speed,
+                    elapsed_s=now - started,
+                    skipped=out.skipped,
+                )
+                progress.update(done, loss=out.loss, tok_s=speed)
+        if done % config.train.eval_every == 0 or done == config.train.steps:
+            val = _evaluate(engine, data, config, done)
+            if metrics is not None:
+                metrics.write(step=done, val_loss=val)
+                log.info("step %d: validation loss %.4f", done, val)
+        if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
+            engine.save(run / "checkpoint")
+    engine.save(run / "checkpoint")
+    full = consolidate(engine, run / "model.safetensors")
+    if rank == 0 and metrics is not None:
+        metrics.close()
+        assert full is not None
+        serial = GPT(gpt_cfg, seed=0)
+        serial.load_state_dict(full)
+        text = sample(serial, data, prompt="def ", chars=config.train.sample_chars, seed=config.train.seed)
+        (run / "sample.txt").write_text(text)
+        plot_metrics(read_metrics(run / "metrics.jsonl"), run / "plot.png")
+        log.info(
+            "done in %.0f s. Run folder %s: metrics.jsonl, plot.png, checkpoint/, model.safetensors, "
+            "tokenizer.json, sample.txt. Sample:\n%s",
+            time.perf_counter() - started,
+            run,
+            text,
+        )
+    engine.mesh.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

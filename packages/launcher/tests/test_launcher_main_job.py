@@ -1,0 +1,60 @@
+"""Tier 3: the main job end to end on 4 processes (dp x pp x tp with ZeRO-1), a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+
+pytestmark = pytest.mark.slow
+
+
+def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
+    args = [
+        "parallel.dp=1",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.microbatches=2",
+        "zero.stage=1",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.seq_len=16",
+        "data.batch_size=4",
+        "data.max_chars=50000",
+        "train.steps=6",
+        "train.log_every=2",
+        "train.eval_every=3",
+        "train.name=t",
+        "train.sample_chars=40",
+        "optim.warmup_steps=2",
+    ]
+    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+    for a in args:
+        cmd += ["--set", a]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = tmp_path / "runs" / "t"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6]
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
+    assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((run / "checkpoint" / "engine.json").read_text())["step"] == 6
+    state = safetensors.torch.load_file(str(run / "model.safetensors"))
+    assert state["head.lm_head.weight"].shape[1] == 32  # consolidated: full, not tp shards
+    assert state["embed.tok.weight"].shape[0] % 2 == 0
+    text = (run / "sample.txt").read_text()
+    assert text.startswith("def ") and len(text) == 44
+    assert str(run.relative_to(tmp_path)) in proc.stdout + proc.stderr  # says where things are
