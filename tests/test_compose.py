@@ -79,6 +79,7 @@ CASES = [
     (ParallelConfig(dp=2, tp=2, microbatches=1), 3),
     (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="1f1b"), 0),
     (ParallelConfig(dp=2, pp=2, microbatches=2, schedule="zb-h1"), 1),
+    (ParallelConfig(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"), 1),
     (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2), 1),
 ]
 
