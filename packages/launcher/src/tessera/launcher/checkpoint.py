@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tessera.comm import all_gather, all_reduce
+from tessera.comm.files import atomic_write
 
 if TYPE_CHECKING:
     from tessera.launcher.engine import Engine
@@ -34,21 +34,6 @@ __all__ = ["FORMAT", "load_engine", "save_engine"]
 
 FORMAT = "tessera-engine/1"
 META = "engine.json"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _topology(engine: Engine) -> dict[str, int]:
@@ -90,7 +75,7 @@ def save_engine(engine: Engine, path: str | Path) -> None:
         engine.zero.save(_zero_dir(engine, path))
     tensors, header = _rank_tensors(engine)
     data = safetensors.torch.save(tensors, metadata={"tessera": json.dumps(header)})
-    _atomic_write(path / f"rank-{rank:05d}.safetensors", data)
+    atomic_write(path / f"rank-{rank:05d}.safetensors", data)
     digests = all_gather(_sha(data).to(engine.mesh.device).reshape(1, 32), None).cpu()
     if rank == 0:
         meta = {
@@ -101,7 +86,7 @@ def save_engine(engine: Engine, path: str | Path) -> None:
             "zero_stage": engine.config.zero.stage,
             "sha256": [bytes(d.tolist()).hex() for d in digests],
         }
-        _atomic_write(path / META, json.dumps(meta, indent=1).encode())
+        atomic_write(path / META, json.dumps(meta, indent=1).encode())
     all_reduce(torch.zeros(1, device=engine.mesh.device), None)  # everyone returns after the commit
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterable
 
+from tessera.comm.files import atomic_write
 from tessera.pipeline.actions import ActionKind
 from tessera.pipeline.simulate import SimResult, TimedAction
 
@@ -94,7 +94,7 @@ def timeline_png(
         rows += [pad] + [bytes(line)] * (row_height - 2) + [pad]
     rows += [blank] * margin
     png = encode_png(width, len(rows), rows)
-    _atomic_write(path, png)
+    atomic_write(path, png)
 
 
 def _shade(t: TimedAction, first_stage: int) -> _Rgb:
@@ -105,9 +105,7 @@ def _shade(t: TimedAction, first_stage: int) -> _Rgb:
     return (round(r * (1 - dark)), round(g * (1 - dark)), round(b * (1 - dark)))
 
 
-def chrome_trace(
-    result: SimResult, path: str | os.PathLike[str], *, us_per_unit: float = 1e6
-) -> None:
+def chrome_trace(result: SimResult, path: str | os.PathLike[str], *, us_per_unit: float = 1e6) -> None:
     """Write ``result`` as Chrome trace-event JSON: one ``"X"`` event per compute action.
 
     Simulated time is multiplied by ``us_per_unit`` to get microseconds (default: the costs
@@ -131,21 +129,4 @@ def chrome_trace(
             }
         )
     doc = {"traceEvents": events, "displayTimeUnit": "ms"}
-    _atomic_write(path, json.dumps(doc, indent=0).encode())
-
-
-def _atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder, fsync and rename."""
-    target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(target))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, json.dumps(doc, indent=0).encode())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tessera.comm import all_gather, all_reduce, group_rank
+from tessera.comm.files import atomic_write
 
 if TYPE_CHECKING:
     from tessera.zero.optimizer import ZeroOptimizer
@@ -40,20 +40,6 @@ _HEADER_KEY = "tessera-zero"
 def rank_file(rank: int, world: int) -> str:
     """The file name of ``rank``'s shard in a checkpoint of ``world`` ranks."""
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _layout(zero: ZeroOptimizer) -> list[dict[str, Any]]:
@@ -123,7 +109,7 @@ def save(zero: ZeroOptimizer, path: Path) -> None:
         tensors, extra = _rank_payload(zero)
         data = safetensors.torch.save(tensors, metadata={_HEADER_KEY: json.dumps(extra)})
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / rank_file(rank, world), data)
+        atomic_write(path / rank_file(rank, world), data)
         digest = hashlib.sha256(data).digest()
     except Exception as exc:
         error = exc
@@ -146,7 +132,7 @@ def save(zero: ZeroOptimizer, path: Path) -> None:
                 "sha256": [bytes(digests[r].tolist()).hex() for r in range(world)],
                 "layout": _layout(zero),
             }
-            _atomic_write(path / META, json.dumps(meta, indent=1).encode())
+            atomic_write(path / META, json.dumps(meta, indent=1).encode())
         except Exception as exc:
             error = exc
     _agree(zero, error, "writing meta.json")
