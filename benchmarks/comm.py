@@ -1,6 +1,11 @@
-"""Collectives on 2 gloo ranks: Tessera's typed, metered, non-mutating collectives beside the
-raw torch.distributed calls (system "torch-c10d") on the same buffers, in one run.
+"""Collectives on 2 gloo ranks (``--world``): Tessera's typed, metered, non-mutating
+collectives beside the raw torch.distributed calls (system "torch-c10d") on the same
+buffers, in one run.
 
+Sizes are the full buffer in MiB of fp32: the all-reduce buffer, the all-gather's output, the
+reduce-scatter's input (1 and 25 MiB by default: a small bucket and a ZeRO/DDP-sized one).
+On gloo, Tessera's all-gather and reduce-scatter run its own p2p ring
+(``tessera.comm.gloo_ring``); torch's gloo reduce-scatter all-reduces a copy of its input.
 A "token" here is one fp32 element reduced or gathered, so tokens_per_s is elements/s.
 """
 
@@ -48,21 +53,23 @@ def _bench(rank: int, op: str, numel: int, iters: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20, 1 << 22])
+    parser.add_argument("--mib", type=float, nargs="+", default=[1.0, 25.0], help="buffer sizes, MiB")
+    parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=15)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     records = []
-    with WorkerPool(2, timeout=600) as pool:
+    with WorkerPool(args.world, timeout=600) as pool:
         for op in OPS:
-            for numel in args.sizes:
+            for mib in args.mib:
+                numel = int(mib * (1 << 20)) // 4 // args.world * args.world
                 result = pool.run(_bench, op, numel, args.iters)[0]
                 for system in ("tessera", "torch-c10d"):
                     t = result[system]
                     rec = {
                         "bench": "comm",
                         "system": system,
-                        "config": f"{op} world=2 numel={numel} fp32 gloo",
+                        "config": f"{op} world={args.world} {mib:g} MiB numel={numel} fp32 gloo",
                         "step_time_s": round(t, 6),
                         "tokens_per_s": round(numel / t, 1),
                         "comm_bytes": result["comm_bytes"],

@@ -4,6 +4,15 @@ Every function takes the group explicitly (``None`` means the default world grou
 mutates its input, and returns a new tensor; ``*_async`` forms return a Handle whose
 ``wait()`` gives that tensor. A group of one rank returns without communicating.
 Tensors must be on the device the group's backend serves (cpu for gloo, cuda for NCCL).
+
+After an ``*_async`` call returns, the caller may drop its input: the call keeps alive what
+it still reads. It must not modify the input, nor touch an ``out=`` buffer, before
+``wait()``.
+
+On a gloo group with cpu tensors, ``reduce_scatter`` and ``all_gather`` run Tessera's own
+ring over p2p (``tessera.comm.gloo_ring``: half the traffic of torch's gloo reduce-scatter,
+which all-reduces a copy, and no extra copies), ordered per group; elsewhere they call
+torch's collectives.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.comm import gloo_ring
 from tessera.comm.meters import CommOp, record
 
 __all__ = [
@@ -76,10 +86,12 @@ class Handle(Generic[T]):
     def is_completed(self) -> bool:
         """Whether every underlying operation has finished (the result may still need wait()).
 
-        A backend may only report completion once ``wait()`` was called: gloo's p2p works do.
+        True once ``wait()`` has returned. Before that, a backend may report completion late:
+        gloo's p2p works only do when waited on, so ``batch_isend_irecv`` handles say False
+        until ``wait()``. The gloo ring collectives report truthfully as soon as they finish.
         Poll it as a hint, never as the only way to learn that a transfer is done.
         """
-        return all(w.is_completed() for w in self._works)
+        return self._done or all(w.is_completed() for w in self._works)
 
 
 def group_size(group: Group) -> int:
@@ -154,13 +166,19 @@ def _check_out(out: Tensor, shape: tuple[int, ...], like: Tensor, what: str) -> 
         )
 
 
-def all_gather_async(
-    x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None
-) -> Handle[Tensor]:
-    """Start concatenating every rank's ``x`` along ``dim`` in rank order; moves the output.
+def _ring(group: Group, fn: Callable[[], Tensor], async_op: bool) -> Handle[Tensor]:
+    """Run a gloo ring after the group's earlier rings; a Handle that completes when it has."""
+    if not async_op:
+        return _done(gloo_ring.run(group, fn))
+    future = gloo_ring.submit(group, fn)
+    return Handle([gloo_ring.FutureWork(future)], future.result)
 
-    ``out`` (dim 0 only): a preallocated contiguous result to gather into.
-    """
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _all_gather(x: Tensor, group: Group, dim: int, out: Tensor | None, async_op: bool) -> Handle[Tensor]:
     n = group_size(group)
     if x.dim() == 0:
         raise ValueError("all_gather needs a tensor with at least one dimension, got a scalar")
@@ -173,21 +191,75 @@ def all_gather_async(
         _check_out(out, shape, src, "all_gather")
     if n == 1:
         return _done(out.copy_(src) if out is not None else src.clone())
-    flat = out if out is not None else torch.empty(shape, dtype=src.dtype, device=src.device)
+    flat = out.detach() if out is not None else torch.empty(shape, dtype=src.dtype, device=src.device)
     record(CommOp.ALL_GATHER, group_size=n, nbytes=flat.nbytes, like=src)
-    work = dist.all_gather_single(flat, src, group=group, async_op=True)
 
     def finish() -> Tensor:
         if dim == 0:
-            return flat
+            return out if out is not None else flat
         return torch.cat(flat.view(n, *src.shape).unbind(0), dim=dim)
 
+    if gloo_ring.applies(src, group):
+        if _shares_memory(src, flat):
+            src = src.clone()
+
+        def ring() -> Tensor:
+            gloo_ring.ring_all_gather(src, flat, group)
+            return finish()
+
+        return _ring(group, ring, async_op)
+    work = dist.all_gather_single(flat, src, group=group, async_op=True)
     return Handle([work], finish)
+
+
+def all_gather_async(
+    x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None
+) -> Handle[Tensor]:
+    """Start concatenating every rank's ``x`` along ``dim`` in rank order; moves the output.
+
+    ``out`` (dim 0 only): a preallocated contiguous result to gather into.
+    """
+    return _all_gather(x, group, dim, out, async_op=True)
 
 
 def all_gather(x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
-    return all_gather_async(x, group, dim, out=out).wait()
+    return _all_gather(x, group, dim, out, async_op=False).wait()
+
+
+def _reduce_scatter(
+    x: Tensor, group: Group, dim: int, op: ReduceOpName, out: Tensor | None, async_op: bool
+) -> Handle[Tensor]:
+    red = _reduce_op(op)
+    n = group_size(group)
+    dim = _check_divisible(x, dim, n, "reduce_scatter")
+    chunks = x.detach().chunk(n, dim=dim)
+    if out is not None:
+        _check_out(out, tuple(chunks[0].shape), x, "reduce_scatter")
+    if n == 1:
+        result = x.detach().clone(memory_format=torch.contiguous_format)
+        return _done(out.copy_(result) if out is not None else result)
+    if out is None:
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+    if gloo_ring.applies(x, group):
+        record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=x.nbytes, like=x)
+        result = out
+        # the ring receives into its output while it still reads the input: keep them apart
+        dest = torch.empty_like(out) if _shares_memory(out, x) else out.detach()
+
+        def ring() -> Tensor:
+            gloo_ring.ring_reduce_scatter(chunks, dest, group, op)
+            if dest is not result:
+                result.detach().copy_(dest)
+            return result
+
+        return _ring(group, ring, async_op)
+    src = torch.cat(chunks, 0) if dim != 0 else x.detach()
+    record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
+    work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
+    if op == "avg":
+        return Handle([work], lambda: out.div_(n))
+    return Handle([work], lambda: out)
 
 
 def reduce_scatter_async(
@@ -202,30 +274,14 @@ def reduce_scatter_async(
 
     ``out``: a preallocated contiguous tensor of the chunk's shape to receive the result.
     """
-    red = _reduce_op(op)
-    n = group_size(group)
-    dim = _check_divisible(x, dim, n, "reduce_scatter")
-    chunks = x.detach().chunk(n, dim=dim)
-    if out is not None:
-        _check_out(out, tuple(chunks[0].shape), x, "reduce_scatter")
-    if n == 1:
-        result = x.detach().clone(memory_format=torch.contiguous_format)
-        return _done(out.copy_(result) if out is not None else result)
-    if out is None:
-        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
-    src = torch.cat(chunks, 0) if dim != 0 else x.detach()
-    record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
-    work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
-    if op == "avg":
-        return Handle([work], lambda: out.div_(n))
-    return Handle([work], lambda: out)
+    return _reduce_scatter(x, group, dim, op, out, async_op=True)
 
 
 def reduce_scatter(
     x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum", *, out: Tensor | None = None
 ) -> Tensor:
     """Reduce ``x`` over the group and keep this rank's chunk along ``dim``."""
-    return reduce_scatter_async(x, group, dim, op, out=out).wait()
+    return _reduce_scatter(x, group, dim, op, out, async_op=False).wait()
 
 
 def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0) -> Tensor:

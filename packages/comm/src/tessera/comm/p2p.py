@@ -38,7 +38,8 @@ def batch_isend_irecv(
 
     Receives land in the given buffers; ``wait()`` returns them in order. Sends read their
     tensor until the handle completes, so do not modify it before ``wait()``. A send matches
-    only a receive of the same ``tag`` (gloo honours tags; NCCL ignores them).
+    only a receive of the same ``tag`` (gloo honours tags; NCCL ignores them). The tag
+    ``tessera.comm.gloo_ring.RING_TAG`` is reserved for the gloo ring collectives.
     """
     ops: list[dist.P2POp] = []
     for tensor, peer in sends:
