@@ -99,11 +99,12 @@ def boost(
         stage_to_rank = schedule.stage_to_rank
     else:
         module = model
-    local = [param for param in module.parameters()]
+    local = list(module.parameters())
+    local_ids = {id(param) for param in local}
     placement = Placement(
         names={param: names[id(param)] for param in local},
         full_shapes=full_shapes,
-        replicated={param: n for param, n in replicated.items() if any(param is q for q in local)},
+        replicated={param: n for param, n in replicated.items() if id(param) in local_ids},
         stage_to_rank=stage_to_rank,
     )
     optimizer = rebuild_optimizer(optimizer, local)

@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from tessera.comm import all_gather, all_reduce
+from tessera.comm import Group, all_gather, all_reduce
 
 if TYPE_CHECKING:
     from tessera.launcher.engine import Engine
@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["consolidate", "unshard"]
 
 
-def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: object) -> Tensor:
+def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -> Tensor:
     """The full tensor of a tp-sharded ``local`` (all-gather along its split dimension)."""
     if tuple(local.shape) == full_shape:
         return local
     dims = [d for d, (a, b) in enumerate(zip(local.shape, full_shape, strict=True)) if a != b]
     if len(dims) != 1 or local.shape[dims[0]] * tp != full_shape[dims[0]]:
         raise ValueError(f"cannot unshard shape {tuple(local.shape)} into {full_shape} over tp={tp}")
-    return all_gather(local.detach().contiguous(), group, dims[0])  # type: ignore[arg-type]
+    return all_gather(local.detach().contiguous(), group, dims[0])
 
 
 def consolidate(engine: Engine, path: str | Path) -> dict[str, Tensor] | None:

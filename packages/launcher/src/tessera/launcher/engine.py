@@ -20,7 +20,7 @@ from tessera.comm import Mesh, all_reduce, broadcast, recv, send
 from tessera.launcher.config import Config
 from tessera.pipeline import PipelineRuntime
 from tessera.tensor_parallel import sync_sequence_parallel_grads
-from tessera.zero import ZeroOptimizer
+from tessera.zero import ZeroOptimizer, clip_coefficient
 
 __all__ = ["Engine", "Placement", "StepOutput"]
 
@@ -141,7 +141,7 @@ class Engine:
         norm = self._global_norm(params)
         clip = self.config.optim.clip_grad_norm
         if clip > 0 and math.isfinite(norm):
-            coef = min(1.0, clip / (norm + 1e-6))
+            coef = clip_coefficient(norm, clip)
             for p in params:
                 p.grad.mul_(coef)  # type: ignore[union-attr]
         self.optimizer.step()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     return cls(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def _lr_lambda(config: Config) -> object:
+def _lr_lambda(config: Config) -> Callable[[int], float]:
     warmup, total, floor = config.optim.warmup_steps, config.train.steps, config.optim.min_lr_ratio
 
     def factor(step: int) -> float:
@@ -110,7 +111,7 @@ def main() -> None:
         model,
         _optimizer(config, model),
         config,
-        scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),  # type: ignore[arg-type]
+        scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
     )
     run = _run_dir(config, device)
     if config.train.resume:
