@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tessera.comm import Axis, Topology, TPMode
@@ -59,8 +59,7 @@ def test_coordinates_round_trip(t: Topology, data: st.DataObject) -> None:
 @given(topologies())
 def test_sub_axes_tile_the_tp_group(t: Topology) -> None:
     subs = [a for a in t.axes if a.value.startswith("tp_")]
-    if not subs:
-        return
+    assume(subs)  # 1d has no sub-axes: nothing to check
     for rank in range(0, t.world_size, max(1, t.world_size // 7)):
         tp_group = set(t.group_of(rank, "tp"))
         for axis in subs:

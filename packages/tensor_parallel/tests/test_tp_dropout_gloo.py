@@ -8,6 +8,14 @@ stream) they differ. Without SP the residual stream is a replicated region whose
 (replicated stream) must draw the same masks on both ranks, so every layer's output stays
 bitwise equal across ranks. Either way the run is reproducible from the seed, a different
 seed changes it, and the global generator is never touched.
+
+Values against the serial oracle: dropout masks have no serial twin (the serial model draws
+from the global generator), so every layer's output and the loss are compared in eval mode:
+with SP each rank's layer output is its slice of the sequence of the serial layer's output,
+without SP the whole of it. Tolerance rtol=1e-5, atol=1e-6: the layer outputs are ~0.1 (the
+residual stream at init) and the parallel model sums each row-parallel product over 2 ranks
+where the serial one sums it in one matmul, fp32 round-off measured at ~3e-8; a wrong slice
+of the sequence or a missed reduction is off by ~0.1.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
 from tessera.comm.testing import GPT, GPTConfig, make_batch
@@ -22,24 +31,37 @@ from tessera.comm.testing.fixtures import PoolFactory
 from tessera.tensor_parallel import GPT_PLAN, RNGRegion, parallel_gpt_loss, parallelize
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.2)
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 
 
-def _dropout_run(rank: int, sp: bool, seed: int) -> dict[str, Any]:
-    serial = GPT(CFG, seed=0)  # (nn.Linear's constructor draws from the global generator)
+def _model() -> GPT:
+    """The GPT whose rank-1 attention heads (under tp=2) copy rank 0's."""
+    model = GPT(CFG, seed=0)  # (nn.Linear's constructor draws from the global generator)
     half = CFG.d_model // 2
-    with torch.no_grad():  # rank 1's heads copy rank 0's, so only dropout can tell them apart
-        for layer in serial.layers:
+    with torch.no_grad():
+        for layer in model.layers:
             for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):  # type: ignore[union-attr]
                 proj.weight[half:] = proj.weight[:half]
                 proj.bias[half:] = proj.bias[:half]
             layer.attn.out_proj.weight[:, half:] = layer.attn.out_proj.weight[:, :half]  # type: ignore[union-attr]
+    return model
+
+
+def _record_layers(model: nn.Module) -> list[Tensor]:
+    """A list that collects the output of every transformer layer of ``model``, in call order."""
+    outputs: list[Tensor] = []
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
+    return outputs
+
+
+def _dropout_run(rank: int, sp: bool, seed: int) -> dict[str, Any]:
+    serial = _model()
     torch.manual_seed(1234)
     global_state = torch.get_rng_state()
     with Mesh(Topology(tp=2)) as mesh:
         model = parallelize(serial, plan=GPT_PLAN, mesh=mesh, sequence_parallel=sp, seed=seed)
-        layer_outputs: list[torch.Tensor] = []
-        for layer in model.layers:  # type: ignore[union-attr]
-            layer.register_forward_hook(lambda m, a, out: layer_outputs.append(out.detach()))
+        layer_outputs = _record_layers(model)
         heads: list[torch.Tensor] = []  # this rank's attention output in layer 0, train then eval
         model.layers[0].attn.out_proj.register_forward_pre_hook(lambda m, a: heads.append(a[0].detach()))  # type: ignore[index, union-attr]
         idx, targets = make_batch(CFG, 2, seed=0)
@@ -55,6 +77,7 @@ def _dropout_run(rank: int, sp: bool, seed: int) -> dict[str, Any]:
         "loss": loss.item(),
         "eval_loss": eval_loss.item(),
         "layers": layer_outputs[: CFG.n_layers],
+        "eval_layers": layer_outputs[CFG.n_layers :],
         "heads": heads,
         "untouched": untouched,
         "draws": draws,
@@ -62,6 +85,12 @@ def _dropout_run(rank: int, sp: bool, seed: int) -> dict[str, Any]:
 
 
 def test_dropout_streams_in_a_parallel_gpt(worker_pools: PoolFactory) -> None:
+    serial = _model().eval()
+    serial_layers = _record_layers(serial)
+    idx, targets = make_batch(CFG, 2, seed=0)
+    with torch.no_grad():
+        serial_loss = serial.loss(idx, targets)
+    assert len(serial_layers) == CFG.n_layers
     pool = worker_pools(2)
     for sp in (False, True):
         a0, a1 = pool.run(_dropout_run, sp, 5)
@@ -78,5 +107,9 @@ def test_dropout_streams_in_a_parallel_gpt(worker_pools: PoolFactory) -> None:
         if not sp:  # the replicated residual stream is bitwise equal on both ranks
             for x0, x1 in zip(a0["layers"], a1["layers"], strict=True):
                 assert torch.equal(x0, x1)
-        else:  # each rank holds a different slice of the sequence
-            assert a0["layers"][0].shape[1] == CFG.seq_len // 2
+        # without dropout, every rank holds the serial values (SP: its slice of the sequence)
+        for rank, got in enumerate((a0, a1)):
+            torch.testing.assert_close(torch.tensor(got["eval_loss"]), serial_loss, **TOL)
+            assert len(got["eval_layers"]) == CFG.n_layers
+            for layer_out, want in zip(got["eval_layers"], serial_layers, strict=True):
+                torch.testing.assert_close(layer_out, want.chunk(2, 1)[rank] if sp else want, **TOL)

@@ -24,14 +24,13 @@ from tessera.tensor_parallel import (
     Plan,
     RNGRegion,
     Style,
-    fused_shard_indices,
-    match_pattern,
     parallelize,
     resolve_plan,
     seeded_embedding,
     seeded_linear,
-    shard_range,
 )
+from tessera.tensor_parallel.partition import fused_shard_indices, shard_range
+from tessera.tensor_parallel.plan import match_pattern
 
 
 @settings(max_examples=60)

@@ -1,7 +1,8 @@
 """tessera.comm: topology, process-group mesh, differentiable collectives, p2p and meters.
 
 The bottom layer of Tessera; depends on torch and numpy only. Test support lives in
-``tessera.comm.testing``.
+``tessera.comm.testing``. Exports the public API only; ``gloo_ring`` (the rings behind the
+gloo collectives) and ``files.atomic_write`` are imported from their modules.
 """
 
 from tessera.comm.collectives import (
@@ -18,7 +19,7 @@ from tessera.comm.collectives import (
     reduce_scatter,
     reduce_scatter_async,
 )
-from tessera.comm.logs import RankFilter, configure_logging, current_rank
+from tessera.comm.logs import RankFilter, configure_logging
 from tessera.comm.memory import MemoryReport, measure_memory, storage_bytes
 from tessera.comm.mesh import Mesh, default_device
 from tessera.comm.meters import CommMeter, CommOp, CommRecord
@@ -61,7 +62,6 @@ __all__ = [
     "broadcast_from",
     "configure_logging",
     "copy_to_region",
-    "current_rank",
     "default_device",
     "gather_along",
     "group_rank",
