@@ -54,6 +54,8 @@ def _resume(rank: int, case: dict[str, Any], path: str) -> tuple[list[float], li
 @pytest.mark.parametrize(
     "case",
     [
+        {"stage": 0, "precision": "fp32", "offload": False},
+        {"stage": 0, "precision": "bf16", "offload": False},
         {"stage": 1, "precision": "fp32", "offload": True},
         {"stage": 2, "precision": "fp16", "offload": False},
         {"stage": 3, "precision": "bf16", "offload": False},
@@ -65,9 +67,14 @@ def test_save_and_load_resume_exactly(worker_pools: Any, tmp_path: Path, case: d
     for straight, resumed, scale, scale2 in results:
         assert straight == resumed and scale == scale2
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert files == ["meta.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["stage"] == case["stage"] and len(meta["sha256"]) == 2
+    assert meta["world_size"] == 2 and meta["stage"] == case["stage"]
+    if case["stage"] == 0:  # replicated state: written once
+        assert files == ["meta.json", "rank-00000-of-00001.safetensors"]
+        assert meta["replicated"] and len(meta["sha256"]) == 1
+    else:
+        assert files == ["meta.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+        assert not meta["replicated"] and len(meta["sha256"]) == 2
 
 
 def _save(rank: int, case: dict[str, Any], path: str) -> None:
@@ -76,13 +83,16 @@ def _save(rank: int, case: dict[str, Any], path: str) -> None:
     zero.save(path)
 
 
-def _load_error(rank: int, case: dict[str, Any], path: str) -> str:
+def _load_error(rank: int, case: dict[str, Any], path: str | list[str]) -> str:
     _, zero = _build(case)
     try:
-        zero.load(path)
+        zero.load(path if isinstance(path, str) else path[rank])
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
+
+
+AGREED = "RuntimeError: checking the checkpoint failed on 1 other rank(s); see their errors"
 
 
 def test_load_refuses_what_it_cannot_load(worker_pools: Any, tmp_path: Path) -> None:
@@ -93,12 +103,29 @@ def test_load_refuses_what_it_cannot_load(worker_pools: Any, tmp_path: Path) -> 
     assert all("saved by 2 ranks but this group has 4" in msg for msg in four), four
     other_stage = worker_pools(2).run(_load_error, case | {"stage": 3}, path)
     assert all("is ZeRO stage 2, this optimizer is 3" in msg for msg in other_stage), other_stage
-    shard = tmp_path / "ckpt" / "rank-00001-of-00002.safetensors"
+    missing = worker_pools(2).run(_load_error, case, str(tmp_path / "nothing"))
+    assert all("meta.json is missing" in msg for msg in missing)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_bad_file_makes_every_rank_raise(worker_pools: Any, tmp_path: Path, stage: int) -> None:
+    """Every rank checks its files before the first collective of ``load`` (the agreement),
+    so one rank's corrupt shard, or one rank seeing another checkpoint, raises everywhere
+    instead of leaving the other ranks waiting in a collective."""
+    case = {"stage": stage, "precision": "fp32", "offload": False}
+    good, foreign = tmp_path / "good", tmp_path / "foreign"
+    worker_pools(2).run(_save, case, str(good))
+    worker_pools(2).run(_save, case | {"stage": (stage + 1) % 4}, str(foreign))
+    mixed = worker_pools(2).run(_load_error, case, [str(good), str(foreign)])
+    assert mixed[0] == AGREED and "this optimizer is" in mixed[1], mixed
+    victim = 0 if stage == 0 else 1  # stage 0: the one file every rank reads
+    shard = good / f"rank-0000{victim}-of-0000{1 if stage == 0 else 2}.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    tampered = worker_pools(2).run(_load_error, case, path)
-    assert tampered[0] == "RuntimeError: reading a shard failed on 1 other rank(s); see their errors"
-    assert tampered[1].startswith("ValueError:") and "checksum mismatch" in tampered[1]
-    missing = worker_pools(2).run(_load_error, case, str(tmp_path / "nothing"))
-    assert all("meta.json is missing" in msg for msg in missing)
+    tampered = worker_pools(2).run(_load_error, case, str(good))
+    if stage == 0:
+        assert all(m.startswith("ValueError:") and "checksum mismatch" in m for m in tampered), tampered
+    else:
+        assert tampered[0] == AGREED
+        assert tampered[1].startswith("ValueError:") and "checksum mismatch" in tampered[1]

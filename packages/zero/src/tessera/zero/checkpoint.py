@@ -7,34 +7,74 @@ precision, optimizer class, the FlatParam layout, loss-scaler state and the sha2
 rank file). Every file is written atomically (temp file, fsync, ``os.replace``, directory
 fsync), so ``meta.json`` commits a complete checkpoint. Nothing is unpickled.
 
-Loading checks, before touching any state and identically on every rank: the format, the
-world size (a different one is refused naming both numbers), the stage, the optimizer class
-and the layout; then each rank verifies its file's checksum, and the ranks agree (one
-all-reduce) that every rank read its file before any state changes.
+At stage 0 (plain data parallelism) masters and optimizer state are the same on every rank,
+so rank 0 writes the one file ``rank-00000-of-00001.safetensors`` (``"replicated": true`` in
+``meta.json``) and every rank loads it.
+
+Loading reads ``meta.json`` and checks, before touching any state: the format, the world
+size (a different one is refused naming both numbers), the stage, the optimizer class and
+the layout; then the rank reads its file and verifies its checksum. Only then comes the
+first collective: one all-reduce in which the ranks agree that every rank passed every
+check, so a missing, foreign or corrupt file on one rank makes every rank raise (that rank
+its own error) instead of leaving the others waiting in a collective.
+
+What is saved is described by ``Checkpointable``: the public attributes of a
+``ZeroOptimizer``. ``load`` restores the masters, buffers, optimizer and loss-scaler state
+and returns the step count; the owner then pushes the masters into its parameters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import safetensors.torch
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from tessera.comm import all_gather, all_reduce, group_rank
+from tessera.comm import Group, all_gather, all_reduce, group_rank
 from tessera.comm.files import atomic_write
+from tessera.zero.flat_param import FlatParam
+from tessera.zero.precision import DynamicLossScaler
+from tessera.zero.validate import ZeroConfig
 
-if TYPE_CHECKING:
-    from tessera.zero.optimizer import ZeroOptimizer
-
-__all__ = ["FORMAT", "load", "save"]
+__all__ = ["FORMAT", "Checkpointable", "load", "read_meta", "save"]
 
 FORMAT = "tessera-zero/1"
 META = "meta.json"
 _HEADER_KEY = "tessera-zero"
+
+
+class Checkpointable(Protocol):
+    """What a ZeRO checkpoint saves and restores (a ``ZeroOptimizer`` is one)."""
+
+    @property
+    def flats(self) -> Sequence[FlatParam]: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def group(self) -> Group: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def config(self) -> ZeroConfig: ...
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+    @property
+    def steps(self) -> int: ...
+
+
+def _replicated(zero: Checkpointable) -> bool:
+    return zero.stage == 0
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -42,7 +82,7 @@ def rank_file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def _layout(zero: ZeroOptimizer) -> list[dict[str, Any]]:
+def _layout(zero: Checkpointable) -> list[dict[str, Any]]:
     return [
         {
             "group": f.group_index,
@@ -54,7 +94,7 @@ def _layout(zero: ZeroOptimizer) -> list[dict[str, Any]]:
     ]
 
 
-def _agree(zero: ZeroOptimizer, error: BaseException | None, what: str) -> None:
+def _agree(zero: Checkpointable, error: BaseException | None, what: str) -> None:
     """Raise on every rank if any rank failed (its own error on the failing rank)."""
     flag = torch.tensor([0.0 if error is None else 1.0], device=zero.device)
     failed = int(all_reduce(flag, zero.group, "sum").item())
@@ -72,7 +112,7 @@ def _json_ready(value: Any, where: str) -> Any:
     return value
 
 
-def _rank_payload(zero: ZeroOptimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _rank_payload(zero: Checkpointable) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors: dict[str, Tensor] = {}
     for i, flat in enumerate(zero.flats):
         tensors[f"master.{i}"] = flat.master.detach().cpu().clone()
@@ -100,22 +140,29 @@ def _rank_payload(zero: ZeroOptimizer) -> tuple[dict[str, Tensor], dict[str, Any
     return tensors, {"state": state, "param_groups": groups}
 
 
-def save(zero: ZeroOptimizer, path: Path) -> None:
+def save(zero: Checkpointable, path: Path) -> None:
     """Write ``zero``'s shards under ``path`` (collective over its group)."""
     rank, world = group_rank(zero.group), zero.world_size
+    replicated = _replicated(zero)
+    files = [rank_file(0, 1)] if replicated else [rank_file(r, world) for r in range(world)]
     error: BaseException | None = None
     digest = bytes(32)
     try:
-        tensors, extra = _rank_payload(zero)
-        data = safetensors.torch.save(tensors, metadata={_HEADER_KEY: json.dumps(extra)})
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / rank_file(rank, world), data)
-        digest = hashlib.sha256(data).digest()
+        if rank == 0 or not replicated:
+            tensors, extra = _rank_payload(zero)
+            data = safetensors.torch.save(tensors, metadata={_HEADER_KEY: json.dumps(extra)})
+            atomic_write(path / files[0 if replicated else rank], data)
+            digest = hashlib.sha256(data).digest()
     except Exception as exc:
         error = exc
     _agree(zero, error, "saving a shard")
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(zero.device)
-    digests = all_gather(mine, zero.group).cpu().view(world, 32)
+    if replicated:
+        digests = [digest]
+    else:
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(zero.device)
+        gathered = all_gather(mine, zero.group).cpu().view(world, 32)
+        digests = [bytes(gathered[r].tolist()) for r in range(world)]
     error = None
     if rank == 0:
         try:
@@ -123,13 +170,14 @@ def save(zero: ZeroOptimizer, path: Path) -> None:
                 "format": FORMAT,
                 "world_size": world,
                 "stage": zero.stage,
+                "replicated": replicated,
                 "precision": zero.config.precision,
                 "offload": zero.config.offload,
                 "optimizer": type(zero.optimizer).__name__,
                 "steps": zero.steps,
                 "scaler": None if zero.scaler is None else zero.scaler.state_dict(),
-                "files": [rank_file(r, world) for r in range(world)],
-                "sha256": [bytes(digests[r].tolist()).hex() for r in range(world)],
+                "files": files,
+                "sha256": [d.hex() for d in digests],
                 "layout": _layout(zero),
             }
             atomic_write(path / META, json.dumps(meta, indent=1).encode())
@@ -147,7 +195,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_meta(zero: ZeroOptimizer, meta: dict[str, Any], path: Path) -> None:
+def _check_meta(zero: Checkpointable, meta: dict[str, Any], path: Path) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta["world_size"] != zero.world_size:
@@ -185,24 +233,31 @@ def _header(data: bytes) -> dict[str, Any]:
     return extra
 
 
-def load(zero: ZeroOptimizer, path: Path) -> None:
-    """Load the checkpoint at ``path`` into ``zero`` (collective over its group)."""
+def _read(zero: Checkpointable, path: Path) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    """This rank's checks and reads, without any collective: meta, tensors, header."""
     meta = read_meta(path)
     _check_meta(zero, meta, path)
-    rank = group_rank(zero.group)
+    index = 0 if meta.get("replicated") else group_rank(zero.group)
+    file = path / meta["files"][index]
+    data = file.read_bytes()
+    if hashlib.sha256(data).hexdigest() != meta["sha256"][index]:
+        raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
+    return meta, safetensors.torch.load(data), _header(data)
+
+
+def load(zero: Checkpointable, path: Path) -> int:
+    """Load the checkpoint at ``path`` into ``zero``'s masters, buffers, optimizer and loss
+    scaler (collective over its group) and return the saved step count. The parameters are
+    not refreshed from the masters here: that is the caller's."""
     error: BaseException | None = None
+    meta: dict[str, Any] = {}
     tensors: dict[str, Tensor] = {}
     extra: dict[str, Any] = {}
     try:
-        file = path / meta["files"][rank]
-        data = file.read_bytes()
-        if hashlib.sha256(data).hexdigest() != meta["sha256"][rank]:
-            raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
-        tensors = safetensors.torch.load(data)
-        extra = _header(data)
+        meta, tensors, extra = _read(zero, path)
     except Exception as exc:
         error = exc
-    _agree(zero, error, "reading a shard")
+    _agree(zero, error, "checking the checkpoint")
 
     with torch.no_grad():
         for i, flat in enumerate(zero.flats):
@@ -228,8 +283,4 @@ def load(zero: ZeroOptimizer, path: Path) -> None:
     zero.optimizer.load_state_dict({"state": state, "param_groups": groups})
     if zero.scaler is not None and meta["scaler"] is not None:
         zero.scaler.load_state_dict(meta["scaler"])
-    zero.steps = int(meta["steps"])
-    zero.zero_grad()
-    for flat in zero.flats:
-        flat.push_master()
-    zero._refresh_params()
+    return int(meta["steps"])

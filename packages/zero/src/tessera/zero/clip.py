@@ -5,7 +5,9 @@ gradient is the square root of the sum over ranks of the squared norms of their 
 all-reduce of two float64 numbers (squared norm, non-finite flag) moves 32 bytes by the
 paper accounting and gives every rank the same norm and the same overflow verdict. Clipping
 with it equals ``torch.nn.utils.clip_grad_norm_`` on the whole model (same coefficient
-``max_norm / (norm + 1e-6)``, clamped to 1).
+``max_norm / (norm + 1e-6)``, clamped to 1). Under plain data parallelism (stage 0) every
+rank holds the whole averaged gradient already: nothing is summed over the data-parallel
+group, only over the model-parallel ones.
 """
 
 from __future__ import annotations
@@ -65,17 +67,19 @@ def global_grad_stats(
     *,
     extra_groups: Sequence[Group] = (),
     weights: Sequence[list[tuple[int, int, float]] | None] | None = None,
+    replicated: bool = False,
 ) -> GradStats:
     """All-reduce the squared norm of this rank's gradient shards and its overflow flag.
 
     ``device`` is where the collective runs (the group's device: gradients offloaded to the
     host are reduced through it). ``extra_groups``: model-parallel groups summed over too;
     ``weights``: per gradient, shard pieces counted with a weight (see ``shard_weights``).
-    Moves 32 bytes per group.
+    ``replicated``: the gradients are identical on every rank of ``group`` (stage 0), so only
+    ``extra_groups`` are summed over. Moves 32 bytes per group summed over.
     """
     sq, bad = _local_sq(grads, weights)
     stats = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64, device=device)
-    total = all_reduce(stats, group, "sum")
+    total = stats if replicated else all_reduce(stats, group, "sum")
     for extra in extra_groups:
         total = all_reduce(total, extra, "sum")
     total = total.cpu()

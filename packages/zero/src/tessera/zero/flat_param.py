@@ -14,8 +14,12 @@ buffer evenly (``FlatLayout``): rank r keeps
 - gradients: the reduce-scatter of the flat gradient lands in ``shard.grad`` (compute
   dtype), or, with offload, is copied into the persistent fp32 host buffer ``master.grad``.
 
+A ``replicated`` FlatParam (stage 0, plain data parallelism) is not split: its one "shard"
+is the whole buffer on every rank, and its gradient is all-reduced instead.
+
 Collectives: ``start_reduce`` reduce-scatters the flat gradient (moves the padded buffer
-once); ``gather_async`` all-gathers the shard into the full buffer (moves it once).
+once; a replicated one all-reduces it, moving it twice); ``gather_async`` all-gathers the
+shard into the full buffer (moves it once).
 """
 
 from __future__ import annotations
@@ -26,7 +30,16 @@ from enum import Enum
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, Handle, all_gather_async, group_rank, group_size, reduce_scatter_async
+from tessera.comm import (
+    Group,
+    Handle,
+    all_gather,
+    all_gather_async,
+    all_reduce_async,
+    group_rank,
+    group_size,
+    reduce_scatter_async,
+)
 from tessera.zero.flat import FlatLayout
 from tessera.zero.offload import host_empty, host_zeros, to_device_, to_host_
 
@@ -54,20 +67,26 @@ class FlatParam:
         compute_dtype: torch.dtype,
         offload: bool,
         sharded: bool,
+        replicated: bool = False,
         align: int = 1,
     ) -> None:
         if not params:
             raise ValueError("a FlatParam needs at least one parameter")
+        if sharded and replicated:
+            raise ValueError("a FlatParam is either sharded (stage 3) or replicated (stage 0), not both")
         self.params = list(params)
         self.names = list(names)
         self.group_index = group_index
         self.group = group
-        self.layout = FlatLayout(tuple(p.numel() for p in params), group_size(group), align)
+        self.replicated = replicated
+        ways = 1 if replicated else group_size(group)
+        self.layout = FlatLayout(tuple(p.numel() for p in params), ways, align)
+        self.shard_rank = 0 if replicated else group_rank(group)  # which shard of the layout is ours
         self.device = params[0].device
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.sharded = sharded
-        lo, hi = self.layout.shard_range(group_rank(group))
+        lo, hi = self.layout.shard_range(self.shard_rank)
         with torch.no_grad():
             source = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
             for i, p in enumerate(self.params):
@@ -145,6 +164,12 @@ class FlatParam:
         """All-gather the updated shards into the persistent full buffer (stages 1-2), in place."""
         return all_gather_async(self.shard, self.group, out=self._full_out)
 
+    def gather_full(self, shard: Tensor) -> Tensor:
+        """The full flat buffer whose shard on this rank is ``shard`` (e.g. the master or its
+        gradient), on this rank's device; all-gathered (collective) unless replicated."""
+        local = shard.detach().to(self.device)
+        return local if self.replicated else all_gather(local, self.group)
+
     def push_master(self) -> None:
         """Write the stepped fp32 master into the compute-dtype shard (a no-op when they are one)."""
         if self.master is self.shard:
@@ -176,7 +201,8 @@ class FlatParam:
 
     def start_reduce(self) -> None:
         """Gather the parameters' gradients (zeros where none) into one padded buffer (already
-        there after ``prepare_grads``), release them, and start reduce-scattering it (sum)."""
+        there after ``prepare_grads``), release them, and start reduce-scattering it (sum; a
+        replicated FlatParam all-reduces it in place)."""
         if self._reduce is not None:
             self.finish_reduce()
         if self._in_place():
@@ -196,6 +222,9 @@ class FlatParam:
                         p.grad = None
                 buf[self.layout.numel :].zero_()
         self._grad_flat = None
+        if self.replicated:
+            self._reduce = (all_reduce_async(buf, self.group, inplace=True), buf)
+            return
         out = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
         # The backend keeps its input alive until the collective completes (gloo copies it at
         # once, NCCL stashes it), so the flat buffer is not held here: gloo frees it right away.
@@ -211,7 +240,7 @@ class FlatParam:
         return self._reduce is not None and self._reduce[0].is_completed()
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter and add its result to this rank's gradient shard."""
+        """Wait for the reduction and add its result to this rank's gradient shard."""
         if self._reduce is None:
             return
         handle, _ = self._reduce
@@ -227,7 +256,7 @@ class FlatParam:
         self.has_grad = True
 
     def reduce_output(self) -> Tensor | None:
-        """The output shard of the reduce-scatter in flight, if any."""
+        """The output of the reduction in flight (a shard; a replicated buffer), if any."""
         return None if self._reduce is None else self._reduce[1]
 
     def master_grad(self) -> Tensor:

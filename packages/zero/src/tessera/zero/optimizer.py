@@ -1,4 +1,5 @@
-"""``ZeroOptimizer``: ZeRO stages 1-3 around any elementwise torch.optim optimizer.
+"""``ZeroOptimizer``: plain data parallelism (stage 0) and ZeRO stages 1-3 around any
+elementwise torch.optim optimizer.
 
 The user builds the model and a torch optimizer over its parameters as usual, then hands
 both over::
@@ -9,14 +10,21 @@ both over::
     zero.backward(loss)
     zero.step()                          # False when an fp16 overflow skipped the step
 
-Each optimizer group's parameters are flattened into FlatParams (stage 1-2: buckets of
+Each optimizer group's parameters are flattened into FlatParams (stage 0-2: buckets of
 ``bucket_bytes``; stage 3: one per unit module), and the optimizer is rewired to step this
 rank's fp32 master shards, one optimizer parameter per FlatParam, with its group's
-hyperparameters. Per step each stage moves, by the paper accounting, the padded parameter
-bytes (in the compute dtype) twice (reduce-scatter of gradients, all-gather of updated
-parameters) in stages 1-2 and three times in stage 3 (all-gathers in forward and
-backward, reduce-scatter), plus 32 bytes for the gradient norm / overflow check when
-clipping or fp16 is on.
+hyperparameters. Stage 0 does not shard: each rank's "shard" is the whole buffer, the
+gradients are all-reduced bucket by bucket at ``step()`` and every rank steps everything,
+as DDP does. Per step each stage moves, by the paper accounting, the padded parameter bytes
+(in the compute dtype) twice: an all-reduce in stage 0, a reduce-scatter of gradients and an
+all-gather of updated parameters in stages 1-2; three times in stage 3 (all-gathers in
+forward and backward, reduce-scatter); plus 32 bytes for the gradient norm / overflow check
+when clipping or fp16 is on (stage 0: only over ``norm_groups``, as its gradients are
+already the same on every data-parallel rank).
+
+Stages 0 and 1 reduce at ``step()``, so a caller that runs backward itself (a pipeline
+runtime calling ``loss.backward()`` per microbatch) simply lets the gradients accumulate in
+``param.grad`` and calls ``step()``; stages 2-3 reduce from hooks during each backward.
 
 Averaging: the gradient stepped is the mean over ranks of each rank's gradient (summed over
 its microbatches), so with per-rank mean losses over equal microbatches it is the gradient
@@ -35,7 +43,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, MemoryReport, all_gather, group_rank, group_size, measure_memory
+from tessera.comm import Group, MemoryReport, group_size, measure_memory
+from tessera.zero.checkpoint import load as load_checkpoint
+from tessera.zero.checkpoint import save as save_checkpoint
 from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
@@ -52,7 +62,8 @@ log = logging.getLogger(__name__)
 
 
 class ZeroOptimizer:
-    """Shards optimizer state (stage 1), gradients (2) and parameters (3) over ``group``.
+    """Averages gradients over ``group`` (stage 0, plain data parallelism), or also shards
+    optimizer state (stage 1), gradients (2) and parameters (3) over it.
 
     ``optimizer`` must be a fresh torch optimizer over every parameter of ``model`` (all
     trainable, on one device); it is rewired in place to step this rank's shards, so an LR
@@ -109,12 +120,13 @@ class ZeroOptimizer:
                 compute_dtype=dtype,
                 offload=offload,
                 sharded=sharded,
+                replicated=stage == 0,
                 align=align,
             )
 
         self.flats: list[FlatParam] = []
         self.units: list[tuple[nn.Module, list[FlatParam]]] = []
-        if stage in (1, 2):
+        if stage in (0, 1, 2):
             for gi in range(n_groups):
                 mine = [(n, p) for n, p in reversed(named) if group_of[id(p)] == gi]
                 sizes = [p.numel() * dtype.itemsize for _, p in mine]
@@ -149,9 +161,7 @@ class ZeroOptimizer:
             loss_scaler if loss_scaler is not None else (DynamicLossScaler() if precision == "fp16" else None)
         )
         self._norm_weights = [
-            shard_weights(
-                f.layout, group_rank(group), [1.0 / (replication or {}).get(p, 1) for p in f.params]
-            )
+            shard_weights(f.layout, f.shard_rank, [1.0 / (replication or {}).get(p, 1) for p in f.params])
             if replication
             else None
             for f in self.flats
@@ -163,7 +173,7 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ properties
     @property
     def stage(self) -> int:
-        """The ZeRO stage: 1, 2 or 3."""
+        """The ZeRO stage: 0 (plain data parallelism), 1, 2 or 3."""
         return self.config.stage
 
     @property
@@ -173,8 +183,9 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ training
     def backward(self, loss: Tensor) -> None:
-        """Backpropagate ``loss`` (scaled for fp16); outside ``no_sync``, reduce-scatter the
-        gradients (during backward in stages 2-3) so each rank ends with its shard."""
+        """Backpropagate ``loss`` (scaled for fp16); outside ``no_sync``, stages 2-3 reduce-scatter
+        the gradients during backward so each rank ends with its shard (stages 0-1 reduce at
+        ``step``; plain ``loss.backward()`` works for them too)."""
         self._runner.begin()
         scaled = loss if self.scaler is None else loss.float() * self.scaler.scale
         torch.autograd.backward(scaled)
@@ -201,11 +212,11 @@ class ZeroOptimizer:
         masters and update the parameters; returns False when an overflow skipped the step.
 
         The gradients are consumed either way (no ``zero_grad`` is needed before the next
-        backward). Stages 1-2 end with every rank's parameters updated in full.
+        backward). Stages 0-2 end with every rank's parameters updated in full.
         """
         if any(f.ready_params or f.launched for f in self.flats):
             self._finish_backward()  # backward ran without ZeroOptimizer.backward
-        if self.stage == 1:
+        if self.stage <= 1:
             self._reducer.reduce_all()
         else:
             self._reducer.wait_all()
@@ -215,7 +226,12 @@ class ZeroOptimizer:
         factor = 1.0 / (self.world_size * self.loss_scale)
         if self.config.clip_grad_norm is not None or self.scaler is not None:
             stats = global_grad_stats(
-                grads, self.group, self.device, extra_groups=self.norm_groups, weights=self._norm_weights
+                grads,
+                self.group,
+                self.device,
+                extra_groups=self.norm_groups,
+                weights=self._norm_weights,
+                replicated=self.stage == 0,
             )
             if stats.overflow:
                 return self._skip()
@@ -261,7 +277,7 @@ class ZeroOptimizer:
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Inside the block every parameter of the model holds its full value (stage 3 gathers
-        them, collectively; stages 1-2 always do)."""
+        them, collectively; stages 0-2 always do, so it is a no-op there)."""
         if self._gatherer is None:
             yield
             return
@@ -273,13 +289,26 @@ class ZeroOptimizer:
             self._gatherer.free_all()
 
     def full_parameters(self) -> dict[str, Tensor]:
-        """Every parameter's fp32 master value in full, by name (collective: all-gathers)."""
+        """Every parameter's fp32 master value in full, by name (collective in stages 1-3:
+        all-gathers)."""
+        return self._by_name([f.master for f in self.flats])
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """The fp32 gradients the optimizer is about to step on (averaged, unscaled, clipped),
+        in full, by name: call it from an optimizer step pre-hook, on every rank (collective in
+        stages 1-3: all-gathers)."""
+        grads = [f.master.grad for f in self.flats]
+        if any(g is None for g in grads):
+            raise RuntimeError("full_gradients() is only valid inside step(), before the optimizer steps")
+        return self._by_name([g for g in grads if g is not None])
+
+    def _by_name(self, shards: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        for flat in self.flats:
-            full = all_gather(flat.master.detach().to(self.device), self.group)
+        for flat, shard in zip(self.flats, shards, strict=True):
+            full = flat.gather_full(shard)
             for i, name in enumerate(flat.names):
                 start, stop = flat.layout.span(i)
-                out[name] = full[start:stop].view(flat.params[i].shape).cpu()
+                out[name] = full[start:stop].view(flat.params[i].shape).to("cpu", copy=True)
         return out
 
     def declared_buffers(self) -> list[Tensor]:
@@ -296,16 +325,18 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ state
     def save(self, path: str | Path) -> None:
-        """Write this rank's shards and optimizer state under directory ``path`` (collective)."""
-        from tessera.zero.checkpoint import save
-
-        save(self, Path(path))
+        """Write this rank's shards and optimizer state under directory ``path`` (collective;
+        stage 0 writes its replicated state once, from rank 0)."""
+        save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
-        """Load what ``save`` wrote, at the same world size and layout (collective)."""
-        from tessera.zero.checkpoint import load
-
-        load(self, Path(path))
+        """Load what ``save`` wrote, at the same world size and layout (collective); every rank
+        raises if any rank finds the checkpoint invalid."""
+        self.steps = load_checkpoint(self, Path(path))
+        self.zero_grad()
+        for flat in self.flats:
+            flat.push_master()
+        self._refresh_params()
 
     def __repr__(self) -> str:
         c = self.config

@@ -31,8 +31,8 @@ class ZeroConfig:
     bucket_bytes: int = 25 * 2**20
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0 (plain data parallelism), 1, 2 or 3, got {self.stage}")
         compute_dtype(self.precision)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")

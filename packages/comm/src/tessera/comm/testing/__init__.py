@@ -5,9 +5,12 @@
 - ``GPT``, ``GPTConfig``, ``make_batch``: the serial model the parallel ones are compared to.
 - ``assert_no_import_cycles("tessera.<pkg>")``: no import cycle between a package's modules
   (``tessera.comm.testing.imports``: the import graph from source, and its cycles).
+- ``assert_adam_close(got, want, lr=, steps=)``: Adam-trained weights against serial, within
+  a bound derived from the optimizer (``tessera.comm.testing.bounds``).
 - ``tessera.comm.testing.fixtures``: pytest fixtures (import them into a conftest.py).
 """
 
+from tessera.comm.testing.bounds import assert_adam_close
 from tessera.comm.testing.gpt import GPT, GPTConfig, make_batch
 from tessera.comm.testing.imports import assert_no_import_cycles
 from tessera.comm.testing.pool import PoolTimeout, RankFailure, WorkerPool
@@ -19,6 +22,7 @@ __all__ = [
     "PoolTimeout",
     "RankFailure",
     "WorkerPool",
+    "assert_adam_close",
     "assert_no_import_cycles",
     "make_batch",
     "run_threaded",
