@@ -39,17 +39,18 @@ from torch import Tensor, nn
 
 from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
 from tessera.pipeline import (
-    SCHEDULE_LAYOUTS,
+    SCHEDULES,
     Costs,
+    Layout,
     PipelineRuntime,
     Schedule,
     build_schedule,
     partition_by_params,
+    schedule_spec,
     simulate,
     stage_modules,
+    stage_to_rank,
 )
-
-SCHEDULE_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zbv": 2}
 
 
 # ---------------------------------------------------------------------------- 1. bubble
@@ -104,7 +105,7 @@ def _bubble(
     rank: int, name: str, p: int, m: int, cost: float, steps: int
 ) -> list[tuple[float, float, float]]:
     """Per step: (start, end of last compute, busy seconds) on this rank."""
-    schedule = build_schedule(name, p, m, SCHEDULE_CHUNKS[name])
+    schedule = build_schedule(name, p, m)
     runtime = PipelineRuntime(schedule, _sleep_stages(schedule, rank, cost), _sum_loss)
     x, targets = torch.zeros(m, 4), torch.zeros(m)
     out = []
@@ -121,7 +122,8 @@ def bench_bubble(sleep_ms: float, steps: int, only: list[str]) -> list[dict[str,
     p, m, cost = 4, 8, sleep_ms / 1000
     records = []
     with WorkerPool(p, timeout=900) as pool:
-        for name, v in SCHEDULE_CHUNKS.items():
+        for name, spec in SCHEDULES.items():
+            v = spec.chunks()
             if only and name not in only:
                 continue
             per_rank = pool.run(_bubble, name, p, m, cost, steps + 1)
@@ -165,19 +167,20 @@ def _gpt_pair(
 ) -> dict[str, Any]:
     """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
     p = dist.get_world_size()
-    v = SCHEDULE_CHUNKS[ours]
+    schedule = build_schedule(ours, p, m)
+    v = schedule.chunks_per_rank
     idx, targets = make_batch(cfg, m * mb, seed=1)
     probe = GPT(cfg, seed=0).blocks()
-    part = partition_by_params(probe, p, chunks_per_rank=v, layout=SCHEDULE_LAYOUTS[ours])
+    part = partition_by_params(probe, schedule=schedule)
     if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
-        torch_part = partition_by_params(probe, p, chunks_per_rank=v)  # torch's loop layout
+        torch_part = partition_by_params(probe, stage_to_rank(Layout.LOOP, p, v))  # torch's loop layout
     else:
         torch_part = part
     last = part.num_stages - 1
 
     # Tessera
     t_stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
-    runtime = PipelineRuntime(build_schedule(ours, p, m, v), t_stages, _ce)
+    runtime = PipelineRuntime(schedule, t_stages, _ce)
     t_opt = torch.optim.SGD([q for s in t_stages.values() for q in s.parameters()], lr=lr)
     t_has = (0 in t_stages, last in t_stages)
 
@@ -241,7 +244,7 @@ def bench_gpt(
             if only and ours not in only:
                 continue
             per_rank = pool.run(_gpt_pair, ours, theirs, cfg, m, mb, warmup, iters, lr)
-            v = SCHEDULE_CHUNKS[ours]
+            v = schedule_spec(ours).chunks()
             config = (
                 f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} p=2 v={v} m={m} "
                 f"mb={mb} sgd: tessera {ours} vs torch {theirs}"

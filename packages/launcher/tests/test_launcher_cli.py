@@ -81,7 +81,7 @@ def test_a_config_mistake_exits_2_before_anything_spawns(job: Path) -> None:
     proc = _tessera("run", "--nproc-per-node", "3", "--set", "parallel.dp=2", "job.py", cwd=job)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "1 node(s) x 3 processes = 3 ranks, but the config needs dp*pp*tp*sp = 2*1*1*1 = 2" in out
+    assert "1 node(s) x 3 processes: world size 3 != pp*dp*sp*tp = 1*2*1*1 = 2" in out
 
 
 def test_dry_run_prints_commands_and_rank_table(job: Path) -> None:

@@ -1,4 +1,4 @@
-"""Partitioner: exact min-max contiguous split (vs brute force), layouts, errors."""
+"""Partitioner: exact min-max contiguous split (vs brute force), placements, layouts, errors."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tessera.pipeline import (
+    SCHEDULES,
     Balance,
     Layout,
     Partition,
     partition_by_cost,
     partition_by_params,
     partition_by_profile,
-    rank_of_stage,
     stage_to_rank,
 )
+from tessera.pipeline.layout import rank_of_stage
 
 
 def brute_force(costs: list[float], k: int) -> float:
@@ -63,7 +64,7 @@ def check_partition(part: Partition, costs: list[float], stages: int) -> None:
 @given(costs_and_grid(integers=True))
 def test_partition_is_optimal_integer_costs(case: tuple[list[float], int, int]) -> None:
     costs, p, v = case
-    part = partition_by_cost(costs, p, chunks_per_rank=v)
+    part = partition_by_cost(costs, stage_to_rank(Layout.LOOP, p, v))
     check_partition(part, costs, p * v)
     assert part.max_cost == brute_force(costs, p * v)
 
@@ -72,21 +73,21 @@ def test_partition_is_optimal_integer_costs(case: tuple[list[float], int, int]) 
 @given(costs_and_grid(integers=False))
 def test_partition_is_optimal_float_costs(case: tuple[list[float], int, int]) -> None:
     costs, p, v = case
-    part = partition_by_profile(costs, p, chunks_per_rank=v)
+    part = partition_by_profile(costs, stage_to_rank(Layout.V, p, v))
     check_partition(part, costs, p * v)
     assert math.isclose(part.max_cost, brute_force(costs, p * v), rel_tol=1e-9, abs_tol=1e-9)
     assert part.balance is Balance.PROFILE
 
 
 def test_uniform_blocks_split_evenly() -> None:
-    part = partition_by_cost([1.0] * 12, 4)
+    part = partition_by_cost([1.0] * 12, range(4))
     assert part.ranges == ((0, 3), (3, 6), (6, 9), (9, 12))
     assert part.costs == (3.0, 3.0, 3.0, 3.0)
     assert part.rank_costs == (3.0, 3.0, 3.0, 3.0)
 
 
 def test_heavy_block_gets_its_own_stage() -> None:
-    part = partition_by_cost([1, 1, 10, 1, 1, 1], 3)
+    part = partition_by_cost([1, 1, 10, 1, 1, 1], range(3))
     assert part.max_cost == 10
     assert part.blocks_of_stage(part.stage_of_block(2)) == range(2, 3)
 
@@ -94,18 +95,18 @@ def test_heavy_block_gets_its_own_stage() -> None:
 def test_params_from_modules_and_ints() -> None:
     blocks = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 8), nn.Linear(8, 2)]
     counts = [20, 0, 40, 18]
-    from_modules = partition_by_params(blocks, 3)
-    from_ints = partition_by_params(counts, 3)
+    from_modules = partition_by_params(blocks, range(3))
+    from_ints = partition_by_params(counts, range(3))
     assert from_modules.block_costs == tuple(float(c) for c in counts)
     assert from_modules.ranges == from_ints.ranges
     assert from_modules.max_cost == 40 and from_modules.balance is Balance.PARAMS
     assert from_modules.stage_of_block(2) == 1
     with pytest.raises(ValueError, match="block 1 is a bool"):
-        partition_by_params([3, True], 1)
+        partition_by_params([3, True], [0])
 
 
 def test_interleaved_layout() -> None:
-    part = partition_by_cost([1.0] * 8, 2, chunks_per_rank=2)
+    part = partition_by_cost([1.0] * 8, SCHEDULES["interleaved-1f1b"].stage_to_rank(2, 2))
     assert part.stage_to_rank == (0, 1, 0, 1)
     assert part.stages_of_rank(1) == (1, 3)
     assert [part.rank_of_block(b) for b in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
@@ -119,30 +120,55 @@ def test_v_layout() -> None:
         for r in range(p):
             assert rank_of_stage(Layout.V, r, p, 2) == r
             assert rank_of_stage(Layout.V, 2 * p - 1 - r, p, 2) == r
-    part = partition_by_cost([1.0] * 4, 2, chunks_per_rank=2, layout=Layout.V)
+    part = partition_by_cost([1.0] * 4, stage_to_rank(Layout.V, 2, 2))
     assert part.stage_to_rank == (0, 1, 1, 0)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_partition_takes_a_schedules_placement(name: str) -> None:
+    spec = SCHEDULES[name]
+    schedule = spec.build(3, 6)
+    blocks = [5] * (2 * schedule.num_stages)
+    part = partition_by_params(blocks, schedule=schedule)
+    assert part.stage_to_rank == schedule.stage_to_rank == spec.stage_to_rank(3)
+    assert partition_by_cost(blocks, spec.stage_to_rank(3)).ranges == part.ranges
+    assert part.num_ranks == 3 and part.num_stages == 3 * spec.chunks()
+    assert all(len(part.stages_of_rank(r)) == spec.chunks() for r in range(3))
+
+
 @pytest.mark.parametrize(
-    ("costs", "p", "v", "match"),
+    ("costs", "placement", "match"),
     [
-        ([1.0, 1.0, 1.0], 2, 2, "cannot split 3 blocks into 4 stages"),
-        ([1.0, 1.0], 0, 1, "num_ranks must be >= 1; got 0"),
-        ([1.0, 1.0], 1, 0, "chunks_per_rank must be >= 1; got 0"),
-        ([1.0, -2.0], 1, 1, "block 1 has cost -2.0"),
-        ([1.0, math.nan], 1, 1, "block 1 has cost nan"),
-        ([], 1, 1, "cannot split 0 blocks into 1 stages"),
+        ([1.0, 1.0, 1.0], (0, 1, 0, 1), "cannot split 3 blocks into 4 stages"),
+        ([1.0, 1.0], (), "at least one stage; got none"),
+        ([1.0, 1.0], (0, 2), r"ranks without a stage: \[1\]"),
+        ([1.0, 1.0], (-1, 0), r"placement \(-1, 0\) must put every stage on a rank >= 0"),
+        ([1.0, -2.0], (0,), "block 1 has cost -2.0"),
+        ([1.0, math.nan], (0,), "block 1 has cost nan"),
+        ([], (0,), "cannot split 0 blocks into 1 stages"),
     ],
 )
-def test_partition_errors(costs: list[float], p: int, v: int, match: str) -> None:
+def test_partition_errors(costs: list[float], placement: tuple[int, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        partition_by_cost(costs, p, chunks_per_rank=v)
+        partition_by_cost(costs, placement)
 
 
 def test_partition_rejects_bad_ranges_and_stages() -> None:
     with pytest.raises(ValueError, match="contiguous"):
-        Partition(((0, 2), (3, 4)), (2.0, 1.0), (1.0,) * 4, num_ranks=2)
+        Partition(((0, 2), (3, 4)), (2.0, 1.0), (1.0,) * 4, (0, 1))
+    with pytest.raises(ValueError, match="2 ranges for 3 placed stages"):
+        Partition(((0, 2), (2, 4)), (2.0, 2.0), (1.0,) * 4, (0, 1, 0))
     with pytest.raises(ValueError, match=r"stage 9 is outside 0\.\.3"):
         rank_of_stage(Layout.LOOP, 9, 2, 2)
+    with pytest.raises(ValueError, match="num_ranks must be >= 1; got 0"):
+        stage_to_rank(Layout.LOOP, 0, 1)
+    with pytest.raises(ValueError, match="chunks_per_rank must be >= 1; got 0"):
+        stage_to_rank(Layout.V, 1, 0)
+    with pytest.raises(TypeError, match=r"rank of every stage .* got the int 2"):
+        partition_by_cost([1.0, 1.0], 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"exactly one of placement .* and schedule"):
+        partition_by_cost([1.0, 1.0])
+    with pytest.raises(ValueError, match=r"got placement=range\(0, 2\), schedule='gpipe'"):
+        partition_by_cost([1.0, 1.0], range(2), schedule=SCHEDULES["gpipe"].build(2, 1))
     with pytest.raises(ValueError, match=r"block 7 is outside 0\.\.3"):
-        partition_by_cost([1.0] * 4, 2).stage_of_block(7)
+        partition_by_cost([1.0] * 4, range(2)).stage_of_block(7)

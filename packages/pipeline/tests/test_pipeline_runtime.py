@@ -1,8 +1,8 @@
 """Tier 2: the pipeline runtime on the gloo worker pool, against the serial reference GPT.
 
-For every registered schedule, p in {2, 4} and its number of chunks per rank v (2 for
-interleaved-1f1b and zbv, 1 otherwise), a few microbatch counts (fewer than, equal to and
-more than the ranks where the schedule allows): each microbatch's loss and every parameter's
+For every registered schedule, p in {2, 4} and its default number of chunks per rank v (its
+spec's), a few microbatch counts (fewer than, equal to and more than the ranks where the
+schedule's rules allow): each microbatch's loss and every parameter's
 gradient equal those of the serial model on the whole batch (`GPT.loss`, one backward) to
 fp32 round-off. The model has two blocks per virtual stage, partitioned by parameter count.
 
@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.pipeline import (
-    SCHEDULE_LAYOUTS,
     SCHEDULES,
     PipelineAborted,
     PipelineRuntime,
@@ -32,20 +31,25 @@ from tessera.pipeline import (
     stage_modules,
 )
 
-CHUNKS = {"interleaved-1f1b": 2, "zbv": 2}
 MB_SIZE = 2
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def config(p: int, v: int) -> GPTConfig:
+def config(name: str, p: int) -> GPTConfig:
     """Two blocks per virtual stage: ``2 p v`` blocks in all (embed, layers, head)."""
+    v = SCHEDULES[name].chunks()
     return GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2 * p * v - 2)
 
 
 def microbatch_counts(name: str, p: int) -> list[int]:
-    if name == "interleaved-1f1b":
-        return [p, 2 * p]  # the Megatron rule m % p == 0
-    return [p - 1, p, 2 * p + 1]
+    """Fewer than, equal to and more than ``p``: for each, the largest count the schedule allows
+    (e.g. interleaved 1F1B's m % p == 0 turns ``p - 1, p, 2p + 1`` into ``p, 2p``)."""
+    spec, counts = SCHEDULES[name], []
+    for target in (p - 1, p, 2 * p + 1):
+        allowed = [m for m in range(target, 0, -1) if not spec.check(p, m)]
+        if allowed and allowed[0] not in counts:
+            counts.append(allowed[0])
+    return counts
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
@@ -66,12 +70,10 @@ class Opaque(nn.Module):
 def _build(
     rank: int, name: str, p: int, m: int, cfg: GPTConfig, opaque: bool = False
 ) -> tuple[GPT, PipelineRuntime]:
-    v = CHUNKS.get(name, 1)
     model = GPT(cfg, seed=0)
     blocks = model.blocks()
-    part = partition_by_params(blocks, p, chunks_per_rank=v, layout=SCHEDULE_LAYOUTS[name])
-    schedule = build_schedule(name, p, m, v)
-    assert part.stage_to_rank == schedule.stage_to_rank
+    schedule = build_schedule(name, p, m)
+    part = partition_by_params(blocks, schedule=schedule)
     stages = stage_modules(blocks, part, rank)
     if opaque:
         stages = {s: Opaque(mod) for s, mod in stages.items()}
@@ -109,10 +111,10 @@ def serial(cfg: GPTConfig, idx: Tensor, targets: Tensor, m: int) -> tuple[list[f
 
 
 def check_case(worker_pools: PoolFactory, p: int, name: str, ms: list[int], opaque: bool) -> None:
-    cfg = config(p, CHUNKS.get(name, 1))
+    cfg = config(name, p)
     batches = {m: make_batch(cfg, MB_SIZE * m, seed=m) for m in ms}
     per_rank = worker_pools(p).run(_run_case, name, p, cfg, batches, opaque)
-    last_rank = build_schedule(name, p, p, CHUNKS.get(name)).stage_to_rank[-1]
+    last_rank = SCHEDULES[name].stage_to_rank(p)[-1]
     for m, (idx, targets) in batches.items():
         want_losses, want_grads = serial(cfg, idx, targets, m)
         for step in range(2):
@@ -174,7 +176,7 @@ class Boom(nn.Module):
 
 
 def _failing_step(rank: int, name: str, p: int, m: int, stage: int, at: int, catch: bool) -> tuple[str, str]:
-    cfg = config(p, CHUNKS.get(name, 1))
+    cfg = config(name, p)
     _, runtime = _build(rank, name, p, m, cfg)
     if stage in runtime.stages:
         runtime.stages[stage] = Boom(runtime.stages[stage], at)
@@ -201,7 +203,7 @@ def test_a_raising_stage_ends_every_rank(worker_pools: PoolFactory, name: str, p
         messages = pool.run(_failing_step, name, p, 4, stage, 2, True)
     finally:
         pool.close()  # the aborted step may have left messages in flight; restart on next use
-    owner = build_schedule(name, p, 4, CHUNKS.get(name)).stage_to_rank[stage]
+    owner = SCHEDULES[name].stage_to_rank(p)[stage]
     for rank, (first, again) in enumerate(messages):
         assert "boom" in first, (rank, first)
         if rank == owner:
@@ -239,7 +241,7 @@ class BoomInLastBackward(nn.Module):
 
 def _late_failure(rank: int, m: int) -> tuple[str, str]:
     """Rank 0 fails in its last backward, after rank 1 has finished the step."""
-    cfg = config(2, 1)
+    cfg = config("1f1b", 2)
     _, runtime = _build(rank, "1f1b", 2, m, cfg)
     if rank == 0:
         runtime.stages[0] = BoomInLastBackward(runtime.stages[0], m - 1)

@@ -1,4 +1,4 @@
-"""Schedule generators: validity, bubble formulas, activation peaks, registry, errors.
+"""Built-in schedules: check vs build, validity, bubble formulas, activation peaks, errors.
 
 Cost conventions (the simulator's bubble is idle / makespan per rank, latency 0; the fraction
 is unit-free, so only cost ratios matter):
@@ -23,7 +23,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.pipeline import (
-    SCHEDULE_LAYOUTS,
     SCHEDULES,
     Action,
     ActionKind,
@@ -32,9 +31,8 @@ from tessera.pipeline import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
-    schedule_stage_to_rank,
+    schedule_spec,
     simulate,
-    stage_to_rank,
     validate,
     zbv,
     zero_bubble_h1,
@@ -45,52 +43,58 @@ M = st.integers(1, 32)
 V = st.integers(1, 4)
 UNIT_NO_W = Costs(f=1, b=1, w=0)
 UNIT = Costs(f=1, b=1, w=1)
+INTERLEAVED = schedule_spec("interleaved-1f1b")
 
 
-def interleaved_ok(p: int, m: int, v: int) -> bool:
-    """The documented validity rule of interleaved 1F1B (Megatron): v == 1 or m % p == 0."""
-    return v == 1 or m % p == 0
-
-
-def compute_counts(name: str, p: int, m: int, v: int) -> int:
-    split = name in ("zb-h1", "zbv")
-    stages = p * v
-    return m * stages * (3 if split else 2)
-
-
-@settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(sorted(SCHEDULES)), p=P, m=M, v=V)
-def test_every_schedule_validates(name: str, p: int, m: int, v: int) -> None:
-    chunks = {"interleaved-1f1b": v, "zbv": 2}.get(name, 1)
-    if name == "interleaved-1f1b" and not interleaved_ok(p, m, v):
-        with pytest.raises(ValueError, match=f"m={m}, p={p}"):
-            build_schedule(name, p, m, v)
+def check_built(name: str, p: int, m: int, v: int | None) -> None:
+    """``check`` is empty iff ``build`` succeeds; a built schedule validates and has the
+    spec's placement, one compute per (microbatch, stage, pass) and no p2p inside a rank."""
+    spec = SCHEDULES[name]
+    lines = spec.check(p, m, v)
+    if lines:
+        with pytest.raises(ValueError) as err:
+            spec.build(p, m, v)
+        assert str(err.value) == "; ".join(lines)
         return
-    sch = build_schedule(name, p, m, chunks)
+    sch = spec.build(p, m, v)
     validate(sch)
-    assert sch.num_stages == p * chunks
-    assert sch.stage_to_rank == schedule_stage_to_rank(name, p, chunks)
-    assert sch.stage_to_rank == stage_to_rank(SCHEDULE_LAYOUTS[name], p, chunks)
+    assert sch.name == name
+    assert sch.stage_to_rank == spec.stage_to_rank(p, v)
+    assert sch.num_stages == p * spec.chunks(v) == p * sch.chunks_per_rank
     computes = sum(len(sch.compute_actions(r)) for r in range(p))
-    assert computes == compute_counts(name, p, m, chunks)
+    assert computes == sch.num_microbatches * sch.num_stages * (3 if sch.split_backward else 2)
     # no p2p between stages on the same rank (e.g. the turn of the V on rank p - 1)
     for acts in sch.actions:
         for a in acts:
             assert a.is_compute or a.peer != sch.stage_to_rank[a.stage]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    p=st.integers(-1, 8),
+    m=st.integers(-1, 32),
+    v=st.none() | st.integers(-1, 4),
+)
+def test_check_is_empty_iff_build_succeeds(name: str, p: int, m: int, v: int | None) -> None:
+    check_built(name, p, m, v)
+
+
 @pytest.mark.parametrize("p", range(1, 9))
 def test_every_schedule_validates_exhaustively(p: int) -> None:
     """All of p in 1..8, m in 1..32, v in 1..4: valid combinations validate, others raise."""
     for m in range(1, 33):
-        for name in ("gpipe", "1f1b", "zb-h1", "zbv"):
-            validate(build_schedule(name, p, m))
-        for v in range(1, 5):
-            if interleaved_ok(p, m, v):
-                validate(interleaved_1f1b(p, m, v))
-            else:
-                with pytest.raises(ValueError, match=f"got m={m}, p={p}"):
-                    interleaved_1f1b(p, m, v)
+        for name, spec in SCHEDULES.items():
+            assert spec.check(p, m, None) == spec.check(p, m, spec.default_chunks)
+            for v in range(1, 5):
+                check_built(name, p, m, v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=P, m=M, v=st.integers(0, 4))
+def test_interleaved_rule_is_megatrons(p: int, m: int, v: int) -> None:
+    """The documented rule of interleaved 1F1B: v >= 1, and m % p == 0 unless v == 1."""
+    assert (INTERLEAVED.check(p, m, v) == []) == (v >= 1 and (v == 1 or m % p == 0))
 
 
 @settings(max_examples=100, deadline=None)
@@ -109,7 +113,7 @@ def test_gpipe_and_1f1b_bubble_is_exact(p: int, m: int) -> None:
 @settings(max_examples=100, deadline=None)
 @given(p=P, m=M, v=V)
 def test_interleaved_bubble_is_exact(p: int, m: int, v: int) -> None:
-    if not interleaved_ok(p, m, v):
+    if INTERLEAVED.check(p, m, v):
         with pytest.raises(ValueError, match="multiple of the pipeline ranks"):
             interleaved_1f1b(p, m, v)
         return
@@ -177,7 +181,8 @@ def test_zbv_turn_is_local() -> None:
         (lambda: interleaved_1f1b(4, 6, 2), "got m=6, p=4"),
         (lambda: build_schedule("zbv", 2, 4, 3), "zbv always places 2 chunk"),
         (lambda: build_schedule("1f1b", 2, 4, 2), "1f1b always places 1 chunk"),
-        (lambda: build_schedule("pipedream", 2, 4), "unknown schedule 'pipedream'"),
+        (lambda: build_schedule("pipedream", 2, 4), "unknown schedule 'pipedream'; known: "),
+        (lambda: gpipe(0, 0), "p >= 1 pipeline ranks; got p=0; gpipe needs m >= 1 micro"),
     ],
 )
 def test_impossible_requests(call: object, match: str) -> None:
@@ -186,10 +191,10 @@ def test_impossible_requests(call: object, match: str) -> None:
 
 
 def test_registry_defaults() -> None:
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"}
-    assert build_schedule("interleaved-1f1b", 2, 4).num_stages == 4
-    assert build_schedule("zbv", 2, 4).num_stages == 4
-    assert build_schedule("gpipe", 3, 4, 1).num_stages == 3
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"} <= set(SCHEDULES)
+    for name, spec in SCHEDULES.items():
+        assert build_schedule(name, 2, 4).num_stages == 2 * spec.default_chunks
+        assert spec.chunks() == spec.chunks(None) == spec.default_chunks
     assert interleaved_1f1b(3, 5, 1).compute_actions(0) == one_f_one_b(3, 5).compute_actions(0)
 
 

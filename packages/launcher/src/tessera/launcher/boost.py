@@ -15,16 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.comm import Mesh, Topology
+from tessera.comm import Mesh
 from tessera.launcher.config import Config
-from tessera.launcher.engine import Engine, Placement
-from tessera.pipeline import (
-    SCHEDULE_LAYOUTS,
-    PipelineRuntime,
-    build_schedule,
-    partition_by_params,
-    stage_modules,
-)
+from tessera.launcher.engine import Engine
+from tessera.launcher.placement import Placement
+from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import GPT_PLAN, PlanLike, parallelize, vocab_parallel_cross_entropy
 from tessera.zero import ZeroOptimizer
 
@@ -71,29 +66,26 @@ def boost(
     if errors:
         raise ValueError("; ".join(errors))
     p = config.parallel
-    mesh = Mesh(Topology(dp=p.dp, pp=p.pp, tp=p.tp))
+    mesh = Mesh(p.topology())
+    tp, pp = mesh.size("tp"), mesh.size("pp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     tp_group, dp_group, pp_group = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
-    if p.tp > 1:
+    if tp > 1:
         parallelize(
             model, plan=plan, mesh=mesh, sequence_parallel=p.sequence_parallel, seed=config.train.seed
         )
-    named = {name: param for name, param in model.named_parameters()}
+    named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
-    replicated = {param: p.tp for name, param in named.items() if tuple(param.shape) == full_shapes[name]}
+    replicated = {param: tp for name, param in named.items() if tuple(param.shape) == full_shapes[name]}
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
 
-    runtime: PipelineRuntime | None = None
     stage_to_rank: tuple[int, ...] = ()
-    if p.pp > 1:
+    if pp > 1:
         blocks = model.blocks()  # type: ignore[operator]
-        v = p.virtual_stages
-        schedule = build_schedule(p.schedule, p.pp, p.microbatches, v)
-        partition = partition_by_params(
-            blocks, p.pp, chunks_per_rank=schedule.chunks_per_rank, layout=SCHEDULE_LAYOUTS[p.schedule]
-        )
+        schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
+        partition = partition_by_params(blocks, schedule=schedule)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
         module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
         stage_to_rank = schedule.stage_to_rank
@@ -108,20 +100,19 @@ def boost(
         stage_to_rank=stage_to_rank,
     )
     optimizer = rebuild_optimizer(optimizer, local)
-    zero: ZeroOptimizer | None = None
-    if config.zero.stage >= 1:
-        zero = ZeroOptimizer(
-            module,
-            optimizer,
-            stage=config.zero.stage,
-            group=dp_group,
-            precision=config.train.precision,  # type: ignore[arg-type]
-            offload=config.zero.offload,
-            clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
-            norm_groups=[g for g, n in ((tp_group, p.tp), (pp_group, p.pp)) if n > 1],
-            replication=placement.replicated,
-        )
-    if p.pp > 1:
+    zero = ZeroOptimizer(
+        module,
+        optimizer,
+        stage=config.zero.stage,
+        group=dp_group,
+        precision=config.train.precision,  # type: ignore[arg-type]
+        offload=config.zero.offload,
+        clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
+        norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],
+        replication=placement.replicated,
+    )
+    runtime = None
+    if pp > 1:
         runtime = PipelineRuntime(schedule, stages, loss_fn, group=pp_group, device=mesh.device)
     scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
     log.info(
@@ -135,7 +126,6 @@ def boost(
         config=config,
         mesh=mesh,
         module=module,
-        optimizer=optimizer,
         zero=zero,
         runtime=runtime,
         scheduler=scheduler,

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera.comm import Axis, Topology
+from tessera.comm import Axis
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import (
     RESOLVED_ENV,
@@ -83,8 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def rank_table(config: Config, plan: NodePlan) -> str:
     """One line per rank: node, local rank and (pp, dp, sp, tp) coordinates."""
-    p = config.parallel
-    topo = Topology(dp=p.dp, pp=p.pp, tp=p.tp, sp=p.sp)
+    topo = config.parallel.topology()
     lines = ["rank  node  local  pp  dp  sp  tp"]
     for rank in range(topo.world_size):
         c = topo.coordinates(rank)
@@ -138,14 +137,10 @@ def _run(args: argparse.Namespace, target: list[str], config: Config) -> int:
         )
     except ValueError as exc:
         return _fail([str(exc)])
-    if plan.world_size != config.world_size:
-        p = config.parallel
-        return _fail(
-            [
-                f"{plan.nnodes} node(s) x {plan.nproc_per_node} processes = {plan.world_size} ranks, but the "
-                f"config needs dp*pp*tp*sp = {p.dp}*{p.pp}*{p.tp}*{p.sp} = {config.world_size}"
-            ]
-        )
+    try:
+        config.parallel.topology().check_world_size(plan.world_size)
+    except ValueError as exc:
+        return _fail([f"{plan.nnodes} node(s) x {plan.nproc_per_node} processes: {exc}"])
     log_dir = args.log_dir or os.path.join(config.train.run_dir, "logs")
     if args.dry_run:
         for node in range(plan.nnodes):

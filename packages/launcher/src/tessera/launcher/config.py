@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from tessera.comm import Topology
+from tessera.pipeline import SCHEDULES, schedule_spec
+
 __all__ = [
-    "SCHEDULES",
     "Config",
     "DataConfig",
     "LoggingConfig",
@@ -20,9 +22,6 @@ __all__ = [
     "TrainConfig",
     "ZeroConfig",
 ]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zbv": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +37,14 @@ class ParallelConfig:
     microbatches: int = 4
     virtual_stages: int = 1
 
+    def topology(self) -> Topology:
+        """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""
+        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp)
+
 
 @dataclass(frozen=True, slots=True)
 class ZeroConfig:
-    """ZeRO sharding over the data-parallel group: stage 0 (plain DP) to 3, CPU offload."""
+    """Data parallelism by ZeRO stage: 0 (plain DP: replicated state) to 3, and CPU offload."""
 
     stage: int = 0
     offload: bool = False
@@ -126,8 +129,7 @@ class Config:
     @property
     def world_size(self) -> int:
         """The number of processes the job needs: dp * pp * tp * sp."""
-        p = self.parallel
-        return p.dp * p.pp * p.tp * p.sp
+        return self.parallel.topology().world_size
 
     def validate(self) -> list[str]:
         """Every mistake in the configuration, one line each (empty when it can run)."""
@@ -155,20 +157,12 @@ class Config:
             f"parallel.sp={p.sp}: context parallelism (ring/Ulysses attention) is not built yet; use 1",
         )
         need(
-            p.schedule in SCHEDULES, f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}"
+            p.schedule in SCHEDULES,
+            f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
         )
-        if p.schedule in _CHUNKS:
-            need(
-                p.virtual_stages == _CHUNKS[p.schedule],
-                f"parallel.virtual_stages={p.virtual_stages} but schedule {p.schedule} uses "
-                f"{_CHUNKS[p.schedule]} per rank",
-            )
-        elif p.schedule == "interleaved-1f1b" and p.virtual_stages > 1:
-            need(
-                p.microbatches % p.pp == 0,
-                f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} "
-                "for interleaved-1f1b",
-            )
+        if p.schedule in SCHEDULES:
+            rules = schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages)
+            errors += [f"parallel (pp={p.pp}, microbatches={p.microbatches}): {line}" for line in rules]
         blocks = m.n_layers + 2
         need(
             blocks >= p.pp * p.virtual_stages,
@@ -198,7 +192,6 @@ class Config:
             f"= {p.dp} * {p.microbatches} = {per_step}",
         )
         need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
-        need(not self.zero.offload or self.zero.stage >= 1, "zero.offload needs zero.stage >= 1")
         need(
             p.pp == 1 or self.zero.stage <= 1,
             f"zero.stage={self.zero.stage} with parallel.pp={p.pp}: ZeRO-2/3 reduce gradients during each "
@@ -208,11 +201,6 @@ class Config:
             not p.sequence_parallel or self.zero.stage <= 1,
             f"zero.stage={self.zero.stage} with parallel.sequence_parallel: sequence-parallel norm gradients "
             "must be summed over tp before ZeRO-2/3 reduce them; use zero.stage 0 or 1",
-        )
-        need(
-            self.train.precision == "fp32" or self.zero.stage >= 1,
-            f"train.precision={self.train.precision} needs zero.stage >= 1 "
-            "(ZeRO keeps the fp32 master weights)",
         )
         need(
             self.train.precision != "fp16" or p.pp == 1,

@@ -1,28 +1,41 @@
-"""Gather an engine's parameters back into the serial model's full state dict.
+"""Gather a boosted model's parameters back into the serial model's full state dict.
 
 Tensor-parallel shards are all-gathered over tp along the one dimension where the local
 shape is 1/tp of the serial shape (column, row, vocabulary or position splits are all
 contiguous chunks in rank order); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``;
 pipeline stages meet in files: the (dp 0, tp 0) rank of every stage writes its part and
-global rank 0 merges them. Collective over every rank.
+global rank 0 merges them. Every file is written atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import safetensors.torch
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from tessera.comm import Group, all_gather, all_reduce
+from tessera.comm import Group, Mesh, all_gather, all_reduce
+from tessera.comm.consensus import raise_together
+from tessera.comm.files import atomic_write
+from tessera.launcher.placement import Placement
+from tessera.zero import ZeroOptimizer
 
-if TYPE_CHECKING:
-    from tessera.launcher.engine import Engine
+__all__ = ["Consolidatable", "consolidate", "local_full_parameters", "unshard"]
 
-__all__ = ["consolidate", "unshard"]
+
+class Consolidatable(Protocol):
+    """What consolidation reads (an ``Engine`` is one)."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def zero(self) -> ZeroOptimizer: ...
+    @property
+    def placement(self) -> Placement: ...
 
 
 def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -> Tensor:
@@ -35,36 +48,50 @@ def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -
     return all_gather(local.detach().contiguous(), group, dims[0])
 
 
-def consolidate(engine: Engine, path: str | Path) -> dict[str, Tensor] | None:
-    """Write the serial model's full fp32 state dict to ``path`` (safetensors); rank 0 also
-    returns it, every other rank None."""
-    path = Path(path)
-    parts = path.parent / f".{path.name}.parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    names = engine.placement.names
-    tp = engine.config.parallel.tp
-    with engine.zero.gathered() if engine.zero is not None else contextlib.nullcontext():
-        full = {
-            names[p]: unshard(p.detach(), engine.placement.full_shapes[names[p]], tp, engine.tp).float().cpu()
+def local_full_parameters(engine: Consolidatable) -> dict[str, Tensor]:
+    """The full fp32 serial tensors of this rank's pipeline stages, by serial name (collective
+    over tp and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
+    parameters that ZeRO-3 frees again after gathering."""
+    names, shapes = engine.placement.names, engine.placement.full_shapes
+    tp, group = engine.mesh.size("tp"), engine.mesh.group("tp")
+    with engine.zero.gathered():
+        return {
+            names[p]: unshard(p.detach(), shapes[names[p]], tp, group).to("cpu", torch.float32, copy=True)
             for p in engine.module.parameters()
         }
-    writer = engine.mesh.coordinate("dp") == 0 and engine.mesh.coordinate("tp") == 0
-    if writer:
-        safetensors.torch.save_file(full, str(parts / f"stage-{engine.mesh.coordinate('pp')}.safetensors"))
-    all_reduce(torch.zeros(1, device=engine.mesh.device), None)  # every part is on disk
+
+
+def consolidate(engine: Consolidatable, path: str | Path) -> dict[str, Tensor] | None:
+    """Write the serial model's full fp32 state dict to ``path`` (safetensors); rank 0 also
+    returns it, every other rank None. Collective over every rank."""
+    path = Path(path)
+    parts = path.parent / f".{path.name}.parts"
+    full = local_full_parameters(engine)
+    mesh = engine.mesh
+    if mesh.coordinate("dp") == 0 and mesh.coordinate("tp") == 0:
+        atomic_write(parts / f"stage-{mesh.coordinate('pp')}.safetensors", safetensors.torch.save(full))
+    all_reduce(torch.zeros(1, device=mesh.device), None)  # every part is on disk
     merged: dict[str, Tensor] | None = None
-    if engine.mesh.rank == 0:
-        merged = {}
-        for part in sorted(parts.glob("stage-*.safetensors")):
-            merged.update(safetensors.torch.load_file(str(part)))
-        missing = set(engine.placement.full_shapes) - set(merged)
-        if missing:
-            raise RuntimeError(f"consolidated state lacks {sorted(missing)[:5]}")
-        tmp = path.with_name(f".{path.name}.tmp")
-        safetensors.torch.save_file(merged, str(tmp))
-        tmp.replace(path)
-        for part in parts.glob("*"):
-            part.unlink()
-        parts.rmdir()
-    all_reduce(torch.zeros(1, device=engine.mesh.device), None)
+    error: BaseException | None = None
+    if mesh.rank == 0:
+        try:
+            merged = _merge(parts, set(engine.placement.full_shapes))
+            atomic_write(path, safetensors.torch.save(merged))
+        except (OSError, RuntimeError) as e:
+            error = e
+    raise_together(error, None, f"writing {path}", mesh.device)
+    return merged
+
+
+def _merge(parts: Path, expected: set[str]) -> dict[str, Tensor]:
+    """Every stage's part in one state dict; the parts are removed."""
+    merged: dict[str, Tensor] = {}
+    for part in sorted(parts.glob("stage-*.safetensors")):
+        merged.update(safetensors.torch.load(part.read_bytes()))
+    missing = expected - set(merged)
+    if missing:
+        raise RuntimeError(f"consolidated state lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
+    for part in parts.glob("*"):
+        part.unlink()
+    parts.rmdir()
     return merged

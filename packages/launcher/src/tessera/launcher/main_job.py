@@ -25,7 +25,6 @@ from tessera.comm.testing import GPT, GPTConfig
 from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import config_to_toml, load_config
-from tessera.launcher.consolidate import consolidate
 from tessera.launcher.data import TextData, load_corpus
 from tessera.launcher.engine import Engine
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics
@@ -161,7 +160,7 @@ def main() -> None:
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
             engine.save(run / "checkpoint")
     engine.save(run / "checkpoint")
-    full = consolidate(engine, run / "model.safetensors")
+    full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()
         assert full is not None

@@ -1,4 +1,4 @@
-"""Shared helpers of the schedule generators: argument checks and p2p lowering."""
+"""Lowering of per-rank compute orders to a `Schedule` with p2p actions."""
 
 from __future__ import annotations
 
@@ -6,17 +6,9 @@ from collections.abc import Sequence
 
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 
-__all__ = ["check_counts", "with_p2p"]
+__all__ = ["with_p2p"]
 
 _BACKWARDS = (ActionKind.B, ActionKind.BW)
-
-
-def check_counts(name: str, num_ranks: int, num_microbatches: int) -> None:
-    """Raise ValueError unless ``num_ranks >= 1`` and ``num_microbatches >= 1``."""
-    if num_ranks < 1:
-        raise ValueError(f"{name} needs p >= 1 pipeline ranks; got p={num_ranks}")
-    if num_microbatches < 1:
-        raise ValueError(f"{name} needs m >= 1 microbatches; got m={num_microbatches}")
 
 
 def with_p2p(

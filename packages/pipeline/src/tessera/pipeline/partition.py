@@ -1,20 +1,20 @@
 """Split a model, given as a sequence of blocks, into balanced contiguous pipeline stages.
 
 The model is a sequence of ``n`` blocks with a non-negative cost each (parameter count,
-estimated cost, or measured seconds). It is cut into ``num_stages = num_ranks *
-chunks_per_rank`` contiguous, non-empty *virtual stages* so that the largest stage cost is as
-small as possible (exact optimum, by dynamic programming; among optimal splits, each
-stage boundary is placed as early as possible from the last stage backwards, so later stages
-are as long as the optimum allows).
+estimated cost, or measured seconds). It is cut into as many contiguous, non-empty *virtual
+stages* as the placement names, so that the largest stage cost is as small as possible
+(exact optimum, by dynamic programming; among optimal splits, each stage boundary is placed as
+early as possible from the last stage backwards, so later stages are as long as the optimum
+allows).
 
-Where each virtual stage lives is the `Layout`:
+Where each virtual stage lives comes from the schedule that will run the stages, so nothing
+here restates a layout:
 
-- `Layout.LOOP` (GPipe, 1F1B, interleaved 1F1B): virtual stage ``s`` lives on rank
-  ``s % num_ranks``; rank ``r`` holds stages ``r, r + p, r + 2p, ...`` (chunk ``c`` of rank
-  ``r`` is stage ``c * p + r``). With one chunk per rank, stage ``s`` is rank ``s``.
-- `Layout.V` (ZBV): chunks go down the ranks and back up, so with two chunks rank ``r``
-  holds stages ``r`` and ``2p - 1 - r``; rank ``p - 1`` holds the turn (stages ``p - 1`` and
-  ``p``) and rank 0 holds the first and the last stage. More chunks keep zig-zagging.
+    schedule = build_schedule("zbv", p, m)
+    part = partition_by_params(blocks, schedule=schedule)
+
+or give the *placement* (``placement[s]`` = rank of stage ``s``) directly: before building a
+schedule, ``schedule_spec(name).stage_to_rank(p, v)``; one stage per rank, ``range(p)``.
 
 All of this is pure integer and float arithmetic: no processes, no torch.distributed.
 """
@@ -33,27 +33,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
+    from tessera.pipeline.actions import Schedule
+
 __all__ = [
     "Balance",
-    "Layout",
     "Partition",
     "partition_by_cost",
     "partition_by_params",
     "partition_by_profile",
-    "rank_of_stage",
-    "stage_to_rank",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class Layout(StrEnum):
-    """How virtual stages are placed on ranks."""
-
-    LOOP = "loop"
-    """Stage ``s`` on rank ``s % p`` (GPipe, 1F1B, interleaved 1F1B)."""
-    V = "v"
-    """Down the ranks then back up: with 2 chunks rank ``r`` holds ``r`` and ``2p-1-r`` (ZBV)."""
 
 
 class Balance(StrEnum):
@@ -64,52 +54,26 @@ class Balance(StrEnum):
     PROFILE = "profile"
 
 
-def rank_of_stage(layout: Layout, stage: int, num_ranks: int, chunks_per_rank: int = 1) -> int:
-    """The rank holding virtual ``stage`` of ``num_ranks * chunks_per_rank`` under ``layout``."""
-    _check_grid(num_ranks, chunks_per_rank)
-    num_stages = num_ranks * chunks_per_rank
-    if not 0 <= stage < num_stages:
-        raise ValueError(
-            f"stage {stage} is outside 0..{num_stages - 1} "
-            f"(num_ranks={num_ranks} x chunks_per_rank={chunks_per_rank})"
-        )
-    chunk, pos = divmod(stage, num_ranks)
-    if layout is Layout.LOOP or chunk % 2 == 0:
-        return pos
-    return num_ranks - 1 - pos
-
-
-def stage_to_rank(layout: Layout, num_ranks: int, chunks_per_rank: int = 1) -> tuple[int, ...]:
-    """The rank of every virtual stage, in stage order (see `Layout`)."""
-    _check_grid(num_ranks, chunks_per_rank)
-    return tuple(
-        rank_of_stage(layout, s, num_ranks, chunks_per_rank)
-        for s in range(num_ranks * chunks_per_rank)
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Partition:
     """A contiguous split of ``num_blocks`` blocks into virtual stages placed on ranks.
 
     ``ranges[s] = (start, stop)`` is the half-open block range of virtual stage ``s``;
-    ``costs[s]`` is its total cost; ``block_costs`` are the inputs.
+    ``costs[s]`` is its total cost; ``block_costs`` are the inputs; ``stage_to_rank[s]`` is
+    the rank holding stage ``s`` (every rank ``0 .. num_ranks - 1`` holds at least one).
     """
 
     ranges: tuple[tuple[int, int], ...]
     costs: tuple[float, ...]
     block_costs: tuple[float, ...]
-    num_ranks: int
-    chunks_per_rank: int = 1
-    layout: Layout = Layout.LOOP
+    stage_to_rank: tuple[int, ...]
     balance: Balance = Balance.COST
 
     def __post_init__(self) -> None:
-        _check_grid(self.num_ranks, self.chunks_per_rank)
-        if len(self.ranges) != self.num_ranks * self.chunks_per_rank:
+        _check_placement(self.stage_to_rank)
+        if len(self.ranges) != len(self.stage_to_rank):
             raise ValueError(
-                f"{len(self.ranges)} ranges for num_ranks={self.num_ranks} x "
-                f"chunks_per_rank={self.chunks_per_rank} stages"
+                f"{len(self.ranges)} ranges for {len(self.stage_to_rank)} placed stages"
             )
         if len(self.costs) != len(self.ranges):
             raise ValueError(f"{len(self.costs)} costs for {len(self.ranges)} stages")
@@ -126,8 +90,13 @@ class Partition:
 
     @property
     def num_stages(self) -> int:
-        """Number of virtual stages (``num_ranks * chunks_per_rank``)."""
+        """Number of virtual stages."""
         return len(self.ranges)
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks holding stages."""
+        return max(self.stage_to_rank) + 1
 
     @property
     def num_blocks(self) -> int:
@@ -138,11 +107,6 @@ class Partition:
     def max_cost(self) -> float:
         """The cost of the most expensive stage (what the partition minimises)."""
         return max(self.costs)
-
-    @property
-    def stage_to_rank(self) -> tuple[int, ...]:
-        """The rank of every virtual stage under this partition's layout."""
-        return stage_to_rank(self.layout, self.num_ranks, self.chunks_per_rank)
 
     @property
     def rank_costs(self) -> tuple[float, ...]:
@@ -174,41 +138,40 @@ class Partition:
 
 def partition_by_cost(
     costs: Sequence[float],
-    num_ranks: int,
+    placement: Sequence[int] | None = None,
     *,
-    chunks_per_rank: int = 1,
-    layout: Layout = Layout.LOOP,
+    schedule: Schedule | None = None,
 ) -> Partition:
     """Split blocks with the given non-negative ``costs`` into balanced contiguous stages.
 
-    Minimises the maximum virtual-stage cost over all contiguous splits into
-    ``num_ranks * chunks_per_rank`` non-empty stages (exact).
+    The stages and their ranks are ``schedule.stage_to_rank`` or, without a schedule,
+    ``placement`` (stage ``s`` on rank ``placement[s]``); give exactly one. Minimises the
+    maximum virtual-stage cost over all contiguous splits into that many non-empty stages
+    (exact).
     """
-    return _partition(costs, num_ranks, chunks_per_rank, layout, Balance.COST)
+    return _partition(costs, _stage_ranks(placement, schedule), Balance.COST)
 
 
 def partition_by_profile(
     seconds: Sequence[float],
-    num_ranks: int,
+    placement: Sequence[int] | None = None,
     *,
-    chunks_per_rank: int = 1,
-    layout: Layout = Layout.LOOP,
+    schedule: Schedule | None = None,
 ) -> Partition:
     """Like `partition_by_cost`, with measured seconds per block (forward + backward)."""
-    return _partition(seconds, num_ranks, chunks_per_rank, layout, Balance.PROFILE)
+    return _partition(seconds, _stage_ranks(placement, schedule), Balance.PROFILE)
 
 
 def partition_by_params(
     blocks: Sequence[nn.Module] | Sequence[int],
-    num_ranks: int,
+    placement: Sequence[int] | None = None,
     *,
-    chunks_per_rank: int = 1,
-    layout: Layout = Layout.LOOP,
+    schedule: Schedule | None = None,
 ) -> Partition:
     """Balance stages by parameter count: ``blocks`` are modules, or their counts as ints.
 
     A module's count is the number of elements of ``module.parameters()`` (a parameter shared
-    by two blocks counts in both).
+    by two blocks counts in both). ``placement`` or ``schedule`` as in `partition_by_cost`.
     """
     counts: list[float] = []
     items: Sequence[nn.Module | int] = blocks
@@ -219,38 +182,51 @@ def partition_by_params(
             counts.append(float(block))
         else:
             counts.append(float(sum(p.numel() for p in block.parameters())))
-    return _partition(counts, num_ranks, chunks_per_rank, layout, Balance.PARAMS)
+    return _partition(counts, _stage_ranks(placement, schedule), Balance.PARAMS)
 
 
-def _check_grid(num_ranks: int, chunks_per_rank: int) -> None:
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1; got {num_ranks}")
-    if chunks_per_rank < 1:
-        raise ValueError(f"chunks_per_rank must be >= 1; got {chunks_per_rank}")
+def _stage_ranks(placement: Sequence[int] | None, schedule: Schedule | None) -> tuple[int, ...]:
+    """The rank of every stage, from exactly one of ``placement`` and ``schedule``."""
+    if placement is None and schedule is not None:
+        return schedule.stage_to_rank
+    if placement is None or schedule is not None:
+        raise ValueError(
+            "give exactly one of placement (the rank of every stage) and schedule; got "
+            f"placement={placement!r}, schedule={None if schedule is None else schedule.name!r}"
+        )
+    if isinstance(placement, int):
+        raise TypeError(
+            f"placement is the rank of every stage (e.g. range(p)); got the int {placement}"
+        )
+    return tuple(placement)
 
 
-def _partition(
-    costs: Sequence[float],
-    num_ranks: int,
-    chunks_per_rank: int,
-    layout: Layout,
-    balance: Balance,
-) -> Partition:
-    _check_grid(num_ranks, chunks_per_rank)
+def _check_placement(ranks: tuple[int, ...]) -> None:
+    if not ranks:
+        raise ValueError("a placement needs at least one stage; got none")
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    if min(ranks) < 0 or missing:
+        raise ValueError(
+            f"placement {ranks} must put every stage on a rank >= 0 and every rank "
+            f"0..{max(ranks)} must hold a stage; ranks without a stage: {missing}"
+        )
+
+
+def _partition(costs: Sequence[float], ranks: tuple[int, ...], balance: Balance) -> Partition:
+    _check_placement(ranks)
     values = tuple(float(c) for c in costs)
     for i, c in enumerate(values):
         if not math.isfinite(c) or c < 0:
             raise ValueError(f"block {i} has cost {c}; costs must be finite and >= 0")
-    num_stages = num_ranks * chunks_per_rank
+    num_stages = len(ranks)
     if len(values) < num_stages:
         raise ValueError(
-            f"cannot split {len(values)} blocks into {num_stages} stages (num_ranks="
-            f"{num_ranks} x chunks_per_rank={chunks_per_rank}): each stage needs a block"
+            f"cannot split {len(values)} blocks into {num_stages} stages: each stage needs a block"
         )
     bounds = _min_max_split(values, num_stages)
     ranges = tuple(itertools.pairwise(bounds))
     stage_costs = tuple(math.fsum(values[a:b]) for a, b in ranges)
-    part = Partition(ranges, stage_costs, values, num_ranks, chunks_per_rank, layout, balance)
+    part = Partition(ranges, stage_costs, values, ranks, balance)
     logger.debug("partitioned %d blocks by %s: ranges=%s", len(values), balance, ranges)
     return part
 

@@ -1,100 +1,59 @@
-"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV) and their registry.
+"""The one-backward schedules (GPipe, 1F1B, interleaved 1F1B): generators and their specs.
 
-Every generator returns a `Schedule` whose p2p actions follow one rule (see `_build`): a
-receive sits right before the compute that consumes it and a send right after the compute
-that produces it. Sends are meant to be non-blocking (``isend``) and receives blocking; under
-that model, which `validate` simulates, every generated schedule is deadlock-free.
-
-Validity rules (anything else raises ``ValueError`` naming the numbers):
+Each schedule is a `ScheduleSpec` (``GPIPE``, ``ONE_F_ONE_B``, ``INTERLEAVED_1F1B``) holding
+its generator, layout, chunks per rank and rules; the functions ``gpipe(p, m)`` etc. are
+``spec.build``. Validity (anything else raises ``ValueError`` naming the numbers; the spec's
+``check`` lists every broken rule without building):
 
 - all schedules: ``p >= 1`` ranks and ``m >= 1`` microbatches; any ``m`` works, fewer
   microbatches than ranks just leaves a larger bubble.
-- ``interleaved-1f1b``: ``v >= 1`` chunks per rank; for ``v > 1`` the Megatron rule
-  ``m % p == 0`` (microbatches go through the chunks in groups of ``p``); ``v == 1`` is plain
-  1F1B with no divisibility requirement.
-- ``zbv``: always 2 chunks per rank in the V layout.
-- ``gpipe``, ``1f1b``, ``zb-h1``: one stage per rank.
+- ``gpipe``, ``1f1b``: one stage per rank, `Layout.LOOP`.
+- ``interleaved-1f1b``: ``v >= 1`` chunks per rank (default 2), `Layout.LOOP`; for ``v > 1``
+  the Megatron rule ``m % p == 0`` (microbatches go through the chunks in groups of ``p``);
+  ``v == 1`` is plain 1F1B with no divisibility requirement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
-
-from tessera.pipeline._build import check_counts, with_p2p
 from tessera.pipeline.actions import Action, ActionKind, Schedule
-from tessera.pipeline.partition import Layout, stage_to_rank
-from tessera.pipeline.zero_bubble import zbv, zero_bubble_h1
+from tessera.pipeline.layout import Layout
+from tessera.pipeline.spec import ScheduleSpec
 
 __all__ = [
-    "SCHEDULES",
-    "SCHEDULE_LAYOUTS",
-    "ScheduleFn",
-    "build_schedule",
+    "GPIPE",
+    "INTERLEAVED_1F1B",
+    "ONE_F_ONE_B",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
-    "schedule_stage_to_rank",
-    "zbv",
-    "zero_bubble_h1",
 ]
 
 _F, _BW = ActionKind.F, ActionKind.BW
 
 
-def gpipe(p: int, m: int) -> Schedule:
-    """GPipe: every rank runs all ``m`` forwards, then all ``m`` full backwards (BW).
-
-    Peak in-flight activations: ``m`` on every rank.
-    """
-    check_counts("gpipe", p, m)
-    compute = [
+def _gpipe_order(p: int, m: int, ranks: tuple[int, ...]) -> list[list[Action]]:
+    return [
         [Action(_F, i, r) for i in range(m)] + [Action(_BW, i, r) for i in range(m)]
         for r in range(p)
     ]
-    return with_p2p("gpipe", m, range(p), compute)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B (PipeDream-flush): ``min(p - r - 1, m)`` warm-up forwards on rank ``r``, then
-    alternate one forward and one full backward (BW), then drain the backwards.
-
-    Peak in-flight activations on rank ``r``: ``min(p - r, m)``.
-    """
-    check_counts("1f1b", p, m)
-    return with_p2p("1f1b", m, range(p), [_one_f_one_b_order(p, m, r) for r in range(p)])
-
-
-def _one_f_one_b_order(p: int, m: int, r: int) -> list[Action]:
-    warmup = min(p - r - 1, m)
-    order = [Action(_F, i, r) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [Action(_F, warmup + i, r), Action(_BW, i, r)]
-    order += [Action(_BW, i, r) for i in range(m - warmup, m)]
-    return order
+def _one_f_one_b_order(p: int, m: int, ranks: tuple[int, ...]) -> list[list[Action]]:
+    orders = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        order = [Action(_F, i, r) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action(_F, warmup + i, r), Action(_BW, i, r)]
+        order += [Action(_BW, i, r) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B (Megatron virtual pipeline): ``v`` chunks per rank, stage ``c*p + r``
-    on rank ``r``; full backwards (BW).
-
-    Microbatches move through the chunks in groups of ``p``: the k-th forward of a rank is
-    chunk ``(k // p) % v`` of microbatch ``(k // (p*v)) * p + k % p``; backwards visit the
-    chunks in reverse. Rank ``r`` warms up with ``2*(p - r - 1) + (v - 1)*p`` forwards (capped
-    at ``m*v``), then alternates forward/backward. Requires ``m % p == 0`` when ``v > 1``.
-    """
-    check_counts("interleaved-1f1b", p, m)
-    if v < 1:
-        raise ValueError(f"interleaved-1f1b needs v >= 1 chunks per rank; got v={v}")
+def _interleaved_order(p: int, m: int, ranks: tuple[int, ...]) -> list[list[Action]]:
+    v = len(ranks) // p
     if v == 1:
-        return with_p2p(
-            "interleaved-1f1b", m, range(p), [_one_f_one_b_order(p, m, r) for r in range(p)]
-        )
-    if m % p:
-        raise ValueError(
-            f"interleaved-1f1b with v={v} needs the microbatch count to be a multiple of the "
-            f"pipeline ranks (Megatron rule); got m={m}, p={p}"
-        )
+        return _one_f_one_b_order(p, m, ranks)
     total = m * v
 
     def unit(k: int, forward: bool, r: int) -> tuple[int, int]:
@@ -112,65 +71,59 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             order.append(Action(_BW, *unit(k, False, r)))
         order += [Action(_BW, *unit(k, False, r)) for k in range(total - warmup, total)]
         compute.append(order)
-    return with_p2p("interleaved-1f1b", m, stage_to_rank(Layout.LOOP, p, v), compute)
+    return compute
 
 
-class ScheduleFn(Protocol):
-    """A registry entry: build a schedule for ``p`` ranks, ``m`` microbatches, ``v`` chunks."""
-
-    def __call__(self, p: int, m: int, v: int | None = None) -> Schedule: ...
-
-
-def _fixed(name: str, chunks: int, fn: Callable[[int, int], Schedule]) -> ScheduleFn:
-    def build(p: int, m: int, v: int | None = None) -> Schedule:
-        if v is not None and v != chunks:
-            raise ValueError(f"{name} always places {chunks} chunk(s) per rank; got v={v}")
-        return fn(p, m)
-
-    return build
+def _megatron_rule(p: int, m: int, v: int) -> str | None:
+    if v > 1 and m % p:
+        return (
+            f"interleaved-1f1b with v={v} needs the microbatch count to be a multiple of the "
+            f"pipeline ranks (Megatron rule); got m={m}, p={p}"
+        )
+    return None
 
 
-def _interleaved(p: int, m: int, v: int | None = None) -> Schedule:
-    return interleaved_1f1b(p, m, 2 if v is None else v)
+GPIPE = ScheduleSpec("gpipe", _gpipe_order)
+"""GPipe: every rank runs all ``m`` forwards, then all ``m`` full backwards (BW)."""
+
+ONE_F_ONE_B = ScheduleSpec("1f1b", _one_f_one_b_order)
+"""1F1B (PipeDream-flush): warm-up forwards, then one forward / one full backward."""
+
+INTERLEAVED_1F1B = ScheduleSpec(
+    "interleaved-1f1b",
+    _interleaved_order,
+    layout=Layout.LOOP,  # the order puts chunk c of rank r at stage c * p + r
+    default_chunks=2,
+    min_chunks=1,
+    rules=(_megatron_rule,),
+)
+"""Interleaved 1F1B (Megatron virtual pipeline), ``v`` chunks per rank in the loop layout."""
 
 
-SCHEDULES: dict[str, ScheduleFn] = {
-    "gpipe": _fixed("gpipe", 1, gpipe),
-    "1f1b": _fixed("1f1b", 1, one_f_one_b),
-    "interleaved-1f1b": _interleaved,
-    "zb-h1": _fixed("zb-h1", 1, zero_bubble_h1),
-    "zbv": _fixed("zbv", 2, zbv),
-}
-"""Schedule generators by name; each takes ``(p, m, v=None)``."""
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: every rank runs all ``m`` forwards, then all ``m`` full backwards (BW).
 
-SCHEDULE_LAYOUTS: dict[str, Layout] = {
-    "gpipe": Layout.LOOP,
-    "1f1b": Layout.LOOP,
-    "interleaved-1f1b": Layout.LOOP,
-    "zb-h1": Layout.LOOP,
-    "zbv": Layout.V,
-}
-"""How each named schedule places virtual stages on ranks."""
-
-
-def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
-    """Build the named schedule (see `SCHEDULES`).
-
-    ``v`` is the number of chunks per rank: free for ``interleaved-1f1b`` (default 2), fixed
-    for the others (2 for ``zbv``, 1 otherwise); ``None`` takes the schedule's own.
+    Peak in-flight activations: ``m`` on every rank.
     """
-    try:
-        fn = SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}") from None
-    return fn(p, m, v)
+    return GPIPE.build(p, m)
 
 
-def schedule_stage_to_rank(name: str, p: int, v: int | None = None) -> tuple[int, ...]:
-    """The rank of every virtual stage for the named schedule with ``p`` ranks."""
-    if name not in SCHEDULE_LAYOUTS:
-        raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULE_LAYOUTS)}")
-    chunks = {"interleaved-1f1b": 2 if v is None else v, "zbv": 2}.get(name, 1)
-    if v is not None and v != chunks:
-        raise ValueError(f"{name} always places {chunks} chunk(s) per rank; got v={v}")
-    return stage_to_rank(SCHEDULE_LAYOUTS[name], p, chunks)
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-flush): ``min(p - r - 1, m)`` warm-up forwards on rank ``r``, then
+    alternate one forward and one full backward (BW), then drain the backwards.
+
+    Peak in-flight activations on rank ``r``: ``min(p - r, m)``.
+    """
+    return ONE_F_ONE_B.build(p, m)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Megatron virtual pipeline): ``v`` chunks per rank, stage ``c*p + r``
+    on rank ``r``; full backwards (BW).
+
+    Microbatches move through the chunks in groups of ``p``: the k-th forward of a rank is
+    chunk ``(k // p) % v`` of microbatch ``(k // (p*v)) * p + k % p``; backwards visit the
+    chunks in reverse. Rank ``r`` warms up with ``2*(p - r - 1) + (v - 1)*p`` forwards (capped
+    at ``m*v``), then alternates forward/backward. Requires ``m % p == 0`` when ``v > 1``.
+    """
+    return INTERLEAVED_1F1B.build(p, m, v)

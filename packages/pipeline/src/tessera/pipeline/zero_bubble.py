@@ -23,18 +23,16 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from tessera.pipeline._build import check_counts, with_p2p
 from tessera.pipeline.actions import Action, ActionKind, Schedule
-from tessera.pipeline.partition import Layout, stage_to_rank
+from tessera.pipeline.layout import Layout
+from tessera.pipeline.spec import ScheduleSpec
 
-__all__ = ["zbv", "zero_bubble_h1"]
+__all__ = ["ZBV", "ZB_H1", "zbv", "zero_bubble_h1"]
 
 _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 
 
-def zero_bubble_h1(p: int, m: int) -> Schedule:
-    """ZB-H1: 1F1B order with split backward; rank ``r``'s W's trail its B's by ``r``."""
-    check_counts("zb-h1", p, m)
+def _zb_h1_order(p: int, m: int, ranks: tuple[int, ...]) -> list[list[Action]]:
     compute: list[list[Action]] = []
     for r in range(p):
         warmup = min(p - r - 1, m)
@@ -49,15 +47,28 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
                 next_w += 1
         order += [Action(_W, i, r) for i in range(next_w, m)]
         compute.append(order)
-    return with_p2p("zb-h1", m, range(p), compute)
+    return compute
+
+
+def _zbv_order(p: int, m: int, ranks: tuple[int, ...]) -> list[list[Action]]:
+    return _list_schedule(p, m, ranks, cap=2 * p)
+
+
+ZB_H1 = ScheduleSpec("zb-h1", _zb_h1_order)
+"""ZB-H1: one stage per rank in the loop layout, split backward."""
+
+ZBV = ScheduleSpec("zbv", _zbv_order, layout=Layout.V, default_chunks=2)
+"""ZB-V: always two chunks per rank in the V layout, split backward."""
+
+
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1: 1F1B order with split backward; rank ``r``'s W's trail its B's by ``r``."""
+    return ZB_H1.build(p, m)
 
 
 def zbv(p: int, m: int) -> Schedule:
     """ZB-V: two chunks per rank in a V, split backward, ordered by unit-cost list scheduling."""
-    check_counts("zbv", p, m)
-    ranks = stage_to_rank(Layout.V, p, 2)
-    compute = _list_schedule(p, m, ranks, cap=2 * p)
-    return with_p2p("zbv", m, ranks, compute)
+    return ZBV.build(p, m)
 
 
 def _list_schedule(p: int, m: int, ranks: tuple[int, ...], cap: int) -> list[list[Action]]:

@@ -1,0 +1,23 @@
+"""Where a boosted rank's parameters sit in the user's serial model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["Placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The serial name and shape of every local parameter, and the pipeline's stage owners.
+
+    ``replicated`` maps each parameter held identically by all tp ranks (a norm not split by
+    tensor parallelism) to tp, so that norms count it once.
+    """
+
+    names: dict[nn.Parameter, str]  # serial name of each local parameter
+    full_shapes: dict[str, tuple[int, ...]]  # serial shape of every parameter
+    replicated: dict[nn.Parameter, int]  # parameters identical on tp ranks -> tp
+    stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
