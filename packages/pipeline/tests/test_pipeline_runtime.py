@@ -4,7 +4,10 @@ For every registered schedule, p in {2, 4} and its default number of chunks per 
 spec's), a few microbatch counts (fewer than, equal to and more than the ranks where the
 schedule's rules allow): each microbatch's loss and every parameter's
 gradient equal those of the serial model on the whole batch (`GPT.loss`, one backward) to
-fp32 round-off. The model has two blocks per virtual stage, partitioned by parameter count.
+fp32 round-off, and so does the whole batch's loss through `forward_loss` (evaluation).
+The model has two blocks per virtual stage, partitioned by parameter count. Bound: atol and
+rtol 1e-5 (``TOL``): the same fp32 operations, but a microbatch's gradients are summed into
+the parameter's in another order than one backward over the whole batch.
 
 Failure: a stage that raises ends the step on every rank with that error (no hang), and the
 runtime refuses to step again. The failure tests run last: an aborted step can leave
@@ -27,6 +30,7 @@ from tessera.pipeline import (
     PipelineAborted,
     PipelineRuntime,
     build_schedule,
+    forward_loss,
     partition_by_params,
     stage_modules,
 )
@@ -96,6 +100,9 @@ def _run_case(
             result = runtime.step(idx, targets, broadcast_loss=step == 1)
             grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
             out[m].append((result.losses, result.loss, grads))
+        owners = runtime.schedule.stage_to_rank
+        evaluated = forward_loss(runtime.stages, owners, idx, targets, loss_fn, group=None, device=idx.device)
+        out[m].append(([], evaluated, {}))
         runtime.close()
     return out
 
@@ -131,8 +138,10 @@ def check_case(worker_pools: PoolFactory, p: int, name: str, ms: list[int], opaq
                 assert not got.keys() & grads.keys(), "a parameter got gradients on two ranks"
                 got.update(grads)
             assert got.keys() == want_grads.keys()
-            for key, grad in want_grads.items():
-                torch.testing.assert_close(got[key], grad, **TOL, msg=lambda s, k=key: f"{k}: {s}")
+            torch.testing.assert_close(got, want_grads, **TOL)  # a dict: the report names the key
+        for rank, result in enumerate(per_rank):  # forward_loss: the whole batch, on every rank
+            _, evaluated, _ = result[m][2]
+            assert evaluated == pytest.approx(sum(want_losses) / m, rel=1e-5), rank
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

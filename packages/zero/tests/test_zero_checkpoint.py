@@ -92,7 +92,7 @@ def _load_error(rank: int, case: dict[str, Any], path: str | list[str]) -> str:
     return "loaded"
 
 
-AGREED = "RuntimeError: checking the checkpoint failed on 1 other rank(s); see their errors"
+AGREED = "RemoteFailure: checking the checkpoint failed on 1 other rank(s); their logs name the cause"
 
 
 def test_load_refuses_what_it_cannot_load(worker_pools: Any, tmp_path: Path) -> None:

@@ -27,13 +27,12 @@ from typing import Any, Protocol
 import safetensors
 import safetensors.torch
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from tessera.comm import Mesh, all_gather, all_reduce
+from tessera.comm import all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.launcher.placement import Placement
-from tessera.zero import ZeroOptimizer
+from tessera.launcher.placement import Boosted
 
 __all__ = ["FORMAT", "Checkpointable", "load_engine", "read_meta", "save_engine"]
 
@@ -41,19 +40,11 @@ FORMAT = "tessera-engine/2"
 META = "engine.json"
 
 
-class Checkpointable(Protocol):
+class Checkpointable(Boosted, Protocol):
     """What a checkpoint reads from and restores into (an ``Engine`` is one)."""
 
     @property
-    def mesh(self) -> Mesh: ...
-    @property
-    def module(self) -> nn.Module: ...
-    @property
-    def zero(self) -> ZeroOptimizer: ...
-    @property
     def scheduler(self) -> Any: ...
-    @property
-    def placement(self) -> Placement: ...
 
 
 def _layout(engine: Checkpointable) -> dict[str, Any]:

@@ -10,32 +10,17 @@ global rank 0 merges them. Every file is written atomically (temp file, fsync, r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
 import safetensors.torch
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from tessera.comm import Group, Mesh, all_gather, all_reduce
+from tessera.comm import Group, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.launcher.placement import Placement
-from tessera.zero import ZeroOptimizer
+from tessera.launcher.placement import Boosted
 
-__all__ = ["Consolidatable", "consolidate", "local_full_parameters", "unshard"]
-
-
-class Consolidatable(Protocol):
-    """What consolidation reads (an ``Engine`` is one)."""
-
-    @property
-    def mesh(self) -> Mesh: ...
-    @property
-    def module(self) -> nn.Module: ...
-    @property
-    def zero(self) -> ZeroOptimizer: ...
-    @property
-    def placement(self) -> Placement: ...
+__all__ = ["consolidate", "local_full_parameters", "unshard"]
 
 
 def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -> Tensor:
@@ -48,7 +33,7 @@ def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -
     return all_gather(local.detach().contiguous(), group, dims[0])
 
 
-def local_full_parameters(engine: Consolidatable) -> dict[str, Tensor]:
+def local_full_parameters(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 serial tensors of this rank's pipeline stages, by serial name (collective
     over tp and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
     parameters that ZeRO-3 frees again after gathering."""
@@ -61,7 +46,7 @@ def local_full_parameters(engine: Consolidatable) -> dict[str, Tensor]:
         }
 
 
-def consolidate(engine: Consolidatable, path: str | Path) -> dict[str, Tensor] | None:
+def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
     """Write the serial model's full fp32 state dict to ``path`` (safetensors); rank 0 also
     returns it, every other rank None. Collective over every rank."""
     path = Path(path)

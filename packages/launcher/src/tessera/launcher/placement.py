@@ -1,12 +1,17 @@
-"""Where a boosted rank's parameters sit in the user's serial model."""
+"""Where a boosted rank's parameters sit in the user's serial model, and what a boosted
+model offers to the code that saves and gathers it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import nn
 
-__all__ = ["Placement"]
+from tessera.comm import Mesh
+from tessera.zero import ZeroOptimizer
+
+__all__ = ["Boosted", "Placement"]
 
 
 @dataclass(frozen=True)
@@ -21,3 +26,16 @@ class Placement:
     full_shapes: dict[str, tuple[int, ...]]  # serial shape of every parameter
     replicated: dict[nn.Parameter, int]  # parameters identical on tp ranks -> tp
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
+
+
+class Boosted(Protocol):
+    """What checkpoints and consolidation read from a boosted model (an ``Engine`` is one)."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def zero(self) -> ZeroOptimizer: ...
+    @property
+    def placement(self) -> Placement: ...

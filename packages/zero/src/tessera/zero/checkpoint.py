@@ -35,7 +35,8 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, all_gather, all_reduce, group_rank
+from tessera.comm import Group, all_gather, group_rank
+from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.precision import DynamicLossScaler
@@ -95,13 +96,8 @@ def _layout(zero: Checkpointable) -> list[dict[str, Any]]:
 
 
 def _agree(zero: Checkpointable, error: BaseException | None, what: str) -> None:
-    """Raise on every rank if any rank failed (its own error on the failing rank)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=zero.device)
-    failed = int(all_reduce(flag, zero.group, "sum").item())
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on {failed} other rank(s); see their errors")
+    """Raise on every rank of the dp group if any rank failed (its own error on that rank)."""
+    raise_together(error, zero.group, what, zero.device)
 
 
 def _json_ready(value: Any, where: str) -> Any:
