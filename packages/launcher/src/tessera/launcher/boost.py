@@ -20,7 +20,7 @@ from tessera.launcher.config import Config
 from tessera.launcher.engine import Engine
 from tessera.launcher.placement import Placement
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
-from tessera.tensor_parallel import GPT_PLAN, PlanLike, parallelize, vocab_parallel_cross_entropy
+from tessera.tensor_parallel import GPT_PLAN, PlanLike, parallelize, shard_specs, vocab_parallel_cross_entropy
 from tessera.zero import ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
@@ -74,9 +74,10 @@ def boost(
         parallelize(
             model, plan=plan, mesh=mesh, sequence_parallel=p.sequence_parallel, seed=config.train.seed
         )
+    specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
-    replicated = {param: tp for name, param in named.items() if tuple(param.shape) == full_shapes[name]}
+    replicated = {param: tp for name, param in named.items() if name not in specs}
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
@@ -97,6 +98,7 @@ def boost(
         names={param: names[id(param)] for param in local},
         full_shapes=full_shapes,
         replicated={param: n for param, n in replicated.items() if id(param) in local_ids},
+        shard_specs=specs,
         stage_to_rank=stage_to_rank,
     )
     optimizer = rebuild_optimizer(optimizer, local)

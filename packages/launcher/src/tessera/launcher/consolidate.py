@@ -1,10 +1,10 @@
 """Gather a boosted model's parameters back into the serial model's full state dict.
 
-Tensor-parallel shards are all-gathered over tp along the one dimension where the local
-shape is 1/tp of the serial shape (column, row, vocabulary or position splits are all
-contiguous chunks in rank order); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``;
-pipeline stages meet in files: the (dp 0, tp 0) rank of every stage writes its part and
-global rank 0 merges them. Every file is written atomically (temp file, fsync, rename).
+Tensor-parallel shards are all-gathered over tp and joined as the parameter's ``ShardSpec``
+says (recorded by ``parallelize``, kept in the ``Placement``; nothing is inferred from
+shapes); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``; pipeline stages meet in
+files: the (dp 0, tp 0) rank of every stage writes its part and global rank 0 merges them.
+Every file is written atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -19,29 +19,40 @@ from tessera.comm import Group, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.launcher.placement import Boosted
+from tessera.tensor_parallel import ShardSpec
 
 __all__ = ["consolidate", "local_full_parameters", "unshard"]
 
 
-def unshard(local: Tensor, full_shape: tuple[int, ...], tp: int, group: Group) -> Tensor:
-    """The full tensor of a tp-sharded ``local`` (all-gather along its split dimension)."""
-    if tuple(local.shape) == full_shape:
-        return local
-    dims = [d for d, (a, b) in enumerate(zip(local.shape, full_shape, strict=True)) if a != b]
-    if len(dims) != 1 or local.shape[dims[0]] * tp != full_shape[dims[0]]:
-        raise ValueError(f"cannot unshard shape {tuple(local.shape)} into {full_shape} over tp={tp}")
-    return all_gather(local.detach().contiguous(), group, dims[0])
+def unshard(
+    local: Tensor, spec: ShardSpec | None, full_shape: tuple[int, ...], tp: int, group: Group
+) -> Tensor:
+    """The full tensor of this rank's ``local`` shard split as ``spec`` says (None: whole)
+    over ``tp`` ranks of ``group``; collective over the group when split."""
+    full = local
+    if spec is not None:
+        gathered = all_gather(local.detach().contiguous(), group, spec.local_dim)
+        full = spec.unshard(gathered.chunk(tp, spec.local_dim))
+    if tuple(full.shape) != full_shape:
+        raise ValueError(
+            f"unsharding {tuple(local.shape)} (split {spec}) over tp={tp} gave {tuple(full.shape)}, "
+            f"not {full_shape}"
+        )
+    return full
 
 
 def local_full_parameters(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 serial tensors of this rank's pipeline stages, by serial name (collective
     over tp and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
     parameters that ZeRO-3 frees again after gathering."""
-    names, shapes = engine.placement.names, engine.placement.full_shapes
+    placement = engine.placement
+    names, shapes, specs = placement.names, placement.full_shapes, placement.shard_specs
     tp, group = engine.mesh.size("tp"), engine.mesh.group("tp")
     with engine.zero.gathered():
         return {
-            names[p]: unshard(p.detach(), shapes[names[p]], tp, group).to("cpu", torch.float32, copy=True)
+            names[p]: unshard(p.detach(), specs.get(names[p]), shapes[names[p]], tp, group).to(
+                "cpu", torch.float32, copy=True
+            )
             for p in engine.module.parameters()
         }
 

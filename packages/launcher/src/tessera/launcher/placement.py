@@ -9,6 +9,7 @@ from typing import Protocol
 from torch import nn
 
 from tessera.comm import Mesh
+from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
 __all__ = ["Boosted", "Placement"]
@@ -16,15 +17,19 @@ __all__ = ["Boosted", "Placement"]
 
 @dataclass(frozen=True)
 class Placement:
-    """The serial name and shape of every local parameter, and the pipeline's stage owners.
+    """The serial name and shape of every local parameter, how tensor parallelism split it,
+    and the pipeline's stage owners.
 
-    ``replicated`` maps each parameter held identically by all tp ranks (a norm not split by
-    tensor parallelism) to tp, so that norms count it once.
+    ``shard_specs`` maps the serial name of each parameter split over tp to its
+    ``ShardSpec`` (what ``parallelize`` recorded); every other parameter is whole on each tp
+    rank. ``replicated`` maps each parameter held identically by all tp ranks (a norm not
+    split by tensor parallelism) to tp, so that norms count it once.
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
     full_shapes: dict[str, tuple[int, ...]]  # serial shape of every parameter
     replicated: dict[nn.Parameter, int]  # parameters identical on tp ranks -> tp
+    shard_specs: dict[str, ShardSpec] = field(default_factory=dict)  # serial name -> tp split
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
 
 

@@ -3,7 +3,8 @@
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG
 streams, and ``parallelize(model, plan=..., mesh=...)`` to convert an ordinary model by a
-declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN`` for HF GPT-2).
+declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN`` for HF GPT-2) whose
+styles are typed objects in a registry (``register_style`` adds one).
 
 Exports the public API only; the pieces the layers are built from (shard arithmetic in
 ``partition``, plan matching in ``plan``, the sequence-region ops in ``sequence``, the
@@ -15,8 +16,9 @@ from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
-from tessera.tensor_parallel.parallelize import parallelize, shard_of
-from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, Style, resolve_plan
+from tessera.tensor_parallel.parallelize import parallelize, shard_of, shard_specs
+from tessera.tensor_parallel.partition import ShardSpec
+from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
 from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, parallel_gpt_loss
 from tessera.tensor_parallel.rng import DropoutRNG, ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import (
@@ -25,13 +27,25 @@ from tessera.tensor_parallel.sequence import (
     sequence_parallel_params,
     sync_sequence_parallel_grads,
 )
+from tessera.tensor_parallel.style import (
+    ApplyContext,
+    BaseStyle,
+    Role,
+    TPStyle,
+    register_style,
+    registered_styles,
+    style_named,
+)
+from tessera.tensor_parallel.styles import Style
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT2_PLAN",
     "GPT_PLAN",
+    "ApplyContext",
     "Assignment",
+    "BaseStyle",
     "ColumnParallelLinear",
     "DropoutRNG",
     "ParallelDropout",
@@ -40,18 +54,25 @@ __all__ = [
     "Plan",
     "PlanLike",
     "RNGRegion",
+    "Role",
     "RowParallelLinear",
+    "ShardSpec",
     "Style",
+    "TPStyle",
     "VocabParallelEmbedding",
     "is_sequence_parallel",
     "mark_sequence_parallel",
     "parallel_gpt_loss",
     "parallelize",
+    "register_style",
+    "registered_styles",
     "resolve_plan",
     "seeded_embedding",
     "seeded_linear",
     "sequence_parallel_params",
     "shard_of",
+    "shard_specs",
+    "style_named",
     "sync_sequence_parallel_grads",
     "vocab_parallel_cross_entropy",
 ]

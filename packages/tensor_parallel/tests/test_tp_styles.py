@@ -1,0 +1,180 @@
+"""Tier 0: typed styles. Shard specs invert (property-tested), ``parallelize`` records the spec
+of every parameter it splits and each rank's parameters are exactly ``spec.shard`` of the
+serial ones, and a style registered from outside Tessera works in a plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from tessera.comm import Mesh, Topology
+from tessera.comm.testing import GPT, GPTConfig, run_threaded
+from tessera.tensor_parallel import (
+    GPT_PLAN,
+    ApplyContext,
+    PlanLike,
+    Role,
+    ShardSpec,
+    Style,
+    parallelize,
+    register_style,
+    resolve_plan,
+    shard_specs,
+    style_named,
+)
+from tessera.tensor_parallel.partition import fused_shard_indices
+from tessera.tensor_parallel.styles import Colwise
+
+
+@settings(max_examples=80)
+@given(
+    st.integers(1, 4),  # tp
+    st.integers(1, 3),  # sections
+    st.lists(st.integers(1, 3), min_size=1, max_size=3),  # shape, in units
+    st.data(),
+)
+def test_unshard_inverts_shard(tp: int, sections: int, units: list[int], data: st.DataObject) -> None:
+    transposed = len(units) == 2 and data.draw(st.booleans())
+    dim = data.draw(st.integers(0, len(units) - 1))
+    shape = [u * (tp * sections if d == dim else 1) for d, u in enumerate(units)]
+    full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    spec = ShardSpec(dim, sections, transposed=transposed)
+    shards = [spec.shard(full, r, tp) for r in range(tp)]
+    assert all(s.shape[spec.local_dim] * tp == full.shape[dim] for s in shards)
+    assert torch.equal(spec.unshard(shards), full)
+    # the same rows the parallel layers take (``fused_shard_indices``)
+    index = torch.tensor(fused_shard_indices(shape[dim], sections, tp, tp - 1))
+    last = shards[-1].t() if transposed else shards[-1]
+    assert torch.equal(last, full.index_select(dim, index))
+
+
+def test_invalid_specs_are_refused() -> None:
+    with pytest.raises(ValueError, match="invalid"):
+        ShardSpec(2, transposed=True)
+    with pytest.raises(ValueError, match="invalid"):
+        ShardSpec(0, 0)
+
+
+class Conv1D(nn.Module):
+    """HF's Conv1D layout (``is_dense`` knows it by name): y = x @ weight + bias, weight (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(8, 6)
+        self.qkv = Conv1D(12, 6)  # fused q|k|v, 4 wide each
+        self.proj = Conv1D(6, 4)
+        self.fc = nn.Linear(6, 4)
+        self.out = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+
+
+TINY_PLAN = {
+    "tok": "vocab",
+    "qkv": "colwise_qkv",
+    "proj": "rowwise",
+    "fc": "colwise",
+    "out": "rowwise",
+    "norm": "sequence_norm",
+}
+
+
+Shards = tuple[dict[str, Tensor], dict[str, ShardSpec]]
+
+
+def _shards(rank: int, build: Callable[[], nn.Module], serial: dict[str, Tensor], plan: PlanLike) -> Shards:
+    model = build()
+    model.load_state_dict(serial)
+    parallelize(model, plan=plan, mesh=Mesh(Topology(tp=2)))
+    specs = shard_specs(model)
+    for name, p in model.named_parameters():
+        spec = specs.get(name)
+        expected = serial[name] if spec is None else spec.shard(serial[name], rank, 2)
+        assert torch.equal(p.detach(), expected), name
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, dict(specs)
+
+
+@pytest.mark.parametrize("which", ["tiny", "gpt"])
+def test_parallelize_records_how_every_parameter_was_split(which: str) -> None:
+    torch.manual_seed(0)
+    plan: PlanLike = TINY_PLAN if which == "tiny" else GPT_PLAN
+
+    def build() -> nn.Module:
+        return Tiny() if which == "tiny" else GPT(GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1))
+
+    serial = {k: v.clone() for k, v in build().state_dict().items()}
+    (params0, specs), (params1, specs1) = run_threaded(2, _shards, build, serial, plan)
+    assert specs == specs1 and specs
+    for name, spec in specs.items():
+        assert torch.equal(spec.unshard([params0[name], params1[name]]), serial[name]), name
+    if which == "tiny":
+        assert set(specs) == {
+            "tok.weight",
+            "qkv.weight",
+            "qkv.bias",
+            "proj.weight",
+            "fc.weight",
+            "fc.bias",
+            "out.weight",
+        }
+        assert specs["qkv.weight"] == ShardSpec(1, 3, transposed=True)
+        assert specs["qkv.bias"] == ShardSpec(0, 3)
+        assert specs["proj.weight"] == ShardSpec(0, transposed=True)
+        assert specs["out.weight"] == ShardSpec(1)
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """A style from outside Tessera: the Linear stays whole on every rank, marked with tp."""
+
+    name: str = "test_replicate"
+    role: Role = Role.LOCAL
+
+    def check(self, module: nn.Module, *, name: str, tp: int) -> None:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name} ({self.name}): expected nn.Linear, got {type(module).__name__}")
+
+    def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
+        setattr(module, "replicated_over", ctx.tp)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
+        return None
+
+    def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
+        return None
+
+
+REPLICATE = register_style(Replicate())
+
+
+def _replicated(rank: int) -> tuple[str, int, list[str]]:
+    model = Tiny()
+    parallelize(model, plan={"fc": "test_replicate", "out": Style.ROWWISE}, mesh=Mesh(Topology(tp=2)))
+    return type(model.fc).__name__, int(getattr(model.fc, "replicated_over", 0)), sorted(shard_specs(model))
+
+
+def test_a_registered_style_is_used_by_name_in_a_plan() -> None:
+    assert style_named("test_replicate") is REPLICATE and style_named("colwise") is Style.COLWISE
+    for kind, tp, specs in run_threaded(2, _replicated):
+        assert (kind, tp, specs) == ("Linear", 2, ["out.weight"])
+    with pytest.raises(ValueError, match=r"tok \(test_replicate\): expected nn.Linear, got Embedding"):
+        resolve_plan(Tiny(), {"tok": "test_replicate"}, tp=2)
+
+
+def test_a_name_is_registered_once() -> None:
+    with pytest.raises(ValueError, match="a style named 'colwise' is already registered"):
+        register_style(Colwise("colwise"))
+    register_style(REPLICATE)  # the same object again is fine
+    with pytest.raises(TypeError, match="does not meet the TPStyle protocol"):
+        register_style(object())  # type: ignore[arg-type]
