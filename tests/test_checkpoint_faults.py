@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, Engine, ParallelConfig, ZeroConfig, boost
+from tessera.launcher import Config, Diverged, Engine, ParallelConfig, ZeroConfig, boost
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)
 
@@ -39,7 +40,7 @@ def _damage_and_load(rank: int, path: str, damage: str) -> str:
     engine.train_step(*make_batch(GPT_CFG, 4, seed=0))
     engine.save(path)
     if rank == 0:
-        file = Path(path) / "rank-00001.safetensors"
+        file = Path(path) / "step-00000001" / "rank-00001.safetensors"
         if damage == "flip":
             data = bytearray(file.read_bytes())
             data[-1] ^= 0xFF
@@ -66,7 +67,7 @@ def test_a_damaged_rank_file_raises_on_every_rank(worker_pools: PoolFactory, tmp
         path = str(tmp_path / damage)
         outcomes = worker_pools(2).run(_damage_and_load, path, damage, timeout=120)
         assert outcomes[0].startswith("RemoteFailure: reading the checkpoint"), outcomes
-        assert own in outcomes[1], outcomes
+        assert own in outcomes[1] and outcomes[1] in outcomes[0], outcomes  # rank 0 quotes rank 1
 
 
 def _load_other_layout(rank: int, path: str) -> str:
@@ -88,3 +89,74 @@ def test_a_checkpoint_of_another_topology_is_refused_by_name(
 ) -> None:
     for message in worker_pools(4).run(_load_other_layout, str(tmp_path / "ckpt"), timeout=120):
         assert "'dp': 2" in message and "'dp': 4" in message, message
+
+
+def _generations(rank: int, root: str) -> dict[str, object]:
+    """Saves at steps 1, 2, 3 (keep_last=2), then edits, tears and reloads."""
+    engine = _engine(_config(dp=2, tp=1, zero=1))
+    losses = []
+    for step in range(3):
+        losses.append(engine.train_step(*make_batch(GPT_CFG, 4, seed=step)).loss)
+        engine.save(root, keep_last=2)
+    kept = sorted(p.name for p in Path(root).glob("step-*"))
+    out: dict[str, object] = {"kept": kept, "latest": (Path(root) / "latest").read_text().strip()}
+
+    def load(path: str) -> str:
+        fresh = _engine(_config(dp=2, tp=1, zero=1))
+        try:
+            return str(fresh.load(path).name) + f" step {fresh.step}"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            fresh.mesh.close()
+
+    out["newest"] = load(root)
+    newest = Path(root) / "step-00000003"
+    manifest = newest / "manifest.json"
+    if rank == 0:  # an edited step in the manifest
+        manifest.write_text(manifest.read_text().replace('"step": 3', '"step": 100'))
+    dist.barrier()
+    out["edited"] = load(str(newest))
+    if rank == 0:  # a torn save: the newest generation without its manifest
+        manifest.unlink()
+    dist.barrier()
+    out["torn"] = load(root)
+    engine.mesh.close()
+    return out
+
+
+def test_generations_commit_prune_and_refuse_edits(worker_pools: PoolFactory, tmp_path: Path) -> None:
+    """Each save is a new generation committed by its manifest; keep_last prunes; an edited
+    manifest is refused on every rank; a torn newest generation falls back to the one before."""
+    for out in worker_pools(2).run(_generations, str(tmp_path / "ckpt"), timeout=180):
+        assert out["kept"] == ["step-00000002", "step-00000003"], out
+        assert out["latest"] == "step-00000003", out
+        assert out["newest"] == "step-00000003 step 3", out
+        assert "says step 100 but lies in step-00000003" in str(out["edited"]), out
+        assert out["torn"] == "step-00000002 step 2", out
+
+
+def _diverge(rank: int, stage: int) -> dict[str, object]:
+    model = GPT(GPT_CFG, seed=1)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=1e6), _config(dp=2, tp=1, zero=stage))
+    engine.max_skipped_steps = 2
+    skipped: list[bool] = []
+    out: dict[str, object] = {"skipped": skipped}
+    try:
+        for step in range(12):
+            skipped.append(engine.train_step(*make_batch(GPT_CFG, 4, seed=step)).skipped)
+    except Diverged as e:
+        out["error"] = str(e)
+    out["finite"] = all(bool(torch.isfinite(f.master).all()) for f in engine.zero.flats)
+    engine.mesh.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_diverging_run_stops_with_finite_weights(worker_pools: PoolFactory, stage: int) -> None:
+    """SGD at lr=1e6, fp32, no clipping: the steps whose gradient norm is not finite are
+    skipped (the weights stay finite), and the third in a row raises `Diverged` on every rank."""
+    for out in worker_pools(2).run(_diverge, stage, timeout=120):
+        assert "training diverged: 3 steps in a row" in str(out.get("error")), out
+        assert out["skipped"][-2:] == [True, True], out  # type: ignore[index]
+        assert out["finite"], out

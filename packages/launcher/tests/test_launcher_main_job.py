@@ -62,7 +62,9 @@ def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
     assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((run / "checkpoint" / "engine.json").read_text())["step"] == 6
+    latest = (run / "checkpoint" / "latest").read_text().strip()
+    assert latest == "step-00000006"
+    assert json.loads((run / "checkpoint" / latest / "manifest.json").read_text())["step"] == 6
     state = safetensors.torch.load_file(str(run / "model.safetensors"))
     vocab = CharTokenizer.from_json((run / "tokenizer.json").read_text()).vocab_size
     padded = -(-vocab // 2) * 2  # the main job pads the vocabulary to split over tp=2

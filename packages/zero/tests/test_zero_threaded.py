@@ -248,3 +248,28 @@ def test_unsupported_layouts_are_refused_before_any_collective() -> None:
     model, opt = _fresh()
     with pytest.raises(ValueError, match=r"stage must be 0 \(plain data parallelism\), 1, 2 or 3, got -1"):
         ZeroOptimizer(model, opt, stage=-1)
+
+
+def _nan_on_one_rank(rank: int, stage: int) -> list[tuple[bool, bool]]:
+    """Three fp32 steps without clipping; at step 1 rank 1's loss is NaN."""
+    model = MLP(0)
+    zero = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, bucket_bytes=64)
+    out = []
+    for step in range(3):
+        before = [f.master.detach().clone() for f in zero.flats]
+        x, y = batch(step, rank)
+        loss = F.mse_loss(model(x), y)
+        zero.backward(loss * float("nan") if step == 1 and rank == 1 else loss)
+        stepped = zero.step()
+        kept = all(torch.equal(b, f.master) for b, f in zip(before, zero.flats, strict=True))
+        out.append((stepped, kept))
+    assert all(bool(torch.isfinite(f.master).all()) for f in zero.flats)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_non_finite_gradient_skips_the_step_on_every_rank_in_fp32(stage: int) -> None:
+    """No loss scaler and no clipping: the norm check still runs, so a NaN on one rank skips
+    the step everywhere and leaves every weight as it was; the next step goes on."""
+    want = [(True, False), (False, True), (True, False)]
+    assert run_threaded(2, _nan_on_one_rank, stage) == [want, want]

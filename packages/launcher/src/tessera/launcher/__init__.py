@@ -17,7 +17,7 @@ from tessera.launcher.config import (
     ZeroConfig,
 )
 from tessera.launcher.config_io import ConfigError, load_config, resolve_config
-from tessera.launcher.engine import Engine, StepOutput
+from tessera.launcher.engine import Diverged, Engine, StepOutput
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "Diverged",
     "Engine",
     "LoggingConfig",
     "ModelConfig",

@@ -1,26 +1,34 @@
-"""Engine checkpoints: everything a run needs to continue its exact loss curve, at the same topology.
+"""Engine checkpoints as generations: a save never costs the previous one.
 
-Layout of a checkpoint directory:
+A checkpoint root holds one directory per save, ``step-NNNNNNNN/``:
 
 - ``rank-RRRRR.safetensors`` per rank: this rank's module state (its TP shards of its
-  pipeline stages; buffers only under ZeRO-3, whose parameters live in the ZeRO shards) and
-  its RNG state; the header metadata carries the scheduler state as JSON.
-- ``zero/pp-P-tp-T/``: the ``tessera.zero`` checkpoint of each model-parallel slice (its own
-  meta.json, checksums and world-size check over the dp group): masters and optimizer state.
-- ``engine.json``, written by rank 0 last: format, step (the data position), topology,
-  stage placement, ZeRO stage and the sha256 of every rank file. Its presence commits the
-  checkpoint.
+  pipeline stages; buffers only under ZeRO-3, whose parameters live in the ZeRO shards), its
+  RNG state, and a header with the step and the scheduler state.
+- ``zero/pp-P-tp-T/``: the ``tessera.zero`` checkpoint of each model-parallel slice.
+- ``manifest.json``, written last and atomically: the commit point. It lists every file of
+  the generation with its sha256, and the step (the data position), the topology, the stage
+  placement, the ZeRO stage and the configuration that shapes the state.
 
-Every file is written atomically (temp file, fsync, rename). Nothing is unpickled. Loading
-validates everything it can on every rank, then the ranks agree (``raise_together``) before
-any collective, so a corrupt or mismatched file raises on every rank instead of hanging the
-others.
+``latest`` in the root names the newest committed generation (a convenience; loading scans).
+A save uncommits a committed generation of the same step before rewriting it; after the
+commit, generations beyond ``keep_last`` and torn saves older than the new one are removed.
+
+Loading resolves the root to its newest committed generation (or takes a generation
+directory), and every rank checks the manifest against this run, its share of the files
+against their checksums and its rank file's step against the manifest, before any
+collective; then the ranks agree (``raise_together``): a missing, corrupt, edited or foreign
+file raises on every rank with one line naming it, and the engine is left as it was.
+Nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,15 +37,25 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from tessera.comm import all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
+from tessera.launcher.config import Config
 from tessera.launcher.placement import Boosted
 
-__all__ = ["FORMAT", "Checkpointable", "load_engine", "read_meta", "save_engine"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "Checkpointable",
+    "committed_generations",
+    "load_engine",
+    "resolve_generation",
+    "save_engine",
+]
 
-FORMAT = "tessera-engine/2"
-META = "engine.json"
+FORMAT = "tessera-engine/3"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_READ_ERRORS = (OSError, ValueError, KeyError, json.JSONDecodeError, safetensors.SafetensorError)
 
 
 class Checkpointable(Boosted, Protocol):
@@ -45,11 +63,92 @@ class Checkpointable(Boosted, Protocol):
 
     @property
     def scheduler(self) -> Any: ...
+    @property
+    def config(self) -> Config: ...
 
 
+# ---------------------------------------------------------------------------- pure parts
+def generation_name(step: int) -> str:
+    """The directory name of the generation saved at ``step``."""
+    return f"step-{step:08d}"
+
+
+def read_manifest(generation: Path) -> dict[str, Any]:
+    """The manifest of a generation directory (ValueError unless it is one of this format)."""
+    path = generation / MANIFEST
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if generation.name != generation_name(int(manifest["step"])):
+        raise ValueError(f"{path} says step {manifest['step']} but lies in {generation.name}")
+    return manifest
+
+
+def committed_generations(root: str | Path) -> list[Path]:
+    """The committed generations under ``root``, oldest first (torn saves are skipped)."""
+    out = []
+    for gen in sorted(Path(root).glob("step-*")):
+        try:
+            read_manifest(gen)
+        except (*_READ_ERRORS, TypeError):
+            continue
+        out.append(gen)
+    return out
+
+
+def resolve_generation(path: str | Path) -> Path:
+    """``path`` itself if it is a committed generation, else the newest one under it."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        read_manifest(path)
+        return path
+    found = committed_generations(path)
+    if not found:
+        raise ValueError(f"{path} holds no committed checkpoint generation (step-*/{MANIFEST})")
+    return found[-1]
+
+
+def _fingerprint(config: Config) -> dict[str, Any]:
+    """The configuration that shapes the saved state: a resume under another one is refused."""
+    out = {name: dataclasses.asdict(getattr(config, name)) for name in ("parallel", "zero", "model", "optim")}
+    out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
+    out["train"] = {"seed": config.train.seed, "precision": config.train.precision}
+    return out
+
+
+def _differences(saved: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> list[str]:
+    lines = []
+    for key in sorted(set(saved) | set(mine)):
+        a, b = saved.get(key), mine.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            lines.append(f"{prefix}{key}: saved {a!r}, now {b!r}")
+    return lines
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(generation: Path) -> list[str]:
+    """Every file of a generation but the manifest and hidden staging files, relative, sorted."""
+    return sorted(
+        str(p.relative_to(generation))
+        for p in generation.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    )
+
+
+# ---------------------------------------------------------------------------- save
 def _layout(engine: Checkpointable) -> dict[str, Any]:
     t = engine.mesh.topology
     return {
+        "world_size": t.world_size,
         "topology": {
             "dp": t.dp, "pp": t.pp, "tp": t.tp, "sp": t.sp, "tp_mode": str(t.tp_mode), "depth": t.depth
         },
@@ -58,106 +157,136 @@ def _layout(engine: Checkpointable) -> dict[str, Any]:
     }
 
 
-def _zero_dir(engine: Checkpointable, path: Path) -> Path:
-    return path / "zero" / f"pp-{engine.mesh.coordinate('pp')}-tp-{engine.mesh.coordinate('tp')}"
-
-
-def _rank_file(path: Path, rank: int) -> Path:
-    return path / f"rank-{rank:05d}.safetensors"
-
-
-def _rank_tensors(engine: Checkpointable) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _rank_bytes(engine: Checkpointable, step: int) -> bytes:
     module = engine.module  # under ZeRO-3 the parameters live in the ZeRO shards: keep the buffers
     state = dict(module.named_buffers()) if engine.zero.stage == 3 else module.state_dict()
     tensors = {f"module.{k}": v.detach().cpu().contiguous() for k, v in state.items()}
     tensors["rng.cpu"] = torch.get_rng_state()
-    header: dict[str, Any] = {
-        "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+    scheduler = engine.scheduler.state_dict() if engine.scheduler is not None else None
+    header = {"step": step, "scheduler": scheduler}
+    return safetensors.torch.save(tensors, metadata={"tessera": json.dumps(header)})
+
+
+def _zero_dir(engine: Checkpointable, generation: Path) -> Path:
+    return generation / "zero" / f"pp-{engine.mesh.coordinate('pp')}-tp-{engine.mesh.coordinate('tp')}"
+
+
+def save_engine(engine: Checkpointable, step: int, root: str | Path, *, keep_last: int = 2) -> Path:
+    """Write a new generation of the engine's training state under ``root`` and commit it;
+    returns its directory. Collective over every rank."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(root)
+    gen = root / generation_name(step)
+    rank, world, device = engine.mesh.rank, engine.mesh.topology.world_size, engine.mesh.device
+
+    def together(what: str, fn: Callable[[], None], *, only_rank_0: bool = False) -> None:
+        error = None
+        try:
+            if rank == 0 or not only_rank_0:
+                fn()
+        except OSError as e:
+            error = e
+        raise_together(error, None, f"{what} ({gen})", device)
+
+    def uncommit() -> None:  # a generation of the same step, before rewriting any of its files
+        (gen / MANIFEST).unlink(missing_ok=True)
+
+    def write_rank_file() -> None:
+        atomic_write(gen / f"rank-{rank:05d}.safetensors", _rank_bytes(engine, step))
+
+    def hash_share() -> None:
+        sums = {f: _sha256(gen / f) for f in files[rank::world]}
+        atomic_write(gen / f".sha-{rank:05d}.json", json.dumps(sums).encode())
+
+    together("uncommitting", uncommit, only_rank_0=True)
+    engine.zero.save(_zero_dir(engine, gen))
+    together("writing the rank file", write_rank_file)
+    files = _files(gen)
+    together("hashing", hash_share)
+    together("committing", lambda: _commit(engine, step, root, gen, files, keep_last), only_rank_0=True)
+    return gen
+
+
+def _commit(
+    engine: Checkpointable, step: int, root: Path, gen: Path, files: list[str], keep_last: int
+) -> None:
+    """Rank 0: merge the ranks' checksums into the manifest (the commit), point ``latest``, prune."""
+    sums: dict[str, str] = {}
+    world = engine.mesh.topology.world_size
+    for r in range(world):
+        part = gen / f".sha-{r:05d}.json"
+        sums.update(json.loads(part.read_text()))
+        part.unlink()
+    if sorted(sums) != files:
+        raise OSError(f"{gen}: the ranks hashed {len(sums)} files, the generation holds {len(files)}")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "data_position": step,
+        **_layout(engine),
+        "config": _fingerprint(engine.config),
+        "files": sums,
     }
-    return tensors, header
+    atomic_write(gen / MANIFEST, json.dumps(manifest, indent=1).encode())
+    atomic_write(root / LATEST, f"{gen.name}\n".encode())
+    committed = committed_generations(root)
+    for old in committed[:-keep_last]:
+        shutil.rmtree(old)
+    for torn in sorted(root.glob("step-*")):
+        if torn not in committed and torn.name < gen.name:
+            shutil.rmtree(torn)
 
 
-def _sha(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
-
-
-def save_engine(engine: Checkpointable, step: int, path: str | Path) -> None:
-    """Write the engine's full training state under ``path`` (collective over every rank)."""
-    path = Path(path)
-    rank, device = engine.mesh.rank, engine.mesh.device
-    engine.zero.save(_zero_dir(engine, path))
-    tensors, header = _rank_tensors(engine)
-    data = safetensors.torch.save(tensors, metadata={"tessera": json.dumps(header)})
-    error: BaseException | None = None
-    try:
-        atomic_write(_rank_file(path, rank), data)
-    except OSError as e:
-        error = e
-    raise_together(error, None, f"writing {path}", device)
-    digests = all_gather(_sha(data).to(device).reshape(1, 32), None).cpu()
-    if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": engine.mesh.topology.world_size,
-            **_layout(engine),
-            "sha256": [bytes(d.tolist()).hex() for d in digests],
-        }
-        atomic_write(path / META, json.dumps(meta, indent=1).encode())
-    all_reduce(torch.zeros(1, device=device), None)  # everyone returns after the commit
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """The committed metadata of a checkpoint (ValueError if there is none)."""
-    meta_path = Path(path) / META
-    if not meta_path.is_file():
-        raise ValueError(f"{path} holds no committed Tessera checkpoint ({META} is missing)")
-    try:
-        meta: dict[str, Any] = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{meta_path} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
-
-
-def _read_rank(
+# ---------------------------------------------------------------------------- load
+def _check(
     engine: Checkpointable, path: Path
-) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
-    """This rank's committed metadata, tensors and header, every check made (raises ValueError)."""
-    meta = read_meta(path)
+) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    """This rank's share of the checks; returns the generation, its manifest, this rank's
+    tensors and header (raises ValueError/OSError naming the file)."""
+    gen = resolve_generation(path)
+    manifest = read_manifest(gen)
     mine = _layout(engine)
-    saved = {k: meta.get(k) for k in mine}
+    saved = {k: manifest.get(k) for k in mine}
     if saved != mine:
-        raise ValueError(f"{path} was saved with {saved}; this run has {mine}")
-    rank = engine.mesh.rank
-    file = _rank_file(path, rank)
-    data = file.read_bytes()
-    if hashlib.sha256(data).hexdigest() != meta["sha256"][rank]:
-        raise ValueError(f"{file} does not match its checksum in {META}")
-    tensors = safetensors.torch.load(data)
-    with safetensors.safe_open(str(file), "pt") as f:
+        raise ValueError(f"{gen} was saved with {saved}; this run has {mine}")
+    changed = _differences(manifest["config"], _fingerprint(engine.config))
+    if changed:
+        raise ValueError(f"{gen} was saved under another configuration: {'; '.join(changed[:6])}")
+    rank, world = engine.mesh.rank, engine.mesh.topology.world_size
+    own = gen / f"rank-{rank:05d}.safetensors"
+    data = own.read_bytes()
+    share = sorted(manifest["files"])[rank::world]
+    own_sum = hashlib.sha256(data).hexdigest()
+    for rel in share:
+        if (own_sum if rel == own.name else _sha256(gen / rel)) != manifest["files"][rel]:
+            raise ValueError(f"{gen / rel} does not match its checksum in {MANIFEST}")
+    if own.name not in share and own_sum != manifest["files"].get(own.name):
+        raise ValueError(f"{own} does not match its checksum in {MANIFEST}")
+    with safetensors.safe_open(str(own), "pt") as f:
         header: dict[str, Any] = json.loads(f.metadata()["tessera"])
-    return meta, tensors, header
+    if header["step"] != manifest["step"]:
+        raise ValueError(f"{gen / MANIFEST} says step {manifest['step']}, {own.name} step {header['step']}")
+    return gen, manifest, safetensors.torch.load(data), header
 
 
-def load_engine(engine: Checkpointable, path: str | Path) -> int:
-    """Restore what ``save_engine`` wrote, at the same topology, and return its step.
-
-    Collective over every rank; every rank raises if any rank's files are missing, corrupt
-    or from another layout, before any other collective.
-    """
+def load_engine(engine: Checkpointable, path: str | Path) -> tuple[int, Path]:
+    """Restore the newest committed generation under ``path`` (or the generation ``path``) at
+    the same topology; returns its step and directory. Collective over every rank; every rank
+    raises if any rank's check fails, before any other collective."""
     path = Path(path)
+    device = engine.mesh.device
     error: BaseException | None = None
     try:
-        meta, tensors, header = _read_rank(engine, path)
-    except (OSError, ValueError, KeyError, safetensors.SafetensorError) as e:
+        gen, manifest, tensors, header = _check(engine, path)
+    except _READ_ERRORS as e:
         error = e
-    raise_together(error, None, f"reading the checkpoint {path}", engine.mesh.device)
+    raise_together(error, None, f"reading the checkpoint {path}", device)
     module = {k.removeprefix("module."): v for k, v in tensors.items() if k.startswith("module.")}
     engine.module.load_state_dict(module, strict=engine.zero.stage != 3)
     torch.set_rng_state(tensors["rng.cpu"])
-    engine.zero.load(_zero_dir(engine, path))
+    engine.zero.load(_zero_dir(engine, gen))
     if engine.scheduler is not None and header["scheduler"] is not None:
         engine.scheduler.load_state_dict(header["scheduler"])
-    return int(meta["step"])
+    raise_together(None, None, "loading", device)  # every rank has loaded before anyone goes on
+    return int(manifest["step"]), gen

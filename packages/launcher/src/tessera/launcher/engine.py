@@ -9,6 +9,8 @@ step are the `ZeroOptimizer`'s (stage 0 is plain data parallelism).
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, all_reduce
+from tessera.comm.consensus import raise_together
 from tessera.launcher.checkpoint import load_engine, save_engine
 from tessera.launcher.config import Config
 from tessera.launcher.consolidate import consolidate, local_full_parameters
@@ -25,7 +28,13 @@ from tessera.pipeline import PipelineRuntime, forward_loss
 from tessera.tensor_parallel import sync_sequence_parallel_grads
 from tessera.zero import ZeroOptimizer
 
-__all__ = ["Engine", "StepOutput"]
+__all__ = ["Diverged", "Engine", "StepOutput"]
+
+log = logging.getLogger(__name__)
+
+
+class Diverged(RuntimeError):
+    """Raised on every rank when training went non-finite for more steps in a row than allowed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,7 @@ class Engine:
         scheduler: Any,
         loss_fn: Any,
         placement: Placement,
+        max_skipped_steps: int = 20,
     ) -> None:
         self.config = config
         self.mesh = mesh
@@ -62,6 +72,8 @@ class Engine:
         self.loss_fn = loss_fn
         self.placement = placement
         self.step = 0
+        self.max_skipped_steps = max_skipped_steps
+        self.skipped_in_a_row = 0
         self.tp, self.dp, self.pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
 
     @property
@@ -85,7 +97,8 @@ class Engine:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> StepOutput:
-        """One optimizer step on the global batch ``(inputs, targets)``; collective."""
+        """One optimizer step on the global batch ``(inputs, targets)``; collective. A step
+        with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
         self.module.train()
         x, y = self._local_rows(inputs), self._local_rows(targets)
         if self.runtime is not None:
@@ -105,7 +118,33 @@ class Engine:
         loss_t = all_reduce(
             torch.tensor([local_loss], dtype=torch.float64, device=self.mesh.device), self.dp, "avg"
         )
-        return StepOutput(float(loss_t[0]), self.zero.last_grad_norm, lr, not stepped)
+        out = StepOutput(float(loss_t[0]), self.zero.last_grad_norm, lr, not stepped)
+        self._watch_divergence(out)
+        return out
+
+    def _watch_divergence(self, out: StepOutput) -> None:
+        """Count steps in a row that ZeRO skipped (a non-finite gradient norm: an fp16 overflow
+        or a divergence) or whose loss is not finite; past ``max_skipped_steps`` raise
+        `Diverged` (every rank sees the same global norm and loss, so all raise together)."""
+        if not out.skipped and math.isfinite(out.loss):
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        log.warning(
+            "step %d: loss %s, gradient norm %s: %s (%d in a row, at most %d allowed)",
+            self.step,
+            out.loss,
+            out.grad_norm,
+            "update skipped" if out.skipped else "non-finite loss",
+            self.skipped_in_a_row,
+            self.max_skipped_steps,
+        )
+        if self.skipped_in_a_row > self.max_skipped_steps:
+            raise Diverged(
+                f"training diverged: {self.skipped_in_a_row} steps in a row up to step {self.step} had a "
+                f"non-finite loss or gradient norm (loss {out.loss}, norm {out.grad_norm}); the weights "
+                "are those of the last finite step"
+            )
 
     def _accumulate(self, x: Tensor, y: Tensor) -> float:
         """Forward and backward of ``parallel.microbatches`` microbatches; their mean loss."""
@@ -124,13 +163,25 @@ class Engine:
         return total / m
 
     # ------------------------------------------------------------------ state
-    def save(self, path: str | Path) -> None:
-        """Checkpoint model, optimizer, scheduler, RNG and data position (collective)."""
-        save_engine(self, self.step, path)
+    def save(self, path: str | Path, *, keep_last: int = 2) -> Path:
+        """Checkpoint model, optimizer, scheduler, RNG and data position as a new generation
+        under ``path``; refuses (on every rank) weights that are not finite. Collective."""
+        self._check_finite(f"saving to {path}")
+        return save_engine(self, self.step, path, keep_last=keep_last)
 
-    def load(self, path: str | Path) -> None:
-        """Resume from ``save``'s checkpoint at the same topology (collective)."""
-        self.step = load_engine(self, path)
+    def load(self, path: str | Path) -> Path:
+        """Resume from the newest committed generation under ``path`` (or the generation
+        ``path``) at the same topology and configuration; returns it. Collective."""
+        self.step, generation = load_engine(self, path)
+        return generation
+
+    def _check_finite(self, what: str) -> None:
+        bad = [i for i, flat in enumerate(self.zero.flats) if not bool(torch.isfinite(flat.master).all())]
+        error = None
+        if bad:
+            names = [n for i in bad for n in self.zero.flats[i].names][:5]
+            error = ValueError(f"{what}: non-finite weights in {names}; nothing written")
+        raise_together(error, None, what, self.mesh.device)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """This rank's pipeline stages as full fp32 serial tensors by serial name (collective

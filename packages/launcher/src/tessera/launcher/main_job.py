@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.comm import broadcast, default_device
+from tessera.comm import default_device
 from tessera.comm.testing import GPT, GPTConfig
 from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
@@ -28,6 +28,7 @@ from tessera.launcher.config_io import config_to_toml, load_config
 from tessera.launcher.data import TextData, load_corpus
 from tessera.launcher.engine import Engine
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics
+from tessera.launcher.runs import run_folder
 
 __all__ = ["main", "sample"]
 
@@ -71,9 +72,7 @@ def sample(
 
 
 def _run_dir(config: Config, device: torch.device) -> Path:
-    stamp = broadcast(torch.tensor([int(time.time())], dtype=torch.int64, device=device), 0)
-    name = config.train.name or time.strftime("char-gpt-%Y%m%d-%H%M%S", time.localtime(int(stamp[0])))
-    return Path(config.train.run_dir) / name
+    return run_folder(config, device)
 
 
 def _evaluate(engine: Engine, data: TextData, config: Config, step: int) -> float:
@@ -114,8 +113,8 @@ def main() -> None:
     )
     run = _run_dir(config, device)
     if config.train.resume:
-        engine.load(config.train.resume)
-        log.info("resumed from %s at step %d", config.train.resume, engine.step)
+        generation = engine.load(config.train.resume)  # returns once every rank has loaded
+        log.info("resumed from %s at step %d", generation, engine.step)
     metrics = progress = None
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
@@ -159,7 +158,8 @@ def main() -> None:
                 log.info("step %d: validation loss %.4f", done, val)
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
             engine.save(run / "checkpoint")
-    engine.save(run / "checkpoint")
+    if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
+        engine.save(run / "checkpoint")
     full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()

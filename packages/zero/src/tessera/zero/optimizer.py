@@ -18,9 +18,10 @@ gradients are all-reduced bucket by bucket at ``step()`` and every rank steps ev
 as DDP does. Per step each stage moves, by the paper accounting, the padded parameter bytes
 (in the compute dtype) twice: an all-reduce in stage 0, a reduce-scatter of gradients and an
 all-gather of updated parameters in stages 1-2; three times in stage 3 (all-gathers in
-forward and backward, reduce-scatter); plus 32 bytes for the gradient norm / overflow check
-when clipping or fp16 is on (stage 0: only over ``norm_groups``, as its gradients are
-already the same on every data-parallel rank).
+forward and backward, reduce-scatter); plus 32 bytes for the gradient norm / non-finite
+check, every step (stage 0: only over ``norm_groups``, as its gradients are already the same
+on every data-parallel rank). A step whose gradient norm is not finite is skipped in every
+precision (fp16: the loss scale also halves), so a divergence never writes NaN weights.
 
 Stages 0 and 1 reduce at ``step()``, so a caller that runs backward itself (a pipeline
 runtime calling ``loss.backward()`` per microbatch) simply lets the gradients accumulate in
@@ -224,20 +225,19 @@ class ZeroOptimizer:
             sync_device(self.device)
         grads = [f.master_grad() for f in self.flats]
         factor = 1.0 / (self.world_size * self.loss_scale)
-        if self.config.clip_grad_norm is not None or self.scaler is not None:
-            stats = global_grad_stats(
-                grads,
-                self.group,
-                self.device,
-                extra_groups=self.norm_groups,
-                weights=self._norm_weights,
-                replicated=self.stage == 0,
-            )
-            if stats.overflow:
-                return self._skip()
-            self.last_grad_norm = stats.norm * factor
-            if self.config.clip_grad_norm is not None:
-                factor *= clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
+        stats = global_grad_stats(  # every step: a non-finite norm skips it in every precision
+            grads,
+            self.group,
+            self.device,
+            extra_groups=self.norm_groups,
+            weights=self._norm_weights,
+            replicated=self.stage == 0,
+        )
+        if stats.overflow:
+            return self._skip()
+        self.last_grad_norm = stats.norm * factor
+        if self.config.clip_grad_norm is not None:
+            factor *= clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
         self.optimizer.step()
@@ -255,7 +255,7 @@ class ZeroOptimizer:
             self.scaler.update(True)
             log.info("gradient overflow: step skipped, loss scale now %s", self.scaler.scale)
         else:
-            log.warning("non-finite gradient norm without a loss scaler: step skipped")
+            log.warning("non-finite gradient norm: step skipped, the weights are unchanged")
         self.last_grad_norm = float("inf")
         self.zero_grad()
         return False
