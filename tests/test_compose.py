@@ -40,7 +40,7 @@ from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, bo
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)
 STEPS = 4
 BATCH = 8
-LR = {"adamw": 1e-2, "sgd": 0.5}
+LR = {"adamw": 1e-2, "sgd": 0.5, "sgd-groups": 0.5}
 CLIP = 0.05
 BETAS = (0.9, 0.95)
 
@@ -51,11 +51,18 @@ def _config(parallel: ParallelConfig, zero: int, optim: str = "adamw") -> Config
     return dataclasses.replace(
         c,
         model=dataclasses.replace(c.model, seq_len=GPT_CFG.seq_len, d_model=16, n_heads=4, n_layers=2),
-        optim=dataclasses.replace(c.optim, name=optim, lr=LR[optim], clip_grad_norm=CLIP, weight_decay=0.1),
+        optim=dataclasses.replace(
+            c.optim, name=optim.split("-")[0], lr=LR[optim], clip_grad_norm=CLIP, weight_decay=0.1
+        ),
     )
 
 
 def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd-groups":  # the usual practice: no weight decay, another lr for norms
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0, "lr": 0.2}]
+        return torch.optim.SGD(groups, lr=LR[kind], momentum=0.9, weight_decay=0.1)
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=LR[kind], momentum=0.9, weight_decay=0.1)
     return torch.optim.AdamW(model.parameters(), lr=LR[kind], betas=BETAS, weight_decay=0.1)
@@ -83,9 +90,9 @@ def _serial(kind: str, microbatches: int = 1) -> Run:
     return out, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, config: Config) -> Run:
+def _parallel(rank: int, config: Config, kind: str) -> Run:
     model = GPT(GPT_CFG, seed=1)
-    engine = boost(model, _optimizer(model, config.optim.name), config)
+    engine = boost(model, _optimizer(model, kind), config)
     out = []
     for step in range(STEPS):
         idx, targets = make_batch(GPT_CFG, BATCH, seed=step)
@@ -99,7 +106,7 @@ def _parallel(rank: int, config: Config) -> Run:
 
 def check_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], kind: str) -> None:
     """The bound for ``kind`` from the module docstring."""
-    if kind == "sgd":
+    if kind.startswith("sgd"):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:
         assert_adam_close(got, want, lr=LR[kind], steps=STEPS, betas=BETAS)
@@ -128,6 +135,7 @@ CASES = [
     (ParallelConfig(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"), 1, "sgd"),
     (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2), 1, "adamw"),
     (ParallelConfig(pp=2, dp=2, microbatches=2, schedule="zbv", virtual_stages=2), 0, "sgd"),
+    (ParallelConfig(pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, "sgd-groups"),
 ]
 
 
@@ -144,13 +152,13 @@ def test_composition_follows_the_serial_run(
 ) -> None:
     config = _config(parallel, zero, kind)
     assert config.validate() == []
-    results = worker_pools(config.world_size).run(_parallel, config, timeout=120)
+    results = worker_pools(config.world_size).run(_parallel, config, kind, timeout=120)
     _check(results, _serial(kind), kind)
 
 
 def test_dp_pp_tp_with_zero_on_eight_ranks(worker_pools: PoolFactory) -> None:
     config = _config(ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, "sgd")
-    results = worker_pools(8).run(_parallel, config, timeout=180)
+    results = worker_pools(8).run(_parallel, config, "sgd", timeout=180)
     _check(results, _serial("sgd"), "sgd")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,24 +29,45 @@ __all__ = ["boost", "rebuild_optimizer"]
 log = logging.getLogger(__name__)
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """A fresh optimizer of the same class and hyperparameters over ``params``.
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, local: Mapping[str, nn.Parameter], group_of: Mapping[str, int]
+) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class, with the same parameter groups and hyperparameters,
+    over this rank's parameters ``local`` (by serial name; ``group_of`` maps a serial name to
+    its group in ``optimizer``).
 
     Tensor and pipeline parallelism replace or drop parameters, so the user's optimizer is
-    rebuilt over what this rank holds; it must have one parameter group and no state yet.
+    rebuilt over what this rank holds (a group may be empty on a pipeline rank); it must hold
+    no state yet.
     """
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(
-            f"boost() rebuilds the optimizer over this rank's parameters and supports one parameter "
-            f"group; got {len(optimizer.param_groups)}"
-        )
     if optimizer.state:
         raise ValueError("boost() needs a fresh optimizer (it already holds state)")
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings: dict[str, Any] = {
-        k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted
-    }
-    return type(optimizer)(params, **settings)
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params" and k in accepted},
+            "params": [p for name, p in local.items() if group_of[name] == index],
+        }
+        for index, group in enumerate(optimizer.param_groups)
+    ]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The optimizer group of every parameter of ``model``, by serial name (ValueError naming
+    the parameters the optimizer lacks or holds twice, or holds beyond the model)."""
+    index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    names = dict(model.named_parameters())
+    missing = [n for n, p in names.items() if id(p) not in index]
+    held = {id(p) for p in names.values()}
+    if missing or count != len(index) or set(index) - held:
+        raise ValueError(
+            f"boost() needs an optimizer over exactly the model's parameters, each once: missing "
+            f"{missing[:5]}, {count - len(index)} held twice, {len(set(index) - held)} not in the model"
+        )
+    return {n: index[id(p)] for n, p in names.items()}
 
 
 def boost(
@@ -69,6 +91,7 @@ def boost(
     mesh = Mesh(p.topology())
     tp, pp = mesh.size("tp"), mesh.size("pp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    group_of = _groups_by_name(model, optimizer)
     tp_group, dp_group, pp_group = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
     if tp > 1:
         parallelize(
@@ -101,7 +124,7 @@ def boost(
         shard_specs=specs,
         stage_to_rank=stage_to_rank,
     )
-    optimizer = rebuild_optimizer(optimizer, local)
+    optimizer = rebuild_optimizer(optimizer, {placement.names[p]: p for p in local}, group_of)
     zero = ZeroOptimizer(
         module,
         optimizer,
