@@ -1,4 +1,5 @@
-"""tessera.tensor_parallel: Megatron-style 1D tensor parallelism with sequence parallelism.
+"""tessera.tensor_parallel: Megatron-style 1D tensor parallelism with sequence parallelism,
+and 2D (SUMMA / Optimus) tensor parallelism over a q x q grid (``two_d``).
 
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG
@@ -37,17 +38,39 @@ from tessera.tensor_parallel.style import (
     style_named,
 )
 from tessera.tensor_parallel.styles import Style
+from tessera.tensor_parallel.two_d import (
+    GPT_2D_PLAN,
+    GPT_2D_VOCAB_PLAN,
+    Embedding2D,
+    Grid2D,
+    GridShardSpec,
+    LayerNorm2D,
+    Linear2D,
+    VocabEmbedding2D,
+    batch_block,
+    bind_2d,
+    cross_entropy_2d,
+    loss_2d,
+    parallelize_2d,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT2_PLAN",
+    "GPT_2D_PLAN",
+    "GPT_2D_VOCAB_PLAN",
     "GPT_PLAN",
     "ApplyContext",
     "Assignment",
     "BaseStyle",
     "ColumnParallelLinear",
     "DropoutRNG",
+    "Embedding2D",
+    "Grid2D",
+    "GridShardSpec",
+    "LayerNorm2D",
+    "Linear2D",
     "ParallelDropout",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -59,11 +82,17 @@ __all__ = [
     "ShardSpec",
     "Style",
     "TPStyle",
+    "VocabEmbedding2D",
     "VocabParallelEmbedding",
+    "batch_block",
+    "bind_2d",
+    "cross_entropy_2d",
     "is_sequence_parallel",
+    "loss_2d",
     "mark_sequence_parallel",
     "parallel_gpt_loss",
     "parallelize",
+    "parallelize_2d",
     "register_style",
     "registered_styles",
     "resolve_plan",

@@ -70,6 +70,7 @@ class _Converter:
     sequence_parallel: bool
     seq_dim: int
     rng: DropoutRNG
+    mesh: Mesh | None = None
     shared: dict[tuple[int, ShardSpec | None], nn.Parameter] = field(default_factory=dict)
 
     def replace(self, a: Assignment, new: nn.Module, old: nn.Module) -> None:
@@ -90,7 +91,14 @@ class _Converter:
     def apply(self, a: Assignment) -> None:
         module = self.model.get_submodule(a.name)
         ctx = ApplyContext(
-            a.name, self.group, self.tp, self.sequence_parallel, self.seq_dim, self.rng, a.enter_region
+            a.name,
+            self.group,
+            self.tp,
+            self.sequence_parallel,
+            self.seq_dim,
+            self.rng,
+            a.enter_region,
+            self.mesh,
         )
         new = a.style.apply(module, ctx)
         if new is not None:
@@ -129,7 +137,7 @@ def parallelize(
     if rng is None:
         rng = DropoutRNG(seed, mesh.coordinate(axis), device=mesh.device)
     specs = _record_specs(model, assignments)
-    converter = _Converter(model, mesh.group(axis), tp, sequence_parallel, seq_dim, rng)
+    converter = _Converter(model, mesh.group(axis), tp, sequence_parallel, seq_dim, rng, mesh)
     with torch.no_grad():
         for a in assignments:
             converter.apply(a)

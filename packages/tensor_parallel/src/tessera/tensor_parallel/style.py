@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-from tessera.comm import Group
+from tessera.comm import Group, Mesh
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.rng import DropoutRNG
 
@@ -47,7 +47,8 @@ class Role(StrEnum):
 @dataclass(frozen=True, slots=True)
 class ApplyContext:
     """What ``apply`` needs besides the module: its name, the tp group and settings, the
-    dropout streams, and (ENTER role) whether it must enter the tp region itself."""
+    dropout streams, (ENTER role) whether it must enter the tp region itself, and the mesh
+    (for styles that use more groups than tp's, e.g. a 2D grid's rows and columns)."""
 
     name: str
     group: Group
@@ -56,6 +57,7 @@ class ApplyContext:
     seq_dim: int
     rng: DropoutRNG
     enter_region: bool = True
+    mesh: Mesh | None = None
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPT", "Block", "GPTConfig", "make_batch"]
+__all__ = ["GPT", "AttentionCore", "Block", "GPTConfig", "make_batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,25 @@ class Embedding(nn.Module):
         return self.drop(self.tok(idx) + self.pos(positions))  # type: ignore[no-any-return]
 
 
+class AttentionCore(nn.Module):
+    """Scaled dot-product attention of (batch, heads, seq, head_dim) q, k, v: no parameters.
+
+    A submodule of its own so that context parallelism can swap it for ring or Ulysses
+    attention without touching the projections around it. ``causal`` and ``dropout`` say
+    what the replacement must compute.
+    """
+
+    def __init__(self, *, causal: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.causal = causal
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with separate q, k, v and output projections."""
 
@@ -70,6 +89,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, d, bias=cfg.bias)
         self.out_proj = nn.Linear(d, d, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.core = AttentionCore(causal=True, dropout=cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -77,9 +97,7 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         heads = q.shape[-1] // self.head_dim  # fewer when the projections are split across ranks
         q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, heads * self.head_dim)
         return self.resid_drop(self.out_proj(y))  # type: ignore[no-any-return]
 

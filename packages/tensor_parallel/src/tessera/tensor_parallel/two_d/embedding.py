@@ -1,0 +1,70 @@
+"""2D embedding, split on the hidden dimension over the whole q x q grid (Colossal-AI's
+``Embedding2D``).
+
+The serial weight (vocab, hidden) is cut along the hidden into q*q chunks; rank (i, j) holds
+chunk ``j*q + i``. Forward all-gathers the chunks along column j, giving hidden block j of
+the whole vocabulary, and looks up this rank's tokens (its batch block i): the output
+(..., hidden/q) is in the 2D activation layout. Backward: the dense gradient of that block
+(the sum over this rank's tokens) is reduce-scattered along the column, summing over the
+batch rows: exact.
+
+Cost per rank, ``|E| = vocab * hidden * e`` the serial weight's bytes: forward ``|E|/q``
+(all-gather output), backward ``|E|/q`` (reduce-scatter input). The ids need not be batch
+ids: a position embedding looks up ``arange(seq)`` on every rank and broadcasts over the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm import all_gather_along
+from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
+
+__all__ = ["EMBEDDING_SPEC", "Embedding2D"]
+
+EMBEDDING_SPEC = GridShardSpec(i_dim=1, j_dim=1)  # hidden in q*q chunks, rank (i, j) holds chunk j*q + i
+
+
+class Embedding2D(nn.Module):
+    """``nn.Embedding(vocab, hidden)`` whose output is 2D: (..., hidden/q), hidden block j.
+
+    ``weight`` (vocab, hidden/q^2) is chunk ``j*q + i`` of the serial weight's columns.
+    Raises ValueError naming the numbers unless q*q divides hidden.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        grid: Grid2D,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        q = grid.q
+        check_grid_divisible(embedding_dim, q * q, what="embedding_dim", where="Embedding2D")
+        self.num_embeddings, self.embedding_dim, self.grid = num_embeddings, embedding_dim, grid
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim // (q * q), dtype=dtype, device=device)
+        )
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, grid: Grid2D) -> Embedding2D:
+        """The 2D twin of ``embedding`` (no padding_idx / max_norm) holding this rank's chunk."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("Embedding2D: padding_idx, max_norm and sparse are not supported")
+        w = embedding.weight
+        new = cls(embedding.num_embeddings, embedding.embedding_dim, grid, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            new.weight.copy_(EMBEDDING_SPEC.shard(w, grid.tp_rank, grid.q * grid.q))
+        return new
+
+    def forward(self, idx: Tensor) -> Tensor:
+        block = all_gather_along(self.weight, 1, self.grid.col)  # (vocab, hidden/q): hidden block j
+        return F.embedding(idx, block)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, q={self.grid.q}"
