@@ -1,5 +1,6 @@
 """tessera.tensor_parallel: Megatron-style 1D tensor parallelism with sequence parallelism,
-and 2D (SUMMA / Optimus) tensor parallelism over a q x q grid (``two_d``).
+2D (SUMMA / Optimus) tensor parallelism over a q x q grid (``two_d``), and context
+parallelism over the ``sp`` axis: ring and Ulysses attention, zigzag layout (``context``).
 
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG
@@ -13,6 +14,15 @@ weight initialisers in ``init``) are imported from their modules.
 """
 
 from tessera.tensor_parallel.blocks import ParallelMLP, ParallelSelfAttention
+from tessera.tensor_parallel.context import (
+    ContextParallelAttention,
+    context_parallel_loss,
+    context_parallelize,
+    ring_attention,
+    split_batch,
+    sync_context_parallel_grads,
+    ulysses_attention,
+)
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -65,6 +75,7 @@ __all__ = [
     "Assignment",
     "BaseStyle",
     "ColumnParallelLinear",
+    "ContextParallelAttention",
     "DropoutRNG",
     "Embedding2D",
     "Grid2D",
@@ -86,6 +97,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "batch_block",
     "bind_2d",
+    "context_parallel_loss",
+    "context_parallelize",
     "cross_entropy_2d",
     "is_sequence_parallel",
     "loss_2d",
@@ -96,12 +109,16 @@ __all__ = [
     "register_style",
     "registered_styles",
     "resolve_plan",
+    "ring_attention",
     "seeded_embedding",
     "seeded_linear",
     "sequence_parallel_params",
     "shard_of",
     "shard_specs",
+    "split_batch",
     "style_named",
+    "sync_context_parallel_grads",
     "sync_sequence_parallel_grads",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,42 @@
+"""Context (sequence) parallelism over the ``sp`` axis: ring and Ulysses attention.
+
+``layout`` (which positions a rank holds: contiguous or zigzag), ``ring`` and ``ulysses``
+(the attention cores), ``parallelize`` (``context_parallelize``: swap a model's attention
+cores and offset its positions) and ``training`` (batch slices, the exact global loss,
+gradient sums over ``sp``).
+"""
+
+from tessera.tensor_parallel.context.layout import (
+    Layout,
+    chunks_of,
+    local_positions,
+    rank_positions,
+    split_sequence,
+    unsplit_sequence,
+)
+from tessera.tensor_parallel.context.parallelize import ContextParallelAttention, Mode, context_parallelize
+from tessera.tensor_parallel.context.ring import ring_attention
+from tessera.tensor_parallel.context.training import (
+    context_parallel_loss,
+    split_batch,
+    sync_context_parallel_grads,
+)
+from tessera.tensor_parallel.context.ulysses import check_ulysses, ulysses_attention
+
+__all__ = [
+    "ContextParallelAttention",
+    "Layout",
+    "Mode",
+    "check_ulysses",
+    "chunks_of",
+    "context_parallel_loss",
+    "context_parallelize",
+    "local_positions",
+    "rank_positions",
+    "ring_attention",
+    "split_batch",
+    "split_sequence",
+    "sync_context_parallel_grads",
+    "ulysses_attention",
+    "unsplit_sequence",
+]

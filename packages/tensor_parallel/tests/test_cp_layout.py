@@ -1,0 +1,79 @@
+"""Tier 0: which positions each rank holds under context parallelism (pure functions).
+
+Exact comparisons only: these are integer positions and slices of tensors, no arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tessera.tensor_parallel.context import (
+    Layout,
+    check_ulysses,
+    chunks_of,
+    local_positions,
+    rank_positions,
+    split_sequence,
+    unsplit_sequence,
+)
+
+LAYOUTS = st.sampled_from(list(Layout))
+
+
+@st.composite
+def cuts(draw: st.DrawFn) -> tuple[int, int, Layout]:
+    """(sp, seq_len, layout) with seq_len cut evenly by the layout's chunk count."""
+    sp, layout = draw(st.integers(1, 8)), draw(LAYOUTS)
+    chunks = 2 * sp if layout is Layout.ZIGZAG else sp
+    return sp, chunks * draw(st.integers(1, 6)), layout
+
+
+@given(cuts())
+def test_positions_partition_the_sequence(cut: tuple[int, int, Layout]) -> None:
+    sp, seq_len, layout = cut
+    held = [rank_positions(r, sp, seq_len, layout) for r in range(sp)]
+    assert sorted(p for ps in held for p in ps) == list(range(seq_len))
+    assert {len(ps) for ps in held} == {seq_len // sp}
+    for r, ps in enumerate(held):
+        assert local_positions(r, sp, seq_len // sp, layout).tolist() == ps
+
+
+@given(cuts())
+def test_zigzag_balances_causal_work(cut: tuple[int, int, Layout]) -> None:
+    """Under zigzag every rank's queries attend to the same number of keys (causal pairs)."""
+    sp, seq_len, layout = cut
+    work = [sum(p + 1 for p in rank_positions(r, sp, seq_len, layout)) for r in range(sp)]
+    if layout is Layout.ZIGZAG:
+        assert len(set(work)) == 1
+        assert all(chunks_of(r, sp, layout) == (r, 2 * sp - 1 - r) for r in range(sp))
+    else:
+        assert work == sorted(work)
+
+
+@given(cuts(), st.integers(0, 2), st.integers(1, 3))
+def test_split_and_unsplit_are_inverse(cut: tuple[int, int, Layout], dim: int, width: int) -> None:
+    sp, seq_len, layout = cut
+    shape = [width, width, width]
+    shape[dim] = seq_len
+    x = torch.arange(width * width * seq_len).reshape(shape)
+    parts = [split_sequence(x, r, sp, layout, dim) for r in range(sp)]
+    for r, part in enumerate(parts):
+        index = torch.tensor(rank_positions(r, sp, seq_len, layout))
+        assert torch.equal(part, x.index_select(dim, index))
+    assert torch.equal(unsplit_sequence(parts, layout, dim), x)
+
+
+def test_errors_name_the_numbers() -> None:
+    with pytest.raises(
+        ValueError, match=r"sequence length 6 is not divisible by 4 chunks \(zigzag layout, sp=2\)"
+    ):
+        rank_positions(0, 2, 6, "zigzag")
+    with pytest.raises(ValueError, match="rank 2 is outside the context-parallel group of 2 ranks"):
+        chunks_of(2, 2, Layout.CONTIGUOUS)
+    with pytest.raises(ValueError, match="heads=6 and kv heads=2 divisible by sp=4"):
+        check_ulysses(6, 2, 4)
+    with pytest.raises(ValueError, match="'diagonal' is not a valid Layout"):
+        rank_positions(0, 2, 4, "diagonal")
