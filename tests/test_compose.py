@@ -136,13 +136,25 @@ CASES = [
     (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2), 1, "adamw"),
     (ParallelConfig(pp=2, dp=2, microbatches=2, schedule="zbv", virtual_stages=2), 0, "sgd"),
     (ParallelConfig(pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, "sgd-groups"),
+    # context parallelism: ring (zigzag) and Ulysses, with dp, tp, pp and ZeRO over dp x sp
+    (ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1), 0, "sgd"),
+    (ParallelConfig(dp=2, sp=2, sp_mode="ulysses", microbatches=2), 1, "sgd"),
+    (ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=2), 3, "sgd"),
+    (ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b"), 1, "adamw"),
+    (ParallelConfig(tp=2, sequence_parallel=True, sp=2, microbatches=2), 1, "sgd"),
+    # 2D tensor parallelism (q = 2), alone, with dp and with pp
+    (ParallelConfig(tp=4, tp_mode="2d", microbatches=2), 0, "sgd"),
+    (ParallelConfig(dp=2, tp=4, tp_mode="2d", microbatches=1), 1, "sgd"),
+    (ParallelConfig(pp=2, tp=4, tp_mode="2d", microbatches=2, schedule="1f1b"), 1, "adamw"),
 ]
 
 
 def _case_id(c: Any) -> str:
     if isinstance(c, ParallelConfig):
-        sp = "-sp" if c.sequence_parallel else ""
-        return f"dp{c.dp}-pp{c.pp}-tp{c.tp}{sp}-{c.schedule}"
+        megatron_sp = "-msp" if c.sequence_parallel else ""
+        mode = f"-{c.tp_mode}" if c.tp_mode != "1d" else ""
+        context = f"-sp{c.sp}-{c.sp_mode}-{c.sp_layout}" if c.sp > 1 else ""
+        return f"dp{c.dp}-pp{c.pp}-tp{c.tp}{mode}{megatron_sp}{context}-{c.schedule}"
     return f"zero{c}" if isinstance(c, int) else str(c)
 
 

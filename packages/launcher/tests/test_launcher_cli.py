@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,13 +15,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
-import os, sys, time
+import atexit, os, sys, time
 import torch, torch.distributed as dist
 from tessera.launcher import load_config
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 out = sys.argv[1]
+atexit.register(lambda: open(os.path.join(out, f"atexit{rank}"), "w").write("ran"))
 open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
 x = torch.ones(1) * (rank + 1)
 dist.all_reduce(x)
@@ -59,6 +61,7 @@ def test_two_ranks_run_with_the_resolved_config(job: Path) -> None:
     assert proc.returncode == 0, out
     assert (job / "rank0").read_text() == "3.0 7" and (job / "rank1").read_text() == "3.0 7"
     assert any((job / "runs" / "logs").rglob("stdout.log")), "per-rank log files are written"
+    assert (job / "atexit0").read_text() == (job / "atexit1").read_text() == "ran"  # before os._exit
 
 
 def test_a_failing_rank_ends_the_job_with_its_traceback(job: Path) -> None:
@@ -74,14 +77,14 @@ def test_a_config_mistake_exits_2_before_anything_spawns(job: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert out.strip().splitlines() == [
-        "tessera: model.n_heads=4 is not divisible by parallel.tp=3",
-        "tessera: model.mlp_ratio * model.d_model = 256 is not divisible by parallel.tp=3",
+        "tessera: model.n_heads=4 does not split 3 ways (parallel.tp=3)",
+        "tessera: model.mlp_ratio * model.d_model = 256 does not split 3 ways (parallel.tp=3)",
     ]
     assert not (job / "pid0").exists()
     proc = _tessera("run", "--nproc-per-node", "3", "--set", "parallel.dp=2", "job.py", cwd=job)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "1 node(s) x 3 processes: world size 3 != pp*dp*sp*tp = 1*2*1*1 = 2" in out
+    assert "--nproc-per-node 3 x 1 node(s): world size 3 != pp*dp*sp*tp = 1*2*1*1 = 2" in out
 
 
 def test_dry_run_prints_commands_and_rank_table(job: Path) -> None:
@@ -113,15 +116,16 @@ def _listening_addresses(pids: list[int]) -> list[str]:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
+    out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         text = (task / "children").read_text().split()
         out.extend(int(c) for c in text)
     return out
 
 
-def test_loopback_only_and_ctrl_c_leaves_no_process(job: Path) -> None:
-    proc = _tessera("run", "--set", "parallel.dp=2", "job.py", str(job), "sleep", cwd=job)
+def _sleeping_job_on_loopback(job: Path, *flags: str) -> tuple[subprocess.Popen[str], list[int]]:
+    """Start two ranks that sleep; check that every socket of the job listens on loopback."""
+    proc = _tessera("run", *flags, "--set", "parallel.dp=2", "job.py", str(job), "sleep", cwd=job)
     deadline = time.monotonic() + 120
     while not ((job / "rank0").exists() and (job / "rank1").exists()):
         assert proc.poll() is None, proc.communicate()[0]
@@ -132,6 +136,11 @@ def test_loopback_only_and_ctrl_c_leaves_no_process(job: Path) -> None:
     assert addresses, "the job listens somewhere"
     loopback = {"0100007F", "00000000000000000000000001000000"}
     assert set(addresses) <= loopback, addresses
+    return proc, workers
+
+
+def test_loopback_only_and_ctrl_c_leaves_no_process(job: Path) -> None:
+    proc, workers = _sleeping_job_on_loopback(job)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
@@ -142,3 +151,29 @@ def test_loopback_only_and_ctrl_c_leaves_no_process(job: Path) -> None:
             time.sleep(0.1)
         else:
             pytest.fail(f"worker {pid} still running after Ctrl-C")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_die_with_a_killed_launcher_and_stay_on_loopback(job: Path) -> None:
+    """As the OOM killer would: SIGKILL the launcher; no worker outlives it by 10 s. With an
+    explicit ``--rdzv-endpoint 127.0.0.1:PORT`` every socket stays on loopback too."""
+    with socket.socket() as s:  # a port for the explicit endpoint (the launcher binds it at once)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, workers = _sleeping_job_on_loopback(job, "--rdzv-endpoint", f"127.0.0.1:{port}")
+    proc.kill()
+    proc.communicate(timeout=30)
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    survivors = [pid for pid in workers if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "workers outlived their launcher by 10 s"
+    print(f"workers gone {time.monotonic() - killed:.2f} s after the launcher's SIGKILL")

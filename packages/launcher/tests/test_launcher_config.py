@@ -67,7 +67,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
+        (["parallel.tp=3"], "model.n_heads=4 does not split 3 ways (parallel.tp=3)"),
         (["parallel.dp=0"], "parallel.dp must be >= 1, got 0"),
         (
             ["parallel.dp=3"],
@@ -98,7 +98,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
             "train.precision=fp16 with parallel.pp=2",
         ),
         (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
-        (["parallel.sp=2"], "parallel.sp=2: context parallelism"),
+        (["parallel.sp=2", "parallel.sp_mode=tree"], "parallel.sp_mode='tree' is not one of ring, ulysses"),
         (["train.steps=ten"], "--set: train.steps='ten' is not a valid int"),
         (["parallel.sequence_parallel=maybe"], "is not a boolean"),
         (["train.stepz=1"], "--set: unknown field train.stepz"),
@@ -128,7 +128,7 @@ def test_bad_files_and_types(tmp_path: Path) -> None:
         resolve_config(bad, env={})
     typed = tmp_path / "typed.toml"
     typed.write_text('[train]\nsteps = "many"\n')
-    with pytest.raises(ConfigError, match=r"train.steps='many' is not a valid int"):
+    with pytest.raises(ConfigError, match=r"train.steps='many' must be of type int, not str"):
         resolve_config(typed, env={})
 
 

@@ -3,38 +3,100 @@
 The bottom layer of Tessera; depends on torch and numpy only. Test support lives in
 ``tessera.comm.testing``. Exports the public API only; ``gloo_ring`` (the rings behind the
 gloo collectives) and ``files.atomic_write`` are imported from their modules.
+
+Importing the package does not import torch: the pure half (`Topology`, `Axis`, `TPMode`,
+`configure_logging`, `RankFilter`) is loaded at once, everything else on first use
+(PEP 562 ``__getattr__``), so a launcher can validate a configuration in a fraction of a
+second and refuse it before torch loads.
 """
 
-from tessera.comm.collectives import (
-    Group,
-    Handle,
-    all_gather,
-    all_gather_async,
-    all_reduce,
-    all_reduce_async,
-    all_to_all,
-    broadcast,
-    group_rank,
-    group_size,
-    reduce_scatter,
-    reduce_scatter_async,
-)
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 from tessera.comm.logs import RankFilter, configure_logging
-from tessera.comm.memory import MemoryReport, measure_memory, storage_bytes
-from tessera.comm.mesh import Mesh, default_device
-from tessera.comm.meters import CommMeter, CommOp, CommRecord
-from tessera.comm.ops import (
-    all_gather_along,
-    all_to_all_along,
-    broadcast_from,
-    copy_to_region,
-    gather_along,
-    reduce_from_region,
-    reduce_scatter_along,
-    split_along,
-)
-from tessera.comm.p2p import batch_isend_irecv, recv, ring_shift, ring_shift_async, send
 from tessera.comm.topology import Axis, Topology, TPMode
+
+if TYPE_CHECKING:
+    from tessera.comm.collectives import (
+        Group,
+        Handle,
+        all_gather,
+        all_gather_async,
+        all_reduce,
+        all_reduce_async,
+        all_to_all,
+        broadcast,
+        group_rank,
+        group_size,
+        reduce_scatter,
+        reduce_scatter_async,
+    )
+    from tessera.comm.memory import MemoryReport, measure_memory, storage_bytes
+    from tessera.comm.mesh import Mesh, default_device
+    from tessera.comm.meters import CommMeter, CommOp, CommRecord
+    from tessera.comm.ops import (
+        all_gather_along,
+        all_to_all_along,
+        broadcast_from,
+        copy_to_region,
+        gather_along,
+        reduce_from_region,
+        reduce_scatter_along,
+        split_along,
+    )
+    from tessera.comm.p2p import batch_isend_irecv, recv, ring_shift, ring_shift_async, send
+
+# the submodules that need torch: the names of __all__ not imported above come from them
+_LAZY = ("collectives", "memory", "mesh", "meters", "ops", "p2p")
+
+
+class _LazyPackage(types.ModuleType):
+    """A package module whose exported names are never shadowed by the submodule of the same
+    name (the import system sets each submodule it loads as an attribute of its package)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and value.__name__ == f"{self.__name__}.{name}"
+            and name in self.__dict__.get("__all__", ())
+        ):
+            return
+        super().__setattr__(name, value)
+
+
+def lazy_exports(
+    package: str, modules: Sequence[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """PEP 562 ``__getattr__`` and ``__dir__`` for ``package``: a name of its ``__all__`` that
+    is not yet bound is imported, on first use, from the first of ``modules`` (submodule
+    names) that defines it, then kept. A submodule named like an exported name (``boost``
+    the module, ``boost`` the function) does not hide it."""
+    module = sys.modules[package]
+    namespace = module.__dict__
+    module.__class__ = _LazyPackage
+
+    def getattr_(name: str) -> Any:
+        if name in namespace.get("__all__", ()):
+            for source in modules:
+                loaded = importlib.import_module(f"{package}.{source}")
+                if hasattr(loaded, name):
+                    namespace[name] = getattr(loaded, name)
+                    return namespace[name]
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def dir_() -> list[str]:
+        return sorted({*namespace, *namespace.get("__all__", ())})
+
+    return getattr_, dir_
+
+
+if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as imported above
+    __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __version__ = "0.1.0"
 
@@ -66,6 +128,7 @@ __all__ = [
     "gather_along",
     "group_rank",
     "group_size",
+    "lazy_exports",
     "measure_memory",
     "recv",
     "reduce_from_region",

@@ -3,9 +3,14 @@
 Inside a script started by ``tessera run``, ``load_config()`` returns the configuration the
 launcher resolved and validated; ``boost(model, optimizer, config)`` composes TP, PP and
 ZeRO / DP into an `Engine` that trains, evaluates, saves, loads and consolidates.
+
+``boost``, ``Engine``, ``StepOutput`` and ``Diverged`` are imported on first use (PEP 562),
+so that the launcher validates a configuration without importing torch.
 """
 
-from tessera.launcher.boost import boost
+from typing import TYPE_CHECKING
+
+from tessera.comm import lazy_exports
 from tessera.launcher.config import (
     Config,
     DataConfig,
@@ -17,7 +22,10 @@ from tessera.launcher.config import (
     ZeroConfig,
 )
 from tessera.launcher.config_io import ConfigError, load_config, resolve_config
-from tessera.launcher.engine import Diverged, Engine, StepOutput
+
+if TYPE_CHECKING:
+    from tessera.launcher.boost import boost
+    from tessera.launcher.engine import Diverged, Engine, StepOutput
 
 __version__ = "0.1.0"
 
@@ -38,3 +46,6 @@ __all__ = [
     "load_config",
     "resolve_config",
 ]
+
+if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as imported above
+    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "engine"))

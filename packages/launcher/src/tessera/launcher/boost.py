@@ -1,9 +1,12 @@
-"""``boost(model, optimizer, config)``: apply TP, then PP, then ZeRO / DP, and return an Engine.
+"""``boost(model, optimizer, config)``: apply TP and context parallelism, then PP, then ZeRO /
+DP, and return an Engine.
 
-The order matters: tensor parallelism replaces modules by their sharded twins (in place,
-keeping the serial weights' slices), the pipeline partitioner then cuts the model's blocks
+The order matters: tensor parallelism (1D or 2D) replaces modules by their sharded twins (in
+place, keeping the serial weights' slices), context parallelism swaps the attention cores
+for ring or Ulysses attention, the pipeline partitioner then cuts the model's blocks
 ``[embed, *layers, head]`` into this rank's stages, and the optimizer is rebuilt over the
-parameters this rank still holds, to be sharded over the data-parallel group by ZeRO.
+parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
+under context parallelism, whose ranks hold partial sums of one replica's gradient).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from torch import nn
 from tessera.comm import Mesh
 from tessera.launcher.config import Config
 from tessera.launcher.engine import Engine
+from tessera.launcher.objective import default_plan, objective
 from tessera.launcher.placement import Placement
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
-from tessera.tensor_parallel import GPT_PLAN, PlanLike, parallelize, shard_specs, vocab_parallel_cross_entropy
+from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
@@ -75,11 +79,14 @@ def boost(
     optimizer: torch.optim.Optimizer,
     config: Config,
     *,
-    plan: PlanLike = GPT_PLAN,
+    plan: PlanLike | None = None,
     scheduler_fn: Any = None,
 ) -> Engine:
-    """Compose dp x pp x tp x ZeRO for ``model`` (a reference-GPT-shaped model: ``blocks()``,
-    ``embed``/``layers``/``head``) per ``config``; collective over the default process group.
+    """Compose dp x pp x tp x sp x ZeRO for ``model`` (a reference-GPT-shaped model:
+    ``blocks()``, ``embed``/``layers``/``head``; under sp its attention cores are
+    ``layers.*.attn.core`` and its position embedding ``embed.pos``) per ``config``; collective
+    over the default process group. ``plan``: the tensor-parallel plan (default: the
+    reference GPT's for ``parallel.tp_mode``).
 
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default).
@@ -88,22 +95,28 @@ def boost(
     if errors:
         raise ValueError("; ".join(errors))
     p = config.parallel
-    mesh = Mesh(p.topology())
-    tp, pp = mesh.size("tp"), mesh.size("pp")
+    topology = p.topology()
+    mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
+    tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     group_of = _groups_by_name(model, optimizer)
-    tp_group, dp_group, pp_group = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
+    tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
+    data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
     if tp > 1:
         parallelize(
-            model, plan=plan, mesh=mesh, sequence_parallel=p.sequence_parallel, seed=config.train.seed
+            model,
+            plan=plan if plan is not None else default_plan(mesh),
+            mesh=mesh,
+            sequence_parallel=p.sequence_parallel,
+            seed=config.train.seed,
         )
+    if sp > 1:
+        context_parallelize(model, mesh.group("sp"), mode=p.sp_mode, layout=p.sp_layout)
+    goal = objective(mesh, sp_layout=p.sp_layout)
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
     replicated = {param: tp for name, param in named.items() if name not in specs}
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
 
     stage_to_rank: tuple[int, ...] = ()
     if pp > 1:
@@ -129,7 +142,8 @@ def boost(
         module,
         optimizer,
         stage=config.zero.stage,
-        group=dp_group,
+        group=data_group,
+        average_over=mesh.size("dp"),
         precision=config.train.precision,  # type: ignore[arg-type]
         offload=config.zero.offload,
         clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
@@ -138,7 +152,7 @@ def boost(
     )
     runtime = None
     if pp > 1:
-        runtime = PipelineRuntime(schedule, stages, loss_fn, group=pp_group, device=mesh.device)
+        runtime = PipelineRuntime(schedule, stages, goal.loss, group=pp_group, device=mesh.device)
     scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
     log.info(
         "boosted: %s, zero stage %d, %s; this rank holds %d parameters",
@@ -154,6 +168,6 @@ def boost(
         zero=zero,
         runtime=runtime,
         scheduler=scheduler,
-        loss_fn=loss_fn,
+        objective=goal,
         placement=placement,
     )

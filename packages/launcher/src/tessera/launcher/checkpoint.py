@@ -40,6 +40,15 @@ from torch import Tensor
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.launcher.config import Config
+from tessera.launcher.generations import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    committed_generations,
+    generation_name,
+    read_manifest,
+    resolve_generation,
+)
 from tessera.launcher.placement import Boosted
 
 __all__ = [
@@ -52,9 +61,6 @@ __all__ = [
     "save_engine",
 ]
 
-FORMAT = "tessera-engine/3"
-MANIFEST = "manifest.json"
-LATEST = "latest"
 _READ_ERRORS = (OSError, ValueError, KeyError, json.JSONDecodeError, safetensors.SafetensorError)
 
 
@@ -68,46 +74,6 @@ class Checkpointable(Boosted, Protocol):
 
 
 # ---------------------------------------------------------------------------- pure parts
-def generation_name(step: int) -> str:
-    """The directory name of the generation saved at ``step``."""
-    return f"step-{step:08d}"
-
-
-def read_manifest(generation: Path) -> dict[str, Any]:
-    """The manifest of a generation directory (ValueError unless it is one of this format)."""
-    path = generation / MANIFEST
-    manifest: dict[str, Any] = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    if generation.name != generation_name(int(manifest["step"])):
-        raise ValueError(f"{path} says step {manifest['step']} but lies in {generation.name}")
-    return manifest
-
-
-def committed_generations(root: str | Path) -> list[Path]:
-    """The committed generations under ``root``, oldest first (torn saves are skipped)."""
-    out = []
-    for gen in sorted(Path(root).glob("step-*")):
-        try:
-            read_manifest(gen)
-        except (*_READ_ERRORS, TypeError):
-            continue
-        out.append(gen)
-    return out
-
-
-def resolve_generation(path: str | Path) -> Path:
-    """``path`` itself if it is a committed generation, else the newest one under it."""
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        read_manifest(path)
-        return path
-    found = committed_generations(path)
-    if not found:
-        raise ValueError(f"{path} holds no committed checkpoint generation (step-*/{MANIFEST})")
-    return found[-1]
-
-
 def _fingerprint(config: Config) -> dict[str, Any]:
     """The configuration that shapes the saved state: a resume under another one is refused."""
     out = {name: dataclasses.asdict(getattr(config, name)) for name in ("parallel", "zero", "model", "optim")}

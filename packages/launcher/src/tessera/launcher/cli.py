@@ -1,7 +1,7 @@
 """The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``.
 
-Exit codes: 0 success, 1 a rank failed, 2 a configuration or usage mistake (found before
-anything spawns), 130 interrupted.
+Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
+mistake (found before anything spawns, and before torch is imported), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,14 +20,19 @@ from pathlib import Path
 from tessera.comm import Axis
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import (
+    HEARTBEAT_ENV,
+    LAUNCHER_PID_ENV,
     RESOLVED_ENV,
+    RUN_FOLDER_ENV,
     ConfigError,
     config_to_dict,
     config_to_toml,
     resolve_config,
 )
-from tessera.launcher.loopback import loopback_rendezvous
-from tessera.launcher.nodes import NodePlan, plan_nodes
+from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
+from tessera.launcher.preflight import preflight
+from tessera.launcher.runs import RunFolderError, create_run_folder
+from tessera.launcher.watchdog import Watchdog
 
 __all__ = ["build_torchrun_argv", "main", "rank_table"]
 
@@ -123,9 +128,11 @@ def _fail(lines: Sequence[str]) -> int:
     return 2
 
 
-def _run(args: argparse.Namespace, target: list[str], config: Config) -> int:
+def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
     nnodes_hint = args.nnodes or 1
-    nproc = args.nproc_per_node or max(1, config.world_size // nnodes_hint)
+    nproc = (
+        args.nproc_per_node if args.nproc_per_node is not None else max(1, config.world_size // nnodes_hint)
+    )
     try:
         plan = plan_nodes(
             nproc_per_node=nproc,
@@ -140,7 +147,10 @@ def _run(args: argparse.Namespace, target: list[str], config: Config) -> int:
     try:
         config.parallel.topology().check_world_size(plan.world_size)
     except ValueError as exc:
-        return _fail([f"{plan.nnodes} node(s) x {plan.nproc_per_node} processes: {exc}"])
+        return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
+    errors = preflight(config, main_job=main_job)
+    if errors:
+        return _fail(errors)
     log_dir = args.log_dir or os.path.join(config.train.run_dir, "logs")
     if args.dry_run:
         for node in range(plan.nnodes):
@@ -154,32 +164,63 @@ def _run(args: argparse.Namespace, target: list[str], config: Config) -> int:
             print(f"# node {node} ({plan.hosts[node]})\n{shlex.join(cmd)}")
         print(rank_table(config, plan))
         return 0
+    folder = None
+    if main_job:
+        try:
+            folder = create_run_folder(config)
+        except RunFolderError as exc:
+            return _fail([str(exc)])
+        os.environ[RUN_FOLDER_ENV] = str(folder)
+        log_dir = args.log_dir or str(folder / "logs")
+    loopback = plan.source == "local" and (args.rdzv_endpoint is None or is_loopback(args.rdzv_endpoint))
+    return _spawn(
+        plan,
+        config,
+        target=target,
+        log_dir=log_dir,
+        loopback_port=endpoint_port(plan.rdzv_endpoint) if loopback else None,
+    )
+
+
+def _spawn(
+    plan: NodePlan, config: Config, *, target: list[str], log_dir: str, loopback_port: int | None
+) -> int:
+    """Run torch.distributed.run in this process, with the watchdog watching its ranks."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from tessera.launcher.loopback import loopback_rendezvous
+
     with tempfile.TemporaryDirectory(prefix="tessera-run-") as tmp:
         resolved = Path(tmp, "config.json")
         resolved.write_text(json.dumps(config_to_dict(config)))
+        heartbeats = Path(tmp, "heartbeats")
+        heartbeats.mkdir()
         os.environ[RESOLVED_ENV] = str(resolved)
+        os.environ[HEARTBEAT_ENV] = str(heartbeats)
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with this process
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.makedirs(log_dir, exist_ok=True)
+        watchdog = Watchdog(heartbeats, config.train.watchdog_s)
         try:
             with contextlib.ExitStack() as stack:
-                if plan.source == "local" and args.rdzv_endpoint is None:
+                stack.enter_context(watchdog)
+                if loopback_port is not None:
                     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
-                    endpoint = stack.enter_context(loopback_rendezvous())
+                    endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
                     plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
                 argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
                 torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
         except ChildFailedError as exc:
-            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+            if not watchdog.fired:
+                print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
             return 1
         except (KeyboardInterrupt, SignalException) as exc:
             print(f"tessera: interrupted ({exc}); every rank was stopped", file=sys.stderr)
             return 130
-    return 0
+    return 1 if watchdog.fired else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         args.nproc_per_node = args.nnodes = args.node_rank = args.rdzv_endpoint = args.hostfile = None
         args.log_dir = None
-        return _run(args, ["-m", MAIN_JOB], config)
+        return _run(args, ["-m", MAIN_JOB], config, main_job=True)
     if (args.module is None) == (args.script is None):
         return _fail(["tessera run needs exactly one of: a script path, or -m MODULE"])
     target = (

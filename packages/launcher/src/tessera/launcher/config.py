@@ -7,9 +7,10 @@ Loading (TOML file, then environment, then command-line flags) lives in ``config
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
-from tessera.comm import Topology
+from tessera.comm import Topology, TPMode
 from tessera.pipeline import SCHEDULES, schedule_spec
 
 __all__ = [
@@ -26,12 +27,20 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp."""
+    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp.
+
+    ``tp_mode``: "1d" (Megatron) or "2d" (SUMMA over a q x q grid, tp = q*q).
+    ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
+    "contiguous" or "zigzag" (balances causal attention over the ranks).
+    """
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     sp: int = 1
+    tp_mode: str = "1d"
+    sp_mode: str = "ring"
+    sp_layout: str = "contiguous"
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -39,7 +48,8 @@ class ParallelConfig:
 
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""
-        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp)
+        mode = TPMode(self.tp_mode) if self.tp_mode in set(TPMode) else self.tp_mode
+        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=mode)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +114,7 @@ class TrainConfig:
     name: str = ""
     resume: str = ""
     sample_chars: int = 300
+    watchdog_s: float = 60.0  # end the job when a rank makes no progress this long (0: off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +142,48 @@ class Config:
         """The number of processes the job needs: dp * pp * tp * sp."""
         return self.parallel.topology().world_size
 
+    def _check_modes(self) -> list[str]:
+        """The tensor-parallel mode and context parallelism against the degrees and the model."""
+        p, m, errors = self.parallel, self.model, []
+        if p.tp_mode not in ("1d", "2d"):
+            errors.append(f"parallel.tp_mode={p.tp_mode!r} is not one of 1d, 2d (2.5d and 3d are not built)")
+            return errors
+        try:
+            p.topology()
+        except ValueError as e:
+            errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
+            return errors
+        if p.tp_mode == "2d":
+            q = math.isqrt(p.tp)
+            rows = self.data.batch_size // max(1, p.dp * p.microbatches)
+            if rows % q:
+                errors.append(
+                    f"tp_mode 2d splits each microbatch's {rows} rows (data.batch_size / (dp * "
+                    f"microbatches)) over q={q} grid rows: not divisible"
+                )
+            if p.sequence_parallel or p.sp > 1:
+                errors.append("tp_mode 2d with parallel.sequence_parallel or parallel.sp > 1 is not built")
+        if p.sp == 1:
+            return errors
+        if p.sp_mode not in ("ring", "ulysses"):
+            errors.append(f"parallel.sp_mode={p.sp_mode!r} is not one of ring, ulysses")
+        if p.sp_layout not in ("contiguous", "zigzag"):
+            errors.append(f"parallel.sp_layout={p.sp_layout!r} is not one of contiguous, zigzag")
+        chunks = p.sp * (2 if p.sp_layout == "zigzag" else 1) * (p.tp if p.sequence_parallel else 1)
+        if m.seq_len % chunks:
+            errors.append(
+                f"model.seq_len={m.seq_len} does not split into {chunks} equal chunks (sp={p.sp}, "
+                f"layout {p.sp_layout}{', times tp for sequence_parallel' if p.sequence_parallel else ''})"
+            )
+        if p.sp_mode == "ulysses" and (m.n_heads // p.tp) % p.sp:
+            errors.append(
+                f"parallel.sp_mode=ulysses needs the heads per tp rank ({m.n_heads} / tp={p.tp}) divisible "
+                f"by parallel.sp={p.sp}"
+            )
+        if m.dropout > 0:
+            errors.append(f"model.dropout={m.dropout}: context parallel attention has no dropout; use 0")
+        return errors
+
     def validate(self) -> list[str]:
         """Every mistake in the configuration, one line each (empty when it can run)."""
         errors: list[str] = []
@@ -143,19 +196,19 @@ class Config:
         for section in (p, self.zero, m, self.optim, self.data, self.train):
             for f in fields(section):
                 value = getattr(section, f.name)
-                if (
-                    isinstance(value, int)
-                    and not isinstance(value, bool)
-                    and f.name not in ("seed", "vocab_size", "checkpoint_every", "warmup_steps", "stage")
-                ):
-                    name = f"{type(section).__name__.removesuffix('Config').lower()}.{f.name}"
-                    need(value >= 1, f"{name} must be >= 1, got {value}")
+                name = f"{type(section).__name__.removesuffix('Config').lower()}.{f.name}"
+                if isinstance(value, int) and not isinstance(value, bool):
+                    least = (
+                        0
+                        if f.name in ("seed", "vocab_size", "checkpoint_every", "warmup_steps", "stage")
+                        else 1
+                    )
+                    need(value >= least, f"{name} must be >= {least}, got {value}")
+                if isinstance(value, float):
+                    need(math.isfinite(value), f"{name}={value} must be a finite number")
         if errors:  # the checks below divide by these numbers
             return errors
-        need(
-            p.sp == 1,
-            f"parallel.sp={p.sp}: context parallelism (ring/Ulysses attention) is not built yet; use 1",
-        )
+        errors += self._check_modes()
         need(
             p.schedule in SCHEDULES,
             f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
@@ -173,11 +226,15 @@ class Config:
             m.d_model % m.n_heads == 0,
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
         )
-        need(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        split = math.isqrt(p.tp) if p.tp_mode == "2d" else p.tp  # how many ways heads and widths split
         need(
-            (m.mlp_ratio * m.d_model) % p.tp == 0,
-            f"model.mlp_ratio * model.d_model = {m.mlp_ratio * m.d_model} is not divisible by "
-            f"parallel.tp={p.tp}",
+            m.n_heads % split == 0,
+            f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",
+        )
+        need(
+            (m.mlp_ratio * m.d_model) % split == 0,
+            f"model.mlp_ratio * model.d_model = {m.mlp_ratio * m.d_model} does not split {split} ways "
+            f"(parallel.tp={p.tp})",
         )
         if p.sequence_parallel:
             need(
@@ -215,6 +272,7 @@ class Config:
             f"optim.name={self.optim.name!r} is not one of adamw, adam, sgd",
         )
         need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
+        need(self.train.watchdog_s >= 0, f"train.watchdog_s={self.train.watchdog_s} must be >= 0 (0: off)")
         need(
             0.0 < self.data.val_fraction < 1.0,
             f"data.val_fraction={self.data.val_fraction} must be in (0, 1)",

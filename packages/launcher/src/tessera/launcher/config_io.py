@@ -7,9 +7,14 @@ Later sources override earlier ones, field by field:
   ``TESSERA_TRAIN_STEPS=50``.
 - Flags: ``--set section.field=value`` (repeatable), e.g. ``--set parallel.tp=2``.
 
-Unknown sections or fields and values of the wrong type are errors naming the key. The
-resolved config travels to the workers of ``tessera run`` as a file named by
-``TESSERA_RESOLVED_CONFIG``, so every rank sees exactly what was validated.
+Unknown sections or fields and values of the wrong type are errors naming the key: in TOML
+(and the resolved JSON) a value must have the field's own type (a string is not an int, a
+float or a bool is not an int; an int is accepted for a float), while environment and flag
+values are text parsed as the field's type. Any ``TESSERA_*`` environment variable that is
+neither a field nor one of ``LAUNCHER_ENV`` (set by the launcher itself) is an error, so a
+misspelt ``TESSERA_PARALEL_DP=4`` cannot be silently ignored. The resolved config travels
+to the workers of ``tessera run`` as a file named by ``TESSERA_RESOLVED_CONFIG``, so every
+rank sees exactly what was validated.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from typing import Any
 from tessera.launcher.config import Config
 
 __all__ = [
+    "HEARTBEAT_ENV",
+    "LAUNCHER_ENV",
+    "LAUNCHER_PID_ENV",
     "RESOLVED_ENV",
+    "RUN_FOLDER_ENV",
     "ConfigError",
     "config_from_dict",
     "config_to_dict",
@@ -35,6 +44,12 @@ __all__ = [
 ]
 
 RESOLVED_ENV = "TESSERA_RESOLVED_CONFIG"
+RUN_FOLDER_ENV = "TESSERA_RUN_FOLDER"  # the run folder `tessera train` created for this job
+HEARTBEAT_ENV = "TESSERA_HEARTBEAT_DIR"  # where each rank's watchdog heartbeat goes
+LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"  # workers die with this process
+# TESSERA_* variables that are not configuration fields: the launcher's own, and the
+# workspace's hatch environments' (TESSERA_PKG_TESTS names a package's tests).
+LAUNCHER_ENV = frozenset({RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, "TESSERA_PKG_TESTS"})
 _PREFIX = "TESSERA_"
 
 
@@ -46,28 +61,30 @@ class ConfigError(ValueError):
         self.lines = list(lines)
 
 
-def _convert(key: str, value: Any, default: Any) -> Any:
+def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
     kind = type(default)
-    if isinstance(value, str) and kind is not str:
-        text = value.strip()
+    if text and isinstance(value, str) and kind is not str:
+        word = value.strip()
         if kind is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
+            if word.lower() in ("1", "true", "yes", "on"):
                 return True
-            if text.lower() in ("0", "false", "no", "off"):
+            if word.lower() in ("0", "false", "no", "off"):
                 return False
             raise ConfigError([f"{key}={value!r} is not a boolean (true/false)"])
         try:
-            return kind(text)
+            return kind(word)
         except ValueError:
             raise ConfigError([f"{key}={value!r} is not a valid {kind.__name__}"]) from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not kind:
-        raise ConfigError([f"{key}={value!r} should be a {kind.__name__}, not a {type(value).__name__}"])
+        raise ConfigError([f"{key}={value!r} must be of type {kind.__name__}, not {type(value).__name__}"])
     return value
 
 
-def _apply(config: Config, updates: Mapping[str, Mapping[str, Any]], source: str) -> Config:
+def _apply(
+    config: Config, updates: Mapping[str, Mapping[str, Any]], source: str, *, text: bool = False
+) -> Config:
     errors: list[str] = []
     new_sections: dict[str, Any] = {}
     for section, values in updates.items():
@@ -84,7 +101,7 @@ def _apply(config: Config, updates: Mapping[str, Mapping[str, Any]], source: str
                 errors.append(f"{source}: unknown field {key} (known: {', '.join(sorted(names))})")
                 continue
             try:
-                changes[name] = _convert(key, value, getattr(current, name))
+                changes[name] = _convert(key, value, getattr(current, name), text=text)
             except ConfigError as exc:
                 errors.extend(f"{source}: {line}" for line in exc.lines)
         new_sections[section] = dataclasses.replace(current, **changes)
@@ -96,14 +113,20 @@ def _apply(config: Config, updates: Mapping[str, Mapping[str, Any]], source: str
 def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     sections = [f.name for f in dataclasses.fields(Config)]
     out: dict[str, dict[str, str]] = {}
+    unknown = []
     for key, value in env.items():
-        if not key.startswith(_PREFIX) or key == RESOLVED_ENV:
+        if not key.startswith(_PREFIX) or key in LAUNCHER_ENV:
             continue
         rest = key[len(_PREFIX) :].lower()
         for section in sections:
             if rest.startswith(section + "_"):
                 out.setdefault(section, {})[rest[len(section) + 1 :]] = value
                 break
+        else:
+            unknown.append(key)
+    if unknown:
+        known = ", ".join(f"TESSERA_{s.upper()}_*" for s in sections)
+        raise ConfigError([f"environment: unknown variable {k}={env[k]!r} (known: {known})" for k in unknown])
     return out
 
 
@@ -143,8 +166,8 @@ def resolve_config(
         if bad:
             raise ConfigError([f"{p}: top-level key {k!r} must be a [section] table" for k in bad])
         config = _apply(config, data, str(p))
-    config = _apply(config, _from_env(env), "environment")
-    config = _apply(config, _from_flags(sets), "--set")
+    config = _apply(config, _from_env(env), "environment", text=True)
+    config = _apply(config, _from_flags(sets), "--set", text=True)
     errors = config.validate()
     if errors:
         raise ConfigError(errors)

@@ -9,41 +9,14 @@ run draws exactly the batches the uninterrupted run would have.
 from __future__ import annotations
 
 import json
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from tessera.launcher.corpus import load_corpus
+
 __all__ = ["CharTokenizer", "TextData", "load_corpus"]
-
-
-def load_corpus(spec: str, max_chars: int) -> str:
-    """The text named by ``spec``: "stdlib", a text file, or a directory of .py/.txt files."""
-    if spec == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(root.glob("*.py"))
-    else:
-        path = Path(spec)
-        if path.is_file():
-            files = [path]
-        elif path.is_dir():
-            files = sorted([*path.rglob("*.py"), *path.rglob("*.txt")])
-        else:
-            raise ValueError(f"data.corpus={spec!r} is neither 'stdlib', a file nor a directory")
-    parts: list[str] = []
-    total = 0
-    for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        total += len(text)
-        if total >= max_chars:
-            break
-    corpus = "".join(parts)[:max_chars]
-    if len(corpus) < 1000:
-        raise ValueError(f"data.corpus={spec!r} holds only {len(corpus)} characters; need at least 1000")
-    return corpus
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from tessera.comm.consensus import raise_together
 from tessera.launcher.checkpoint import load_engine, save_engine
 from tessera.launcher.config import Config
 from tessera.launcher.consolidate import consolidate, local_full_parameters
+from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
 from tessera.pipeline import PipelineRuntime, forward_loss
 from tessera.tensor_parallel import sync_sequence_parallel_grads
@@ -59,7 +60,7 @@ class Engine:
         zero: ZeroOptimizer,
         runtime: PipelineRuntime | None,
         scheduler: Any,
-        loss_fn: Any,
+        objective: Objective,
         placement: Placement,
         max_skipped_steps: int = 20,
     ) -> None:
@@ -69,7 +70,8 @@ class Engine:
         self.zero = zero
         self.runtime = runtime
         self.scheduler = scheduler
-        self.loss_fn = loss_fn
+        self.objective = objective
+        self.loss_fn = objective.loss
         self.placement = placement
         self.step = 0
         self.max_skipped_steps = max_skipped_steps
@@ -82,16 +84,18 @@ class Engine:
         return self.zero.optimizer
 
     # ------------------------------------------------------------------ training
-    def _local_rows(self, batch: Tensor) -> Tensor:
+    def _local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's part of the global batch: its dp rows, then its tp-mode / sp share."""
         dp = self.mesh.size("dp")
-        if batch.shape[0] % dp:
-            raise ValueError(f"batch of {batch.shape[0]} rows does not split over dp={dp}")
-        rows = batch.shape[0] // dp
+        if inputs.shape[0] % dp:
+            raise ValueError(f"batch of {inputs.shape[0]} rows does not split over dp={dp}")
+        rows = inputs.shape[0] // dp
         start = self.mesh.coordinate("dp") * rows
-        return batch[start : start + rows].to(self.mesh.device)
+        x, y = (t[start : start + rows].to(self.mesh.device) for t in (inputs, targets))
+        return self.objective.shard(x, y)
 
     def _forward_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        return self.loss_fn(self.module(inputs), targets)  # type: ignore[no-any-return]
+        return self.loss_fn(self.module(inputs), targets)
 
     def _is_stage_owner(self, stage: int) -> bool:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
@@ -100,7 +104,7 @@ class Engine:
         """One optimizer step on the global batch ``(inputs, targets)``; collective. A step
         with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
         self.module.train()
-        x, y = self._local_rows(inputs), self._local_rows(targets)
+        x, y = self._local_batch(inputs, targets)
         if self.runtime is not None:
             first, last = self._is_stage_owner(0), self._is_stage_owner(-1)
             result = self.runtime.step(x if first else None, y if last else None, broadcast_loss=True)
@@ -197,7 +201,7 @@ class Engine:
     def eval_loss(self, inputs: Tensor, targets: Tensor) -> float:
         """The mean loss on the global batch, without updating anything; collective."""
         self.module.eval()
-        x, y = self._local_rows(inputs), self._local_rows(targets)
+        x, y = self._local_batch(inputs, targets)
         with self.zero.gathered():
             if self.runtime is None:
                 local = float(self._forward_loss(x, y))

@@ -2,7 +2,8 @@
 
 torch's elastic agent starts its TCPStore servers listening on every interface. For a
 one-node job nothing needs to reach them from outside, so ``loopback_rendezvous()`` hosts
-them on 127.0.0.1 instead: it pre-creates the rendezvous store on a socket bound to
+them on 127.0.0.1 instead (on a free port, or the one of an explicit
+``--rdzv-endpoint 127.0.0.1:PORT``): it pre-creates the rendezvous store on a socket bound to
 127.0.0.1 (the agent's own store of the same port then reuses it, as torch stores are
 multi-tenant) and, for the life of the context, has the agent create its shared worker
 store the same way. Gloo's own sockets follow ``GLOO_SOCKET_IFNAME=lo``, set by the CLI.
@@ -26,10 +27,10 @@ __all__ = ["loopback_rendezvous", "loopback_store"]
 LOOPBACK = "127.0.0.1"
 
 
-def loopback_store() -> Any:
+def loopback_store(port: int = 0) -> Any:
     """A multi-tenant TCPStore server listening on 127.0.0.1 only (it owns the socket)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((LOOPBACK, 0))
+    sock.bind((LOOPBACK, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
     return dist.TCPStore(  # type: ignore[attr-defined]
@@ -43,9 +44,10 @@ def loopback_store() -> Any:
 
 
 @contextlib.contextmanager
-def loopback_rendezvous() -> Iterator[str]:
-    """Yield a ``127.0.0.1:PORT`` rendezvous endpoint whose stores listen on loopback only."""
-    keep = [loopback_store()]  # stores live as long as the context: the agent reuses them
+def loopback_rendezvous(port: int = 0) -> Iterator[str]:
+    """Yield a ``127.0.0.1:PORT`` rendezvous endpoint whose stores listen on loopback only
+    (``port`` 0: any free one)."""
+    keep = [loopback_store(port)]  # stores live as long as the context: the agent reuses them
     original = DynamicRendezvousHandler._create_tcp_store_server
 
     def create(self: DynamicRendezvousHandler, master_addr: str, master_port: int) -> Any:

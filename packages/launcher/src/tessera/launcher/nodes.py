@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NodePlan", "expand_slurm_nodelist", "plan_nodes", "read_hostfile"]
+__all__ = ["NodePlan", "endpoint_port", "expand_slurm_nodelist", "is_loopback", "plan_nodes", "read_hostfile"]
 
 DEFAULT_PORT = 29500
 
@@ -33,10 +33,29 @@ class NodePlan:
         return self.nnodes * self.nproc_per_node
 
 
+def is_loopback(endpoint: str) -> bool:
+    """Whether the host of ``HOST:PORT`` is this machine's loopback interface."""
+    host = endpoint.rpartition(":")[0]
+    return host == "localhost" or host.startswith("127.")
+
+
+def endpoint_port(endpoint: str) -> int:
+    """The port of ``HOST:PORT`` (ValueError naming the endpoint when there is none)."""
+    port = endpoint.rpartition(":")[2]
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT with a port in [0, 65536)")
+    return int(port)
+
+
 def read_hostfile(path: str | Path) -> list[tuple[str, int | None]]:
     """Hosts of a DeepSpeed/MPI-style hostfile: ``host [slots=N]`` per line, ``#`` comments."""
     hosts: list[tuple[str, int | None]] = []
-    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not text"
+        raise ValueError(f"--hostfile {str(path)!r} cannot be read: {reason}") from None
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -85,6 +104,8 @@ def plan_nodes(
     else one local node whose rendezvous binds to loopback."""
     if nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    if nnodes is not None and nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
     job = env.get("SLURM_JOB_ID", "tessera")
     if hostfile is not None:
         hosts = tuple(h for h, _ in read_hostfile(hostfile))
@@ -115,4 +136,5 @@ def plan_nodes(
         raise ValueError(f"node rank {rank} is outside [0, {count}) for {count} nodes")
     if rdzv_endpoint is None:
         rdzv_endpoint = "127.0.0.1:0" if count == 1 else f"{hosts[0]}:{DEFAULT_PORT}"
+    endpoint_port(rdzv_endpoint)
     return NodePlan(count, rank, nproc_per_node, hosts, rdzv_endpoint, job, source)

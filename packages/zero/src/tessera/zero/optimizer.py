@@ -80,6 +80,10 @@ class ZeroOptimizer:
     are summed over them too, so clipping and loss scaling agree on every rank) and, in
     ``replication``, how many model-parallel ranks hold an identical copy of each replicated
     parameter (e.g. tp for a LayerNorm not split by tensor parallelism), so it counts once.
+
+    ``average_over``: the gradient stepped is the sum over ``group`` divided by this (default:
+    the group size, i.e. the mean). Pass the data-parallel degree when ``group`` also spans
+    context-parallel ranks, whose gradients are partial sums of one replica's gradient.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class ZeroOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         norm_groups: Sequence[Group] = (),
         replication: Mapping[nn.Parameter, int] | None = None,
+        average_over: int | None = None,
     ) -> None:
         self.config = ZeroConfig(stage, precision, offload, clip_grad_norm, bucket_bytes)
         self.norm_groups = tuple(norm_groups)
@@ -107,6 +112,12 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.group = group
         self.world_size = group_size(group)
+        self.average_over = self.world_size if average_over is None else average_over
+        if not 1 <= self.average_over <= self.world_size or self.world_size % self.average_over:
+            raise ValueError(
+                f"average_over={average_over} must divide the group size {self.world_size} (the ranks "
+                "whose gradients are averaged; the others contribute partial sums)"
+            )
         self.device = named[0][1].device
         self.dtype = dtype
         align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
@@ -224,7 +235,7 @@ class ZeroOptimizer:
         if self.config.offload:
             sync_device(self.device)
         grads = [f.master_grad() for f in self.flats]
-        factor = 1.0 / (self.world_size * self.loss_scale)
+        factor = 1.0 / (self.average_over * self.loss_scale)
         stats = global_grad_stats(  # every step: a non-finite norm skips it in every precision
             grads,
             self.group,

@@ -1,0 +1,74 @@
+"""What the launcher checks on disk before anything spawns (torch is not imported).
+
+`Config.validate` checks the numbers; this checks the world they point at: that a resume
+path holds a committed checkpoint, that the run folder can be written, and, for the main
+job, that the corpus exists and that an explicit ``model.vocab_size`` covers its alphabet.
+Each mistake is one line naming the field and its value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tessera.launcher.config import Config
+from tessera.launcher.corpus import load_corpus
+from tessera.launcher.generations import MANIFEST, resolve_generation
+
+__all__ = ["committed_checkpoint", "preflight"]
+
+
+def committed_checkpoint(path: str | Path) -> Path | None:
+    """The committed checkpoint generation at ``path`` (itself, or the newest ``step-N/`` under
+    it; torn saves are passed over), or None when there is none: the rule of
+    ``generations.resolve_generation``, which the checkpoint loader uses too."""
+    try:
+        return resolve_generation(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _writable_dir(field: str, value: str) -> list[str]:
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        return [f"{field}={value!r} is a file, not a directory"]
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists must let us create it
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"{field}={value!r}: {str(existing)!r} is a file, not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"{field}={value!r}: {str(existing)!r} is not writable"]
+    return []
+
+
+def preflight(config: Config, *, main_job: bool) -> list[str]:
+    """Every mistake the disk shows before a job of ``config`` spawns, one line each.
+
+    ``main_job``: also read the corpus (``data.corpus``, ``data.max_chars``) and check
+    ``model.vocab_size`` against its alphabet.
+    """
+    errors = _writable_dir("train.run_dir", config.train.run_dir)
+    resume = config.train.resume
+    if resume:
+        if not Path(resume).exists():
+            errors.append(f"train.resume={resume!r} does not exist")
+        elif committed_checkpoint(resume) is None:
+            errors.append(
+                f"train.resume={resume!r} holds no committed checkpoint (a {MANIFEST}, in it or in a "
+                "step-N/ generation under it)"
+            )
+    if main_job:
+        try:
+            text = load_corpus(config.data.corpus, config.data.max_chars)
+        except ValueError as exc:
+            errors.append(str(exc))
+        else:
+            vocab = config.model.vocab_size
+            alphabet = len(set(text))
+            if vocab and vocab < alphabet:
+                errors.append(
+                    f"model.vocab_size={vocab} is smaller than the {alphabet} distinct characters of "
+                    f"data.corpus={config.data.corpus!r} (0: take it from the corpus)"
+                )
+    return errors
