@@ -170,4 +170,5 @@ def boost(
         scheduler=scheduler,
         objective=goal,
         placement=placement,
+        max_skipped_steps=config.train.max_skipped_steps,
     )

@@ -23,6 +23,7 @@ from tessera.launcher.config_io import (
     HEARTBEAT_ENV,
     LAUNCHER_PID_ENV,
     RESOLVED_ENV,
+    RESTART_ENV,
     RUN_FOLDER_ENV,
     ConfigError,
     config_to_dict,
@@ -69,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dry-run", action="store_true", help="print the per-node commands and the rank table, then exit"
     )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        help="restart every rank after a failure, this many times (= --set train.max_restarts=N)",
+    )
     run.add_argument("-m", dest="module", help="run a module instead of a script")
     _add_config_args(run)
     run.add_argument("script", nargs="?", help="the training script")
@@ -89,19 +95,22 @@ def _parser() -> argparse.ArgumentParser:
 def rank_table(config: Config, plan: NodePlan) -> str:
     """One line per rank: node, local rank and (pp, dp, sp, tp) coordinates."""
     topo = config.parallel.topology()
-    lines = ["rank  node  local  pp  dp  sp  tp"]
+    grid = [a for a in topo.axes if a not in (Axis.PP, Axis.DP, Axis.SP, Axis.TP)]  # tp sub-axes
+    lines = ["rank  node  local  pp  dp  sp  tp" + "".join(f"  {a.value}" for a in grid)]
     for rank in range(topo.world_size):
         c = topo.coordinates(rank)
         node, local = divmod(rank, plan.nproc_per_node)
         lines.append(
             f"{rank:>4}  {node:>4}  {local:>5}  "
             f"{c[Axis.PP]:>2}  {c[Axis.DP]:>2}  {c[Axis.SP]:>2}  {c[Axis.TP]:>2}"
+            + "".join(f"  {c[a]:>{len(a.value)}}" for a in grid)
         )
     return "\n".join(lines)
 
 
 def build_torchrun_argv(plan: NodePlan, *, log_dir: str, target: Sequence[str]) -> list[str]:
-    """Arguments for torch.distributed.run: no restarts, per-rank logs, rank 0 on the console."""
+    """Arguments for torch.distributed.run: no restarts of its own (the launcher restarts a
+    failed job itself, see ``_spawn``), per-rank logs, rank 0 on the console."""
     argv = [f"--nproc-per-node={plan.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
     if plan.source == "local":
         argv += [
@@ -185,14 +194,8 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
 def _spawn(
     plan: NodePlan, config: Config, *, target: list[str], log_dir: str, loopback_port: int | None
 ) -> int:
-    """Run torch.distributed.run in this process, with the watchdog watching its ranks."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
-
-    from tessera.launcher.loopback import loopback_rendezvous
-
+    """Run torch.distributed.run in this process, with the watchdog watching its ranks; after
+    a rank failure, launch every rank again, up to ``train.max_restarts`` times."""
     with tempfile.TemporaryDirectory(prefix="tessera-run-") as tmp:
         resolved = Path(tmp, "config.json")
         resolved.write_text(json.dumps(config_to_dict(config)))
@@ -203,29 +206,66 @@ def _spawn(
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with this process
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.makedirs(log_dir, exist_ok=True)
-        watchdog = Watchdog(heartbeats, config.train.watchdog_s)
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(watchdog)
-                if loopback_port is not None:
-                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
-                    endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
-                    plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
-                argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
-                torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
-        except ChildFailedError as exc:
-            if not watchdog.fired:
-                print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
-            return 1
-        except (KeyboardInterrupt, SignalException) as exc:
-            print(f"tessera: interrupted ({exc}); every rank was stopped", file=sys.stderr)
-            return 130
-    return 1 if watchdog.fired else 0
+        for attempt in range(config.train.max_restarts + 1):
+            os.environ[RESTART_ENV] = str(attempt)
+            code, failed = _attempt(plan, config, target, log_dir, loopback_port, heartbeats)
+            if not failed or attempt == config.train.max_restarts:
+                return code
+            print(
+                f"tessera: a rank failed; restart {attempt + 1} of {config.train.max_restarts} "
+                "(every rank, from the newest committed checkpoint generation)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return 1
+
+
+def _attempt(
+    plan: NodePlan,
+    config: Config,
+    target: list[str],
+    log_dir: str,
+    loopback_port: int | None,
+    heartbeats: Path,
+) -> tuple[int, bool]:
+    """One launch of every rank: (exit code, whether a rank failed, so a restart may help).
+
+    Each attempt is a fresh torch.distributed.run (its own rendezvous and stores): torch's own
+    ``--max-restarts`` hung here on this torch version (the restarted workers never met)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    from tessera.launcher.loopback import loopback_rendezvous
+
+    for beat in heartbeats.glob("*"):
+        beat.unlink()
+    watchdog = Watchdog(heartbeats, config.train.watchdog_s)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(watchdog)
+            if loopback_port is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
+                endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
+                plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
+            argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
+            torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
+    except ChildFailedError as exc:
+        if not watchdog.fired:
+            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+        return 1, not watchdog.fired
+    except (KeyboardInterrupt, SignalException) as exc:
+        print(f"tessera: interrupted ({exc}); every rank was stopped", file=sys.stderr)
+        return 130, False
+    return (1 if watchdog.fired else 0), False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` command."""
     args = _parser().parse_args(argv)
+    if getattr(args, "max_restarts", None) is not None:
+        args.sets.append(f"train.max_restarts={args.max_restarts}")
     try:
         config = resolve_config(args.config, args.sets)
     except ConfigError as exc:

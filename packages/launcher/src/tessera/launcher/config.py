@@ -115,6 +115,9 @@ class TrainConfig:
     resume: str = ""
     sample_chars: int = 300
     watchdog_s: float = 60.0  # end the job when a rank makes no progress this long (0: off)
+    keep_last: int = 2  # checkpoint generations kept
+    max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
+    max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +203,16 @@ class Config:
                 if isinstance(value, int) and not isinstance(value, bool):
                     least = (
                         0
-                        if f.name in ("seed", "vocab_size", "checkpoint_every", "warmup_steps", "stage")
+                        if f.name
+                        in (
+                            "seed",
+                            "vocab_size",
+                            "checkpoint_every",
+                            "warmup_steps",
+                            "stage",
+                            "max_skipped_steps",
+                            "max_restarts",
+                        )
                         else 1
                     )
                     need(value >= least, f"{name} must be >= {least}, got {value}")

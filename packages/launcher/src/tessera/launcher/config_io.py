@@ -47,9 +47,12 @@ RESOLVED_ENV = "TESSERA_RESOLVED_CONFIG"
 RUN_FOLDER_ENV = "TESSERA_RUN_FOLDER"  # the run folder `tessera train` created for this job
 HEARTBEAT_ENV = "TESSERA_HEARTBEAT_DIR"  # where each rank's watchdog heartbeat goes
 LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"  # workers die with this process
+RESTART_ENV = "TESSERA_RESTART_COUNT"  # which attempt of the job this is (0: the first)
 # TESSERA_* variables that are not configuration fields: the launcher's own, and the
 # workspace's hatch environments' (TESSERA_PKG_TESTS names a package's tests).
-LAUNCHER_ENV = frozenset({RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, "TESSERA_PKG_TESTS"})
+LAUNCHER_ENV = frozenset(
+    {RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, RESTART_ENV, "TESSERA_PKG_TESTS"}
+)
 _PREFIX = "TESSERA_"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +25,11 @@ from tessera.comm import default_device
 from tessera.comm.testing import GPT, GPTConfig
 from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
-from tessera.launcher.config_io import config_to_toml, load_config
+from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
 from tessera.launcher.data import TextData, load_corpus
 from tessera.launcher.engine import Engine
-from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics
+from tessera.launcher.preflight import committed_checkpoint
+from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
 
 __all__ = ["main", "sample"]
@@ -112,14 +114,19 @@ def main() -> None:
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
     )
     run = _run_dir(config, device)
-    if config.train.resume:
-        generation = engine.load(config.train.resume)  # returns once every rank has loaded
-        log.info("resumed from %s at step %d", generation, engine.step)
+    resume = config.train.resume
+    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if restarts and committed_checkpoint(run / "checkpoint") is not None:
+        resume = str(run / "checkpoint")  # an elastic restart goes on from the newest generation
+    if resume:
+        generation = engine.load(resume)  # returns once every rank has loaded
+        log.info("resumed from %s at step %d (restart %d)", generation, engine.step, restarts)
     metrics = progress = None
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         (run / "config.toml").write_text(config_to_toml(config))
         (run / "tokenizer.json").write_text(data.tokenizer.to_json())
+        truncate_metrics(run / "metrics.jsonl", engine.step)  # a resumed run writes them again
         metrics = MetricsWriter(run / "metrics.jsonl")
         progress = Progress(config.train.steps)
         log.info(
@@ -157,9 +164,9 @@ def main() -> None:
                 metrics.write(step=done, val_loss=val)
                 log.info("step %d: validation loss %.4f", done, val)
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
-            engine.save(run / "checkpoint")
+            engine.save(run / "checkpoint", keep_last=config.train.keep_last)
     if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
-        engine.save(run / "checkpoint")
+        engine.save(run / "checkpoint", keep_last=config.train.keep_last)
     full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()

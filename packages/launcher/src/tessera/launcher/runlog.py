@@ -14,7 +14,15 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["MetricsWriter", "Progress", "plot_metrics", "read_metrics"]
+from tessera.comm.files import atomic_write
+
+__all__ = [
+    "MetricsWriter",
+    "Progress",
+    "plot_metrics",
+    "read_metrics",
+    "truncate_metrics",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,18 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every record of a metrics file."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep only the records up to ``step`` (a run resumed there writes the rest again);
+    returns how many were dropped. Atomic; a missing file is left missing."""
+    if not path.exists():
+        return 0
+    records = read_metrics(path)
+    kept = [r for r in records if int(r.get("step", 0)) <= step]
+    if len(kept) != len(records):
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return len(records) - len(kept)
 
 
 class Progress:
