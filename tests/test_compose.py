@@ -146,13 +146,16 @@ CASES = [
     (ParallelConfig(tp=4, tp_mode="2d", microbatches=2), 0, "sgd"),
     (ParallelConfig(dp=2, tp=4, tp_mode="2d", microbatches=1), 1, "sgd"),
     (ParallelConfig(pp=2, tp=4, tp_mode="2d", microbatches=2, schedule="1f1b"), 1, "adamw"),
+    # 2.5D (q = 2, depth 2) and 3D (q = 2): 8 ranks each
+    (ParallelConfig(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=2), 1, "sgd"),
+    (ParallelConfig(tp=8, tp_mode="3d", microbatches=2), 0, "sgd"),
 ]
 
 
 def _case_id(c: Any) -> str:
     if isinstance(c, ParallelConfig):
         megatron_sp = "-msp" if c.sequence_parallel else ""
-        mode = f"-{c.tp_mode}" if c.tp_mode != "1d" else ""
+        mode = f"-{c.tp_mode}" + (f"x{c.tp_depth}" if c.tp_depth > 1 else "") if c.tp_mode != "1d" else ""
         context = f"-sp{c.sp}-{c.sp_mode}-{c.sp_layout}" if c.sp > 1 else ""
         return f"dp{c.dp}-pp{c.pp}-tp{c.tp}{mode}{megatron_sp}{context}-{c.schedule}"
     return f"zero{c}" if isinstance(c, int) else str(c)

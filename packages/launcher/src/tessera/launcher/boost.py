@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,7 +117,10 @@ def boost(
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
-    replicated = {param: tp for name, param in named.items() if name not in specs}
+    # how many tp ranks hold each element, from the shapes: tp for a parameter no style split,
+    # 1 for a partition (1D, 2D, 3D), the depth for 2.5D's depth replicas
+    copies = {param: tp * param.numel() // math.prod(full_shapes[name]) for name, param in named.items()}
+    replicated = {param: n for param, n in copies.items() if n > 1}
 
     stage_to_rank: tuple[int, ...] = ()
     if pp > 1:

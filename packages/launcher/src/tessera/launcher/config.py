@@ -29,7 +29,8 @@ __all__ = [
 class ParallelConfig:
     """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp.
 
-    ``tp_mode``: "1d" (Megatron) or "2d" (SUMMA over a q x q grid, tp = q*q).
+    ``tp_mode``: "1d" (Megatron), "2d" (SUMMA over a q x q grid, tp = q*q), "2.5d"
+    (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks).
     """
@@ -39,6 +40,7 @@ class ParallelConfig:
     tp: int = 1
     sp: int = 1
     tp_mode: str = "1d"
+    tp_depth: int = 1
     sp_mode: str = "ring"
     sp_layout: str = "contiguous"
     sequence_parallel: bool = False
@@ -49,7 +51,9 @@ class ParallelConfig:
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""
         mode = TPMode(self.tp_mode) if self.tp_mode in set(TPMode) else self.tp_mode
-        return Topology(dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=mode)  # type: ignore[arg-type]
+        return Topology(
+            dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=mode, depth=self.tp_depth  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,27 +149,40 @@ class Config:
         """The number of processes the job needs: dp * pp * tp * sp."""
         return self.parallel.topology().world_size
 
+    def grid_side(self) -> int:
+        """q: the side of the tensor-parallel grid (tp for 1d, sqrt(tp / depth) for 2d and
+        2.5d, the cube root for 3d); 1 if tp does not make such a grid."""
+        p = self.parallel
+        if p.tp_mode == "3d":
+            return next((q for q in range(1, p.tp + 1) if q**3 >= p.tp), 1)
+        if p.tp_mode in ("2d", "2.5d"):
+            return max(1, math.isqrt(p.tp // max(1, p.tp_depth)))
+        return p.tp
+
     def _check_modes(self) -> list[str]:
         """The tensor-parallel mode and context parallelism against the degrees and the model."""
         p, m, errors = self.parallel, self.model, []
-        if p.tp_mode not in ("1d", "2d"):
-            errors.append(f"parallel.tp_mode={p.tp_mode!r} is not one of 1d, 2d (2.5d and 3d are not built)")
+        if p.tp_mode not in ("1d", "2d", "2.5d", "3d"):
+            errors.append(f"parallel.tp_mode={p.tp_mode!r} is not one of 1d, 2d, 2.5d, 3d")
             return errors
         try:
             p.topology()
         except ValueError as e:
             errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
             return errors
-        if p.tp_mode == "2d":
-            q = math.isqrt(p.tp)
+        if p.tp_mode != "1d":
+            q = self.grid_side()
+            blocks = {"2d": q, "2.5d": q * p.tp_depth, "3d": q * q}
             rows = self.data.batch_size // max(1, p.dp * p.microbatches)
-            if rows % q:
+            if rows % blocks[p.tp_mode]:
                 errors.append(
-                    f"tp_mode 2d splits each microbatch's {rows} rows (data.batch_size / (dp * "
-                    f"microbatches)) over q={q} grid rows: not divisible"
+                    f"tp_mode {p.tp_mode} splits each microbatch's {rows} rows (data.batch_size / (dp * "
+                    f"microbatches)) into {blocks[p.tp_mode]} blocks: not divisible"
                 )
             if p.sequence_parallel or p.sp > 1:
-                errors.append("tp_mode 2d with parallel.sequence_parallel or parallel.sp > 1 is not built")
+                errors.append(
+                    f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built"
+                )
         if p.sp == 1:
             return errors
         if p.sp_mode not in ("ring", "ulysses"):
@@ -238,7 +255,7 @@ class Config:
             m.d_model % m.n_heads == 0,
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
         )
-        split = math.isqrt(p.tp) if p.tp_mode == "2d" else p.tp  # how many ways heads and widths split
+        split = p.tp if p.tp_mode == "1d" else self.grid_side()  # how many ways heads and widths split
         need(
             m.n_heads % split == 0,
             f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",

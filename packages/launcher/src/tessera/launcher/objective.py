@@ -5,7 +5,9 @@ Data parallelism gives each dp rank its rows (the Engine does that). Then:
 - 1D tensor parallelism: every tp rank sees the same rows; the logits are split over the
   vocabulary, and ``vocab_parallel_cross_entropy`` is the exact mean over them.
 - 2D tensor parallelism (q x q grid): rank (i, j) takes batch block i of the rows;
-  ``cross_entropy_2d`` is the exact mean over the grid's tokens.
+  ``cross_entropy_2d`` is the exact mean over the grid's tokens. 2.5D (q x q x d): batch block
+  k*q + i of q*d. 3D (q x q x q): the input block b*q + a of q*q, the targets in the logits'
+  layout, block b*q + c.
 - Context parallelism (sp ranks): each rank takes its slice of the sequence (contiguous or
   zigzag); the loss is the sum of its tokens' losses, summed over sp (identity backward),
   divided by the global token count. Every sp rank's gradient is then a partial sum of the
@@ -22,14 +24,22 @@ from torch import Tensor
 from tessera.comm import Mesh, TPMode, reduce_from_region
 from tessera.tensor_parallel import (
     GPT_2D_PLAN,
+    GPT_2P5D_PLAN,
+    GPT_3D_PLAN,
     GPT_PLAN,
+    Cube3D,
     Grid2D,
+    Grid2p5D,
     Plan,
     batch_block,
+    batch_block_2p5d,
     cross_entropy_2d,
+    cross_entropy_2p5d,
+    cross_entropy_3d,
     split_batch,
     vocab_parallel_cross_entropy,
 )
+from tessera.tensor_parallel.three_d import batch_block as batch_block_3d
 
 __all__ = ["Objective", "default_plan", "objective"]
 
@@ -45,22 +55,43 @@ class Objective:
     loss: Loss
 
 
+_PLANS = {TPMode.ONE_D: GPT_PLAN, TPMode.TWO_D: GPT_2D_PLAN, TPMode.TWO_P5_D: GPT_2P5D_PLAN}
+
+
 def default_plan(mesh: Mesh) -> Plan:
     """The reference GPT's plan for the mesh's tensor-parallel mode."""
-    return GPT_2D_PLAN if mesh.topology.tp_mode is TPMode.TWO_D else GPT_PLAN
+    return _PLANS.get(mesh.topology.tp_mode, GPT_3D_PLAN)
+
+
+def _multi_dimensional(mesh: Mesh) -> Objective:
+    """The data split and loss of 2D, 2.5D and 3D tensor parallelism."""
+    mode = mesh.topology.tp_mode
+    if mode is TPMode.TWO_D:
+        grid = Grid2D.from_mesh(mesh)
+        return Objective(
+            lambda x, y: (batch_block(x, grid), batch_block(y, grid)),
+            lambda out, y: cross_entropy_2d(out, y, grid),
+        )
+    if mode is TPMode.TWO_P5_D:
+        tess = Grid2p5D.from_mesh(mesh)
+        return Objective(
+            lambda x, y: (batch_block_2p5d(x, tess), batch_block_2p5d(y, tess)),
+            lambda out, y: cross_entropy_2p5d(out, y, tess),
+        )
+    cube = Cube3D.from_mesh(mesh)
+    return Objective(
+        lambda x, y: (batch_block_3d(x, cube), batch_block_3d(y, cube, branch=True)),
+        lambda out, y: cross_entropy_3d(out, y, cube),
+    )
 
 
 def objective(mesh: Mesh, *, sp_layout: str = "contiguous") -> Objective:
     """The data split and the loss for ``mesh``'s degrees (see the module docstring)."""
-    if mesh.topology.tp_mode is TPMode.TWO_D:
+    if mesh.topology.tp_mode is not TPMode.ONE_D:
         if mesh.size("sp") > 1:
-            raise ValueError("2D tensor parallelism with context parallelism (sp > 1) is not built")
-        grid = Grid2D.from_mesh(mesh)
-
-        def block(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-            return batch_block(x, grid), batch_block(y, grid)
-
-        return Objective(block, lambda out, y: cross_entropy_2d(out, y, grid))
+            mode = mesh.topology.tp_mode
+            raise ValueError(f"{mode} tensor parallelism with context parallelism is not built")
+        return _multi_dimensional(mesh)
     tp_group, sp, sp_group = mesh.group("tp"), mesh.size("sp"), mesh.group("sp")
 
     def one_d(logits: Tensor, targets: Tensor) -> Tensor:

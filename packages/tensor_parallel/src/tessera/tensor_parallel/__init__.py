@@ -1,5 +1,6 @@
 """tessera.tensor_parallel: Megatron-style 1D tensor parallelism with sequence parallelism,
-2D (SUMMA / Optimus) tensor parallelism over a q x q grid (``two_d``), and context
+2D (SUMMA / Optimus) over a q x q grid (``two_d``), 2.5D (Tesseract) over q x q x d
+(``two_p5_d``) and 3D over a q x q x q cube (``three_d``) tensor parallelism, and context
 parallelism over the ``sp`` axis: ring and Ulysses attention, zigzag layout (``context``).
 
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
@@ -48,6 +49,19 @@ from tessera.tensor_parallel.style import (
     style_named,
 )
 from tessera.tensor_parallel.styles import Style
+from tessera.tensor_parallel.three_d import (
+    GPT_3D_PLAN,
+    GPT_3D_VOCAB_PLAN,
+    Cube3D,
+    CubeShardSpec,
+    Embedding3D,
+    LayerNorm3D,
+    Linear3D,
+    VocabEmbedding3D,
+    cross_entropy_3d,
+    loss_3d,
+    parallelize_3d,
+)
 from tessera.tensor_parallel.two_d import (
     GPT_2D_PLAN,
     GPT_2D_VOCAB_PLAN,
@@ -63,6 +77,21 @@ from tessera.tensor_parallel.two_d import (
     loss_2d,
     parallelize_2d,
 )
+from tessera.tensor_parallel.two_p5_d import (
+    GPT_2P5D_PLAN,
+    GPT_2P5D_VOCAB_PLAN,
+    DepthShardSpec,
+    Embedding2p5D,
+    Grid2p5D,
+    LayerNorm2p5D,
+    Linear2p5D,
+    VocabEmbedding2p5D,
+    batch_block_2p5d,
+    bind_2p5d,
+    cross_entropy_2p5d,
+    loss_2p5d,
+    parallelize_2p5d,
+)
 
 __version__ = "0.1.0"
 
@@ -70,18 +99,32 @@ __all__ = [
     "GPT2_PLAN",
     "GPT_2D_PLAN",
     "GPT_2D_VOCAB_PLAN",
+    "GPT_2P5D_PLAN",
+    "GPT_2P5D_VOCAB_PLAN",
+    "GPT_3D_PLAN",
+    "GPT_3D_VOCAB_PLAN",
     "GPT_PLAN",
     "ApplyContext",
     "Assignment",
     "BaseStyle",
     "ColumnParallelLinear",
     "ContextParallelAttention",
+    "Cube3D",
+    "CubeShardSpec",
+    "DepthShardSpec",
     "DropoutRNG",
     "Embedding2D",
+    "Embedding2p5D",
+    "Embedding3D",
     "Grid2D",
+    "Grid2p5D",
     "GridShardSpec",
     "LayerNorm2D",
+    "LayerNorm2p5D",
+    "LayerNorm3D",
     "Linear2D",
+    "Linear2p5D",
+    "Linear3D",
     "ParallelDropout",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -94,18 +137,28 @@ __all__ = [
     "Style",
     "TPStyle",
     "VocabEmbedding2D",
+    "VocabEmbedding2p5D",
+    "VocabEmbedding3D",
     "VocabParallelEmbedding",
     "batch_block",
+    "batch_block_2p5d",
     "bind_2d",
+    "bind_2p5d",
     "context_parallel_loss",
     "context_parallelize",
     "cross_entropy_2d",
+    "cross_entropy_2p5d",
+    "cross_entropy_3d",
     "is_sequence_parallel",
     "loss_2d",
+    "loss_2p5d",
+    "loss_3d",
     "mark_sequence_parallel",
     "parallel_gpt_loss",
     "parallelize",
     "parallelize_2d",
+    "parallelize_2p5d",
+    "parallelize_3d",
     "register_style",
     "registered_styles",
     "resolve_plan",

@@ -63,8 +63,14 @@ class Embedding2D(nn.Module):
         return new
 
     def forward(self, idx: Tensor) -> Tensor:
-        block = all_gather_along(self.weight, 1, self.grid.col)  # (vocab, hidden/q): hidden block j
+        # (vocab, hidden/q): hidden block j
+        block = all_gather_along(self.use_param(self.weight), 1, self.grid.col)
         return F.embedding(idx, block)
+
+    def use_param(self, param: Tensor) -> Tensor:
+        """``param`` as forward uses it: itself in 2D (the 2.5D subclass routes it through
+        ``copy_to_region`` over the depth group, summing its gradient over the replicas)."""
+        return param
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, q={self.grid.q}"

@@ -119,10 +119,15 @@ class LayerNorm2D(nn.Module):
             )
         y = normalize_2d(x, self.hidden, self.grid.row, eps=self.eps)
         if self.weight is not None:
-            y = y * all_gather_along(self.weight, 0, self.grid.col)
+            y = y * all_gather_along(self.use_param(self.weight), 0, self.grid.col)
         if self.bias is not None:
-            y = y + all_gather_along(self.bias, 0, self.grid.col)
+            y = y + all_gather_along(self.use_param(self.bias), 0, self.grid.col)
         return y
+
+    def use_param(self, param: Tensor) -> Tensor:
+        """``param`` as forward uses it: itself in 2D (the 2.5D subclass routes it through
+        ``copy_to_region`` over the depth group, summing its gradient over the replicas)."""
+        return param
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, q={self.grid.q}, eps={self.eps}, affine={self.weight is not None}"

@@ -141,10 +141,16 @@ class Linear2D(nn.Module):
                 f"Linear2D: expected input (..., in_features/q = {self.in_features}/{self.grid.q} = "
                 f"{local_in}), got {tuple(x.shape)}"
             )
-        y = summa_matmul(x, self.weight, self.grid)
+        y = summa_matmul(x, self.use_param(self.weight), self.grid)
         if self.bias is not None:
-            y = y + all_gather_along(self.bias, 0, self.grid.col)  # out block j, grad reduce-scattered
+            # out block j; its gradient is reduce-scattered along the column
+            y = y + all_gather_along(self.use_param(self.bias), 0, self.grid.col)
         return y
+
+    def use_param(self, param: Tensor) -> Tensor:
+        """``param`` as forward uses it: itself in 2D (the 2.5D subclass routes it through
+        ``copy_to_region`` over the depth group, summing its gradient over the replicas)."""
+        return param
 
     def extra_repr(self) -> str:
         return (

@@ -71,8 +71,13 @@ class VocabEmbedding2D(nn.Module):
         ids = all_gather(idx, self.grid.col, 0)  # the whole batch, block after block
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
-        partial = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        partial = F.embedding(local, self.use_param(self.weight)) * mine.unsqueeze(-1).to(self.weight.dtype)
         return reduce_scatter_along(partial, 0, self.grid.col)
+
+    def use_param(self, param: Tensor) -> Tensor:
+        """``param`` as forward uses it: itself in 2D (the 2.5D subclass routes it through
+        ``copy_to_region`` over the depth group, summing its gradient over the replicas)."""
+        return param
 
     def extra_repr(self) -> str:
         vocab = f"[{self.vocab_start}, {self.vocab_end})"

@@ -1,0 +1,127 @@
+"""Tier 1: the reference GPT under ``GPT_3D_PLAN`` on a 2 x 2 x 2 cube (tp=8, threaded ranks)
+equals the serial GPT: every parameter gradient of the first step, gathered from the eight
+ranks by the shard specs ``parallelize`` recorded (consolidation's path: all-gather over tp,
+``unshard`` in tp-rank order), and the loss curve and weights of a few SGD steps; with the
+token embedding split on the hidden (``GPT_3D_PLAN``) or the vocabulary too
+(``GPT_3D_VOCAB_PLAN``).
+
+Tolerances (fp32): gradients ``rtol=1e-4``, ``atol=1e-5`` times the largest serial gradient
+of that parameter (floored at 1e-2: some gradients, e.g. the key biases, are zero in exact
+arithmetic and hold only round-off); losses ``rtol=1e-5``; the weights after the steps
+``rtol=1e-5``, ``atol=1e-6`` (they are O(0.02-1) and move by lr times gradients that agree
+to the bound above). The 3D model adds the same products in another order (partial matmuls
+summed by reduce-scatters, per-line partial norms, weight gradients reduce-scattered over
+batch blocks) through two layers, attention and the loss, a few ulps per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from tessera.comm import Mesh, Topology, TPMode, all_gather
+from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
+from tessera.tensor_parallel import parallelize, shard_specs
+from tessera.tensor_parallel.three_d import (
+    GPT_3D_PLAN,
+    GPT_3D_VOCAB_PLAN,
+    Cube3D,
+    CubeShardSpec,
+    loss_3d,
+    parallelize_3d,
+)
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+STEPS, LR, BATCH, TP = 4, 0.5, 8, 8
+
+
+def _serial() -> tuple[list[float], dict[str, Tensor], dict[str, Tensor]]:
+    model = GPT(CFG, seed=0)
+    idx, targets = make_batch(CFG, BATCH, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model.loss(idx, targets)
+        torch.autograd.backward(loss)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+Out = tuple[list[float], dict[str, Tensor], dict[str, CubeShardSpec], dict[str, Tensor]]
+
+
+def _parallel(rank: int, how: str) -> Out:
+    mesh = Mesh(Topology(tp=TP, tp_mode=TPMode.THREE_D))
+    cube = Cube3D.from_mesh(mesh)
+    if how == "parallelize_3d":
+        model = parallelize_3d(GPT(CFG, seed=0), mesh=mesh)
+    else:  # plain parallelize: the styles find the cube in the 3d mesh
+        plan = GPT_3D_VOCAB_PLAN if how == "vocab" else GPT_3D_PLAN
+        model = parallelize(GPT(CFG, seed=0), plan=plan, mesh=mesh)
+    idx, targets = make_batch(CFG, BATCH, seed=1)  # the global batch; loss_3d takes this rank's block
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_3d(model, idx, targets, cube)
+        torch.autograd.backward(loss)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        losses.append(loss.item())
+    specs = {n: s for n, s in shard_specs(model).items() if isinstance(s, CubeShardSpec)}
+    tp = mesh.group("tp")
+    full = {
+        n: specs[n].unshard(all_gather(p.detach(), tp, specs[n].local_dim).chunk(TP, specs[n].local_dim))
+        for n, p in model.named_parameters()
+    }
+    return losses, grads, specs, full
+
+
+@pytest.mark.parametrize("how", ["parallelize_3d", "by-name", "vocab"])
+def test_gpt_3d_gradients_and_sgd_loss_curve_equal_serial(how: str) -> None:
+    serial_losses, serial_grads, serial_weights = _serial()
+    out = run_threaded(TP, _parallel, how)
+    specs = out[0][2]
+    assert set(serial_grads) == set(out[0][1])
+    assert set(specs) == set(serial_grads)  # every parameter of the GPT is split over the cube
+    for name, want in serial_grads.items():
+        got = specs[name].unshard([grads[name] for _, grads, _, _ in out])
+        scale = max(want.abs().max().item(), 1e-2)
+        try:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+        except AssertionError as error:
+            error.add_note(f"in the gradient of {name}")
+            raise
+    for losses, _, _, weights in out:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(serial_losses), rtol=1e-5, atol=0.0)
+        for name, want in serial_weights.items():
+            try:
+                torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6)
+            except AssertionError as error:
+                error.add_note(f"in the weight {name} after {STEPS} SGD steps, gathered")
+                raise
+    assert serial_losses[-1] < serial_losses[0]  # the steps do train
+
+
+def _one_d_mesh(rank: int) -> None:
+    parallelize(GPT(CFG, seed=0), plan=GPT_3D_PLAN, mesh=Mesh(Topology(tp=8)))
+
+
+def test_the_3d_plan_over_a_1d_mesh_says_it_needs_a_3d_one() -> None:
+    with pytest.raises(ValueError, match=r"tp_mode='3d'.*tp=8 tp_mode=1d"):
+        run_threaded(TP, _one_d_mesh)
+
+
+def _not_a_cube(rank: int) -> None:
+    parallelize(GPT(CFG, seed=0), plan=GPT_3D_PLAN, mesh=Mesh(Topology(tp=4)))
+
+
+def test_the_3d_plan_over_tp_4_says_4_is_not_a_cube() -> None:
+    with pytest.raises(ValueError, match=r"tp=4 is not a cube"):
+        run_threaded(4, _not_a_cube)
