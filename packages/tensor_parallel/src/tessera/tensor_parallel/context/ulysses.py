@@ -57,10 +57,13 @@ def ulysses_attention(
     qh, kh, vh = (all_to_all_along(t, 1, 2, group) for t in (q, k, v))  # (b, h/sp, seq, d)
     if groups > 1:
         kh, vh = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
-    mask = None
-    if causal:
-        pos = _gathered_positions(sp, local_len, Layout(layout), q.device)
-        mask = pos[None, :] <= pos[:, None]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    pos = _gathered_positions(sp, local_len, Layout(layout), q.device)
+    order = torch.argsort(pos)
+    shuffled = causal and bool((order != torch.arange(pos.numel(), device=pos.device)).any())
+    if shuffled:  # put the gathered sequence in position order: causal is then is_causal=True,
+        qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))  # no seq x seq mask saved
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    if shuffled:
+        out = out.index_select(2, torch.argsort(order))
     return all_to_all_along(out, 2, 1, group)
