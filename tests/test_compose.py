@@ -71,12 +71,12 @@ def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
 Run = tuple[list[tuple[float, float]], dict[str, torch.Tensor]]
 
 
-def _serial(kind: str, microbatches: int = 1) -> Run:
+def _serial(kind: str, microbatches: int = 1, steps: int = STEPS) -> Run:
     """The reference: one process, the whole batch (in ``microbatches`` accumulated parts)."""
     model = GPT(GPT_CFG, seed=1)
     opt = _optimizer(model, kind)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         idx, targets = make_batch(GPT_CFG, BATCH, seed=step)
         opt.zero_grad()
         loss_sum = 0.0
@@ -90,11 +90,11 @@ def _serial(kind: str, microbatches: int = 1) -> Run:
     return out, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, config: Config, kind: str) -> Run:
+def _parallel(rank: int, config: Config, kind: str, steps: int = STEPS) -> Run:
     model = GPT(GPT_CFG, seed=1)
     engine = boost(model, _optimizer(model, kind), config)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         idx, targets = make_batch(GPT_CFG, BATCH, seed=step)
         result = engine.train_step(idx, targets)
         assert result.grad_norm is not None
@@ -175,6 +175,25 @@ def test_dp_pp_tp_with_zero_on_eight_ranks(worker_pools: PoolFactory) -> None:
     config = _config(ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, "sgd")
     results = worker_pools(8).run(_parallel, config, "sgd", timeout=180)
     _check(results, _serial("sgd"), "sgd")
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1),
+        ParallelConfig(sp=4, sp_mode="ulysses", microbatches=1),
+        ParallelConfig(dp=2, sp=2, microbatches=1),
+    ],
+    ids=["sp2-ring-zigzag", "sp4-ulysses", "dp2-sp2-ring"],
+)
+def test_context_parallelism_follows_twenty_serial_steps(
+    worker_pools: PoolFactory, parallel: ParallelConfig
+) -> None:
+    """20 SGD steps with ZeRO-1: every loss, gradient norm and the final weights against
+    serial (the same bounds as above; SGD keeps the weights at round-off over 20 steps)."""
+    config = _config(parallel, 1, "sgd")
+    results = worker_pools(config.world_size).run(_parallel, config, "sgd", 20, timeout=180)
+    _check(results, _serial("sgd", steps=20), "sgd")
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
