@@ -183,8 +183,10 @@ def test_dp_pp_tp_with_zero_on_eight_ranks(worker_pools: PoolFactory) -> None:
         ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1),
         ParallelConfig(sp=4, sp_mode="ulysses", microbatches=1),
         ParallelConfig(dp=2, sp=2, microbatches=1),
+        ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=1),
+        ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b"),
     ],
-    ids=["sp2-ring-zigzag", "sp4-ulysses", "dp2-sp2-ring"],
+    ids=["sp2-ring-zigzag", "sp4-ulysses", "dp2-sp2-ring", "tp2-sp2-ring-zigzag", "pp2-sp2-ring"],
 )
 def test_context_parallelism_follows_twenty_serial_steps(
     worker_pools: PoolFactory, parallel: ParallelConfig
