@@ -198,6 +198,25 @@ def test_context_parallelism_follows_twenty_serial_steps(
     _check(results, _serial("sgd", steps=20), "sgd")
 
 
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(tp=4, tp_mode="2d", microbatches=1),
+        ParallelConfig(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=1),
+        ParallelConfig(tp=8, tp_mode="3d", microbatches=1),
+    ],
+    ids=["2d-q2", "2.5d-q2-d2", "3d-q2"],
+)
+def test_multi_dimensional_tp_follows_twenty_serial_steps(
+    worker_pools: PoolFactory, parallel: ParallelConfig
+) -> None:
+    """20 SGD steps with ZeRO-1 per tensor-parallel mode: losses, gradient norms and the final
+    weights against serial (the bounds of the module docstring)."""
+    config = _config(parallel, 1, "sgd")
+    results = worker_pools(config.world_size).run(_parallel, config, "sgd", 20, timeout=180)
+    _check(results, _serial("sgd", steps=20), "sgd")
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_the_weight_bounds_hold_serial_against_serial(kind: str) -> None:
     """The bounds above accept the serial run summed in another order (two microbatches)."""
