@@ -131,9 +131,13 @@ def build_torchrun_argv(plan: NodePlan, *, log_dir: str, target: Sequence[str]) 
     return [*argv, "-m", "tessera.launcher.worker", *target]
 
 
+def _say(line: str) -> None:
+    print(f"tessera: {line}", file=sys.stderr, flush=True)
+
+
 def _fail(lines: Sequence[str]) -> int:
     for line in lines:
-        print(f"tessera: {line}", file=sys.stderr)
+        _say(line)
     return 2
 
 
@@ -211,11 +215,9 @@ def _spawn(
             code, failed = _attempt(plan, config, target, log_dir, loopback_port, heartbeats)
             if not failed or attempt == config.train.max_restarts:
                 return code
-            print(
-                f"tessera: a rank failed; restart {attempt + 1} of {config.train.max_restarts} "
-                "(every rank, from the newest committed checkpoint generation)",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"a rank failed; restart {attempt + 1} of {config.train.max_restarts} "
+                "(every rank, from the newest committed checkpoint generation)"
             )
     return 1
 
@@ -241,7 +243,7 @@ def _attempt(
 
     for beat in heartbeats.glob("*"):
         beat.unlink()
-    watchdog = Watchdog(heartbeats, config.train.watchdog_s)
+    watchdog = Watchdog(heartbeats, config.train.watchdog_s, _say)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(watchdog)
@@ -256,7 +258,7 @@ def _attempt(
             print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
         return 1, not watchdog.fired
     except (KeyboardInterrupt, SignalException) as exc:
-        print(f"tessera: interrupted ({exc}); every rank was stopped", file=sys.stderr)
+        _say(f"interrupted ({exc}); every rank was stopped")
         return 130, False
     return (1 if watchdog.fired else 0), False
 

@@ -150,14 +150,15 @@ class Config:
         return self.parallel.topology().world_size
 
     def grid_side(self) -> int:
-        """q: the side of the tensor-parallel grid (tp for 1d, sqrt(tp / depth) for 2d and
-        2.5d, the cube root for 3d); 1 if tp does not make such a grid."""
-        p = self.parallel
-        if p.tp_mode == "3d":
-            return next((q for q in range(1, p.tp + 1) if q**3 >= p.tp), 1)
-        if p.tp_mode in ("2d", "2.5d"):
-            return max(1, math.isqrt(p.tp // max(1, p.tp_depth)))
-        return p.tp
+        """q: the side of the tensor-parallel grid, as the `Topology` lays it out (tp for 1d,
+        a row of the grid for 2d and 2.5d, a line of the cube for 3d); 1 if the degrees make
+        no valid topology (``validate`` reports that)."""
+        try:
+            topology = self.parallel.topology()
+        except ValueError:
+            return 1
+        line = {"2d": "tp_row", "2.5d": "tp_row", "3d": "tp_input"}.get(self.parallel.tp_mode, "tp")
+        return topology.size(line)
 
     def _check_modes(self) -> list[str]:
         """The tensor-parallel mode and context parallelism against the degrees and the model."""

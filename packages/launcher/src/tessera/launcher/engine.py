@@ -71,7 +71,6 @@ class Engine:
         self.runtime = runtime
         self.scheduler = scheduler
         self.objective = objective
-        self.loss_fn = objective.loss
         self.placement = placement
         self.step = 0
         self.max_skipped_steps = max_skipped_steps
@@ -95,7 +94,7 @@ class Engine:
         return self.objective.shard(x, y)
 
     def _forward_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        return self.loss_fn(self.module(inputs), targets)
+        return self.objective.loss(self.module(inputs), targets)
 
     def _is_stage_owner(self, stage: int) -> bool:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
@@ -207,6 +206,7 @@ class Engine:
                 local = float(self._forward_loss(x, y))
             else:
                 stages, owners, device = self.runtime.stages, self.placement.stage_to_rank, self.mesh.device
-                local = forward_loss(stages, owners, x, y, self.loss_fn, group=self.pp, device=device)
+                loss = self.objective.loss
+                local = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
         out = all_reduce(torch.tensor([local], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
         return float(out[0])

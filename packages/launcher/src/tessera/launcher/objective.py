@@ -55,12 +55,17 @@ class Objective:
     loss: Loss
 
 
-_PLANS = {TPMode.ONE_D: GPT_PLAN, TPMode.TWO_D: GPT_2D_PLAN, TPMode.TWO_P5_D: GPT_2P5D_PLAN}
+_PLANS = {
+    TPMode.ONE_D: GPT_PLAN,
+    TPMode.TWO_D: GPT_2D_PLAN,
+    TPMode.TWO_P5_D: GPT_2P5D_PLAN,
+    TPMode.THREE_D: GPT_3D_PLAN,
+}
 
 
 def default_plan(mesh: Mesh) -> Plan:
     """The reference GPT's plan for the mesh's tensor-parallel mode."""
-    return _PLANS.get(mesh.topology.tp_mode, GPT_3D_PLAN)
+    return _PLANS[mesh.topology.tp_mode]
 
 
 def _multi_dimensional(mesh: Mesh) -> Objective:

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 __all__ = ["Beat", "Watchdog", "beat_interval", "read_beats", "write_beat"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +80,15 @@ def _state(pid: int) -> str:
 
 
 class Watchdog:
-    """A daemon thread that ends the job when a local rank makes no progress for ``timeout_s``."""
+    """A daemon thread that ends the job when a local rank makes no progress for ``timeout_s``;
+    ``report`` receives each line that says why (default: logged as errors)."""
 
-    def __init__(self, directory: Path, timeout_s: float) -> None:
+    def __init__(
+        self, directory: Path, timeout_s: float, report: Callable[[str], None] | None = None
+    ) -> None:
         self.directory = directory
         self.timeout_s = timeout_s
+        self.report = report if report is not None else log.error
         self.interval = beat_interval(timeout_s)
         self.fired: list[str] = []
         self._stop = threading.Event()
@@ -105,7 +112,7 @@ class Watchdog:
             if lines:
                 self.fired = lines
                 for line in lines:
-                    print(f"tessera: {line}", file=sys.stderr, flush=True)
+                    self.report(line)
                 return
 
     def check(self, beats: list[Beat], now: float) -> list[str]:
