@@ -21,9 +21,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from tessera.comm import Mesh, Topology, TPMode, all_gather
+from tessera.comm import Mesh, Topology, TPMode
 from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
 from tessera.tensor_parallel import parallelize, shard_specs
+from tessera.tensor_parallel.testing import Curve, assert_follows_serial, gather_by_specs, sgd_curve
 from tessera.tensor_parallel.two_p5_d import (
     GPT_2P5D_PLAN,
     GPT_2P5D_VOCAB_PLAN,
@@ -37,23 +38,12 @@ CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
 STEPS, LR, BATCH, TP = 4, 0.5, 8, 8
 
 
-def _serial() -> tuple[list[float], dict[str, Tensor], dict[str, Tensor]]:
-    model = GPT(CFG, seed=0)
+def _serial() -> Curve:
     idx, targets = make_batch(CFG, BATCH, seed=1)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model.loss(idx, targets)
-        torch.autograd.backward(loss)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return sgd_curve(GPT(CFG, seed=0), lambda m: m.loss(idx, targets), steps=STEPS, lr=LR)
 
 
-Out = tuple[list[float], dict[str, Tensor], dict[str, DepthShardSpec], dict[str, Tensor]]
+Out = tuple[Curve, dict[str, DepthShardSpec], dict[str, Tensor]]
 
 
 def _parallel(rank: int, how: str) -> Out:
@@ -66,51 +56,19 @@ def _parallel(rank: int, how: str) -> Out:
     else:
         model = parallelize_2p5d(GPT(CFG, seed=0), plan=GPT_2P5D_VOCAB_PLAN, mesh=mesh)
     idx, targets = make_batch(CFG, BATCH, seed=1)  # the global batch; loss_2p5d takes block k*q+i
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_2p5d(model, idx, targets, grid)
-        torch.autograd.backward(loss)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        losses.append(loss.item())
+    curve = sgd_curve(model, lambda m: loss_2p5d(m, idx, targets, grid), steps=STEPS, lr=LR)
     specs = {n: s for n, s in shard_specs(model).items() if isinstance(s, DepthShardSpec)}
-    tp = mesh.group("tp")
-    full = {
-        n: specs[n].unshard(all_gather(p.detach(), tp, specs[n].local_dim).chunk(TP, specs[n].local_dim))
-        for n, p in model.named_parameters()
-    }
-    return losses, grads, specs, full
+    return curve, specs, gather_by_specs(model, curve[2], mesh.group("tp"), TP)
 
 
 @pytest.mark.parametrize("how", ["parallelize_2p5d", "by-name", "vocab"])
 def test_gpt_2p5d_gradients_and_sgd_loss_curve_equal_serial(how: str) -> None:
-    serial_losses, serial_grads, serial_weights = _serial()
+    serial = _serial()
     out = run_threaded(TP, _parallel, how)
-    specs = out[0][2]
-    assert set(serial_grads) == set(out[0][1])
-    assert set(specs) == set(serial_grads)  # every parameter of the GPT is split over the grid
-    for name, want in serial_grads.items():
-        got = specs[name].unshard([grads[name] for _, grads, _, _ in out])
-        scale = max(want.abs().max().item(), 1e-2)
-        try:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
-        except AssertionError as error:
-            error.add_note(f"in the gradient of {name}")
-            raise
-        for rank, (_, grads, _, _) in enumerate(out):  # depth k holds depth 0's copy, bitwise
-            assert torch.equal(grads[name], out[rank % 4][1][name]), (name, rank)
-    for losses, _, _, weights in out:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(serial_losses), rtol=1e-5, atol=0.0)
-        for name, want in serial_weights.items():
-            try:
-                torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6)
-            except AssertionError as error:
-                error.add_note(f"in the weight {name} after {STEPS} SGD steps, gathered")
-                raise
-    assert serial_losses[-1] < serial_losses[0]  # the steps do train
+    assert_follows_serial(serial, [(curve, full) for curve, _, full in out], out[0][1])
+    for name in serial[1]:  # depth k holds depth 0's copy of every gradient, bitwise
+        for rank, (curve, _, _) in enumerate(out):
+            assert torch.equal(curve[1][name], out[rank % 4][0][1][name]), (name, rank)
 
 
 def _two_d_mesh(rank: int) -> None:
