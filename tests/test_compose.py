@@ -136,6 +136,13 @@ CASES = [
     (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2), 1, "adamw"),
     (ParallelConfig(pp=2, dp=2, microbatches=2, schedule="zbv", virtual_stages=2), 0, "sgd"),
     (ParallelConfig(pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, "sgd-groups"),
+    # ZeRO-2/3 with pipelining (one reduction per step; stage 3 gathers a stage once per step)
+    (ParallelConfig(dp=2, pp=2, microbatches=2, schedule="1f1b"), 2, "sgd"),
+    (ParallelConfig(dp=2, pp=2, microbatches=2, schedule="zb-h1"), 3, "adamw"),
+    (ParallelConfig(dp=2, pp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2), 3, "sgd"),
+    # ZeRO-2/3 with Megatron sequence parallelism (norm gradients summed over tp first)
+    (ParallelConfig(dp=2, tp=2, sequence_parallel=True, microbatches=2), 3, "sgd"),
+    (ParallelConfig(dp=2, tp=2, sequence_parallel=True, microbatches=2), 2, "adamw"),
     # context parallelism: ring (zigzag) and Ulysses, with dp, tp, pp and ZeRO over dp x sp
     (ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1), 0, "sgd"),
     (ParallelConfig(dp=2, sp=2, sp_mode="ulysses", microbatches=2), 1, "sgd"),
@@ -265,3 +272,28 @@ def test_resume_continues_the_exact_loss_curve(
     config = _config(parallel, zero)
     for straight, resumed in worker_pools(4).run(_resume, config, str(tmp_path / "ckpt"), timeout=180):
         assert resumed == straight  # bit for bit
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_pipeline_and_plain_dp_follow_one_rank(
+    worker_pools: PoolFactory, precision: str
+) -> None:
+    """fp16 / bf16 through a pipeline (pp2, 1F1B, ZeRO-1; fp16 scales the loss through every
+    stage's backward) and through plain data parallelism (dp2, stage 0) against one rank with
+    the same precision, microbatches and SGD. Bounds: losses rel 5e-3 and gradient norms rel
+    2e-2: both runs round to the same 8 (bf16) or 11 (fp16) significand bits, in another
+    order. The norms are reported unscaled: a stage whose backward missed the loss scale
+would report a norm 2^16 times too small (and step 2^16 times too little)."""
+
+    def run(parallel: ParallelConfig, zero: int) -> list[Run]:
+        c = _config(parallel, zero, "sgd")
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, precision=precision))
+        assert c.validate() == []
+        return worker_pools(c.world_size).run(_parallel, c, "sgd", timeout=180)
+
+    (alone,) = run(ParallelConfig(microbatches=2), 0)
+    pipeline, plain = ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), ParallelConfig(dp=2)
+    for parallel, zero in ((pipeline, 1), (plain, 0)):
+        for curve, _ in run(parallel, zero):
+            assert [loss for loss, _ in curve] == pytest.approx([loss for loss, _ in alone[0]], rel=5e-3)
+            assert [norm for _, norm in curve] == pytest.approx([norm for _, norm in alone[0]], rel=2e-2)

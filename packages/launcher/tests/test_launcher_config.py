@@ -91,12 +91,6 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
             "parallel.virtual_stages = 4 * 2",
         ),
         (["zero.stage=4"], "zero.stage=4 must be 0, 1, 2 or 3"),
-        (["parallel.pp=2", "zero.stage=2"], "zero.stage=2 with parallel.pp=2: ZeRO-2/3 reduce gradients"),
-        (["parallel.sequence_parallel=true", "zero.stage=3"], "zero.stage=3 with parallel.sequence_parallel"),
-        (
-            ["parallel.pp=2", "train.precision=fp16", "zero.stage=1"],
-            "train.precision=fp16 with parallel.pp=2",
-        ),
         (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
         (["parallel.sp=2", "parallel.sp_mode=tree"], "parallel.sp_mode='tree' is not one of ring, ulysses"),
         (["train.steps=ten"], "--set: train.steps='ten' is not a valid int"),

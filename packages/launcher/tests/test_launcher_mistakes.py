@@ -84,11 +84,6 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     ),
     "zero 4": (["run", "--set", "zero.stage=4", "job.py"], {}, ["zero.stage=4"]),
     "zero -1": (["run", "--set", "zero.stage=-1", "job.py"], {}, ["zero.stage", "got -1"]),
-    "zero2 pp": (
-        ["run", "--set", "zero.stage=2", "--set", "parallel.pp=2", "job.py"],
-        {},
-        ["zero.stage=2", "pp=2"],
-    ),
     "precision": (["run", "--set", "train.precision=fp8", "job.py"], {}, ["train.precision", "fp8"]),
     "optimizer": (["run", "--set", "optim.name=lamb", "job.py"], {}, ["optim.name", "lamb"]),
     "lr 0": (["run", "--set", "optim.lr=0", "job.py"], {}, ["optim.lr=0.0"]),

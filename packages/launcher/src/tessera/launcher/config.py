@@ -280,20 +280,6 @@ class Config:
         )
         need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
         need(
-            p.pp == 1 or self.zero.stage <= 1,
-            f"zero.stage={self.zero.stage} with parallel.pp={p.pp}: ZeRO-2/3 reduce gradients during each "
-            "backward, which a pipeline runs per microbatch; use zero.stage 0 or 1 with pipelining",
-        )
-        need(
-            not p.sequence_parallel or self.zero.stage <= 1,
-            f"zero.stage={self.zero.stage} with parallel.sequence_parallel: sequence-parallel norm gradients "
-            "must be summed over tp before ZeRO-2/3 reduce them; use zero.stage 0 or 1",
-        )
-        need(
-            self.train.precision != "fp16" or p.pp == 1,
-            f"train.precision=fp16 with parallel.pp={p.pp}: the pipeline does not scale the loss; use bf16",
-        )
-        need(
             self.train.precision in ("fp32", "bf16", "fp16"),
             f"train.precision={self.train.precision!r} is not one of fp32, bf16, fp16",
         )

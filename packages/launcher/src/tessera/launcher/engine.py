@@ -9,6 +9,7 @@ step are the `ZeroOptimizer`'s (stage 0 is plain data parallelism).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -104,15 +105,25 @@ class Engine:
         with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
         self.module.train()
         x, y = self._local_batch(inputs, targets)
-        if self.runtime is not None:
-            first, last = self._is_stage_owner(0), self._is_stage_owner(-1)
-            result = self.runtime.step(x if first else None, y if last else None, broadcast_loss=True)
-            assert result.loss is not None
-            local_loss = result.loss
-        else:
-            local_loss = self._accumulate(x, y)
-        if self.config.parallel.sequence_parallel:
-            sync_sequence_parallel_grads(self.module, self.tp)
+        sequence_parallel = self.config.parallel.sequence_parallel
+        # a pipeline runs many backwards in its schedule's order, and sequence-parallel norm
+        # gradients are summed over tp first: both reduce once, at the step, in every stage
+        one_reduction = self.runtime is not None or sequence_parallel
+        with self.zero.accumulating() if one_reduction else contextlib.nullcontext():
+            if self.runtime is not None:
+                first, last = self._is_stage_owner(0), self._is_stage_owner(-1)
+                result = self.runtime.step(
+                    x if first else None,
+                    y if last else None,
+                    broadcast_loss=True,
+                    loss_scale=self.zero.loss_scale,
+                )
+                assert result.loss is not None
+                local_loss = result.loss
+            else:
+                local_loss = self._accumulate(x, y)
+            if sequence_parallel:
+                sync_sequence_parallel_grads(self.module, self.tp)
         stepped = self.zero.step()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scheduler is not None:

@@ -140,6 +140,7 @@ class PipelineRuntime:
             )
         self.stages = dict(stages)
         self.loss_fn = loss_fn
+        self._seed = 1.0 / schedule.num_microbatches  # d(step loss)/d(microbatch loss), times the loss scale
         self.params: dict[int, list[Tensor]] = {
             s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()
         }
@@ -226,12 +227,19 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ step
     def step(
-        self, inputs: Tensor | None = None, targets: Tensor | None = None, *, broadcast_loss: bool = False
+        self,
+        inputs: Tensor | None = None,
+        targets: Tensor | None = None,
+        *,
+        broadcast_loss: bool = False,
+        loss_scale: float = 1.0,
     ) -> StepResult:
         """Run one forward/backward of the batch over the pipeline (collective over the group).
 
         ``inputs`` (batch first) is needed on the rank of stage 0, ``targets`` on the rank of
         the last stage; the batch must split into ``schedule.num_microbatches`` equal parts.
+        ``loss_scale``: backward starts from ``loss_scale * loss_i / m`` (fp16 loss scaling;
+        the losses reported stay unscaled).
         """
         if self._broken is not None:
             raise RuntimeError(
@@ -239,6 +247,7 @@ class PipelineRuntime:
                 "build a new process group (and runtime) before stepping again"
             )
         self.watch.step += 1
+        self._seed = loss_scale / self.schedule.num_microbatches
         started = time.perf_counter()
         try:
             self._split_batch(inputs, targets)
@@ -323,7 +332,7 @@ class PipelineRuntime:
             loss = self.loss_fn(y, self._mb_targets[mb])
             self._losses[mb] = loss.detach()
             self._outputs[(mb, s)] = loss
-            self._grads[(mb, s)] = torch.full_like(loss, 1.0 / self.schedule.num_microbatches)
+            self._grads[(mb, s)] = torch.full_like(loss, self._seed)
         else:
             self._outputs[(mb, s)] = y
             if s + 1 in self.stages:  # the next stage is local: hand over without p2p

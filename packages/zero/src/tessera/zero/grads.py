@@ -7,7 +7,8 @@ their final gradient for this backward, its reduce-scatter starts asynchronously
 its input or, on gloo, a copy of it): launching one more first finishes the oldest.
 ``finish_backward`` launches what is left (parameters that got no gradient count as zeros)
 and waits for all. Inside ``no_sync`` the hooks only count: gradients accumulate in
-``param.grad`` and nothing is communicated.
+``param.grad`` and nothing is communicated. While ``held`` (a pipeline's step, whose many backwards run
+in the schedule's order) the hooks do nothing at all, and the step reduces every FlatParam.
 
 Stage 1 does not overlap: ``reduce_all`` reduces every FlatParam when the optimizer steps.
 Stage 3 also frees a FlatParam's gathered parameters once its gradients are final.
@@ -71,6 +72,7 @@ class GradReducer:
         self.max_in_flight = max_in_flight
         self.overlap = overlap
         self.sync = True
+        self.held = False  # accumulating: hooks neither count nor free; step() reduces everything
         self._runner = runner
         self._on_final = on_final
         self._pending: list[FlatParam] = []
@@ -90,6 +92,8 @@ class GradReducer:
         self._runner.run(self._on_grad, param)
 
     def _on_grad(self, param: Tensor) -> None:
+        if self.held:
+            return
         flat = self._owner[id(param)]
         flat.ready_params += 1
         if flat.ready_params != len(flat.params):
@@ -114,7 +118,10 @@ class GradReducer:
 
     def finish_backward(self) -> None:
         """End of a backward: reduce what the hooks have not (when synchronising), wait for
-        everything, call ``on_final`` for the FlatParams that got no final gradient, and reset."""
+        everything, call ``on_final`` for the FlatParams that got no final gradient, and reset
+        (nothing while ``held``: the step reduces)."""
+        if self.held:
+            return
         for flat in self.flats:
             if self._on_final is not None and flat.ready_params != len(flat.params):
                 self._on_final(flat)

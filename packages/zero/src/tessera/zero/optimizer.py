@@ -180,6 +180,7 @@ class ZeroOptimizer:
         ]
         self._holder = nn.ParameterList(_unique([t for f in self.flats for t in (f.shard, f.master)]))
         self.last_grad_norm: float | None = None
+        self._accumulated = False  # gradients of an ``accumulating`` block wait for step()
         self.steps = 0
 
     # ------------------------------------------------------------------ properties
@@ -219,6 +220,30 @@ class ZeroOptimizer:
         finally:
             self._reducer.sync = previous
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Run any number of backwards, in any order, as one step's: a pipeline's microbatches
+        (whose split backwards a zero-bubble schedule interleaves across stages), or a caller
+        that must adjust the gradients before they are reduced (sequence-parallel norms summed
+        over tp). Stage 3 gathers every parameter once on entry and keeps it until ``step()``;
+        every stage lets the gradients accumulate in ``param.grad``, and ``step()`` then
+        reduces them once, as stage 1 does (stages 2-3 hold full gradients during the block).
+        """
+        self._runner.begin()
+        if self._gatherer is not None:
+            for flat in self.flats:
+                flat.wait_gathered()
+                flat.prepare_grads()
+            self._gatherer.held = True
+        self._reducer.held = True
+        self._accumulated = True
+        try:
+            yield
+        finally:
+            self._reducer.held = False
+            if self._gatherer is not None:
+                self._gatherer.held = False
+
     def step(self) -> bool:
         """Average the gradient shards over ranks, unscale, clip, step the optimizer on the
         masters and update the parameters; returns False when an overflow skipped the step.
@@ -228,10 +253,13 @@ class ZeroOptimizer:
         """
         if any(f.ready_params or f.launched for f in self.flats):
             self._finish_backward()  # backward ran without ZeroOptimizer.backward
-        if self.stage <= 1:
+        if self.stage <= 1 or self._accumulated:
             self._reducer.reduce_all()
+            if self._gatherer is not None:
+                self._gatherer.free_all()
         else:
             self._reducer.wait_all()
+        self._accumulated = False
         if self.config.offload:
             sync_device(self.device)
         grads = [f.master_grad() for f in self.flats]

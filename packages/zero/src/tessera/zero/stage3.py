@@ -50,6 +50,7 @@ class ParamGatherer:
     ) -> None:
         self.model = model
         self.prefetch = prefetch
+        self.held = False  # every parameter stays gathered (a pipeline step); nothing is freed
         self._runner = runner
         self._flats: dict[int, list[FlatParam]] = {id(m): fl for m, fl in units if fl}
         self._root_flats = self._flats.get(id(model), [])
@@ -84,11 +85,15 @@ class ParamGatherer:
             flat.gather_async()
 
     def _free(self, module: nn.Module) -> None:
+        if self.held:
+            return
         for flat in self._flats.get(id(module), []):
             flat.free()
 
     def free_all(self) -> None:
         """Free every gathered FlatParam (the end of a forward without grad, or of backward)."""
+        if self.held:
+            return
         for flat in self.all_flats():
             flat.free()
 
