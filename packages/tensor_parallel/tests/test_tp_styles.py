@@ -1,4 +1,5 @@
-"""Tier 0: typed styles. Shard specs invert (property-tested), ``parallelize`` records the spec
+"""Tier 0: typed styles. Shard specs invert (property-tested; the KV-head spec of grouped-query
+attention too, whose copies over more ranks than heads are equal), ``parallelize`` records the spec
 of every parameter it splits and each rank's parameters are exactly ``spec.shard`` of the
 serial ones, and a style registered from outside Tessera works in a plan."""
 
@@ -18,6 +19,7 @@ from tessera.comm.testing import GPT, GPTConfig, run_threaded
 from tessera.tensor_parallel import (
     GPT_PLAN,
     ApplyContext,
+    HeadShardSpec,
     PlanLike,
     Role,
     ShardSpec,
@@ -52,6 +54,37 @@ def test_unshard_inverts_shard(tp: int, sections: int, units: list[int], data: s
     index = torch.tensor(fused_shard_indices(shape[dim], sections, tp, tp - 1))
     last = shards[-1].t() if transposed else shards[-1]
     assert torch.equal(last, full.index_select(dim, index))
+
+
+@settings(max_examples=80)
+@given(
+    st.sampled_from([1, 2, 4, 8]),  # tp
+    st.sampled_from([1, 2, 4, 8]),  # KV heads
+    st.integers(1, 3),  # rows per head
+    st.integers(1, 3),  # columns
+    st.booleans(),  # transposed (HF Conv1D)
+)
+def test_head_spec_splits_or_replicates_whole_heads(
+    tp: int, heads: int, per: int, cols: int, t: bool
+) -> None:
+    full = torch.arange(heads * per * cols).reshape(heads * per, cols)
+    spec = HeadShardSpec(0, transposed=t, heads=heads)
+    shards = [spec.shard(full, r, tp) for r in range(tp)]
+    assert torch.equal(spec.unshard(shards), full)
+    rows = [s.t() if t else s for s in shards]
+    for r, part in enumerate(rows):
+        # rank r holds whole heads: the one its query heads read, or heads/tp of them
+        first = r * heads // tp if tp >= heads else r * (heads // tp)
+        count = max(1, heads // tp)
+        assert torch.equal(part, full[first * per : (first + count) * per])
+    assert spec.replicas(tp) == max(1, tp // heads)
+
+
+def test_head_spec_refuses_heads_that_neither_split_nor_replicate() -> None:
+    with pytest.raises(ValueError, match=r"3 blocks .* tp=2"):
+        HeadShardSpec(0, heads=3).shard(torch.zeros(6, 2), 0, 2)
+    with pytest.raises(ValueError, match="invalid"):
+        HeadShardSpec(0, 3, heads=2)
 
 
 def test_invalid_specs_are_refused() -> None:

@@ -4,7 +4,8 @@ Inside a script started by ``tessera run``, ``load_config()`` returns the config
 launcher resolved and validated; ``boost(model, optimizer, config)`` composes TP, PP and
 ZeRO / DP into an `Engine` that trains, evaluates, saves, loads and consolidates.
 
-``boost``, ``Engine``, ``StepOutput`` and ``Diverged`` are imported on first use (PEP 562),
+``boost``, ``Engine``, ``StepOutput``, ``Diverged`` and the model contract (``ModelSpec``,
+``model_spec``, ``register_model_spec``) are imported on first use (PEP 562),
 so that the launcher validates a configuration without importing torch.
 """
 
@@ -26,6 +27,7 @@ from tessera.launcher.config_io import ConfigError, load_config, resolve_config
 if TYPE_CHECKING:
     from tessera.launcher.boost import boost
     from tessera.launcher.engine import Diverged, Engine, StepOutput
+    from tessera.launcher.spec import ModelSpec, model_spec, register_model_spec
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [
     "Engine",
     "LoggingConfig",
     "ModelConfig",
+    "ModelSpec",
     "OptimConfig",
     "ParallelConfig",
     "StepOutput",
@@ -44,8 +47,10 @@ __all__ = [
     "ZeroConfig",
     "boost",
     "load_config",
+    "model_spec",
+    "register_model_spec",
     "resolve_config",
 ]
 
 if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as imported above
-    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "engine"))
+    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "engine", "spec"))

@@ -1,10 +1,12 @@
 """``boost(model, optimizer, config)``: apply TP and context parallelism, then PP, then ZeRO /
 DP, and return an Engine.
 
-The order matters: tensor parallelism (1D or 2D) replaces modules by their sharded twins (in
-place, keeping the serial weights' slices), context parallelism swaps the attention cores
-for ring or Ulysses attention, the pipeline partitioner then cuts the model's blocks
-``[embed, *layers, head]`` into this rank's stages, and the optimizer is rebuilt over the
+What boost needs to know about the model comes from its `ModelSpec` (registered for its
+class, or given). The order matters: the pipeline blocks are found (and checked against an
+example) on the serial model, tensor parallelism (1D, 2D, 2.5D, 3D) replaces modules by
+their sharded twins (in place, keeping the serial weights' slices), context parallelism
+swaps the attention cores for ring or Ulysses attention, the pipeline partitioner then cuts
+the blocks into this rank's stages, and the optimizer is rebuilt over the
 parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
 under context parallelism, whose ranks hold partial sums of one replica's gradient).
 """
@@ -18,13 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tessera.comm import Mesh
+from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.config import Config
 from tessera.launcher.engine import Engine
-from tessera.launcher.objective import default_plan, objective
+from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
+from tessera.launcher.spec import ModelSpec, check_blocks, model_spec, pipeline_blocks
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ZeroOptimizer
@@ -80,15 +84,18 @@ def boost(
     optimizer: torch.optim.Optimizer,
     config: Config,
     *,
+    spec: ModelSpec | None = None,
     plan: PlanLike | None = None,
+    example: Tensor | None = None,
     scheduler_fn: Any = None,
 ) -> Engine:
-    """Compose dp x pp x tp x sp x ZeRO for ``model`` (a reference-GPT-shaped model:
-    ``blocks()``, ``embed``/``layers``/``head``; under sp its attention cores are
-    ``layers.*.attn.core`` and its position embedding ``embed.pos``) per ``config``; collective
-    over the default process group. ``plan``: the tensor-parallel plan (default: the
-    reference GPT's for ``parallel.tp_mode``).
+    """Compose dp x pp x tp x sp x ZeRO for any ``model`` per ``config``; collective over the
+    default process group.
 
+    ``spec``: the model contract (`ModelSpec`: pipeline blocks, loss, output, tp plans);
+    default: the spec registered for the model's class, else one that fits a plain causal LM.
+    ``plan``: the tensor-parallel plan, overriding the spec's. ``example``: a batch of
+    inputs; with pipelining, the blocks are first checked to reproduce ``model(example)``.
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default).
     """
@@ -103,17 +110,34 @@ def boost(
     group_of = _groups_by_name(model, optimizer)
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
+    spec = spec if spec is not None else model_spec(model)
+    if pp > 1:  # checked on the serial model, before anything changes it
+        serial_blocks = pipeline_blocks(model, spec)
+        if example is not None:
+            check_blocks(model, serial_blocks, example, spec.output)
     if tp > 1:
         parallelize(
             model,
-            plan=plan if plan is not None else default_plan(mesh),
+            plan=plan if plan is not None else spec.plan(topology.tp_mode, model),
             mesh=mesh,
             sequence_parallel=p.sequence_parallel,
             seed=config.train.seed,
         )
     if sp > 1:
-        context_parallelize(model, mesh.group("sp"), mode=p.sp_mode, layout=p.sp_layout)
-    goal = objective(mesh, sp_layout=p.sp_layout)
+        if spec.attention_cores is None:
+            raise ValueError(
+                f"context parallelism (parallel.sp={sp}) needs the names of {type(model).__name__}'s "
+                "attention cores: pass ModelSpec(attention_cores=..., positions=...)"
+            )
+        context_parallelize(
+            model,
+            mesh.group("sp"),
+            mode=p.sp_mode,
+            layout=p.sp_layout,
+            cores=spec.attention_cores,
+            positions=spec.positions,
+        )
+    goal = objective(mesh, sp_layout=p.sp_layout, loss=spec.loss)
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
@@ -124,7 +148,7 @@ def boost(
 
     stage_to_rank: tuple[int, ...] = ()
     if pp > 1:
-        blocks = model.blocks()  # type: ignore[operator]
+        blocks = pipeline_blocks(model, spec)  # again: tensor parallelism replaced modules
         schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
         partition = partition_by_params(blocks, schedule=schedule)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
@@ -173,6 +197,7 @@ def boost(
         runtime=runtime,
         scheduler=scheduler,
         objective=goal,
+        output=spec.output,
         placement=placement,
         max_skipped_steps=config.train.max_skipped_steps,
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,7 @@ from tessera.launcher.generations import (
     resolve_generation,
 )
 from tessera.launcher.placement import Boosted
+from tessera.launcher.reshard import PORTABLE, load_portable_state, read_portable, write_portable
 
 __all__ = [
     "FORMAT",
@@ -60,6 +62,8 @@ __all__ = [
     "resolve_generation",
     "save_engine",
 ]
+
+log = logging.getLogger(__name__)
 
 _READ_ERRORS = (OSError, ValueError, KeyError, json.JSONDecodeError, safetensors.SafetensorError)
 
@@ -168,6 +172,7 @@ def save_engine(engine: Checkpointable, step: int, root: str | Path, *, keep_las
     together("uncommitting", uncommit, only_rank_0=True)
     engine.zero.save(_zero_dir(engine, gen))
     together("writing the rank file", write_rank_file)
+    together("writing the portable state", lambda: write_portable(engine, gen, step))
     files = _files(gen)
     together("hashing", hash_share)
     together("committing", lambda: _commit(engine, step, root, gen, files, keep_last), only_rank_0=True)
@@ -212,10 +217,6 @@ def _check(
     tensors and header (raises ValueError/OSError naming the file)."""
     gen = resolve_generation(path)
     manifest = read_manifest(gen)
-    mine = _layout(engine)
-    saved = {k: manifest.get(k) for k in mine}
-    if saved != mine:
-        raise ValueError(f"{gen} was saved with {saved}; this run has {mine}")
     changed = _differences(manifest["config"], _fingerprint(engine.config))
     if changed:
         raise ValueError(f"{gen} was saved under another configuration: {'; '.join(changed[:6])}")
@@ -236,18 +237,60 @@ def _check(
     return gen, manifest, safetensors.torch.load(data), header
 
 
+def _same_layout(engine: Checkpointable, manifest: dict[str, Any]) -> bool:
+    mine = _layout(engine)
+    return {k: manifest.get(k) for k in mine} == mine
+
+
+def _check_portable(
+    engine: Checkpointable, path: Path
+) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    """The checks of a generation saved under another topology: the configuration but its
+    parallel and zero sections, and the checksums of the portable parts every rank reads."""
+    gen = resolve_generation(path)
+    manifest = read_manifest(gen)
+    ignored = ("parallel", "zero")
+    saved = {k: v for k, v in manifest["config"].items() if k not in ignored}
+    mine = {k: v for k, v in _fingerprint(engine.config).items() if k not in ignored}
+    changed = _differences(saved, mine)
+    if changed:
+        raise ValueError(f"{gen} was saved under another configuration: {'; '.join(changed[:6])}")
+    for rel, digest in manifest["files"].items():
+        if rel.startswith(PORTABLE + "/") and _sha256(gen / rel) != digest:
+            raise ValueError(f"{gen / rel} does not match its checksum in {MANIFEST}")
+    state, header = read_portable(gen, int(manifest["topology"]["pp"]))
+    if header["step"] != manifest["step"]:
+        saved = manifest["step"]
+        raise ValueError(f"{gen / MANIFEST} says step {saved}, its portable state step {header['step']}")
+    with safetensors.safe_open(str(gen / "rank-00000.safetensors"), "pt") as f:
+        header["scheduler"] = json.loads(f.metadata()["tessera"])["scheduler"]
+    return gen, manifest, state, header
+
+
 def load_engine(engine: Checkpointable, path: str | Path) -> tuple[int, Path]:
-    """Restore the newest committed generation under ``path`` (or the generation ``path``) at
-    the same topology; returns its step and directory. Collective over every rank; every rank
-    raises if any rank's check fails, before any other collective."""
+    """Restore the newest committed generation under ``path`` (or the generation ``path``);
+    returns its step and directory. Saved under this topology and ZeRO stage, every rank reads
+    its own files (and its RNG state); under another, the portable state (``reshard``).
+    Collective over every rank; every rank raises if any rank's check fails, before any other
+    collective."""
     path = Path(path)
     device = engine.mesh.device
     error: BaseException | None = None
+    same = True
     try:
-        gen, manifest, tensors, header = _check(engine, path)
+        same = _same_layout(engine, read_manifest(resolve_generation(path)))
+        gen, manifest, tensors, header = _check(engine, path) if same else _check_portable(engine, path)
     except _READ_ERRORS as e:
         error = e
     raise_together(error, None, f"reading the checkpoint {path}", device)
+    if not same:
+        load_portable_state(engine, tensors, header)
+        if engine.scheduler is not None and header["scheduler"] is not None:
+            engine.scheduler.load_state_dict(header["scheduler"])
+        topology = engine.mesh.topology.describe()
+        log.info("loaded %s saved under %s into %s", gen, manifest["topology"], topology)
+        raise_together(None, None, "loading", device)
+        return int(manifest["step"]), gen
     module = {k.removeprefix("module."): v for k, v in tensors.items() if k.startswith("module.")}
     engine.module.load_state_dict(module, strict=engine.zero.stage != 3)
     torch.set_rng_state(tensors["rng.cpu"])

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -26,11 +27,15 @@ from tessera.launcher.config import Config
 from tessera.launcher.consolidate import consolidate, local_full_parameters
 from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
+from tessera.launcher.reshard import import_weights
+from tessera.launcher.spec import logits_of
 from tessera.pipeline import PipelineRuntime, forward_loss
 from tessera.tensor_parallel import sync_sequence_parallel_grads
 from tessera.zero import ZeroOptimizer
 
-__all__ = ["Diverged", "Engine", "StepOutput"]
+__all__ = ["Diverged", "Engine", "Inputs", "StepOutput"]
+
+Inputs: TypeAlias = Tensor | Mapping[str, Tensor]  # one tensor, or the model's keyword inputs
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Engine:
         scheduler: Any,
         objective: Objective,
         placement: Placement,
+        output: Callable[[Any], Tensor] = logits_of,
         max_skipped_steps: int = 20,
     ) -> None:
         self.config = config
@@ -72,6 +78,7 @@ class Engine:
         self.runtime = runtime
         self.scheduler = scheduler
         self.objective = objective
+        self.output = output
         self.placement = placement
         self.step = 0
         self.max_skipped_steps = max_skipped_steps
@@ -84,23 +91,35 @@ class Engine:
         return self.zero.optimizer
 
     # ------------------------------------------------------------------ training
-    def _local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's part of the global batch: its dp rows, then its tp-mode / sp share."""
+    def _local_batch(self, inputs: Inputs, targets: Tensor) -> tuple[Inputs, Tensor]:
+        """This rank's part of the global batch: its dp rows, then its tp-mode / sp share.
+        Keyword inputs (a mapping such as ``{"input_ids": ..., "attention_mask": ...}``) are
+        split by rows only, so they need a mode whose ranks see whole rows (1D tp, no sp, no
+        pp)."""
         dp = self.mesh.size("dp")
-        if inputs.shape[0] % dp:
-            raise ValueError(f"batch of {inputs.shape[0]} rows does not split over dp={dp}")
-        rows = inputs.shape[0] // dp
+        if targets.shape[0] % dp:
+            raise ValueError(f"batch of {targets.shape[0]} rows does not split over dp={dp}")
+        rows = targets.shape[0] // dp
         start = self.mesh.coordinate("dp") * rows
-        x, y = (t[start : start + rows].to(self.mesh.device) for t in (inputs, targets))
-        return self.objective.shard(x, y)
+        y = targets[start : start + rows].to(self.mesh.device)
+        if isinstance(inputs, Tensor):
+            return self.objective.shard(inputs[start : start + rows].to(self.mesh.device), y)
+        topology = self.mesh.topology
+        if self.runtime is not None or topology.sp > 1 or topology.tp_mode.value != "1d":
+            raise ValueError(
+                f"keyword inputs ({', '.join(inputs)}) with {topology.describe()}: only whole-row modes "
+                "take them (1D tp, dp, ZeRO); pass one tensor of inputs"
+            )
+        return {k: v[start : start + rows].to(self.mesh.device) for k, v in inputs.items()}, y
 
-    def _forward_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        return self.objective.loss(self.module(inputs), targets)
+    def _forward_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
+        out = self.module(**inputs) if isinstance(inputs, Mapping) else self.module(inputs)
+        return self.objective.loss(self.output(out), targets)
 
     def _is_stage_owner(self, stage: int) -> bool:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
 
-    def train_step(self, inputs: Tensor, targets: Tensor) -> StepOutput:
+    def train_step(self, inputs: Inputs, targets: Tensor) -> StepOutput:
         """One optimizer step on the global batch ``(inputs, targets)``; collective. A step
         with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
         self.module.train()
@@ -111,6 +130,7 @@ class Engine:
         one_reduction = self.runtime is not None or sequence_parallel
         with self.zero.accumulating() if one_reduction else contextlib.nullcontext():
             if self.runtime is not None:
+                assert isinstance(x, Tensor)  # _local_batch refuses keyword inputs with pp
                 first, last = self._is_stage_owner(0), self._is_stage_owner(-1)
                 result = self.runtime.step(
                     x if first else None,
@@ -160,13 +180,18 @@ class Engine:
                 "are those of the last finite step"
             )
 
-    def _accumulate(self, x: Tensor, y: Tensor) -> float:
+    def _accumulate(self, x: Inputs, y: Tensor) -> float:
         """Forward and backward of ``parallel.microbatches`` microbatches; their mean loss."""
         m = self.config.parallel.microbatches
-        if x.shape[0] % m:
-            raise ValueError(f"{x.shape[0]} rows per data-parallel rank do not split into {m} microbatches")
+        if y.shape[0] % m:
+            raise ValueError(f"{y.shape[0]} rows per data-parallel rank do not split into {m} microbatches")
+        if isinstance(x, Tensor):
+            xs: list[Inputs] = list(x.chunk(m))
+        else:
+            columns = zip(*(v.chunk(m) for v in x.values()), strict=True)
+            xs = [dict(zip(x, parts, strict=True)) for parts in columns]
         total = 0.0
-        for i, (xb, yb) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+        for i, (xb, yb) in enumerate(zip(xs, y.chunk(m), strict=True)):
             loss = self._forward_loss(xb, yb)
             total += float(loss.detach())
             if i < m - 1:
@@ -202,13 +227,25 @@ class Engine:
         over tp and dp; with pp > 1 each pipeline rank gets only its stages' parameters)."""
         return local_full_parameters(self)
 
+    def import_weights(self, path: str | Path) -> None:
+        """Load the serial model's weights from one safetensors file by parameter name (what
+        ``consolidate`` writes; for the Hugging Face plans, HF names) into every rank's shards,
+        under any topology; the optimizer state starts fresh. Collective (every rank agrees
+        the file is valid before any changes)."""
+        error = None
+        try:
+            import_weights(self, Path(path))
+        except (OSError, ValueError, KeyError) as e:
+            error = e
+        raise_together(error, None, f"importing {path}", self.mesh.device)
+
     def consolidate(self, path: str | Path) -> dict[str, Tensor] | None:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""
         return consolidate(self, path)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def eval_loss(self, inputs: Tensor, targets: Tensor) -> float:
+    def eval_loss(self, inputs: Inputs, targets: Tensor) -> float:
         """The mean loss on the global batch, without updating anything; collective."""
         self.module.eval()
         x, y = self._local_batch(inputs, targets)
@@ -218,6 +255,7 @@ class Engine:
             else:
                 stages, owners, device = self.runtime.stages, self.placement.stage_to_rank, self.mesh.device
                 loss = self.objective.loss
+                assert isinstance(x, Tensor)
                 local = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
         out = all_reduce(torch.tensor([local], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
         return float(out[0])

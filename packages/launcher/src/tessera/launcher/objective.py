@@ -23,14 +23,9 @@ from torch import Tensor
 
 from tessera.comm import Mesh, TPMode, reduce_from_region
 from tessera.tensor_parallel import (
-    GPT_2D_PLAN,
-    GPT_2P5D_PLAN,
-    GPT_3D_PLAN,
-    GPT_PLAN,
     Cube3D,
     Grid2D,
     Grid2p5D,
-    Plan,
     batch_block,
     batch_block_2p5d,
     cross_entropy_2d,
@@ -41,7 +36,7 @@ from tessera.tensor_parallel import (
 )
 from tessera.tensor_parallel.three_d import batch_block as batch_block_3d
 
-__all__ = ["Objective", "default_plan", "objective"]
+__all__ = ["Loss", "Objective", "objective"]
 
 Loss = Callable[[Tensor, Tensor], Tensor]
 
@@ -53,19 +48,6 @@ class Objective:
 
     shard: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
     loss: Loss
-
-
-_PLANS = {
-    TPMode.ONE_D: GPT_PLAN,
-    TPMode.TWO_D: GPT_2D_PLAN,
-    TPMode.TWO_P5_D: GPT_2P5D_PLAN,
-    TPMode.THREE_D: GPT_3D_PLAN,
-}
-
-
-def default_plan(mesh: Mesh) -> Plan:
-    """The reference GPT's plan for the mesh's tensor-parallel mode."""
-    return _PLANS[mesh.topology.tp_mode]
 
 
 def _multi_dimensional(mesh: Mesh) -> Objective:
@@ -90,17 +72,27 @@ def _multi_dimensional(mesh: Mesh) -> Objective:
     )
 
 
-def objective(mesh: Mesh, *, sp_layout: str = "contiguous") -> Objective:
-    """The data split and the loss for ``mesh``'s degrees (see the module docstring)."""
+def objective(mesh: Mesh, *, sp_layout: str = "contiguous", loss: Loss | None = None) -> Objective:
+    """The data split and the loss for ``mesh``'s degrees (see the module docstring).
+    ``loss(output, targets)``: the user's mean loss over a rank's tokens, in place of the
+    cross-entropy (1D tensor parallelism: the outputs are what the user's plan leaves, so
+    vocab-split logits need a loss that knows it)."""
     if mesh.topology.tp_mode is not TPMode.ONE_D:
+        mode = mesh.topology.tp_mode
         if mesh.size("sp") > 1:
-            mode = mesh.topology.tp_mode
             raise ValueError(f"{mode} tensor parallelism with context parallelism is not built")
+        if loss is not None:
+            raise ValueError(
+                f"a custom loss with {mode} tensor parallelism: the logits are split over the grid and "
+                "only its exact cross-entropy is built; use tp_mode 1d or the default loss"
+            )
         return _multi_dimensional(mesh)
     tp_group, sp, sp_group = mesh.group("tp"), mesh.size("sp"), mesh.group("sp")
 
-    def one_d(logits: Tensor, targets: Tensor) -> Tensor:
+    def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
+
+    one_d = loss if loss is not None else cross_entropy
 
     if sp == 1:
         return Objective(lambda x, y: (x, y), one_d)

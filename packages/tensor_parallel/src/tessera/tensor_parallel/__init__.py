@@ -6,8 +6,9 @@ parallelism over the ``sp`` axis: ring and Ulysses attention, zigzag layout (``c
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG
 streams, and ``parallelize(model, plan=..., mesh=...)`` to convert an ordinary model by a
-declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN`` for HF GPT-2) whose
-styles are typed objects in a registry (``register_style`` adds one).
+declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN`` and ``LLAMA_PLAN`` for HF
+GPT-2 and Llama) whose styles are typed objects in a registry (``register_style`` adds one);
+attention heads split by ``heads`` (grouped-query attention: KV heads split or replicated).
 
 Exports the public API only; the pieces the layers are built from (shard arithmetic in
 ``partition``, plan matching in ``plan``, the sequence-region ops in ``sequence``, the
@@ -25,13 +26,14 @@ from tessera.tensor_parallel.context import (
     ulysses_attention,
 )
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
+from tessera.tensor_parallel.heads import HeadLayout, HeadShardSpec, head_layout
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.parallelize import parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
-from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, parallel_gpt_loss
+from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN, parallel_gpt_loss
 from tessera.tensor_parallel.rng import DropoutRNG, ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import (
     is_sequence_parallel,
@@ -42,6 +44,7 @@ from tessera.tensor_parallel.sequence import (
 from tessera.tensor_parallel.style import (
     ApplyContext,
     BaseStyle,
+    RefinesInner,
     Role,
     TPStyle,
     register_style,
@@ -104,6 +107,7 @@ __all__ = [
     "GPT_3D_PLAN",
     "GPT_3D_VOCAB_PLAN",
     "GPT_PLAN",
+    "LLAMA_PLAN",
     "ApplyContext",
     "Assignment",
     "BaseStyle",
@@ -119,6 +123,8 @@ __all__ = [
     "Grid2D",
     "Grid2p5D",
     "GridShardSpec",
+    "HeadLayout",
+    "HeadShardSpec",
     "LayerNorm2D",
     "LayerNorm2p5D",
     "LayerNorm3D",
@@ -131,6 +137,7 @@ __all__ = [
     "Plan",
     "PlanLike",
     "RNGRegion",
+    "RefinesInner",
     "Role",
     "RowParallelLinear",
     "ShardSpec",
@@ -149,6 +156,7 @@ __all__ = [
     "cross_entropy_2d",
     "cross_entropy_2p5d",
     "cross_entropy_3d",
+    "head_layout",
     "is_sequence_parallel",
     "loss_2d",
     "loss_2p5d",

@@ -10,21 +10,27 @@ For ``y = x W^T + b`` with ``W`` of shape (out, in):
   sequence), then adds ``b``.
 
 A column layer followed by a row layer (attention's q/k/v then output projection, the MLP)
-needs one entry and one exit: no communication between them.
+needs one entry and one exit: no communication between them. A column layer over ``blocks``
+whole blocks (grouped-query attention's K/V heads) fewer than the ranks holds one block that
+``tp / blocks`` ranks share; the gradients of those copies are summed in backward.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 
-from tessera.comm import Group, gather_along, group_rank, group_size, split_along
+from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, split_along
+from tessera.tensor_parallel.heads import block_shard_range
 from tessera.tensor_parallel.init import linear_weights
 from tessera.tensor_parallel.partition import fused_shard_indices, shard_range
 from tessera.tensor_parallel.sequence import enter_tp_region, exit_tp_region, mark_sequence_parallel
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "dense_weights", "is_dense"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "dense_weights", "is_dense", "sum_copy_grads"]
 
 
 def is_dense(module: nn.Module) -> bool:
@@ -44,6 +50,29 @@ def dense_weights(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     raise TypeError(f"expected nn.Linear or Conv1D, got {type(module).__name__}")
 
 
+class _SumCopies(torch.autograd.Function):
+    """Identity forward; backward, the gradient summed over the ranks holding the same block
+    (one all-reduce over the group of a ``(blocks, *shape)`` buffer, each rank's gradient in
+    its block's slot, zeros elsewhere: exact, and every copy gets the same sum)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
+        ctx.group, ctx.block, ctx.blocks = group, block, blocks  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        buf = grad.new_zeros((ctx.blocks, *grad.shape))
+        buf[ctx.block] = grad
+        return all_reduce(buf, ctx.group)[ctx.block], None, None, None
+
+
+def sum_copy_grads(x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
+    """``x`` unchanged; in backward its gradient is summed over the ranks of ``group`` that
+    pass the same ``block`` of ``blocks`` (all-reduces ``blocks`` times the gradient's bytes)."""
+    return cast(Tensor, _SumCopies.apply(x, group, block, blocks))  # type: ignore[no-untyped-call]
+
+
 def _param(t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
     return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous())
 
@@ -57,6 +86,11 @@ class ColumnParallelLinear(nn.Module):
     reduce-scatter) of the input gradient. With ``gather_output`` the output slices are
     all-gathered along the last dim (backward keeps this rank's slice). ``sections`` > 1
     treats the output as that many equal fused parts (q, k, v) and shards each part.
+    ``blocks`` treats the output as that many indivisible blocks (grouped-query attention's
+    KV heads): with ``tp`` dividing ``blocks`` each rank holds ``blocks/tp`` of them; with
+    ``blocks`` dividing ``tp`` each holds block ``rank*blocks//tp``, the ``tp/blocks`` ranks holding
+    the same block sum their weight and bias gradients in backward (one all-reduce of ``blocks``
+    times the local gradient over the group), so the copies stay equal.
     ``seed`` initialises the slice of ``torch.manual_seed(seed); nn.Linear(in, out)``;
     ``seed=None`` leaves the weights uninitialised (to be loaded).
     """
@@ -73,18 +107,30 @@ class ColumnParallelLinear(nn.Module):
         seq_dim: int = -2,
         enter_region: bool = True,
         sections: int = 1,
+        blocks: int | None = None,
         seed: int | None = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        n = group_size(group)
+        n, rank = group_size(group), group_rank(group)
         where = type(self).__name__
         if sections > 1 and gather_output:
             raise ValueError(f"{where}: gather_output with sections={sections} would interleave the parts")
-        self._index = fused_shard_indices(
-            out_features, sections, n, group_rank(group), what="out_features", where=where
-        )
+        self.blocks, self.copies = blocks, 1 if blocks is None else max(1, n // blocks)
+        if blocks is None:
+            self._index = fused_shard_indices(
+                out_features, sections, n, rank, what="out_features", where=where
+            )
+        else:
+            if sections > 1 or (gather_output and self.copies > 1):
+                raise ValueError(
+                    f"{where}: blocks={blocks} over tp={n} with sections={sections}, "
+                    f"gather_output={gather_output} is not supported"
+                )
+            start, end = block_shard_range(out_features, blocks, n, rank, where=where)
+            self._index = list(range(start, end))
+            self._block = rank * blocks // n
         self.in_features, self.out_features, self.sections = in_features, out_features, sections
         self.group, self.tp = group, n
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -125,6 +171,7 @@ class ColumnParallelLinear(nn.Module):
         seq_dim: int = -2,
         enter_region: bool = True,
         sections: int = 1,
+        blocks: int | None = None,
     ) -> ColumnParallelLinear:
         """This rank's slice of an nn.Linear (or HF Conv1D), on its device and in its dtype."""
         weight, bias = dense_weights(module)
@@ -138,6 +185,7 @@ class ColumnParallelLinear(nn.Module):
             seq_dim=seq_dim,
             enter_region=enter_region,
             sections=sections,
+            blocks=blocks,
             seed=None,
             dtype=weight.dtype,
             device=weight.device,
@@ -148,7 +196,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
-        y = F.linear(x, self.weight, self.bias)
+        weight: Tensor = self.weight
+        bias: Tensor | None = self.bias
+        if self.copies > 1:
+            assert self.blocks is not None
+            weight = sum_copy_grads(weight, self.group, self._block, self.blocks)
+            bias = None if bias is None else sum_copy_grads(bias, self.group, self._block, self.blocks)
+        y = F.linear(x, weight, bias)
         if self.gather_output:
             y = gather_along(y, -1, self.group)
         return y
@@ -159,6 +213,7 @@ class ColumnParallelLinear(nn.Module):
             f"tp={self.tp}, bias={self.bias is not None}, gather_output={self.gather_output}, "
             f"sequence_parallel={self.sequence_parallel}, enter_region={self.enter_region}"
             + (f", sections={self.sections}" if self.sections > 1 else "")
+            + (f", blocks={self.blocks} ({self.copies} copies)" if self.blocks is not None else "")
         )
 
 

@@ -6,8 +6,10 @@ components may use shell wildcards, one component each: ``layers.*.attn.q_proj``
 and a model into a list of assignments and checks everything that can be checked without
 communicating: every pattern matches a module, no module gets two styles, each style fits
 its module (the style's ``check``: type, and every split size divides by tp), and regions
-hold layers that enter and exit the tp region. Each failure is a ValueError naming the
-module and the numbers. Styles are typed objects (``style``); plans name them.
+hold layers that enter and exit the tp region. A region style that ``RefinesInner`` may
+replace the styles inside it (attention under grouped-query attention splits its K/V
+projections by whole KV heads). Each failure is a ValueError naming the module and the
+numbers. Styles are typed objects (``style``); plans name them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tessera.tensor_parallel.style import Role, TPStyle, style_named
+from tessera.tensor_parallel.style import RefinesInner, Role, TPStyle, style_named
 from tessera.tensor_parallel.styles import HEAD_ATTRIBUTES, Style, attention_heads
 
 __all__ = [
@@ -130,6 +132,10 @@ def resolve_plan(
             continue
         style, pattern = chosen[name]
         style.check(modules[name], name=name, tp=tp)
+        if style.role is Role.REGION and isinstance(style, RefinesInner):  # e.g. attention's K/V under GQA
+            nested = {n[len(name) + 1 :]: (modules[n], chosen[n][0]) for n in chosen if _is_within(n, name)}
+            for child, refined in style.refine_inner(modules[name], nested, name=name, tp=tp).items():
+                chosen[f"{name}.{child}"] = (refined, chosen[f"{name}.{child}"][1])
         outer = [r for r in regions if _is_within(name, r)]
         if style.role is Role.REGION and outer:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2.
+"""Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2 and Llama.
 
 ``GPT_PLAN`` (the reference GPT of ``tessera.comm.testing``, with or without sequence
 parallelism): vocab-parallel token embedding; with SP the positional embedding keeps this
@@ -11,6 +11,15 @@ transformers): the same layout for HF's fused ``c_attn`` (q|k|v) and ``Conv1D`` 
 LM head tied to the token embedding (the tie is kept). Tensor parallelism only: HF builds
 position ids, masks and output shapes from the sequence length it sees, so it cannot run on
 sequence-sharded activations.
+
+``LLAMA_PLAN`` (``transformers.LlamaForCausalLM``, and models with its module names: Mistral,
+Qwen2/3 with ``attention_bias``): vocab-parallel ``embed_tokens``; attention a region with
+column-parallel q/k/v_proj and row-parallel o_proj, its query heads split and its KV heads
+split or, when fewer than tp, replicated (grouped-query and multi-query attention; see
+``heads``); the SwiGLU MLP a region with column-parallel gate/up_proj and row-parallel
+down_proj; RMSNorms replicated; ``lm_head`` column-parallel, its vocab-sharded logits for
+``vocab_parallel_cross_entropy`` (pass no ``labels`` to the model). Tensor parallelism only,
+as for GPT-2 (positions and masks come from the sequence length HF sees).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from tessera.comm import Group
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.plan import Plan, Style
 
-__all__ = ["GPT2_PLAN", "GPT_PLAN", "parallel_gpt_loss"]
+__all__ = ["GPT2_PLAN", "GPT_PLAN", "LLAMA_PLAN", "parallel_gpt_loss"]
 
 GPT_PLAN = Plan.of(
     {
@@ -65,6 +74,27 @@ GPT2_PLAN = Plan.of(
         "lm_head": Style.COLWISE,
     },
     name="hf-gpt2",
+    supports_sequence_parallel=False,
+)
+
+LLAMA_PLAN = Plan.of(
+    {
+        "model.embed_tokens": Style.VOCAB,
+        "model.layers.*.input_layernorm": Style.SEQUENCE_NORM,
+        "model.layers.*.self_attn": Style.ATTENTION,
+        "model.layers.*.self_attn.q_proj": Style.COLWISE,
+        "model.layers.*.self_attn.k_proj": Style.COLWISE,
+        "model.layers.*.self_attn.v_proj": Style.COLWISE,
+        "model.layers.*.self_attn.o_proj": Style.ROWWISE,
+        "model.layers.*.post_attention_layernorm": Style.SEQUENCE_NORM,
+        "model.layers.*.mlp": Style.REGION,
+        "model.layers.*.mlp.gate_proj": Style.COLWISE,
+        "model.layers.*.mlp.up_proj": Style.COLWISE,
+        "model.layers.*.mlp.down_proj": Style.ROWWISE,
+        "model.norm": Style.SEQUENCE_NORM,
+        "lm_head": Style.COLWISE,
+    },
+    name="hf-llama",
     supports_sequence_parallel=False,
 )
 

@@ -13,6 +13,7 @@ shards nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -26,6 +27,7 @@ from tessera.tensor_parallel.rng import DropoutRNG
 __all__ = [
     "ApplyContext",
     "BaseStyle",
+    "RefinesInner",
     "Role",
     "TPStyle",
     "register_style",
@@ -71,6 +73,19 @@ class TPStyle(Protocol):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None: ...
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None: ...
     def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None: ...
+
+
+@runtime_checkable
+class RefinesInner(Protocol):
+    """Optional, for REGION-role styles: given the region's module and the modules and styles
+    the plan gives inside it (by name relative to the region), return styles that replace some
+    of them (the ``attention`` style makes its K/V projections split by whole KV heads under
+    grouped-query attention). Pure; ``resolve_plan`` calls it after the region's ``check`` and
+    before the inner modules' checks."""
+
+    def refine_inner(
+        self, module: nn.Module, inner: Mapping[str, tuple[nn.Module, TPStyle]], *, name: str, tp: int
+    ) -> dict[str, TPStyle]: ...
 
 
 @dataclass(frozen=True, slots=True)

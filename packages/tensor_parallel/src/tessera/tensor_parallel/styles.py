@@ -5,21 +5,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from torch import Tensor, nn
 
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
+from tessera.tensor_parallel.heads import (
+    GROUP_ATTRIBUTES,
+    HEAD_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    HeadLayout,
+    HeadShardSpec,
+    head_layout,
+)
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec, check_divisible
 from tessera.tensor_parallel.rng import ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import enter_tp_region, mark_sequence_parallel, scatter_to_sequence
-from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, register_style
+from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, register_style
 
 __all__ = [
     "HEAD_ATTRIBUTES",
+    "INPUT_KEYWORDS",
     "PER_RANK_ATTRIBUTES",
     "Colwise",
     "DropoutStyle",
@@ -30,26 +39,18 @@ __all__ = [
     "Style",
     "Vocab",
     "attention_heads",
+    "module_input",
 ]
 
-HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "n_head")
-# int attributes of an ATTENTION module that count heads or per-rank widths; divided by tp so
-# code that reads them (e.g. HF GPT-2's split of its fused q|k|v by ``split_size``) sees its share.
+# int attributes of an ATTENTION module that count query heads or per-rank widths; divided by tp
+# so code that reads them (e.g. HF GPT-2's split of its fused q|k|v by ``split_size``) sees its share.
 PER_RANK_ATTRIBUTES = (*HEAD_ATTRIBUTES, "split_size", "all_head_size")
 
 
 def attention_heads(module: nn.Module) -> int | None:
-    """The head count of an attention module: an int attribute ``num_heads`` (or ``n_heads``,
-    ``num_attention_heads``, ``n_head``), else the width of ``q_proj`` over ``head_dim``."""
-    for attr in HEAD_ATTRIBUTES:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    head_dim = getattr(module, "head_dim", None)
-    q = getattr(module, "q_proj", None)
-    if isinstance(head_dim, int) and isinstance(q, nn.Module) and is_dense(q):
-        return int(dense_weights(q)[0].shape[0]) // head_dim
-    return None
+    """The query head count of an attention module (``head_layout``), None if it does not say."""
+    layout = head_layout(module)
+    return None if layout is None else layout.heads
 
 
 def _kind(module: nn.Module) -> str:
@@ -70,16 +71,27 @@ def _is_conv(module: nn.Module) -> bool:
 @dataclass(frozen=True, slots=True)
 class Colwise(BaseStyle):
     """Linear / Conv1D -> ColumnParallelLinear (output features split; ``sections`` fused parts
-    each split; ``gather`` all-gathers the output)."""
+    each split; ``gather`` all-gathers the output; ``heads``: the output is that many whole KV
+    heads, split or replicated over tp as ``heads.HeadLayout`` says: the ``attention`` style
+    gives its K/V projections this refinement under grouped-query attention)."""
 
     role: Role = Role.ENTER
     gather: bool = False
     sections: int = 1
+    heads: int | None = None
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         out_f, _ = _check_dense(module, where)
-        if self.sections > 1:
+        if self.heads is not None:
+            check_divisible(out_f, self.heads, what=f"out_features (in {self.heads} KV heads)", where=where)
+            if self.heads % tp and tp % self.heads:
+                raise ValueError(f"{where}: kv_heads={self.heads} neither divides by nor divides tp={tp}")
+            if self.sections > 1 or (self.gather and tp > self.heads):
+                raise ValueError(
+                    f"{where}: KV heads with fused sections or a gathered output are not supported"
+                )
+        elif self.sections > 1:
             check_divisible(out_f, self.sections, what="out_features (fused q, k, v)", where=where)
             check_divisible(out_f // self.sections, tp, what=f"out_features/{self.sections}", where=where)
         else:
@@ -94,10 +106,13 @@ class Colwise(BaseStyle):
             seq_dim=ctx.seq_dim,
             enter_region=ctx.enter_region,
             sections=self.sections,
+            blocks=self.heads,
         )
 
     def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
         conv = _is_conv(module) and param == "weight"
+        if self.heads is not None:
+            return HeadShardSpec(1 if conv else 0, transposed=conv, heads=self.heads)
         return ShardSpec(1 if conv else 0, self.sections, transposed=conv)
 
 
@@ -205,11 +220,24 @@ class SequenceSplit(BaseStyle):
 
 @dataclass(frozen=True, slots=True)
 class RegionStyle(BaseStyle):
-    """The module's first input enters the tp region once (f, or the SP all-gather); with
-    ``attention`` also its heads are split and its forward runs under the split dropout stream."""
+    """The module's input (``module_input``) enters the tp region once (f, or the SP
+    all-gather); with ``attention`` also its heads are split (``heads.HeadLayout``: query heads
+    split, KV heads split or replicated), its head-count attributes set to this rank's, and
+    its forward run under the split dropout stream."""
 
     role: Role = Role.REGION
     attention: bool = False
+
+    def layout(self, module: nn.Module, *, name: str) -> HeadLayout:
+        """The attention module's heads; ValueError when it does not say."""
+        layout = head_layout(module, where=f"{name} ({self.name})")
+        if layout is None:
+            raise ValueError(
+                f"{name} ({self.name}): cannot tell the head count of {_kind(module)}: give it an int "
+                f"attribute {' / '.join(HEAD_ATTRIBUTES)}, a config.num_attention_heads, "
+                "or head_dim and a q_proj"
+            )
+        return layout
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
@@ -217,44 +245,100 @@ class RegionStyle(BaseStyle):
             raise ValueError(f"{where}: expected a sublayer holding parallel layers, got {_kind(module)}")
         if not self.attention:
             return
-        heads = attention_heads(module)
-        if heads is None:
-            raise ValueError(
-                f"{where}: cannot tell the head count of {_kind(module)}: give it an int attribute "
-                f"{' / '.join(HEAD_ATTRIBUTES)}, or head_dim and a q_proj"
-            )
-        check_divisible(heads, tp, what="heads", where=where)
-        for attr, value in _per_rank_attributes(module):
+        self.layout(module, name=name).check(tp, where=where)
+        for attr, value in _ints(module, PER_RANK_ATTRIBUTES):
             check_divisible(value, tp, what=attr, where=where)
+
+    def refine_inner(
+        self, module: nn.Module, inner: Mapping[str, tuple[nn.Module, TPStyle]], *, name: str, tp: int
+    ) -> dict[str, TPStyle]:
+        """Under grouped-query attention, the colwise layers inside whose width is the KV heads'
+        (the K and V projections) split by whole KV heads, replicated when fewer than tp."""
+        if not self.attention:
+            return {}
+        where = f"{name} ({self.name})"
+        layout = self.layout(module, name=name)
+        if not layout.grouped:
+            return {}
+        if layout.head_dim is None:
+            raise ValueError(
+                f"{where}: grouped-query attention (heads={layout.heads}, kv_heads={layout.kv_heads}) "
+                "needs the head width: give the module an int head_dim"
+            )
+        kv_width, out = layout.kv_heads * layout.head_dim, dict[str, TPStyle]()
+        for child, (sub, style) in inner.items():
+            if style.role is not Role.ENTER or not is_dense(sub):
+                continue
+            if int(dense_weights(sub)[0].shape[0]) != kv_width:
+                continue
+            if not isinstance(style, Colwise) or style.sections > 1 or style.gather:
+                raise ValueError(
+                    f"{name}.{child} ({style.name}): a K/V projection of grouped-query attention "
+                    f"(heads={layout.heads}, kv_heads={layout.kv_heads}, tp={tp}) must be plain colwise"
+                )
+            out[child] = replace(style, heads=layout.kv_heads)
+        return out
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         pre, post = _region_hooks(ctx, f"{ctx.name} ({self.name})", fork_split=self.attention)
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, always_call=True)
         if self.attention:
-            for attr, value in _per_rank_attributes(module):
+            heads, kv = self.layout(module, name=ctx.name).local(ctx.tp)
+            for attr, value in _ints(module, PER_RANK_ATTRIBUTES):
                 setattr(module, attr, value // ctx.tp)
+            for attr, _ in _ints(module, KV_HEAD_ATTRIBUTES):
+                setattr(module, attr, kv)
+            for attr, _ in _ints(module, GROUP_ATTRIBUTES):
+                setattr(module, attr, heads // kv)
         return None
+
+
+# keyword names a sublayer's input is looked up under when it is not passed positionally
+INPUT_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
+
+
+def module_input(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, where: str) -> int | str:
+    """Where a sublayer's input is in a call: the first positional argument (index 0) if there
+    is one; else the first of ``INPUT_KEYWORDS`` given as a keyword (``hidden_states`` for Hugging
+    Face); else the only Tensor keyword argument. Anything else is a TypeError naming the keywords."""
+    if args:
+        if not isinstance(args[0], Tensor):
+            raise TypeError(f"{where}: the input must be a Tensor, got {type(args[0]).__name__} first")
+        return 0
+    for key in INPUT_KEYWORDS:
+        if isinstance(kwargs.get(key), Tensor):
+            return key
+    tensors = [k for k, v in kwargs.items() if isinstance(v, Tensor)]
+    if len(tensors) == 1:
+        return tensors[0]
+    raise TypeError(
+        f"{where}: cannot tell the input: pass it first positionally or as one of "
+        f"{', '.join(INPUT_KEYWORDS)}= (called with keywords {sorted(kwargs) or 'none'})"
+    )
 
 
 _PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[Any, dict[str, Any]]]
 
 
 def _region_hooks(ctx: ApplyContext, where: str, *, fork_split: bool) -> tuple[_PreHook, Callable[..., None]]:
-    """Hooks entering the tp region at the module's input (and, with ``fork_split``, running
-    its forward in training under the split dropout stream, restored after)."""
+    """Hooks entering the tp region at the module's input (``module_input``: positional or by
+    keyword) and, with ``fork_split``, running its forward in training under the split dropout
+    stream, restored after."""
     entered: list[bool] = []
     group, sp, seq_dim, rng = ctx.group, ctx.sequence_parallel, ctx.seq_dim, ctx.rng
 
     def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        if not args or not isinstance(args[0], Tensor):
-            raise TypeError(f"{where}: the input must be the first positional argument")
-        x = enter_tp_region(args[0], group, sequence_parallel=sp, seq_dim=seq_dim)
+        at = module_input(args, kwargs, where=where)
+        if isinstance(at, int):
+            args = (enter_tp_region(args[0], group, sequence_parallel=sp, seq_dim=seq_dim), *args[1:])
+        else:
+            kwargs = {**kwargs, at: enter_tp_region(kwargs[at], group, sequence_parallel=sp, seq_dim=seq_dim)}
         fork = fork_split and mod.training
         if fork:
             rng.enter(RNGRegion.SPLIT)
         entered.append(fork)
-        return (x, *args[1:]), kwargs
+        return args, kwargs
 
     def post(mod: nn.Module, args: Any, output: Any) -> None:
         if entered and entered.pop():
@@ -263,9 +347,9 @@ def _region_hooks(ctx: ApplyContext, where: str, *, fork_split: bool) -> tuple[_
     return pre, post
 
 
-def _per_rank_attributes(module: nn.Module) -> list[tuple[str, int]]:
+def _ints(module: nn.Module, attrs: tuple[str, ...]) -> list[tuple[str, int]]:
     out = []
-    for attr in PER_RANK_ATTRIBUTES:
+    for attr in attrs:
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
             out.append((attr, value))

@@ -52,6 +52,7 @@ from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
 from tessera.zero.offload import sync_device
+from tessera.zero.portable import full_state, load_full_state
 from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
 from tessera.zero.stage3 import ParamGatherer
 from tessera.zero.units import assign_params, default_units
@@ -372,6 +373,20 @@ class ZeroOptimizer:
         """Load what ``save`` wrote, at the same world size and layout (collective); every rank
         raises if any rank finds the checkpoint invalid."""
         self.steps = load_checkpoint(self, Path(path))
+        self.zero_grad()
+        for flat in self.flats:
+            flat.push_master()
+        self._refresh_params()
+
+    def full_state(self) -> dict[str, Tensor]:
+        """Masters and optimizer state in full by parameter name, independent of the stage and
+        world size (``tessera.zero.portable``; collective: all-gathers)."""
+        return full_state(self)
+
+    def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
+        """Restore what ``full_state`` returned, saved under any stage and world size; local."""
+        load_full_state(self, state)
+        self.steps = steps
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()

@@ -1,0 +1,209 @@
+"""The model contract: what ``boost()`` needs to know about a model it has never seen.
+
+A `ModelSpec` says how to split the model into pipeline blocks, how to read logits from
+what it returns, which loss to train, and which tensor-parallel plan each mode uses. Every
+field has a default that fits a plain causal language model (``model(ids)`` returns logits
+or an object with ``.logits``; its layers are one ``nn.ModuleList``), so most models need
+no spec at all; ``boost()`` looks up a registered spec by the model's class first (the
+reference GPT and Hugging Face GPT-2 / Llama are registered, see ``tessera.launcher.hf``).
+
+Pipeline blocks, found automatically: the ``nn.ModuleList`` holding the most parameters is
+the layer stack; the modules registered before it (at every level from the root down to
+it) run before the layers, those registered after it run after them, each called on the
+previous one's output. ``boost(..., example=batch)`` checks that this sequence reproduces
+``model(batch)`` before anything is partitioned; a model whose forward does more than
+chaining its children (adds position embeddings, scales, passes masks) passes
+``ModelSpec(blocks=fn)``, a function returning the blocks in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tessera.comm import TPMode
+from tessera.tensor_parallel import PlanLike
+
+__all__ = [
+    "ModelSpec",
+    "check_blocks",
+    "logits_of",
+    "model_spec",
+    "pipeline_blocks",
+    "register_model_spec",
+]
+
+log = logging.getLogger(__name__)
+
+Loss = Callable[[Tensor, Tensor], Tensor]
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits in a model's output: the tensor itself, an output object's ``.logits``
+    (Hugging Face ``ModelOutput``), or the first element of a tuple."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise TypeError(
+        f"cannot find logits in the model's output of type {type(output).__name__}; pass "
+        "ModelSpec(output=fn) with fn(output) -> logits"
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How ``boost()`` drives a model (see the module docstring).
+
+    ``plans``: the tensor-parallel plan per mode (``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"``).
+    ``blocks``: the pipeline blocks: a function ``model -> [block, ...]``, the dotted name of
+    the layers' ``nn.ModuleList``, or None (found automatically). ``loss(logits, targets)``:
+    the mean loss of this rank's batch; None trains the exact cross-entropy of the mode
+    (vocab-parallel logits under 1D tensor parallelism). ``output``: the logits in what the
+    model returns. ``attention_cores`` / ``positions``: for context parallelism (sp), the
+    plan-style names of the attention cores (called on q, k, v) and of the learned position
+    embedding (see ``tessera.tensor_parallel.context_parallelize``).
+    """
+
+    plans: Mapping[str, PlanLike] = field(default_factory=dict)
+    blocks: str | Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    loss: Loss | None = None
+    output: Callable[[Any], Tensor] = logits_of
+    attention_cores: str | None = None
+    positions: str | None = None
+
+    def plan(self, mode: TPMode, model: nn.Module) -> PlanLike:
+        """The plan for tensor-parallel ``mode`` (ValueError naming the modes there are)."""
+        plan = self.plans.get(mode.value)
+        if plan is None:
+            offered = ", ".join(sorted(self.plans)) or "none"
+            raise ValueError(
+                f"no tensor-parallel plan for {type(model).__name__} in mode {mode.value} (plans: "
+                f"{offered}); pass boost(..., plan=...) or ModelSpec(plans={{'{mode.value}': plan}})"
+            )
+        return plan
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def _key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_model_spec(cls: type | str, spec: ModelSpec) -> None:
+    """Make ``spec`` the default of every model of class ``cls`` (a class or its dotted
+    ``module.QualName``, so registering needs no import of the model's library)."""
+    _REGISTRY[cls if isinstance(cls, str) else _key(cls)] = spec
+
+
+def model_spec(model: nn.Module) -> ModelSpec:
+    """The registered spec of ``model``'s class (or of its nearest registered base), else the
+    default ``ModelSpec()``."""
+    for cls in type(model).__mro__:
+        spec = _REGISTRY.get(_key(cls))
+        if spec is not None:
+            return spec
+    return ModelSpec()
+
+
+# ---------------------------------------------------------------------------- pipeline blocks
+def _layer_stack(model: nn.Module) -> str:
+    """The dotted name of the ``nn.ModuleList`` holding the most parameters."""
+    sizes = {
+        name: sum(p.numel() for p in module.parameters())
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and name
+    }
+    if not sizes:
+        raise ValueError(
+            f"cannot split {type(model).__name__} into pipeline blocks: it has no nn.ModuleList of "
+            "layers; pass ModelSpec(blocks=fn) with fn(model) -> [block, ...]"
+        )
+    best: str = max(sizes, key=lambda n: (sizes[n], -n.count(".")))
+    return best
+
+
+def _around(model: nn.Module, path: str) -> tuple[list[nn.Module], nn.ModuleList, list[nn.Module]]:
+    """The modules registered before the ModuleList at ``path`` (outermost level first), the
+    list, and those registered after it (innermost level first)."""
+    before: list[nn.Module] = []
+    after: list[list[nn.Module]] = []
+    parent = model
+    for part in path.split("."):
+        names = [n for n, _ in parent.named_children()]
+        if part not in names:
+            raise ValueError(f"{type(model).__name__} has no submodule {path!r} (at {part!r})")
+        at = names.index(part)
+        children = [c for _, c in parent.named_children()]
+        before += children[:at]
+        after.append(children[at + 1 :])
+        parent = children[at]
+    if not isinstance(parent, nn.ModuleList):
+        kind = type(parent).__name__
+        raise ValueError(f"{path!r} of {type(model).__name__} is a {kind}, not an nn.ModuleList")
+    return before, parent, [m for level in reversed(after) for m in level]
+
+
+def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """``model`` as a sequence of blocks for the pipeline partitioner (see the module
+    docstring); ValueError if a parameter sits in two blocks (two pipeline ranks would train
+    two copies of it)."""
+    if callable(spec.blocks):
+        blocks = list(spec.blocks(model))
+    else:
+        path = spec.blocks if spec.blocks is not None else _layer_stack(model)
+        before, layers, after = _around(model, path)
+        blocks = [*before, *layers, *after]
+        log.info(
+            "pipeline blocks of %s: %d before %s, %d layers, %d after",
+            type(model).__name__, len(before), path, len(layers), len(after),
+        )  # fmt: skip
+    owner: dict[int, int] = {}
+    for b, block in enumerate(blocks):
+        for name, param in block.named_parameters():
+            if owner.setdefault(id(param), b) != b:
+                raise ValueError(
+                    f"parameter {name!r} is in pipeline blocks {owner[id(param)]} and {b} of "
+                    f"{type(model).__name__} (tied weights across blocks are not supported with "
+                    "pipelining); untie them (e.g. tie_word_embeddings=False) or use parallel.pp=1"
+                )
+    return blocks
+
+
+@torch.no_grad()
+def check_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module], example: Tensor, output: Callable[[Any], Tensor]
+) -> None:
+    """ValueError unless running ``blocks`` in order on ``example`` reproduces the logits of
+    ``model(example)`` (in eval mode, to 1e-5 of their largest magnitude)."""
+    was_training = model.training
+    model.eval()
+    try:
+        want = output(model(example))
+        got = example
+        for block in blocks:
+            got = block(got)
+    finally:
+        model.train(was_training)
+    if not isinstance(got, Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+        raise ValueError(
+            f"the pipeline blocks of {type(model).__name__} give {shape}, the model {tuple(want.shape)}: "
+            "its forward is not the chain of its blocks; pass ModelSpec(blocks=fn)"
+        )
+    diff = float((got.float() - want.float()).abs().max())
+    scale = float(want.float().abs().max()) or 1.0
+    if diff > 1e-5 * scale:
+        raise ValueError(
+            f"the pipeline blocks of {type(model).__name__} do not reproduce model(example): largest "
+            f"difference {diff:.3g} (logits up to {scale:.3g}); pass ModelSpec(blocks=fn)"
+        )

@@ -1,0 +1,177 @@
+"""Attention heads over tp ranks: how many query and KV heads a module has, how they split.
+
+Grouped-query attention (GQA; multi-query, MQA, is one KV head) gives ``heads`` query heads
+``kv_heads`` key/value heads, query head ``i`` reading KV head ``i // (heads / kv_heads)``.
+Query heads split evenly over tp (rank ``r`` holds heads ``[r H/tp, (r+1) H/tp)``). KV heads:
+
+- ``kv_heads % tp == 0``: split too; rank ``r`` holds KV heads ``[r K/tp, (r+1) K/tp)``, exactly
+  the ones its query heads read.
+- ``tp % kv_heads == 0`` (fewer KV heads than ranks): replicated as Megatron does; rank ``r``
+  holds the one KV head ``r K / tp`` its query heads read, ``tp / K`` consecutive ranks hold the
+  same head and the gradients of their copies are summed (``ColumnParallelLinear(blocks=K)``).
+- otherwise refused: a ValueError naming heads, KV heads and tp.
+
+``head_layout(module)`` reads the counts from the module, ``HeadShardSpec`` maps a serial
+K/V projection to each rank's shard and back. Pure: no process group is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from tessera.tensor_parallel.partition import ShardSpec, check_divisible, shard_range
+
+__all__ = [
+    "GROUP_ATTRIBUTES",
+    "HEAD_ATTRIBUTES",
+    "KV_HEAD_ATTRIBUTES",
+    "HeadLayout",
+    "HeadShardSpec",
+    "block_shard_range",
+    "head_layout",
+]
+
+HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "n_head")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
+GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups", "n_rep")  # query heads per KV head
+
+
+def block_shard_range(size: int, blocks: int, n: int, rank: int, *, where: str = "shard") -> tuple[int, int]:
+    """The half-open range of a dimension of ``blocks`` indivisible equal blocks (KV heads)
+    that rank ``rank`` of ``n`` holds: ``blocks / n`` whole blocks when ``n`` divides ``blocks``,
+    else (``blocks`` divides ``n``) block ``rank * blocks // n``, shared with ``n / blocks - 1``
+    other ranks."""
+    check_divisible(size, blocks, what="size (in blocks)", where=where)
+    if blocks % n and n % blocks:
+        raise ValueError(f"{where}: {blocks} blocks (KV heads) neither divide by nor divide tp={n}")
+    if not 0 <= rank < n:
+        raise ValueError(f"{where}: rank {rank} is outside [0, {n})")
+    if blocks % n == 0:
+        return shard_range(size, n, rank, where=where)
+    per = size // blocks
+    block = rank * blocks // n
+    return block * per, (block + 1) * per
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShardSpec(ShardSpec):
+    """A ``ShardSpec`` along ``dim`` of ``heads`` whole blocks (a K or V projection's KV heads):
+    over tp ranks dividing ``heads`` it is the plain split; over more ranks (a multiple of
+    ``heads``), ``tp / heads`` consecutive ranks hold copies of one block (their gradients are
+    summed in backward, so the copies stay equal). ``unshard`` keeps the first copy of each."""
+
+    heads: int = 1
+
+    def __post_init__(self) -> None:
+        ShardSpec.__post_init__(self)
+        if self.heads < 1 or self.sections != 1:
+            raise ValueError(f"invalid {self!r}: heads >= 1 and no fused sections")
+
+    def __str__(self) -> str:
+        return f"{ShardSpec.__str__(self)} in {self.heads} whole heads (replicated when tp > {self.heads})"
+
+    def replicas(self, tp: int) -> int:
+        """How many tp ranks hold each shard: 1 when the heads split, else ``tp / heads``."""
+        return max(1, tp // self.heads)
+
+    def shard(self, full: Tensor, rank: int, tp: int) -> Tensor:
+        """Rank ``rank``'s shard of the serial tensor ``full`` over ``tp`` ranks."""
+        where = f"shard {tuple(full.shape)} along {self}"
+        start, end = block_shard_range(int(full.shape[self.dim]), self.heads, tp, rank, where=where)
+        part = full.narrow(self.dim, start, end - start)
+        return part.t() if self.transposed else part
+
+    def unshard(self, shards: Sequence[Tensor]) -> Tensor:
+        """The serial tensor from every rank's shard, in rank order (one copy of each head)."""
+        return ShardSpec.unshard(self, list(shards)[:: self.replicas(len(shards))])
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """An attention module's query heads, KV heads (equal without GQA) and head width (None
+    when the module does not say; only GQA needs it, to tell K/V projections by their width)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether KV heads are shared by several query heads (GQA / MQA)."""
+        return self.kv_heads != self.heads
+
+    def check(self, tp: int, *, where: str) -> None:
+        """ValueError naming heads, KV heads and tp unless this layout splits over ``tp`` ranks."""
+        numbers = f"heads={self.heads}, kv_heads={self.kv_heads}, tp={tp}"
+        check_divisible(self.heads, tp, what="heads", where=where)
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"{where}: kv_heads must divide heads ({numbers})")
+        if self.kv_heads % tp and tp % self.kv_heads:
+            raise ValueError(
+                f"{where}: KV heads can neither be split nor replicated over tp ({numbers}): "
+                "tp must divide kv_heads or be a multiple of it"
+            )
+
+    def local(self, tp: int) -> tuple[int, int]:
+        """(query heads, KV heads) one rank holds."""
+        return self.heads // tp, max(1, self.kv_heads // tp)
+
+
+def _int_attr(obj: object, names: Sequence[str]) -> int | None:
+    for attr in names:
+        value = getattr(obj, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _width(module: nn.Module, child: str) -> int | None:
+    layer = getattr(module, child, None)
+    weight = getattr(layer, "weight", None)
+    if not isinstance(layer, nn.Module) or not isinstance(weight, Tensor) or weight.dim() != 2:
+        return None
+    conv = not isinstance(layer, nn.Linear) and hasattr(layer, "nf")  # HF Conv1D: (in, out)
+    return int(weight.shape[1] if conv else weight.shape[0])
+
+
+def head_layout(module: nn.Module, *, where: str = "attention") -> HeadLayout | None:
+    """The heads of an attention module, None when it does not say how many it has.
+
+    Query heads: an int attribute of the module (``num_heads``, ``n_heads``,
+    ``num_attention_heads``, ``n_head``), else its ``config.num_attention_heads`` (Hugging Face),
+    else the width of ``q_proj`` over ``head_dim``. KV heads: an int attribute
+    (``num_key_value_heads``, ``num_kv_heads``, ``n_kv_heads``, ``n_kv_head``, ``kv_heads``), else
+    ``config.num_key_value_heads``, else heads over ``num_key_value_groups`` / ``n_rep``, else the
+    width of ``k_proj`` over ``head_dim``, else as many as query heads. ``head_dim``: the
+    module's, else its config's, else ``hidden_size`` (module or config) over heads. Where
+    ``head_dim`` and ``q_proj`` / ``k_proj`` are known their widths must agree (ValueError).
+    """
+    config = getattr(module, "config", None)
+    head_dim = _int_attr(module, ("head_dim",)) or _int_attr(config, ("head_dim",))
+    q_width, k_width = _width(module, "q_proj"), _width(module, "k_proj")
+    heads = _int_attr(module, HEAD_ATTRIBUTES) or _int_attr(config, ("num_attention_heads",))
+    if heads is None and head_dim and q_width is not None:
+        heads = q_width // head_dim
+    if not heads:
+        return None
+    kv = _int_attr(module, KV_HEAD_ATTRIBUTES) or _int_attr(config, ("num_key_value_heads",))
+    groups = _int_attr(module, GROUP_ATTRIBUTES)
+    if kv is None and groups:
+        kv = heads // groups
+    if kv is None and head_dim and k_width is not None:
+        kv = k_width // head_dim
+    if head_dim is None:
+        hidden = _int_attr(module, ("hidden_size",)) or _int_attr(config, ("hidden_size",))
+        head_dim = hidden // heads if hidden and hidden % heads == 0 else None
+    layout = HeadLayout(heads, kv or heads, head_dim)
+    if head_dim:
+        for child, width, count in (("q_proj", q_width, heads), ("k_proj", k_width, layout.kv_heads)):
+            if width is not None and width != count * head_dim:
+                raise ValueError(
+                    f"{where}: {child} has {width} output features, not {count} heads x head_dim "
+                    f"{head_dim} (heads={heads}, kv_heads={layout.kv_heads})"
+                )
+    return layout
