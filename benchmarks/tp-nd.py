@@ -36,7 +36,10 @@ Per mode:
 - ``activation_bytes``: peak activation bytes per rank: storage bytes of the tensors
   autograd saves for backward during one forward (a ``saved_tensors_hooks`` pack hook,
   parameters excluded, each storage once by ``tessera.comm.storage_bytes``), the largest over
-  ranks, as in ``benchmarks/sp.py``; op-internal transients are not counted.
+  ranks, as in ``benchmarks/sp.py``; op-internal transients are not counted. Beside it
+  ``formula_activation_bytes``, the tensor_parallel README's activation formula of the mode
+  (``activation_bytes_1d`` / ``_2d`` / ``_2p5d`` / ``_3d``: L blocks plus the embedding and
+  head), and ``activation_vs_formula`` = measured / formula (1.0: exact).
 - ``param_bytes``: storage bytes of the parameters a rank holds (largest over ranks), and
   ``param_ratio_vs_serial`` = that / the serial GPT's (1D keeps the LayerNorms, the position
   embedding and the row-parallel biases whole; 2.5D replicates weights over depth).
@@ -53,7 +56,6 @@ import argparse
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,20 +67,12 @@ from torch import Tensor
 
 from tessera.comm import CommMeter, Mesh, Topology, TPMode, storage_bytes
 from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
-from tessera.tensor_parallel import (
-    GPT_2D_PLAN,
-    GPT_2P5D_PLAN,
-    GPT_3D_PLAN,
-    GPT_PLAN,
-    Cube3D,
-    Grid2D,
-    Grid2p5D,
-    loss_2d,
-    loss_2p5d,
-    loss_3d,
-    parallel_gpt_loss,
-    parallelize,
-)
+from tessera.tensor_parallel import parallelize
+from tessera.tensor_parallel.activations import ActivationBytes, activation_bytes_1d
+from tessera.tensor_parallel.testing import gpt_loss, gpt_plan
+from tessera.tensor_parallel.three_d import activation_bytes_3d
+from tessera.tensor_parallel.two_d import activation_bytes_2d
+from tessera.tensor_parallel.two_p5_d import activation_bytes_2p5d
 
 E = 4  # fp32 bytes
 LOSS_RTOL = 1e-5
@@ -116,28 +110,13 @@ class Trainer:
 
     def __init__(self, cfg: GPTConfig, batch: int, mode: Mode, lr: float) -> None:
         self.cfg, self.batch, self.mode = cfg, batch, mode
-        if mode.name == "1d":
-            self.mesh = Mesh(Topology(tp=mode.world))
-        else:
-            self.mesh = Mesh(Topology(tp=mode.world, tp_mode=TPMode(mode.name), depth=mode.depth))
-        plan = {"1d": GPT_PLAN, "2d": GPT_2D_PLAN, "2.5d": GPT_2P5D_PLAN, "3d": GPT_3D_PLAN}[mode.name]
-        self.model = parallelize(GPT(cfg, seed=0), plan=plan, mesh=self.mesh)
-        self.loss_fn = self._loss_fn()
+        self.mesh = Mesh(Topology(tp=mode.world, tp_mode=TPMode(mode.name), depth=mode.depth))
+        self.model = parallelize(GPT(cfg, seed=0), plan=gpt_plan(self.mesh), mesh=self.mesh)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
 
-    def _loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
-        model, mesh, name = self.model, self.mesh, self.mode.name
-        if name == "1d":
-            group = mesh.group("tp")
-            return lambda i, t: parallel_gpt_loss(model, i, t, group)
-        if name == "2d":
-            grid = Grid2D.from_mesh(mesh)
-            return lambda i, t: loss_2d(model, i, t, grid)
-        if name == "2.5d":
-            grid25 = Grid2p5D.from_mesh(mesh)
-            return lambda i, t: loss_2p5d(model, i, t, grid25)
-        cube = Cube3D.from_mesh(mesh)
-        return lambda i, t: loss_3d(model, i, t, cube)
+    def loss_fn(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """The global mean loss (each rank is handed the whole batch; 2D/2.5D/3D take a block)."""
+        return gpt_loss(self.model, idx, targets, self.mesh)
 
     def data(self, i: int) -> tuple[Tensor, Tensor]:
         return make_batch(self.cfg, self.batch, seed=1000 + i)
@@ -257,6 +236,28 @@ def other_formula(cfg: GPTConfig, batch: int, mode: Mode) -> tuple[int, str]:
     return norms * ln + sum(2 * (e // q + e // (q * q)) for e in tables), covers
 
 
+def activation_formula(cfg: GPTConfig, batch: int, mode: Mode) -> int:
+    """Activation bytes a rank saves for backward by the README's formula for ``mode``."""
+    shape = {
+        "batch": batch,
+        "seq": cfg.seq_len,
+        "hidden": cfg.d_model,
+        "heads": cfg.n_heads,
+        "vocab": cfg.vocab_size,
+        "mlp_ratio": cfg.mlp_ratio,
+    }
+    per: ActivationBytes
+    if mode.name == "1d":
+        per = activation_bytes_1d(**shape, tp=mode.world)
+    elif mode.name == "2d":
+        per = activation_bytes_2d(**shape, q=mode.q)
+    elif mode.name == "2.5d":
+        per = activation_bytes_2p5d(**shape, q=mode.q, depth=mode.depth)
+    else:
+        per = activation_bytes_3d(**shape, q=mode.q)
+    return per.total(cfg.n_layers)
+
+
 # ---------------------------------------------------------------- the chart
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
@@ -275,14 +276,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, (key, title, scale) in zip(axes, panels, strict=True):
         ax.bar(range(len(records)), [r[key] * scale for r in records], color=colors)
-        if key == "comm_bytes":
+        formula = {"comm_bytes": "formula_bytes", "activation_bytes": "formula_activation_bytes"}.get(key)
+        if formula is not None:
             ax.scatter(
                 range(len(records)),
-                [r["formula_bytes"] * scale for r in records],
+                [r[formula] * scale for r in records],
                 color="black",
                 marker="_",
                 s=400,
-                label="formula (covered pieces)",
+                label="formula (covered pieces)" if key == "comm_bytes" else "formula",
             )
             ax.legend(fontsize=8)
         ax.set_xticks(range(len(records)), labels, fontsize=8)
@@ -344,6 +346,8 @@ def main() -> None:
         lin = linear_formula(cfg, ns.batch, mode)
         other, covers = other_formula(cfg, ns.batch, mode)
         params = max(r["param_bytes"] for r in runs)
+        act = max(r["activation_bytes"] for r in runs)
+        act_formula = activation_formula(cfg, ns.batch, mode)
         records.append(
             {
                 "bench": "tp-nd",
@@ -362,7 +366,9 @@ def main() -> None:
                 "formula_bytes": lin + other,
                 "formula_covers": covers,
                 "unaccounted_bytes": comm - lin - other,
-                "activation_bytes": max(r["activation_bytes"] for r in runs),
+                "activation_bytes": act,
+                "formula_activation_bytes": act_formula,
+                "activation_vs_formula": round(act / act_formula, 4),
                 "param_bytes": params,
                 "param_ratio_vs_serial": round(params / serial_params, 4),
                 "serial_param_bytes": serial_params,
@@ -389,6 +395,7 @@ def main() -> None:
             "comm_bytes",
             "formula_bytes",
             "activation_bytes",
+            "formula_activation_bytes",
             "param_bytes",
             "loss_match",
         ),

@@ -2,7 +2,8 @@
 equals the serial GPT: every parameter gradient of the first step, gathered from the four
 ranks by the shard specs ``parallelize`` recorded, and the loss curve of a few SGD steps;
 with the token embedding split on the hidden (``GPT_2D_PLAN``) or the vocabulary too
-(``GPT_2D_VOCAB_PLAN``).
+(``GPT_2D_VOCAB_PLAN``). The same on a 3 x 3 grid (tp=9) with a GPT whose sizes q=3 divides
+(hidden 36 = 9 x 4 for the grid-sharded biases and norms, 6 heads, vocabulary 63, batch 3).
 
 Tolerances (fp32): gradients ``rtol=1e-4``, ``atol=1e-5`` times the largest serial gradient
 of that parameter (floored at 1e-2: some gradients, e.g. the key biases, are zero in exact
@@ -34,12 +35,13 @@ from tessera.tensor_parallel.two_d import (
 )
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+CFG_Q3 = GPTConfig(vocab_size=63, seq_len=6, d_model=36, n_heads=6, n_layers=2)
 STEPS, LR, BATCH = 4, 0.5, 4
 
 
-def _serial() -> Curve:
-    idx, targets = make_batch(CFG, BATCH, seed=1)
-    return sgd_curve(GPT(CFG, seed=0), lambda m: m.loss(idx, targets), steps=STEPS, lr=LR)
+def _serial(cfg: GPTConfig = CFG, batch: int = BATCH, steps: int = STEPS) -> Curve:
+    idx, targets = make_batch(cfg, batch, seed=1)
+    return sgd_curve(GPT(cfg, seed=0), lambda m: m.loss(idx, targets), steps=steps, lr=LR)
 
 
 Out = tuple[Curve, dict[str, GridShardSpec], dict[str, Tensor]]
@@ -65,6 +67,22 @@ def _parallel(rank: int, how: str) -> Out:
 def test_gpt_2d_gradients_and_sgd_loss_curve_equal_serial(how: str) -> None:
     serial = _serial()
     out = run_threaded(4, _parallel, how)
+    assert_follows_serial(serial, [(curve, full) for curve, _, full in out], out[0][1])
+
+
+def _parallel_q3(rank: int) -> Out:
+    mesh = Mesh(Topology(tp=9, tp_mode=TPMode.TWO_D))
+    grid = Grid2D.from_mesh(mesh)
+    model = parallelize_2d(GPT(CFG_Q3, seed=0), mesh=mesh)
+    idx, targets = make_batch(CFG_Q3, 3, seed=1)
+    curve = sgd_curve(model, lambda m: loss_2d(m, idx, targets, grid), steps=3, lr=LR)
+    specs = {n: s for n, s in shard_specs(model).items() if isinstance(s, GridShardSpec)}
+    return curve, specs, gather_by_specs(model, curve[2], mesh.group("tp"), 9)
+
+
+def test_gpt_2d_on_a_3x3_grid_follows_serial() -> None:
+    serial = _serial(CFG_Q3, 3, 3)
+    out = run_threaded(9, _parallel_q3)
     assert_follows_serial(serial, [(curve, full) for curve, _, full in out], out[0][1])
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
-from tessera.comm import CommMeter, CommOp, Mesh, Topology, TPMode
+from tessera.comm import CommOp, Mesh, Topology, TPMode
 from tessera.comm.testing import run_threaded
+from tessera.tensor_parallel.testing import metered_layer
 from tessera.tensor_parallel.two_d import Embedding2D, Grid2D, LayerNorm2D, Linear2D, VocabEmbedding2D
 
 E = 4  # fp32 bytes
@@ -39,26 +38,13 @@ def case(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[CommOp, int]]:
+def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[CommOp, int], dict[CommOp, int]]:
     q = c["q"]
     grid = Grid2D.from_mesh(Mesh(Topology(tp=q * q, tp_mode=TPMode.TWO_D)))
-    local = (c["batch"] // q, c["seq"])
-    layer: nn.Module
-    if kind == "linear":
-        layer = Linear2D.from_dense(nn.Linear(c["in"], c["out"], bias=c["bias"]), grid)
-        x = torch.randn(*local, c["in"] // q, requires_grad=True)
-    elif kind == "norm":
-        layer = LayerNorm2D.from_dense(nn.LayerNorm(c["in"]), grid)
-        x = torch.randn(*local, c["in"] // q, requires_grad=True)
-    else:
-        table = nn.Embedding(c["out"], c["in"])
-        layer = (VocabEmbedding2D if kind == "vocab" else Embedding2D).from_dense(table, grid)
-        x = torch.randint(0, c["out"], local)
-    with CommMeter() as fwd:
-        y = layer(x)
-    with CommMeter() as bwd:
-        y.backward(torch.ones_like(y))
-    return fwd.volume_bytes, bwd.volume_bytes, bwd.by_op()
+    layers: dict[str, Any] = {
+        "linear": Linear2D, "norm": LayerNorm2D, "embedding": Embedding2D, "vocab": VocabEmbedding2D
+    }
+    return metered_layer(kind, c, rows=c["batch"] // q, q=q, make=lambda k, s: layers[k].from_dense(s, grid))
 
 
 @settings(max_examples=20)
@@ -67,7 +53,7 @@ def test_linear_2d_moves_the_summa_cost(c: dict[str, Any]) -> None:
     q = c["q"]
     x, w = c["batch"] * c["seq"] * c["in"] * E, c["in"] * c["out"] * E
     b = c["out"] * E if c["bias"] else 0
-    for fwd, bwd, ops in run_threaded(q * q, _meter, c, "linear"):
+    for fwd, bwd, _, ops in run_threaded(q * q, _meter, c, "linear"):
         assert fwd == (x + w) // q + b // q
         assert bwd == 2 * (x + w) // q + b // q
         assert ops[CommOp.BROADCAST] == (x + w) // q  # the re-broadcasts; the rest are the reduces
@@ -80,11 +66,11 @@ def test_layernorm_2d_and_the_embeddings_move_their_formulas(c: dict[str, Any]) 
     q = c["q"]
     tokens = c["batch"] // q * c["seq"]
     w = c["in"] * E
-    for fwd, bwd, _ in run_threaded(q * q, _meter, c, "norm"):
+    for fwd, bwd, _, _ in run_threaded(q * q, _meter, c, "norm"):
         assert (fwd, bwd) == (16 * tokens + 2 * w // q, 16 * tokens + 2 * w // q)
     table = c["out"] * c["in"] * E
-    for fwd, bwd, _ in run_threaded(q * q, _meter, c, "embedding"):
+    for fwd, bwd, _, _ in run_threaded(q * q, _meter, c, "embedding"):
         assert (fwd, bwd) == (table // q, table // q)
     ids, out = c["batch"] * c["seq"] * 8, c["batch"] * c["seq"] * c["in"] * E
-    for fwd, bwd, _ in run_threaded(q * q, _meter, c, "vocab"):
+    for fwd, bwd, _, _ in run_threaded(q * q, _meter, c, "vocab"):
         assert (fwd, bwd) == (ids + out // q, out // q)

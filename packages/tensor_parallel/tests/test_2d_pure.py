@@ -7,16 +7,21 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 from tessera.comm.testing import GPT, GPTConfig
 from tessera.tensor_parallel.plan import resolve_plan
+from tessera.tensor_parallel.three_d import Cube3D, Embedding3D, VocabEmbedding3D
 from tessera.tensor_parallel.two_d import (
     BIAS_SPEC,
     EMBEDDING_SPEC,
     GPT_2D_PLAN,
     WEIGHT_SPEC,
+    Embedding2D,
+    Grid2D,
     GridShardSpec,
     Linear2D,
+    VocabEmbedding2D,
     grid_side,
 )
 
@@ -116,3 +121,24 @@ def test_layer_sizes_are_checked_before_any_group_is_used() -> None:
     with pytest.raises(ValueError, match="out_features=6 is not divisible by 4"):
         Linear2D(4, 6, grid)
     Linear2D(4, 6, grid, bias=False)
+
+
+def test_the_2d_and_3d_embeddings_refuse_padding_max_norm_and_sparse() -> None:
+    """``from_dense`` refuses what the twins do not implement, before any communication."""
+    grid = Grid2D(q=1, i=0, j=0, row=None, col=None)
+    cube = Cube3D(q=1, a=0, b=0, c=0, input=None, weight=None, output=None)
+    dense = (
+        nn.Embedding(4, 4, padding_idx=0),
+        nn.Embedding(4, 4, max_norm=1.0),
+        nn.Embedding(4, 4, sparse=True),
+    )
+    for table in dense:
+        for cls, where in ((Embedding2D, grid), (VocabEmbedding2D, grid)):
+            with pytest.raises(ValueError, match=f"{cls.__name__}: padding_idx, max_norm and sparse"):
+                cls.from_dense(table, where)
+        for cls3 in (Embedding3D, VocabEmbedding3D):
+            with pytest.raises(ValueError, match=f"{cls3.__name__}: padding_idx, max_norm and sparse"):
+                cls3.from_dense(table, cube)
+    table = nn.Embedding(4, 4)
+    twin = Embedding2D.from_dense(table, grid)  # q=1: the whole table, copied
+    assert torch.equal(twin.weight, table.weight) and twin.weight.data_ptr() != table.weight.data_ptr()

@@ -3,7 +3,8 @@ equals the serial GPT: every parameter gradient of the first step, gathered from
 ranks by the shard specs ``parallelize`` recorded (consolidation's path: all-gather over tp,
 ``unshard`` in tp-rank order), and the loss curve and weights of a few SGD steps; with the
 token embedding split on the hidden (``GPT_3D_PLAN``) or the vocabulary too
-(``GPT_3D_VOCAB_PLAN``).
+(``GPT_3D_VOCAB_PLAN``). The same for 2 SGD steps on a 3 x 3 x 3 cube (tp=27) with a one-layer
+GPT whose sizes q=3 divides (hidden 54 = 27 x 2, 6 heads, vocabulary 63, batch 9).
 
 Tolerances (fp32): gradients ``rtol=1e-4``, ``atol=1e-5`` times the largest serial gradient
 of that parameter (floored at 1e-2: some gradients, e.g. the key biases, are zero in exact
@@ -33,12 +34,13 @@ from tessera.tensor_parallel.three_d import (
 )
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+CFG_Q3 = GPTConfig(vocab_size=63, seq_len=4, d_model=54, n_heads=6, n_layers=1)
 STEPS, LR, BATCH, TP = 4, 0.5, 8, 8
 
 
-def _serial() -> Curve:
-    idx, targets = make_batch(CFG, BATCH, seed=1)
-    return sgd_curve(GPT(CFG, seed=0), lambda m: m.loss(idx, targets), steps=STEPS, lr=LR)
+def _serial(cfg: GPTConfig = CFG, batch: int = BATCH, steps: int = STEPS) -> Curve:
+    idx, targets = make_batch(cfg, batch, seed=1)
+    return sgd_curve(GPT(cfg, seed=0), lambda m: m.loss(idx, targets), steps=steps, lr=LR)
 
 
 Out = tuple[Curve, dict[str, CubeShardSpec], dict[str, Tensor]]
@@ -62,6 +64,22 @@ def _parallel(rank: int, how: str) -> Out:
 def test_gpt_3d_gradients_and_sgd_loss_curve_equal_serial(how: str) -> None:
     serial = _serial()
     out = run_threaded(TP, _parallel, how)
+    assert_follows_serial(serial, [(curve, full) for curve, _, full in out], out[0][1])
+
+
+def _parallel_q3(rank: int) -> Out:
+    mesh = Mesh(Topology(tp=27, tp_mode=TPMode.THREE_D))
+    cube = Cube3D.from_mesh(mesh)
+    model = parallelize_3d(GPT(CFG_Q3, seed=0), mesh=mesh)
+    idx, targets = make_batch(CFG_Q3, 9, seed=1)
+    curve = sgd_curve(model, lambda m: loss_3d(m, idx, targets, cube), steps=2, lr=LR)
+    specs = {n: s for n, s in shard_specs(model).items() if isinstance(s, CubeShardSpec)}
+    return curve, specs, gather_by_specs(model, curve[2], mesh.group("tp"), 27)
+
+
+def test_gpt_3d_on_a_3x3x3_cube_follows_serial() -> None:
+    serial = _serial(CFG_Q3, 9, 2)
+    out = run_threaded(27, _parallel_q3)
     assert_follows_serial(serial, [(curve, full) for curve, _, full in out], out[0][1])
 
 

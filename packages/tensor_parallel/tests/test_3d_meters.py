@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
-from tessera.comm import CommMeter, CommOp, Mesh, Topology, TPMode
+from tessera.comm import CommOp, Mesh, Topology, TPMode
 from tessera.comm.testing import run_threaded
+from tessera.tensor_parallel.testing import metered_layer
 from tessera.tensor_parallel.three_d import Cube3D, Embedding3D, LayerNorm3D, Linear3D, VocabEmbedding3D
 
 E, Q = 4, 2  # fp32 bytes, cube side
@@ -41,23 +40,14 @@ def case(draw: st.DrawFn) -> dict[str, Any]:
 
 def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[CommOp, int], dict[CommOp, int]]:
     cube = Cube3D.from_mesh(Mesh(Topology(tp=Q**3, tp_mode=TPMode.THREE_D)))
-    local = (c["batch"] // (Q * Q), c["seq"])
-    layer: nn.Module
-    if kind == "linear":
-        layer = Linear3D.from_dense(nn.Linear(c["in"], c["out"], bias=c["bias"]), cube, swapped=c["swapped"])
-        x = torch.randn(*local, c["in"] // Q, requires_grad=True)
-    elif kind == "norm":
-        layer = LayerNorm3D.from_dense(nn.LayerNorm(c["in"]), cube, swapped=c["swapped"])
-        x = torch.randn(*local, c["in"] // Q, requires_grad=True)
-    else:
-        table = nn.Embedding(c["out"], c["in"])
-        layer = (VocabEmbedding3D if kind == "vocab" else Embedding3D).from_dense(table, cube)
-        x = torch.randint(0, c["out"], local)
-    with CommMeter() as fwd:
-        y = layer(x)
-    with CommMeter() as bwd:
-        y.backward(torch.ones_like(y))
-    return fwd.volume_bytes, bwd.volume_bytes, fwd.by_op(), bwd.by_op()
+    oriented = {"swapped": c["swapped"]}
+    makers: dict[str, Any] = {
+        "linear": lambda s: Linear3D.from_dense(s, cube, **oriented),
+        "norm": lambda s: LayerNorm3D.from_dense(s, cube, **oriented),
+        "embedding": lambda s: Embedding3D.from_dense(s, cube),
+        "vocab": lambda s: VocabEmbedding3D.from_dense(s, cube),
+    }
+    return metered_layer(kind, c, rows=c["batch"] // (Q * Q), q=Q, make=lambda k, s: makers[k](s))
 
 
 @settings(max_examples=15, deadline=None)

@@ -26,10 +26,10 @@ from torch import nn
 
 from tessera.comm import Mesh, Topology, TPMode, storage_bytes
 from tessera.comm.testing import GPT, GPTConfig, run_threaded
-from tessera.tensor_parallel import GPT_2D_PLAN, GPT_2P5D_PLAN, GPT_3D_PLAN, GPT_PLAN, parallelize
+from tessera.tensor_parallel import parallelize
+from tessera.tensor_parallel.testing import gpt_plan
 
 E = 4  # fp32 bytes
-PLANS = {"1d": GPT_PLAN, "2d": GPT_2D_PLAN, "2.5d": GPT_2P5D_PLAN, "3d": GPT_3D_PLAN}
 
 
 def _cfg(bias: bool) -> GPTConfig:
@@ -41,8 +41,8 @@ def _bytes(params: list[nn.Parameter]) -> int:
 
 
 def _rank_bytes(rank: int, mode: str, tp: int, depth: int, bias: bool) -> tuple[int, int]:
-    topo = Topology(tp=tp) if mode == "1d" else Topology(tp=tp, tp_mode=TPMode(mode), depth=depth)
-    model = parallelize(GPT(_cfg(bias), seed=0), plan=PLANS[mode], mesh=Mesh(topo))
+    mesh = Mesh(Topology(tp=tp, tp_mode=TPMode(mode), depth=depth))
+    model = parallelize(GPT(_cfg(bias), seed=0), plan=gpt_plan(mesh), mesh=mesh)
     params = list(model.parameters())
     return storage_bytes(params), _bytes(params)
 

@@ -37,6 +37,7 @@ __all__ = [
     "all_reduce_async",
     "all_to_all",
     "broadcast",
+    "broadcast_async",
     "group_rank",
     "group_size",
     "reduce_scatter",
@@ -301,16 +302,22 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
-def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
-    """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""
+def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
+    """Start sending the group rank ``src``'s ``x`` to every rank (shapes and dtypes must
+    agree); ``wait()`` gives a new tensor holding it. Moves ``x`` (sent by the root)."""
     n = group_size(group)
     if not 0 <= src < n:
         raise ValueError(f"broadcast source {src} is outside the group of {n} ranks")
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if n == 1:
-        return out
+        return _done(out)
     me = group_rank(group)
     record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
     global_src = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast(out, src=global_src, group=group)
-    return out
+    work = dist.broadcast(out, src=global_src, group=group, async_op=True)
+    return Handle([work], lambda: out)
+
+
+def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
+    """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""
+    return broadcast_async(x, src, group).wait()

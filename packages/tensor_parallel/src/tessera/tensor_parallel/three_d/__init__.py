@@ -14,6 +14,7 @@ embedding vocabulary-split) converts the reference GPT through
 ``parallelize(model, plan=GPT_3D_PLAN, mesh=mesh)`` over a mesh of tp_mode 3d.
 """
 
+from tessera.tensor_parallel.three_d.activations import activation_bytes_3d
 from tessera.tensor_parallel.three_d.cube import (
     Cube3D,
     CubeShardSpec,
@@ -62,6 +63,7 @@ __all__ = [
     "Styles3D",
     "VocabEmbedding3D",
     "VocabEmbedding3DStyle",
+    "activation_bytes_3d",
     "batch_block",
     "bias_spec",
     "check_cube_divisible",

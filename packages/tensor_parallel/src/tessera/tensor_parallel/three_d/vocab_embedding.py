@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from tessera.comm import all_gather, reduce_scatter_along
 from tessera.tensor_parallel.three_d.cube import Cube3D, CubeShardSpec, check_cube_divisible
+from tessera.tensor_parallel.two_d.embedding import embedding_twin
 
 __all__ = ["VOCAB_EMBEDDING_SPEC", "VocabEmbedding3D"]
 
@@ -60,13 +61,7 @@ class VocabEmbedding3D(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, cube: Cube3D) -> VocabEmbedding3D:
         """The 3D twin of ``embedding`` (no padding_idx / max_norm) holding this rank's block."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("VocabEmbedding3D: padding_idx, max_norm and sparse are not supported")
-        w = embedding.weight
-        new = cls(embedding.num_embeddings, embedding.embedding_dim, cube, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            new.weight.copy_(VOCAB_EMBEDDING_SPEC.shard(w, cube.tp_rank, cube.q**3))
-        return new
+        return embedding_twin(cls, embedding, cube, VOCAB_EMBEDDING_SPEC, cube.tp_rank, cube.q**3)
 
     def forward(self, idx: Tensor) -> Tensor:
         if idx.dim() == 0:

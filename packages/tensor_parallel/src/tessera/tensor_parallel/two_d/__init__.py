@@ -9,6 +9,7 @@ through ``parallelize_2d(model, mesh=mesh)`` or
 ``parallelize(model, plan=bind_2d(GPT_2D_PLAN, Grid2D.from_mesh(mesh)), mesh=mesh)``.
 """
 
+from tessera.tensor_parallel.two_d.activations import activation_bytes_2d
 from tessera.tensor_parallel.two_d.embedding import EMBEDDING_SPEC, Embedding2D
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible, grid_side
 from tessera.tensor_parallel.two_d.layernorm import NORM_SPEC, LayerNorm2D, normalize_2d
@@ -48,6 +49,7 @@ __all__ = [
     "Styles2D",
     "VocabEmbedding2D",
     "VocabEmbedding2DStyle",
+    "activation_bytes_2d",
     "batch_block",
     "bind_2d",
     "check_grid_divisible",

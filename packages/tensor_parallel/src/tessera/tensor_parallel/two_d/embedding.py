@@ -15,14 +15,36 @@ ids: a position embedding looks up ``arange(seq)`` on every rank and broadcasts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather_along
+from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
-__all__ = ["EMBEDDING_SPEC", "Embedding2D"]
+__all__ = ["EMBEDDING_SPEC", "Embedding2D", "embedding_twin"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def embedding_twin(
+    cls: Callable[..., M], embedding: nn.Embedding, layout: Any, spec: ShardSpec, rank: int, tp: int
+) -> M:
+    """``cls(vocab, hidden, layout, dtype=, device=)`` holding tp rank ``rank``'s shard (by
+    ``spec`` over ``tp`` ranks) of ``embedding``'s weight: the ``from_dense`` of the 2D and 3D
+    embeddings. ValueError for a padding_idx, max_norm or sparse embedding (not supported)."""
+    if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        name = getattr(cls, "__name__", "embedding")
+        raise ValueError(f"{name}: padding_idx, max_norm and sparse are not supported")
+    w = embedding.weight
+    new = cls(embedding.num_embeddings, embedding.embedding_dim, layout, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        new.get_parameter("weight").copy_(spec.shard(w, rank, tp))
+    return new
 
 EMBEDDING_SPEC = GridShardSpec(i_dim=1, j_dim=1)  # hidden in q*q chunks, rank (i, j) holds chunk j*q + i
 
@@ -54,13 +76,7 @@ class Embedding2D(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, grid: Grid2D) -> Embedding2D:
         """The 2D twin of ``embedding`` (no padding_idx / max_norm) holding this rank's chunk."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("Embedding2D: padding_idx, max_norm and sparse are not supported")
-        w = embedding.weight
-        new = cls(embedding.num_embeddings, embedding.embedding_dim, grid, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            new.weight.copy_(EMBEDDING_SPEC.shard(w, grid.tp_rank, grid.q * grid.q))
-        return new
+        return embedding_twin(cls, embedding, grid, EMBEDDING_SPEC, grid.tp_rank, grid.q * grid.q)
 
     def forward(self, idx: Tensor) -> Tensor:
         # (vocab, hidden/q): hidden block j

@@ -14,6 +14,11 @@ reduces, as in Colossal-AI's ``Matmul_ABT_2D`` / ``Matmul_ATB_2D``):
 - ``dW_kj = sum_i X_ik^T dY_ij``: broadcast ``X_ik`` along row i again (nothing but the
   local blocks is saved, as in Colossal-AI), then reduce over column j, partial k to row k.
 
+Overlap: each loop starts step k+1's broadcasts (``broadcast_async``) before it multiplies
+step k's blocks, so the next blocks travel while this step computes (forward and backward);
+backward's two reduce-scatters (over the row and the column) are in flight together. The
+order of the broadcasts on each group, and so the bytes, are those of the plain loop.
+
 The bias (out_features) is sharded over the whole grid as in Colossal-AI's ``add_bias_2d``:
 rank (i, j) holds chunk ``j*q + i`` of q*q, all-gathered along column j in forward (giving
 out block j) and its gradient reduce-scattered along the column in backward (the sum over
@@ -32,19 +37,40 @@ forward, twice that backward (re-broadcasts plus the reduces). Exact: blocks nev
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-from tessera.comm import all_gather_along, broadcast, reduce_scatter
+from tessera.comm import Handle, all_gather_along, broadcast_async, reduce_scatter_async
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
 __all__ = ["BIAS_SPEC", "WEIGHT_SPEC", "Linear2D", "check_linear_2d", "summa_matmul"]
 
 WEIGHT_SPEC = GridShardSpec(i_dim=1, j_dim=0)  # nn.Linear weight (out, in): out block j, in block i
 BIAS_SPEC = GridShardSpec(i_dim=0, j_dim=0)  # q*q chunks, rank (i, j) holds chunk j*q + i
+
+
+_Step = tuple[Handle[Tensor] | None, Handle[Tensor] | None]
+"""The broadcasts of one SUMMA step in flight (None: not needed)."""
+
+
+def _prefetched(q: int, issue: Callable[[int], _Step]) -> Iterator[tuple[Tensor | None, Tensor | None]]:
+    """The blocks of steps 0..q-1, each yielded once its broadcasts (``issue(k)``) have arrived;
+    step k+1's are started before step k's are yielded, so they travel while the caller
+    multiplies step k's (at most two steps' blocks are alive at once)."""
+    pending = issue(0)
+    for k in range(q):
+        current = pending
+        if k + 1 < q:
+            pending = issue(k + 1)
+        yield _wait(current[0]), _wait(current[1])
+
+
+def _wait(handle: Handle[Tensor] | None) -> Tensor | None:
+    return None if handle is None else handle.wait()
 
 
 class _Summa(torch.autograd.Function):
@@ -54,9 +80,12 @@ class _Summa(torch.autograd.Function):
         ctx.grid = grid  # type: ignore[attr-defined]
         x2 = x.reshape(-1, x.shape[-1])
         y = x2.new_zeros(x2.shape[0], w.shape[0])
-        for k in range(grid.q):
-            x_ik = broadcast(x2, k, grid.row)  # X_ik from column k of row i
-            w_kj = broadcast(w, k, grid.col)  # W_kj from row k of column j, (out/q, in/q)
+
+        def issue(k: int) -> _Step:  # X_ik from column k of row i, W_kj (out/q, in/q) from row k of column j
+            return broadcast_async(x2, k, grid.row), broadcast_async(w, k, grid.col)
+
+        for x_ik, w_kj in _prefetched(grid.q, issue):
+            assert x_ik is not None and w_kj is not None
             y.addmm_(x_ik, w_kj.t())
         return y.view(*x.shape[:-1], w.shape[0])
 
@@ -66,15 +95,25 @@ class _Summa(torch.autograd.Function):
         grid: Grid2D = ctx.grid
         gy2 = gy.reshape(-1, gy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            # partial k = dY_ij W_kj^T for every k, summed over row i into column k
-            parts = [gy2 @ broadcast(w, k, grid.col) for k in range(grid.q)]
-            gx = reduce_scatter(torch.cat(parts, dim=1), grid.row, dim=1).view_as(x)
-        if ctx.needs_input_grad[1]:
-            # partial k = dY_ij^T X_ik (nn.Linear layout) for every k, summed over column j into row k
-            parts = [gy2.t() @ broadcast(x2, k, grid.row) for k in range(grid.q)]
-            gw = reduce_scatter(torch.stack(parts), grid.col, dim=0).squeeze(0)
+        need_x, need_w = ctx.needs_input_grad[:2]
+
+        def issue(k: int) -> _Step:  # W_kj along column j, X_ik along row i, as needed
+            return (
+                broadcast_async(w, k, grid.col) if need_x else None,
+                broadcast_async(x2, k, grid.row) if need_w else None,
+            )
+
+        gx_parts: list[Tensor] = []  # partial k = dY_ij W_kj^T, summed over row i into column k
+        gw_parts: list[Tensor] = []  # partial k = dY_ij^T X_ik (nn.Linear layout), over column j into row k
+        for w_kj, x_ik in _prefetched(grid.q, issue):
+            if w_kj is not None:
+                gx_parts.append(gy2 @ w_kj)
+            if x_ik is not None:
+                gw_parts.append(gy2.t() @ x_ik)
+        gx_h = reduce_scatter_async(torch.cat(gx_parts, dim=1), grid.row, dim=1) if need_x else None
+        gw_h = reduce_scatter_async(torch.stack(gw_parts), grid.col, dim=0) if need_w else None
+        gx = None if gx_h is None else gx_h.wait().view_as(x)
+        gw = None if gw_h is None else gw_h.wait().squeeze(0)
         return gx, gw, None
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather, reduce_scatter_along
+from tessera.tensor_parallel.two_d.embedding import embedding_twin
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
 __all__ = ["VOCAB_EMBEDDING_SPEC", "VocabEmbedding2D"]
@@ -57,13 +58,7 @@ class VocabEmbedding2D(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, grid: Grid2D) -> VocabEmbedding2D:
         """The 2D twin of ``embedding`` (no padding_idx / max_norm) holding this rank's block."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("VocabEmbedding2D: padding_idx, max_norm and sparse are not supported")
-        w = embedding.weight
-        new = cls(embedding.num_embeddings, embedding.embedding_dim, grid, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            new.weight.copy_(VOCAB_EMBEDDING_SPEC.shard(w, grid.tp_rank, grid.q * grid.q))
-        return new
+        return embedding_twin(cls, embedding, grid, VOCAB_EMBEDDING_SPEC, grid.tp_rank, grid.q * grid.q)
 
     def forward(self, idx: Tensor) -> Tensor:
         if idx.dim() == 0:

@@ -11,6 +11,7 @@ through ``parallelize_2p5d(model, mesh=mesh)`` (depth bound: every check first) 
 ``parallelize(model, plan=GPT_2P5D_PLAN, mesh=mesh)`` (the styles find the grid in the mesh).
 """
 
+from tessera.tensor_parallel.two_p5_d.activations import activation_bytes_2p5d
 from tessera.tensor_parallel.two_p5_d.grid import DepthShardSpec, Grid2p5D, check_batch_2p5d, tesseract_side
 from tessera.tensor_parallel.two_p5_d.layers import (
     Embedding2p5D,
@@ -40,6 +41,7 @@ __all__ = [
     "Style2p5D",
     "Styles2p5D",
     "VocabEmbedding2p5D",
+    "activation_bytes_2p5d",
     "batch_block_2p5d",
     "bind_2p5d",
     "check_batch_2p5d",
