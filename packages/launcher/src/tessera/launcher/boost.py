@@ -28,7 +28,8 @@ from tessera.launcher.config import Config
 from tessera.launcher.engine import Engine
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
-from tessera.launcher.spec import ModelSpec, check_blocks, model_spec, pipeline_blocks
+from tessera.launcher.recompute import checkpoint_layers
+from tessera.launcher.spec import ModelSpec, check_blocks, layer_stack, model_spec, pipeline_blocks
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ZeroOptimizer
@@ -137,6 +138,9 @@ def boost(
             cores=spec.attention_cores,
             positions=spec.positions,
         )
+    if config.train.activation_checkpointing:
+        path = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
+        checkpoint_layers(list(model.get_submodule(path).children()))
     goal = objective(mesh, sp_layout=p.sp_layout, loss=spec.loss)
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())

@@ -122,6 +122,7 @@ class TrainConfig:
     keep_last: int = 2  # checkpoint generations kept
     max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
     max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
+    activation_checkpointing: bool = False  # recompute each layer's forward in backward
 
 
 @dataclass(frozen=True, slots=True)

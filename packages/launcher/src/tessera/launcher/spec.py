@@ -32,6 +32,7 @@ from tessera.tensor_parallel import PlanLike
 __all__ = [
     "ModelSpec",
     "check_blocks",
+    "layer_stack",
     "logits_of",
     "model_spec",
     "pipeline_blocks",
@@ -116,7 +117,7 @@ def model_spec(model: nn.Module) -> ModelSpec:
 
 
 # ---------------------------------------------------------------------------- pipeline blocks
-def _layer_stack(model: nn.Module) -> str:
+def layer_stack(model: nn.Module) -> str:
     """The dotted name of the ``nn.ModuleList`` holding the most parameters."""
     sizes = {
         name: sum(p.numel() for p in module.parameters())
@@ -160,7 +161,7 @@ def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     if callable(spec.blocks):
         blocks = list(spec.blocks(model))
     else:
-        path = spec.blocks if spec.blocks is not None else _layer_stack(model)
+        path = spec.blocks if spec.blocks is not None else layer_stack(model)
         before, layers, after = _around(model, path)
         blocks = [*before, *layers, *after]
         log.info(

@@ -77,6 +77,11 @@ class DropoutRNG:
         """The generator of one stream, for code that takes ``generator=``."""
         return self._generators[RNGRegion(region)]
 
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """Both streams' generators (to save and replay their state, e.g. around a recomputed
+        forward under activation checkpointing)."""
+        return tuple(self._generators.values())
+
     def enter(self, region: RNGRegion | str) -> None:
         """Make ``region``'s stream the device's default generator until ``exit()``."""
         region = RNGRegion(region)
