@@ -1,4 +1,5 @@
-"""The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``.
+"""The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``,
+``plan`` (predict and rank every configuration: ``tessera.launcher.plan``).
 
 Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
 mistake (found before anything spawns, and before torch is imported), 130 interrupted.
@@ -31,6 +32,8 @@ from tessera.launcher.config_io import (
     resolve_config,
 )
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
+from tessera.launcher.plan.command import add_arguments as add_plan_arguments
+from tessera.launcher.plan.command import run as run_plan
 from tessera.launcher.preflight import preflight
 from tessera.launcher.runs import RunFolderError, create_run_folder
 from tessera.launcher.watchdog import Watchdog
@@ -89,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
     )
+    plan = sub.add_parser("plan", help="predict memory and step time of every configuration; pick the best")
+    _add_config_args(plan)
+    add_plan_arguments(plan)
     return parser
 
 
@@ -143,6 +149,17 @@ def _fail(lines: Sequence[str]) -> int:
 
 def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
     nnodes_hint = args.nnodes or 1
+    if config.parallel.auto:  # the planner's choice for the world about to start
+        from tessera.launcher.plan.auto import auto_config
+        from tessera.launcher.plan.cluster import PRESETS
+
+        per_node = args.nproc_per_node or PRESETS["cpu"].devices_per_node
+        try:
+            config, chosen = auto_config(config, per_node * nnodes_hint)
+        except ValueError as exc:
+            return _fail([str(exc)])
+        _say(f"parallel.auto: {chosen.label()} (predicted {chosen.step_time:.3g} s/step)")
+        args.nproc_per_node = per_node
     nproc = (
         args.nproc_per_node if args.nproc_per_node is not None else max(1, config.world_size // nnodes_hint)
     )
@@ -275,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         print(config_to_toml(config), end="")
         return 0
+    if args.command == "plan":
+        return run_plan(args, config)
     if args.command == "train":
         args.nproc_per_node = args.nnodes = args.node_rank = args.rdzv_endpoint = args.hostfile = None
         args.log_dir = None

@@ -33,6 +33,8 @@ class ParallelConfig:
     (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks).
+    ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
+    the world it launches (``tessera.launcher.plan.auto``) before anything spawns.
     """
 
     dp: int = 1
@@ -47,6 +49,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 4
     virtual_stages: int = 1
+    auto: bool = False
 
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""

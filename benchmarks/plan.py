@@ -1,0 +1,340 @@
+"""The planner against measured runs here, and on paper against Megatron-LM at scale.
+
+Part 1, measured (``--skip-measure`` to leave out): 16 configurations of one reference GPT
+at world 2, 4 and 8 (dp, 1D tp with and without Megatron SP, 2D, 2.5D, 3D, context
+parallelism ring and Ulysses, pipelines 1F1B/GPipe/ZB-H1, ZeRO 0-3, offload, bf16), each
+built by ``boost()`` on a pool of gloo processes (one pool per world size) and trained for
+``--warmup`` + ``--iters`` steps. Per configuration, one JSON line:
+
+- ``step_time_s``: median over ``--iters`` steps of the slowest rank; ``predicted_step_s``:
+  the planner's, on the cluster of ``--cluster`` (default the ``cpu`` preset, this machine
+  as ``tessera plan --calibrate`` measured it);
+- ``model_state_bytes``: ``ZeroOptimizer.memory().model_state`` when the last warmup step
+  enters ``ZeroOptimizer.step()`` (every backward done; the fullest rank) beside
+  ``predicted_model_state_bytes``;
+- ``peak_rss_mb``: the largest growth over the ranks of the resident set (``VmHWM`` reset
+  through /proc/self/clear_refs after ``gc`` and ``malloc_trim``, mmap threshold 128 KiB as
+  in ``zero.py``; every code path first runs once on a tiny copy of the configuration, so lazy
+  initialisation is not charged) while the engine is built and runs its warmup steps, beside the planner's
+  ``predicted_peak_mb`` (model state, activations and buffers of the fullest rank; with
+  offload the host's share too, since on this machine host and device are one memory).
+
+Then the Spearman rank correlation of predicted and measured step times, and the share of
+pairs whose measured times differ by more than 20% that the planner orders right.
+
+Part 2, on paper: the planner's choice for GPT-3 175B on 1024 A100 80GB (batch 1536) and for
+Megatron's 1T model on 3072 A100 (batch 3072), with activation recomputation allowed (as
+Megatron used), beside the published figures of Narayanan et al., "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", SC'21 (arXiv:2104.04473): 175B
+on 1024 GPUs at 140 TFLOP/s per GPU (Section 5.1; Table 2 runs it at t=8, p=12); 1T with
+t=8, p=64 on 3072 GPUs at 163 TFLOP/s per GPU (Table 1). Megatron counts
+``F = 96 B s l h^2 (1 + s/6h + V/16lh)`` FLOPs per step (with the recompute forward); the
+planner's figure is converted to that count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import math
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from _common import emit, table
+
+from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.launcher import boost
+from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
+from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate, load_cluster, search
+
+MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
+BATCH = 16
+
+# (label, parallel, zero stage, offload, precision)
+CASES: list[tuple[dict[str, Any], int, bool, str]] = [
+    ({"dp": 2}, 0, False, "fp32"),
+    ({"dp": 2}, 3, False, "fp32"),
+    ({"tp": 2}, 0, False, "fp32"),
+    ({"pp": 2, "microbatches": 4}, 0, False, "fp32"),
+    ({"sp": 2}, 1, False, "fp32"),
+    ({"dp": 4}, 1, False, "bf16"),
+    ({"dp": 2, "tp": 2, "sequence_parallel": True}, 1, False, "fp32"),
+    ({"tp": 4, "tp_mode": "2d"}, 0, False, "fp32"),
+    ({"dp": 2, "pp": 2, "microbatches": 4, "schedule": "gpipe"}, 1, False, "fp32"),
+    ({"dp": 2, "sp": 2, "sp_mode": "ulysses"}, 2, False, "fp32"),
+    ({"dp": 4}, 2, True, "fp32"),
+    ({"dp": 8}, 2, False, "fp32"),
+    ({"dp": 2, "pp": 2, "tp": 2, "microbatches": 4}, 1, False, "fp32"),
+    ({"tp": 8, "tp_mode": "3d"}, 0, False, "fp32"),
+    ({"tp": 8, "tp_mode": "2.5d", "tp_depth": 2}, 0, False, "fp32"),
+    ({"dp": 4, "pp": 2, "microbatches": 2, "schedule": "zb-h1"}, 1, False, "fp32"),
+]
+
+
+def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str) -> Config:
+    return Config(
+        parallel=ParallelConfig(**{"microbatches": 1, **parallel}),
+        zero=ZeroConfig(stage, offload),
+        model=MODEL,
+        data=DataConfig(batch_size=BATCH),
+        train=TrainConfig(precision=precision),
+    )
+
+
+# ---------------------------------------------------------------------- resident memory
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _rss_baseline() -> int:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    return _status_kb("VmRSS")
+
+
+# ---------------------------------------------------------------------- one configuration
+def _train(rank: int, config: Config, warmup: int, iters: int) -> dict[str, Any]:
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the resident set
+    tiny = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, d_model=64, n_layers=config.parallel.pp)
+    )
+    _run(tiny, 1, 0)  # every code path once (lazy initialisation) outside the measurement
+    return _run(config, warmup, iters)
+
+
+def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
+    m = config.model
+    cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
+    batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]
+    base = _rss_baseline()
+    model = GPT(cfg, seed=0)
+    engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    states: list[int] = []
+    step = engine.zero.step
+
+    def metered() -> bool:  # every backward of the step has run: model state at its peak
+        states.append(engine.zero.memory().model_state)
+        return step()
+
+    engine.zero.step = metered  # type: ignore[method-assign]
+    for i in range(warmup):
+        engine.train_step(*batches[i])
+    rss_mb = (_status_kb("VmHWM") - base) / 1024
+    engine.zero.step = step  # type: ignore[method-assign]
+    times, loss = [], float("nan")
+    for i in range(warmup, warmup + iters):
+        t0 = time.perf_counter()
+        loss = engine.train_step(*batches[i]).loss
+        times.append(time.perf_counter() - t0)
+    engine.mesh.close()
+    return {"times": times, "rss_mb": rss_mb, "model_state": max(states) if states else 0, "loss": loss}
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    spread = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / spread
+
+
+def measure(cluster: Cluster, warmup: int, iters: int) -> list[dict[str, Any]]:
+    """Part 1: every case measured and predicted."""
+    records: list[dict[str, Any]] = []
+    configs = [_config(*case) for case in CASES]
+    for world in sorted({c.world_size for c in configs}):
+        with WorkerPool(world, timeout=900) as pool:
+            for config in (c for c in configs if c.world_size == world):
+                assert config.validate() == [], config.validate()
+                per_rank = pool.run(_train, config, warmup, iters, timeout=900)
+                steps = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
+                est = estimate(config, ModelShape.from_config(config), cluster)
+                step = statistics.median(steps)
+                p = config.parallel
+                label = (
+                    f"dp{p.dp} pp{p.pp} tp{p.tp}/{p.tp_mode}{'+sp' if p.sequence_parallel else ''} "
+                    f"cp{p.sp}/{p.sp_mode} {p.schedule} m{p.microbatches} z{config.zero.stage}"
+                    f"{'+off' if config.zero.offload else ''} {config.train.precision}"
+                )
+                record = {
+                    "bench": "plan",
+                    "system": "tessera",
+                    "config": f"{label} world={world}",
+                    "step_time_s": round(step, 5),
+                    "predicted_step_s": round(est.time.total, 5),
+                    "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
+                    "model_state_bytes": max(r["model_state"] for r in per_rank),
+                    "predicted_model_state_bytes": round(est.memory.model_state),
+                    "peak_rss_mb": round(max(r["rss_mb"] for r in per_rank), 1),
+                    "predicted_peak_mb": round((est.memory.device + est.memory.host) / 2**20, 1),
+                    "final_loss": round(per_rank[0]["loss"], 4),
+                }
+                record["state_ratio"] = round(
+                    record["predicted_model_state_bytes"] / record["model_state_bytes"], 4
+                )
+                record["rss_ratio"] = round(record["predicted_peak_mb"] / max(record["peak_rss_mb"], 1e-9), 3)
+                record["time_ratio"] = round(est.time.total / step, 3)
+                emit(record)
+                records.append(record)
+    measured = [r["step_time_s"] for r in records]
+    predicted = [r["predicted_step_s"] for r in records]
+    pairs = right = 0
+    for i in range(len(records)):
+        for j in range(i + 1, len(records)):
+            a, b = measured[i], measured[j]
+            if max(a, b) > 1.2 * min(a, b):
+                pairs += 1
+                right += (a < b) == (predicted[i] < predicted[j])
+    emit(
+        {
+            "bench": "plan",
+            "system": "tessera",
+            "config": f"rank agreement over {len(records)} configurations",
+            "step_time_s": 0.0,
+            "tokens_per_s": 0.0,
+            "spearman": round(_spearman(measured, predicted), 3),
+            "pairs_over_20pct": pairs,
+            "pairs_ordered_right": right,
+        }
+    )
+    return records
+
+
+# ---------------------------------------------------------------------- part 2: at scale
+PAPER = {
+    "gpt3-175b": {
+        "model": ModelConfig(vocab_size=51200, seq_len=2048, d_model=12288, n_heads=96, n_layers=96),
+        "batch": 1536,
+        "gpus": 1024,
+        "published_tflops": 140.0,
+        "published_config": "t=8, p=12 in Table 2 (model-parallel size 96); 1024-GPU run: Section 5.1",
+    },
+    "megatron-1t": {
+        "model": ModelConfig(vocab_size=51200, seq_len=2048, d_model=25600, n_heads=160, n_layers=128),
+        "batch": 3072,
+        "gpus": 3072,
+        "published_tflops": 163.0,
+        "published_config": "t=8, p=64, dp=6, interleaved schedule (Table 1)",
+        "published_parallel": ParallelConfig(
+            dp=6, pp=64, tp=8, schedule="interleaved-1f1b", virtual_stages=2, microbatches=512
+        ),
+    },
+}
+
+
+def megatron_flops(model: ModelShape) -> float:
+    """Megatron-LM's FLOPs per step, equation (3) of the paper (recompute forward included)."""
+    b, s, layers, h, v = model.batch, model.seq, model.layers, model.hidden, model.vocab
+    return 96.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def at_scale(max_chunks: int) -> None:
+    """Part 2: the planner's choice beside Megatron's published configuration and throughput."""
+    for name, spec in PAPER.items():
+        gpus = int(spec["gpus"])  # type: ignore[call-overload]
+        cluster = dataclasses.replace(PRESETS["a100-80g"], nodes=gpus // 8)
+        base = Config(
+            model=spec["model"],  # type: ignore[arg-type]
+            data=DataConfig(batch_size=int(spec["batch"])),  # type: ignore[call-overload]
+            train=TrainConfig(precision="bf16"),
+        )
+        t0 = time.perf_counter()
+        result = search(base, cluster, recompute=(False, True), max_chunks=max_chunks, tp_modes=("1d",))
+        seconds = time.perf_counter() - t0
+        model = ModelShape.from_config(base)
+        best = result.best
+        record: dict[str, Any] = {
+            "bench": "plan-at-scale",
+            "system": "tessera-planner",
+            "config": f"{name} on {gpus} A100 80GB (preset a100-80g), batch {model.batch}",
+            "search_s": round(seconds, 2),
+            "published_tflops_per_gpu": spec["published_tflops"],
+            "published_config": spec["published_config"],
+        }
+        if best is None:
+            record.update(step_time_s=0.0, tokens_per_s=0.0, choice="nothing fits")
+        else:
+            step = best.step_time
+            record.update(
+                choice=best.label(),
+                step_time_s=round(step, 3),
+                tokens_per_s=round(model.batch * model.seq / step, 1),
+                predicted_tflops_per_gpu_megatron_count=round(megatron_flops(model) / step / gpus / 1e12, 1),
+                predicted_model_tflops_per_gpu=round(model.step_flops() / step / gpus / 1e12, 1),
+                memory_gib=round(best.estimate.memory.device / 2**30, 1),
+                bubble=round(best.estimate.bubble_fraction, 3),
+                breakdown_s={
+                    k: round(getattr(best.estimate.time, k), 3)
+                    for k in ("compute", "tensor_comm", "bubble", "data_comm", "optimizer")
+                },
+            )
+        published = spec.get("published_parallel")
+        if isinstance(published, ParallelConfig):
+            config = dataclasses.replace(base, parallel=published)
+            assert config.validate() == [], config.validate()
+            est = estimate(config, model, cluster, recompute=True)
+            record["published_config_predicted"] = {
+                "step_time_s": round(est.time.total, 3),
+                "tflops_per_gpu_megatron_count": round(
+                    megatron_flops(model) / est.time.total / gpus / 1e12, 1
+                ),
+                "memory_gib": round(est.memory.device / 2**30, 1),
+                "bubble": round(est.bubble_fraction, 3),
+            }
+        emit(record)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cluster", default="cpu", help="preset or cluster TOML for part 1 (default cpu)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--skip-measure", action="store_true", help="only the at-scale comparison")
+    parser.add_argument("--max-chunks", type=int, default=4, help="interleaved chunks at scale (default 4)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if not args.skip_measure:
+        records = measure(load_cluster(args.cluster), args.warmup, args.iters)
+        table(
+            records,
+            ("config", "step_time_s", "predicted_step_s", "state_ratio", "peak_rss_mb", "predicted_peak_mb"),
+        )
+    at_scale(args.max_chunks)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

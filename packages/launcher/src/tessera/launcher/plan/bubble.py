@@ -1,0 +1,92 @@
+"""Pipeline makespans and in-flight activations from the pipeline's own simulator.
+
+`pipeline_profile` builds the named schedule from the registry and runs
+``tessera.pipeline.simulate`` with costs in units of one forward (``f = 1``): the makespan
+in those units and each rank's ``peak_held`` (microbatch x chunk units whose activations are
+alive). Results are cached by their arguments, so a search that tries many data- and
+tensor-parallel shapes over the same pipeline simulates it once.
+
+Very long pipelines (more than ``EXACT_LIMIT`` compute actions) are simulated at the two
+smallest microbatch counts ``2p <= m1``, ``m1 + p <= m2`` that the schedule accepts and extrapolated
+linearly in ``m`` (one pair of simulations serves every larger ``m``):
+every registered schedule reaches its steady state by ``m = 2p`` (checked for p = 2, 4, 8), after
+which each extra microbatch adds the same time and the same (often zero) activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tessera.pipeline import Costs, build_schedule, schedule_spec, simulate
+
+__all__ = ["EXACT_LIMIT", "PipelineProfile", "pipeline_profile"]
+
+EXACT_LIMIT = 600  # compute actions simulated exactly; beyond: two smaller runs, extrapolated
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineProfile:
+    """A simulated schedule: makespan (in forwards) and per-rank peak held units."""
+
+    makespan: float
+    busy: float  # the busiest rank's compute time
+    peak_held: tuple[float, ...]
+    extrapolated: bool = False
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the busiest rank."""
+        return 1.0 - self.busy / self.makespan if self.makespan > 0 else 0.0
+
+
+def _simulate(name: str, p: int, m: int, v: int, costs: Costs) -> PipelineProfile:
+    result = simulate(build_schedule(name, p, m, v), costs)
+    return PipelineProfile(result.makespan, max(result.busy), tuple(float(x) for x in result.peak_held))
+
+
+def _small_counts(name: str, p: int, v: int) -> tuple[int, int] | None:
+    """The smallest microbatch count ``m1 >= 2p`` the schedule accepts, and the smallest
+    ``m2 >= m1 + p`` (a whole period later, so alternating patterns do not bend the line)."""
+    spec = schedule_spec(name)
+    m1 = next((k for k in range(2 * p, 8 * p + 1) if not spec.check(p, k, v)), None)
+    if m1 is None:
+        return None
+    m2 = next((k for k in range(m1 + p, m1 + 8 * p + 1) if not spec.check(p, k, v)), None)
+    return None if m2 is None else (m1, m2)
+
+
+@functools.lru_cache(maxsize=4096)
+def _steady(
+    name: str, p: int, v: int, costs: Costs
+) -> tuple[int, PipelineProfile, int, PipelineProfile] | None:
+    small = _small_counts(name, p, v)
+    if small is None:
+        return None
+    m1, m2 = small
+    return m1, _simulate(name, p, m1, v, costs), m2, _simulate(name, p, m2, v, costs)
+
+
+@functools.lru_cache(maxsize=8192)
+def pipeline_profile(
+    name: str, p: int, m: int, v: int, b: float, w: float, latency: float
+) -> PipelineProfile:
+    """The schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v`` chunks per rank,
+    timed with a forward of 1, backward-for-input ``b``, backward-for-weight ``w`` and a p2p
+    latency of ``latency`` (all in forwards)."""
+    costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency)
+    chunks = schedule_spec(name).chunks(v)
+    if p * m * chunks * 3 <= EXACT_LIMIT:
+        return _simulate(name, p, m, v, costs)
+    steady = _steady(name, p, v, costs)
+    if steady is None or m < steady[0]:
+        return _simulate(name, p, m, v, costs)
+    m1, a, m2, z = steady
+    k = (m - m1) / (m2 - m1)
+    busy = a.busy + k * (z.busy - a.busy)
+    return PipelineProfile(
+        max(busy, a.makespan + k * (z.makespan - a.makespan)),
+        busy,
+        tuple(x + k * (y - x) for x, y in zip(a.peak_held, z.peak_held, strict=True)),
+        extrapolated=True,
+    )

@@ -1,0 +1,142 @@
+"""``tessera plan --calibrate``: measure this machine and describe it as a `Cluster`.
+
+Times, in this process with one thread per rank as the launcher's workers run
+(``OMP_NUM_THREADS=1``): forward and backward of the reference GPT at a tiny and a medium
+size (a short profile of the model itself), fitted to the planner's own compute model
+``t = FLOPs / rate + operators * overhead`` (two sizes, two unknowns: the sustained FLOP/s
+of one rank and the fixed cost per operator); a large copy (memory bandwidth); and, between
+two gloo processes over loopback, all-reduces of a small and a large tensor, fitted to the
+alpha-beta model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``). The
+node's FLOP/s are one rank's times the cores (ranks beyond the cores share them).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tessera.launcher.plan.cluster import GIB, PRESETS, Cluster
+
+__all__ = ["calibrate"]
+
+SMALL, LARGE = 256, 4 * 2**20  # bytes of the two all-reduces
+
+
+def _median(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _collective_worker(rank: int, path: str, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(path, 2)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        result = []
+        for nbytes in (SMALL, LARGE):
+            x = torch.ones(nbytes // 4)
+
+            def reduce(x: torch.Tensor = x) -> None:
+                dist.all_reduce(x)
+
+            result.append(_median(reduce, 20 if nbytes == LARGE else 200))
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _link() -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of loopback gloo between two processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as tmp:
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_collective_worker, args=(r, os.path.join(tmp, "store"), queue))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        small, large = queue.get(timeout=120)
+        for p in procs:
+            p.join(60)
+    bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
+    latency = max((small - SMALL / bandwidth) / 2, 1e-7)
+    return latency, bandwidth
+
+
+def _profile(layers: int, hidden: int, seq: int, rows: int) -> tuple[float, float, float]:
+    """(seconds, FLOPs, operators) of one forward + backward of the reference GPT."""
+    from tessera.comm.testing import GPT, GPTConfig, make_batch
+    from tessera.launcher.plan.estimate import OPS_EDGE, OPS_LAYER
+    from tessera.launcher.plan.model import ModelShape
+
+    cfg = GPTConfig(vocab_size=128, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
+    model = GPT(cfg, seed=0)
+    idx, targets = make_batch(cfg, rows, seed=0)
+
+    def step() -> None:
+        model.loss(idx, targets).backward()  # type: ignore[no-untyped-call]
+
+    seconds = _median(step, 10)
+    spec = ModelShape(layers=layers, hidden=hidden, heads=4, vocab=128, seq=seq, batch=rows)
+    flops = spec.step_flops()
+    return seconds, flops, 3.0 * (layers * OPS_LAYER + 2 * OPS_EDGE)
+
+
+def calibrate() -> Cluster:
+    """Measure this machine (a few seconds; spawns two gloo processes) as a `Cluster`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t1, f1, o1 = _profile(2, 16, 8, 1)  # launches dominate
+        t2, f2, o2 = _profile(2, 256, 128, 8)  # FLOPs dominate
+        # t = f / rate + o * op  =>  solve for (1 / rate, op), each kept positive
+        det = f1 * o2 - f2 * o1
+        inv_rate = (t1 * o2 - t2 * o1) / det if det else 0.0
+        inv_rate = inv_rate if inv_rate > 0 else t2 / f2
+        op = max((t1 - f1 * inv_rate) / o1, 1e-7)
+        flops = 1.0 / inv_rate
+        big = torch.empty(16 * 2**20 // 4)
+        memory_bw = 2 * big.numel() * 4 / _median(lambda: big.clone(), 20)  # read + write
+    finally:
+        torch.set_num_threads(threads)
+    latency, bandwidth = _link()
+    cores = os.cpu_count() or 1
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    base = PRESETS["cpu"]
+    return Cluster(
+        name="cpu-calibrated",
+        nodes=1,
+        devices_per_node=base.devices_per_node,
+        memory_gib=round(total / GIB / base.devices_per_node, 2),
+        flops=flops,
+        flops_fp32=flops,
+        efficiency=1.0,
+        node_flops=flops * cores,
+        intra_bandwidth=bandwidth,
+        intra_latency=latency,
+        inter_bandwidth=bandwidth,
+        inter_latency=latency,
+        op_overhead_s=op,
+        memory_bandwidth=memory_bw,
+        host_bandwidth=memory_bw,
+        host_memory_bandwidth=memory_bw,
+        overlap=0.0,
+    )

@@ -1,0 +1,211 @@
+"""Hardware as data: a ``Cluster`` (nodes, devices, memory, FLOP/s, links) and its presets.
+
+A cluster is ``nodes`` nodes of ``devices_per_node`` devices. Each device holds
+``memory_gib`` and computes ``flops`` per second at the precision the job uses
+(``flops_fp32`` for fp32 jobs: the planner asks `Cluster.device_flops`), of which a matmul-
+heavy step reaches ``efficiency``. Links follow the alpha-beta model: a message of ``n``
+bytes between two devices takes ``latency + n / bandwidth`` seconds, with one (latency,
+bandwidth) pair inside a node (NVLink; loopback sockets on a CPU host) and one between
+nodes (InfiniBand, per device: a DGX has one NIC per GPU). ``op_overhead_s`` is the fixed
+cost of launching one operator (Python and kernel launch), which dominates tiny models.
+The optimizer step streams its state through ``memory_bandwidth`` (device) or, offloaded,
+``host_memory_bandwidth`` after copies over ``host_bandwidth``. ``overlap``: how much of the
+compute time communication can hide under (1 on GPUs, whose copy engines and NICs work
+beside the kernels; 0 on a CPU host, where gloo's threads compete for the same cores).
+``node_flops``: when not 0, the devices of a node share this many FLOP/s (a CPU host whose
+processes share its cores), so a rank gets ``min(flops, node_flops / ranks on the node)``.
+
+Presets: ``a100-80g`` (DGX A100: 8 x A100 80GB, NVLink 3 at ~240 GB/s achievable per
+direction, 8 x HDR 200 Gb/s InfiniBand), ``h100-80g`` (DGX H100: NVLink 4, 8 x NDR 400
+Gb/s), ``h200-141g`` (H100's links, 141 GB), and ``cpu`` (this machine, as measured by
+``tessera plan --calibrate``, which writes a TOML of the same fields). Peak FLOP/s are the
+vendors' dense figures (A100: 312 TFLOP/s bf16, 19.5 fp32; H100/H200 SXM: 989 bf16, 67 fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESETS", "Cluster", "cluster_to_toml", "load_cluster"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Devices, their memory and speed, and the two links of the alpha-beta model."""
+
+    name: str = "cluster"
+    nodes: int = 1
+    devices_per_node: int = 8
+    memory_gib: float = 80.0
+    flops: float = 312e12  # per device, bf16/fp16 dense
+    flops_fp32: float = 19.5e12  # per device, fp32 (no tensor-core TF32 assumed)
+    efficiency: float = 0.6  # fraction of the peak a transformer step's matmuls reach
+    node_flops: float = 0.0  # > 0: the node's devices share this (CPU cores)
+    intra_bandwidth: float = 240e9  # bytes/s per device, one direction, inside a node
+    intra_latency: float = 5e-6
+    inter_bandwidth: float = 25e9  # bytes/s per device between nodes
+    inter_latency: float = 10e-6
+    op_overhead_s: float = 0.0  # fixed cost per operator launched
+    memory_bandwidth: float = 2.0e12  # device memory, bytes/s (the optimizer step streams it)
+    host_bandwidth: float = 25e9  # device <-> host copies per device (PCIe), bytes/s
+    host_memory_bandwidth: float = 12e9  # host memory per device (an offloaded optimizer step)
+    overlap: float = 1.0  # fraction of compute time under which communication can hide
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name":
+                continue
+            if f.name in ("nodes", "devices_per_node"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"cluster.{f.name} must be an integer >= 1, got {value!r}")
+            elif not isinstance(value, int | float) or value < 0 or value != value:
+                raise ValueError(f"cluster.{f.name} must be a number >= 0, got {value!r}")
+        for name in (
+            "memory_gib",
+            "flops",
+            "flops_fp32",
+            "efficiency",
+            "intra_bandwidth",
+            "inter_bandwidth",
+            "memory_bandwidth",
+            "host_bandwidth",
+            "host_memory_bandwidth",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        """Devices in the whole cluster."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def memory_bytes(self) -> float:
+        """Memory of one device in bytes."""
+        return self.memory_gib * GIB
+
+    def device_flops(self, precision: str, ranks_on_node: int) -> float:
+        """FLOP/s one rank sustains at ``precision`` when ``ranks_on_node`` ranks share its node."""
+        peak = self.flops_fp32 if precision == "fp32" else self.flops
+        if self.node_flops > 0:
+            peak = min(peak, self.node_flops / max(1, ranks_on_node))
+        return peak * self.efficiency
+
+    def link(self, span: int, ranks_on_node: int = 1) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) of a group whose ranks lie ``span`` consecutive ranks
+        apart at most: inside one node when the span fits a node, otherwise across nodes.
+        On a node whose ranks outnumber its cores (``node_flops``), each message also waits
+        for its peer to be scheduled: the latency grows by the oversubscription."""
+        latency, bandwidth = (
+            (self.intra_latency, self.intra_bandwidth)
+            if span <= self.devices_per_node
+            else (self.inter_latency, self.inter_bandwidth)
+        )
+        if self.node_flops > 0:
+            latency *= max(1.0, ranks_on_node * self.flops / self.node_flops)
+        return latency, bandwidth
+
+    def with_world(self, world: int) -> Cluster:
+        """The same hardware with enough nodes for ``world`` ranks (one node if it fits)."""
+        nodes = max(1, -(-world // self.devices_per_node))
+        return dataclasses.replace(self, nodes=nodes)
+
+
+_DGX_A100 = Cluster(
+    name="a100-80g",
+    nodes=1,
+    devices_per_node=8,
+    memory_gib=80.0,
+    flops=312e12,
+    flops_fp32=19.5e12,
+    efficiency=0.6,
+    intra_bandwidth=240e9,
+    intra_latency=5e-6,
+    inter_bandwidth=25e9,
+    inter_latency=10e-6,
+)
+
+PRESETS: dict[str, Cluster] = {
+    "a100-80g": _DGX_A100,
+    "h100-80g": dataclasses.replace(
+        _DGX_A100,
+        name="h100-80g",
+        flops=989e12,
+        flops_fp32=67e12,
+        intra_bandwidth=400e9,
+        inter_bandwidth=50e9,
+    ),
+    "h200-141g": dataclasses.replace(
+        _DGX_A100,
+        name="h200-141g",
+        memory_gib=141.0,
+        flops=989e12,
+        flops_fp32=67e12,
+        intra_bandwidth=400e9,
+        inter_bandwidth=50e9,
+    ),
+    # this 2-core machine as `tessera plan --calibrate` measured it (rounded)
+    "cpu": Cluster(
+        name="cpu",
+        nodes=1,
+        devices_per_node=8,
+        memory_gib=2.94,
+        flops=5.0e10,
+        flops_fp32=5.0e10,
+        efficiency=1.0,
+        node_flops=1.0e11,
+        intra_bandwidth=0.85e9,
+        intra_latency=200e-6,
+        inter_bandwidth=0.85e9,
+        inter_latency=200e-6,
+        op_overhead_s=6.5e-6,
+        memory_bandwidth=31e9,
+        host_bandwidth=31e9,
+        host_memory_bandwidth=31e9,
+        overlap=0.0,
+    ),
+}
+
+
+def _from_mapping(data: dict[str, Any], where: str) -> Cluster:
+    preset = str(data.pop("preset", ""))
+    if preset and preset not in PRESETS:
+        raise ValueError(f"{where}: unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown cluster field(s) {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(PRESETS[preset] if preset else Cluster(), **data)
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset by name, or a TOML file with a ``[cluster]`` table of `Cluster` fields (and
+    optionally ``preset = "a100-80g"`` to start from one; ValueError naming an unknown preset
+    or field)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"cluster {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a file")
+    with path.open("rb") as fh:
+        doc = tomllib.load(fh)
+    table = doc.get("cluster")
+    if not isinstance(table, dict):
+        raise ValueError(f"{spec}: needs a [cluster] table")
+    return _from_mapping(dict(table), spec)
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """The ``[cluster]`` table `load_cluster` reads back to ``cluster``."""
+    lines = ["[cluster]"]
+    for f in fields(cluster):
+        value = getattr(cluster, f.name)
+        lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
+    return "\n".join(lines) + "\n"

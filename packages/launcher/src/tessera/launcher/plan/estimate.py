@@ -1,0 +1,348 @@
+"""Predict one configuration: per-rank memory (`MemoryEstimate`) and step time (`StepTime`).
+
+The configuration is a launcher `Config` that ``Config.validate()`` accepted. The model is
+cut into ``[embed, *layers, head]`` blocks; the pipeline's own partitioner
+(``partition_by_params``, the placement from the schedule's spec) gives each rank its stages,
+exactly as ``boost()`` cuts them; the pipeline's simulator times the schedule (`bubble`).
+
+Step time = the pipeline's makespan (or ``m`` microbatches back to back without a pipeline)
+with each microbatch-stage costing its FLOPs at the device's sustained rate, its operator
+launches, and the tensor- and context-parallel communication that compute waits for; plus
+the data-parallel / ZeRO gradient and parameter traffic that is not overlapped (stages 0-1
+reduce after the last backward; stage 2 reduce-scatters during the last backward; stage 3
+also all-gathers parameters before each forward and backward, prefetched under compute),
+plus the optimizer step (streamed from device memory, or from the host after PCIe copies
+with offload). Backward costs twice the forward, split evenly between the input and weight
+gradients (what zero-bubble schedules separate); recomputation adds one forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from tessera.launcher.config import Config, ParallelConfig
+from tessera.launcher.plan.bubble import pipeline_profile
+from tessera.launcher.plan.cluster import Cluster
+from tessera.launcher.plan.links import Link
+from tessera.launcher.plan.memory import (
+    DTYPE_BYTES,
+    ActivationShape,
+    MemoryEstimate,
+    activation_bytes,
+    model_state_bytes,
+)
+from tessera.launcher.plan.model import ModelShape, TPShape
+from tessera.launcher.plan.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
+from tessera.pipeline import partition_by_params, schedule_spec
+
+__all__ = [
+    "Cut",
+    "Estimate",
+    "RankShare",
+    "Shape",
+    "StepTime",
+    "cut_of",
+    "estimate",
+    "memory_floor",
+    "overheads",
+    "shape_of",
+    "timeline",
+]
+
+OPS_LAYER = 24  # operators one layer's forward launches (norms, projections, attention, MLP, adds)
+OPS_EDGE = 6  # operators of the embedding or of the head and loss
+BUCKET_BYTES = 25 * 2**20  # ZeroOptimizer's default stage 0-2 bucket
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """Seconds of one optimizer step, by where they go (they add up to ``total``)."""
+
+    compute: float  # the busiest rank's forward and backward, communication of tp/sp included
+    tensor_comm: float  # of which tensor- and context-parallel communication
+    bubble: float  # pipeline idle time of the busiest rank
+    data_comm: float  # data-parallel / ZeRO traffic not hidden under compute
+    optimizer: float  # the optimizer step (and offload copies)
+
+    @property
+    def total(self) -> float:
+        """The predicted step time."""
+        return self.compute + self.bubble + self.data_comm + self.optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A configuration's predicted memory (the fullest rank) and step time."""
+
+    memory: MemoryEstimate
+    time: StepTime
+    psi: int  # parameter elements on the fullest rank
+    bubble_fraction: float
+
+    def fits(self, cluster: Cluster) -> bool:
+        """Whether the fullest rank's device memory fits one device."""
+        return self.memory.device <= cluster.memory_bytes
+
+
+def _link(cluster: Cluster, span: int, world: int) -> Link:
+    latency, bandwidth = cluster.link(span, min(world, cluster.devices_per_node))
+    return Link(latency, bandwidth)
+
+
+Kind = tuple[int, bool, bool]  # a chunk: (transformer layers, holds the embedding, holds the head)
+
+
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """What one pipeline rank holds: parameter elements, its kinds of chunk, its block count
+    and its largest block's elements."""
+
+    psi: int
+    kinds: tuple[Kind, ...]
+    blocks: int
+    largest: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """The pipeline partitioner's cut of the blocks, by rank (independent of batch and dp)."""
+
+    ranks: tuple[RankShare, ...]
+    kinds: frozenset[Kind]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def cut_of(model: ModelShape, shape: TPShape, pp: int, schedule: str, v: int) -> Cut:
+    """Cut ``[embed, *layers, head]`` as ``boost()`` does: ``partition_by_params`` over this
+    tensor-parallel rank's parameter counts, stages placed by the schedule's spec."""
+    placement = schedule_spec(schedule).stage_to_rank(pp, v) if pp > 1 else (0,)
+    part = partition_by_params(model.block_params(shape), placement)
+    last = model.layers + 1
+
+    def kind(stage: int) -> Kind:
+        blocks = part.blocks_of_stage(stage)
+        return (sum(1 for b in blocks if 0 < b < last), blocks[0] == 0, blocks[-1] == last)
+
+    ranks = []
+    for rank in range(pp):
+        stages = part.stages_of_rank(rank)
+        ranks.append(
+            RankShare(
+                psi=int(sum(part.costs[s] for s in stages)),
+                kinds=tuple(kind(s) for s in stages),
+                blocks=sum(len(part.blocks_of_stage(s)) for s in stages),
+                largest=int(max(part.block_costs[b] for s in stages for b in part.blocks_of_stage(s))),
+            )
+        )
+    return Cut(tuple(ranks), frozenset(k for r in ranks for k in r.kinds))
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Everything about a configuration that does not depend on its ZeRO stage: per-chunk
+    forward ``f`` and backward ``bw`` seconds, the busiest rank's compute, the cut, and the
+    activation bytes of one microbatch per layer, embedding and head."""
+
+    f: float
+    bw: float
+    busy: float
+    tensor_comm: float
+    chunks: int
+    hop: float
+    cut: Cut
+    act: tuple[float, float, float]  # (embedding, one layer, head)
+    recompute_extra: float  # bytes of one layer's activations while it is recomputed
+
+    @property
+    def bound(self) -> float:
+        """A lower bound on the makespan under any schedule: every rank computes ``busy``, and
+        the last pipeline rank cannot start before the first microbatch crossed the others."""
+        return self.busy + (len(self.cut.ranks) - 1) * self.f
+
+    def unit(self, kind: Kind) -> float:
+        """Activation bytes one microbatch of a chunk of ``kind`` keeps for backward."""
+        layers, embed, head = kind
+        return layers * self.act[1] + embed * self.act[0] + head * self.act[2]
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def shape_of(
+    p: ParallelConfig, model: ModelShape, cluster: Cluster, precision: str, recompute: bool
+) -> Shape | None:
+    """The stage-independent part of a prediction (None when the pipeline cannot be cut:
+    fewer blocks than stages, or chunks the schedule refuses)."""
+    c = DTYPE_BYTES[precision]
+    shape = TPShape(p.tp_mode, p.tp, p.tp_depth)
+    world = p.dp * p.pp * p.tp * p.sp
+    try:
+        v = schedule_spec(p.schedule).chunks(p.virtual_stages) if p.pp > 1 else 1
+        cut = cut_of(model, shape, p.pp, p.schedule, v)
+    except ValueError:
+        return None
+    rows = model.batch / (p.dp * p.microbatches)
+    split = ActivationShape(shape, p.sequence_parallel, p.sp, recompute)
+    act = activation_bytes(model, rows, precision, split, layers=1)
+    rate = cluster.device_flops(precision, min(world, cluster.devices_per_node))
+    tokens = rows * model.seq
+    tp_link, sp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.sp, world)
+    layer_tp = tensor_traffic(model, rows, c, shape, tp_link, sp=p.sp)
+    heads_split = p.tp if p.tp_mode == "1d" else 1
+    layer_sp = context_traffic(model, rows, c, p.sp, p.sp_mode, heads_split, sp_link)
+    attention_s = 4.0 * tokens * model.seq * model.hidden / (p.tp * p.sp) / rate * cluster.overlap
+    layer_comm = layer_tp + Traffic(
+        layer_sp.forward + max(0.0, layer_sp.hidden_forward - attention_s),
+        layer_sp.backward + max(0.0, layer_sp.hidden_backward - 2 * attention_s),
+    )
+    edge_tp = edge_traffic(model, rows, c, shape, tp_link, sp=p.sp)
+    layer_s = model.layer_flops(tokens) / (p.tp * p.sp) / rate + OPS_LAYER * cluster.op_overhead_s
+    head_s = model.head_flops(tokens) / (p.tp * p.sp) / rate
+    edge_s = OPS_EDGE * cluster.op_overhead_s
+    f = bw = comm_most = 0.0
+    for layers, embed, head in cut.kinds:
+        edges = int(embed) + int(head)
+        compute = layers * layer_s + edges * edge_s + head * head_s
+        comm = layer_comm.scaled(layers) + edge_tp.scaled(edges)
+        f = max(f, compute + comm.forward)
+        bw = max(bw, (2 + recompute) * compute + comm.backward)
+        comm_most = max(comm_most, comm.forward + comm.backward)
+    boundary = (
+        rows * model.seq / p.sp * model.hidden * c / (p.tp if p.sequence_parallel or p.tp_mode != "1d" else 1)
+    )
+    extra = 0.0
+    if recompute and model.layers:
+        full = ActivationShape(shape, p.sequence_parallel, p.sp, False)
+        extra = activation_bytes(model, rows, precision, full, layers=1)[1]
+    return Shape(
+        f=f,
+        bw=bw,
+        busy=p.microbatches * v * (f + bw),
+        tensor_comm=comm_most * p.microbatches * v,
+        chunks=v,
+        hop=_link(cluster, world, world).p2p(boundary) if p.pp > 1 else 0.0,
+        cut=cut,
+        act=(act[0], act[1] if model.layers else 0.0, act[-1]),
+        recompute_extra=extra,
+    )
+
+
+def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float, ...]]:
+    """(busy, makespan, peak held units per rank) of the pipeline, from the simulator; ratios
+    to the forward are rounded to 0.1 so that near-identical pipelines share one simulation."""
+    if p.pp == 1:
+        return shape.busy, shape.busy, (1.0,)
+    ratio = round(shape.bw / 2 / shape.f, 1)
+    prof = pipeline_profile(
+        p.schedule, p.pp, p.microbatches, shape.chunks, ratio, ratio, round(shape.hop / shape.f, 1)
+    )
+    scale = shape.busy / prof.busy  # the simulated busy time in seconds, exactly
+    return shape.busy, prof.makespan * scale, prof.peak_held
+
+
+def one_reduction(p: ParallelConfig) -> bool:
+    """Whether the engine reduces gradients once per step inside ``accumulating()``: under a
+    pipeline or Megatron sequence parallelism."""
+    return p.pp > 1 or p.sequence_parallel
+
+
+def memory_floor(p: ParallelConfig, shape: Shape, precision: str, optimizer: str) -> float:
+    """A lower bound on the fullest rank's device bytes over every ZeRO stage and offload
+    (stage 3 with offload holds least): model state on the device plus one microbatch of its
+    smallest chunk (every rank holds one at its peak)."""
+    floor = 0.0
+    for share in shape.cut.ranks:
+        params, grads, state, host = model_state_bytes(
+            share.psi,
+            stage=3,
+            n=p.dp * p.sp,
+            precision=precision,
+            offload=True,
+            optimizer=optimizer,
+            one_reduction=one_reduction(p),
+        )
+        least = params + grads + state - host + min(shape.unit(k) for k in share.kinds)
+        floor = max(floor, least)
+    return floor
+
+
+def overheads(config: Config, shape: Shape, cluster: Cluster) -> tuple[float, float]:
+    """(data-parallel / ZeRO traffic not hidden, optimizer step) in seconds: what a step adds
+    to its pipeline's makespan (the gradients of the rank with most parameters set the pace)."""
+    p, z = config.parallel, config.zero
+    c = DTYPE_BYTES[config.train.precision]
+    n = p.dp * p.sp
+    world = n * p.pp * p.tp
+    psi = max(share.psi for share in shape.cut.ranks)
+    stage = (
+        1 if one_reduction(p) and z.stage >= 2 else z.stage
+    )  # one reduce-scatter and all-gather at the step
+    hide = cluster.overlap
+    data_comm = _data_comm(
+        stage, n, psi * c, _link(cluster, n * p.tp, world), hide * shape.f, hide * shape.bw, p.microbatches
+    )
+    shard = psi / (1 if z.stage == 0 else n)
+    if z.offload:
+        optimizer = shard * (4 + c) / cluster.host_bandwidth + shard * 28 / cluster.host_memory_bandwidth
+    else:
+        optimizer = shard * 28 / cluster.memory_bandwidth
+    return data_comm, optimizer + 30 * cluster.op_overhead_s
+
+
+def estimate(
+    config: Config, model: ModelShape, cluster: Cluster, *, recompute: bool | None = None
+) -> Estimate:
+    """Predict ``config`` (validated) for ``model`` on ``cluster``; ``recompute`` (activation
+    checkpointing per layer) defaults to the config's ``train.activation_checkpointing``."""
+    if recompute is None:
+        recompute = config.train.activation_checkpointing
+    p, z = config.parallel, config.zero
+    precision, c = config.train.precision, DTYPE_BYTES[config.train.precision]
+    shape = shape_of(p, model, cluster, precision, recompute)
+    if shape is None:
+        raise ValueError(f"parallel={p} cannot cut {model.layers + 2} blocks into its stages")
+    busy, makespan, held = timeline(p, shape)
+    state_of: dict[tuple[int, int, int], tuple[float, float, float, float, float]] = {}
+    worst: MemoryEstimate | None = None
+    worst_psi = 0
+    for rank, share in enumerate(shape.cut.ranks):
+        key = (share.psi, share.blocks, share.largest)
+        if key not in state_of:
+            flats = share.blocks if z.stage == 3 else max(1, math.ceil(share.psi * c / BUCKET_BYTES))
+            state = model_state_bytes(
+                share.psi,
+                stage=z.stage,
+                n=p.dp * p.sp,
+                precision=precision,
+                offload=z.offload,
+                optimizer=config.optim.name,
+                flats=flats,
+                one_reduction=one_reduction(p),
+            )
+            buffers = 2.0 * share.largest * c if z.stage == 3 and not one_reduction(p) else 0.0
+            state_of[key] = (*state, buffers)
+        params, grads, states, host, buffers = state_of[key]
+        activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra
+        device = params + grads + states - host + activations + buffers
+        if worst is None or device > worst.device:
+            worst, worst_psi = MemoryEstimate(params, grads, states, host, activations, buffers), share.psi
+    assert worst is not None
+    data_comm, optimizer = overheads(config, shape, cluster)
+    time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)
+    return Estimate(worst, time, worst_psi, (makespan - busy) / makespan if makespan else 0.0)
+
+
+def _data_comm(stage: int, n: int, nbytes: float, link: Link, f: float, bw: float, m: int) -> float:
+    """Seconds of ZeRO / data-parallel traffic that compute does not hide."""
+    norm = link.all_reduce(32, n)
+    if n <= 1:
+        return 0.0
+    if stage == 0:
+        return link.all_reduce(nbytes, n) + norm
+    phase = link.ring_phase(nbytes, n)
+    if stage == 1:
+        return 2 * phase + norm
+    if stage == 2:  # reduce-scatter under the last backward, all-gather after the step
+        return max(0.0, phase - bw) + phase + norm
+    per_microbatch = max(0.0, phase - f) + max(0.0, 2 * phase - bw)  # gathers prefetched under compute
+    return m * per_microbatch + norm

@@ -1,0 +1,52 @@
+"""The link model: seconds a collective takes over ``n`` ranks joined by a link of
+``latency`` seconds and ``bandwidth`` bytes/s per rank and direction (alpha-beta model).
+
+``nbytes`` is always the size of the whole tensor the collective is about (an all-gather's
+output, a reduce-scatter's input, an all-reduce's buffer). Ring algorithms move ``(n-1)/n``
+of it per rank per phase in ``n-1`` steps; the tree all-reduce (NCCL's double binary tree)
+pays ``2 log2 n`` latencies and about twice the bytes over the bandwidth; an all-reduce takes
+whichever is faster, as NCCL picks by size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Link"]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Latency (s) and bandwidth (bytes/s per rank and direction) of the link a group uses."""
+
+    latency: float
+    bandwidth: float
+
+    def p2p(self, nbytes: float) -> float:
+        """One message between two ranks."""
+        return self.latency + nbytes / self.bandwidth
+
+    def ring_phase(self, nbytes: float, n: int) -> float:
+        """An all-gather or a reduce-scatter by ring: n-1 steps of nbytes/n each."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        """An all-reduce: the faster of ring (reduce-scatter + all-gather) and tree."""
+        if n <= 1:
+            return 0.0
+        ring = 2 * self.ring_phase(nbytes, n)
+        tree = 2 * math.ceil(math.log2(n)) * self.latency + 2 * nbytes / self.bandwidth
+        return min(ring, tree)
+
+    def broadcast(self, nbytes: float, n: int) -> float:
+        """A broadcast by pipelined tree: log2 n latencies, the bytes once over the bandwidth."""
+        if n <= 1:
+            return 0.0
+        return math.ceil(math.log2(n)) * self.latency + nbytes / self.bandwidth
+
+    def all_to_all(self, nbytes: float, n: int) -> float:
+        """An all-to-all of a tensor of nbytes per rank: (n-1)/n of it leaves each rank."""
+        return self.ring_phase(nbytes, n)
