@@ -47,6 +47,9 @@ from torch import Tensor, nn
 from tessera.comm import Group, MemoryReport, group_size, measure_memory
 from tessera.zero.checkpoint import load as load_checkpoint
 from tessera.zero.checkpoint import save as save_checkpoint
+from tessera.zero.chunks import ChunkConfig, ChunkedFlatParam, ChunkStore
+from tessera.zero.chunks.build import build_store
+from tessera.zero.chunks.step import chunk_grad_stats, step_chunks
 from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
@@ -85,6 +88,10 @@ class ZeroOptimizer:
     ``average_over``: the gradient stepped is the sum over ``group`` divided by this (default:
     the group size, i.e. the mean). Pass the data-parallel degree when ``group`` also spans
     context-parallel ranks, whose gradients are partial sums of one replica's gradient.
+
+    ``memory``: the chunk memory manager (``tessera.zero.chunks``): masters, gradient shards
+    and optimizer state (and at stage 3 in fp32 the parameter shards) in chunks on the
+    device, host and disk under the budgets of a ``ChunkConfig``, stepped chunk by chunk.
     """
 
     def __init__(
@@ -104,7 +111,13 @@ class ZeroOptimizer:
         norm_groups: Sequence[Group] = (),
         replication: Mapping[nn.Parameter, int] | None = None,
         average_over: int | None = None,
+        memory: ChunkConfig | None = None,
     ) -> None:
+        if memory is not None and offload:
+            raise ValueError(
+                "offload=True and memory=ChunkConfig(...) exclude each other: "
+                "the chunk manager places the host tier itself"
+            )
         self.config = ZeroConfig(stage, precision, offload, clip_grad_norm, bucket_bytes)
         self.norm_groups = tuple(norm_groups)
         dtype = compute_dtype(precision)
@@ -125,7 +138,7 @@ class ZeroOptimizer:
         n_groups = len(optimizer.param_groups)
 
         def make(pairs: list[tuple[str, nn.Parameter]], gi: int, sharded: bool) -> FlatParam:
-            return FlatParam(
+            return (ChunkedFlatParam if memory is not None else FlatParam)(
                 [p for _, p in pairs],
                 [n for n, _ in pairs],
                 group_index=gi,
@@ -179,6 +192,12 @@ class ZeroOptimizer:
             else None
             for f in self.flats
         ]
+        self._chunks: ChunkStore | None = None
+        if memory is not None:
+            weights = self._norm_weights if replication else None
+            self._chunks = build_store(
+                model, self.flats, optimizer, memory, stage=stage, group=group, weights=weights
+            )
         self._holder = nn.ParameterList(_unique([t for f in self.flats for t in (f.shard, f.master)]))
         self.last_grad_norm: float | None = None
         self._accumulated = False  # gradients of an ``accumulating`` block wait for step()
@@ -263,24 +282,37 @@ class ZeroOptimizer:
         self._accumulated = False
         if self.config.offload:
             sync_device(self.device)
-        grads = [f.master_grad() for f in self.flats]
         factor = 1.0 / (self.average_over * self.loss_scale)
-        stats = global_grad_stats(  # every step: a non-finite norm skips it in every precision
-            grads,
-            self.group,
-            self.device,
-            extra_groups=self.norm_groups,
-            weights=self._norm_weights,
-            replicated=self.stage == 0,
-        )
+        if self._chunks is not None:
+            grads: list[Tensor] = []
+            stats = chunk_grad_stats(
+                self._chunks,
+                self.group,
+                self.device,
+                extra_groups=self.norm_groups,
+                replicated=self.stage == 0,
+            )
+        else:
+            grads = [f.master_grad() for f in self.flats]
+            stats = global_grad_stats(  # every step: a non-finite norm skips it in every precision
+                grads,
+                self.group,
+                self.device,
+                extra_groups=self.norm_groups,
+                weights=self._norm_weights,
+                replicated=self.stage == 0,
+            )
         if stats.overflow:
             return self._skip()
         self.last_grad_norm = stats.norm * factor
         if self.config.clip_grad_norm is not None:
             factor *= clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
+        if self._chunks is not None:
+            step_chunks(self._chunks, self.flats, factor)
+        else:
+            if factor != 1.0:
+                torch._foreach_mul_(grads, factor)
+            self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(False)
         for flat in self.flats:
@@ -331,12 +363,16 @@ class ZeroOptimizer:
     def full_parameters(self) -> dict[str, Tensor]:
         """Every parameter's fp32 master value in full, by name (collective in stages 1-3:
         all-gathers)."""
+        if self._chunks is not None:
+            return self._by_name([self._chunks.master(i) for i in range(len(self.flats))])
         return self._by_name([f.master for f in self.flats])
 
     def full_gradients(self) -> dict[str, Tensor]:
         """The fp32 gradients the optimizer is about to step on (averaged, unscaled, clipped),
         in full, by name: call it from an optimizer step pre-hook, on every rank (collective in
         stages 1-3: all-gathers)."""
+        if self._chunks is not None:
+            raise RuntimeError("full_gradients() is not available with the chunk memory manager (memory=...)")
         grads = [f.master.grad for f in self.flats]
         if any(g is None for g in grads):
             raise RuntimeError("full_gradients() is only valid inside step(), before the optimizer steps")
@@ -367,11 +403,13 @@ class ZeroOptimizer:
     def save(self, path: str | Path) -> None:
         """Write this rank's shards and optimizer state under directory ``path`` (collective;
         stage 0 writes its replicated state once, from rank 0)."""
+        self._no_chunks("save")
         save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
         """Load what ``save`` wrote, at the same world size and layout (collective); every rank
         raises if any rank finds the checkpoint invalid."""
+        self._no_chunks("load")
         self.steps = load_checkpoint(self, Path(path))
         self.zero_grad()
         for flat in self.flats:
@@ -381,16 +419,24 @@ class ZeroOptimizer:
     def full_state(self) -> dict[str, Tensor]:
         """Masters and optimizer state in full by parameter name, independent of the stage and
         world size (``tessera.zero.portable``; collective: all-gathers)."""
+        self._no_chunks("full_state")
         return full_state(self)
 
     def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
         """Restore what ``full_state`` returned, saved under any stage and world size; local."""
+        self._no_chunks("load_full_state")
         load_full_state(self, state)
         self.steps = steps
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()
         self._refresh_params()
+
+    def _no_chunks(self, what: str) -> None:
+        if self._chunks is not None:
+            raise NotImplementedError(
+                f"{what}() with the chunk memory manager (memory=...) is not implemented yet"
+            )
 
     def __repr__(self) -> str:
         c = self.config

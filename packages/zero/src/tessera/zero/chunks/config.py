@@ -1,0 +1,84 @@
+"""``ChunkConfig``: where the chunk memory manager may put model data, and how much of it.
+
+Budgets are in MiB. ``device_budget_mb=None``: the device tier is not used (it never is
+without an accelerator); ``host_budget_mb=None``: the host is not limited; ``disk_dir=None``:
+no disk tier. Under ``policy="static"`` a budget is
+what chunks (and the host's staging buffers) may hold on that tier, and ``fractions`` say
+which share of the chunk bytes goes to the device, the host and the disk, in the order the
+chunks are used. Under ``policy="auto"`` a budget is the tier's whole allowance: the first
+``step()`` (the warm-up) measures the memory training needs besides model data (activations,
+gathered stage-3 units, reduce buffers) and the chunks get what is left, the ones used first
+on the fastest tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["MIB", "ChunkConfig", "Policy"]
+
+MIB = 2**20
+Policy = Literal["static", "auto"]
+_ALIGN = 64  # chunk sizes are multiples of this many elements
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkConfig:
+    """Budgets per tier, the disk directory, the placement policy and the chunk size.
+
+    ``chunk_numel``: elements of one chunk (per stream: master, gradient, each optimizer
+    state tensor), rounded up to a multiple of 64; ``None`` searches it (the largest power of
+    two up to 2**22 whose working set (two staging chunks and the optimizer's scratch) takes
+    at most a quarter of the host budget).
+    ``fractions``: (device, host, disk) shares of the chunk bytes for ``static``; ``None``
+    fills the device, then the host, then the disk up to their budgets.
+    ``prefetch``: read the next disk chunk on a background thread while one is stepped.
+    """
+
+    device_budget_mb: float | None = None
+    host_budget_mb: float | None = None
+    disk_dir: str | Path | None = None
+    policy: Policy = "static"
+    fractions: tuple[float, float, float] | None = None
+    chunk_numel: int | None = None
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("static", "auto"):
+            raise ValueError(f"policy must be 'static' or 'auto', got {self.policy!r}")
+        for name in ("device_budget_mb", "host_budget_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.chunk_numel is not None and self.chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {self.chunk_numel}")
+        if self.fractions is not None:
+            if len(self.fractions) != 3 or any(f < 0 for f in self.fractions):
+                raise ValueError(
+                    f"fractions must be three non-negative shares (device, host, disk), got {self.fractions}"
+                )
+            if abs(sum(self.fractions) - 1.0) > 1e-9:
+                raise ValueError(f"fractions must sum to 1, got {self.fractions} (sum {sum(self.fractions)})")
+            if self.policy == "auto":
+                raise ValueError("fractions are for policy='static'; 'auto' places by measured free memory")
+
+    def budget_bytes(self, tier: str) -> int | None:
+        """The budget of ``tier`` ("device" or "host") in bytes, or None when unbounded/unused."""
+        value = self.device_budget_mb if tier == "device" else self.host_budget_mb
+        return None if value is None else round(value * MIB)
+
+    def numel_for(self, largest_shard: int, elem_bytes: int) -> int:
+        """The chunk size in elements: ``chunk_numel`` rounded up to 64, or searched: the largest
+        power of two up to 2**22 (and not above the largest shard) whose working set (three
+        chunks of ``elem_bytes`` per element) takes at most a quarter of the host budget."""
+        if self.chunk_numel is not None:
+            return -(-self.chunk_numel // _ALIGN) * _ALIGN
+        cap = 2**22
+        host = self.budget_bytes("host")
+        while cap > _ALIGN and (
+            cap // 2 >= largest_shard or (host is not None and 3 * cap * elem_bytes > host // 4)
+        ):
+            cap //= 2
+        return cap

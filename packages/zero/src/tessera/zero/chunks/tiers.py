@@ -1,0 +1,133 @@
+"""The disk tier: one plain ``.npy`` array file per chunk stream, in a private directory.
+
+Files are NumPy's plain array format (a short text header naming dtype and shape, then the
+raw little-endian elements), readable by ``numpy.load``; nothing is pickled, and a read
+compares the header with the expected bytes rather than evaluating it. Each
+write goes to a temporary file that replaces the old one with ``os.replace``, so a file is
+either the previous stream or the new one, never half of each. The CRC-32 of every write is
+kept in memory and checked on every read, with the header and the length, so a missing,
+truncated or altered file is a ``ChunkFileError`` naming the chunk, the stream and the path.
+
+Reads go straight into a host staging tensor with ``readinto`` rather than through a memory
+map: mapped pages count towards the process's resident memory until the kernel decides to
+drop them, which would let the host budget be exceeded silently; read pages stay in the
+page cache, which the kernel reclaims first and the process's RSS does not count. The
+directory is scratch space for this run (removed by ``close``), not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["ChunkFileError", "DiskTier"]
+
+log = logging.getLogger(__name__)
+
+
+def _header(array: np.ndarray) -> bytes:
+    """The .npy (version 1.0) header of ``array``. Reads compare it byte for byte instead of
+    parsing it: NumPy parses headers with ``ast.literal_eval``, which CPython 3.11 does not
+    make safe to run on several threads at once (the prefetch thread and the ranks)."""
+    buf = io.BytesIO()
+    fields = {
+        "descr": np.lib.format.dtype_to_descr(array.dtype),
+        "fortran_order": False,
+        "shape": array.shape,
+    }
+    np.lib.format.write_array_header_1_0(buf, fields)
+    return buf.getvalue()
+
+
+class ChunkFileError(RuntimeError):
+    """A disk-tier file is missing, truncated or does not hold what was written."""
+
+
+class DiskTier:
+    """A private directory under ``root`` holding chunk streams as ``.npy`` files."""
+
+    def __init__(self, root: str | Path, *, label: str) -> None:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"tessera-chunks-{label}-", dir=root))
+        self._crc: dict[tuple[int, str], tuple[int, int]] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def path(self, chunk: int, stream: str) -> Path:
+        """The file of one stream of one chunk."""
+        return self.dir / f"chunk-{chunk:06d}-{stream}.npy"
+
+    def write(self, chunk: int, stream: str, tensor: Tensor) -> None:
+        """Write ``tensor`` (1-D, on the host) as the stream's file, atomically (temp + replace)."""
+        array = tensor.detach().contiguous().numpy()
+        data = array.data.cast("B")
+        path = self.path(chunk, stream)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(_header(array))
+            f.write(data)
+        os.replace(tmp, path)
+        self._crc[(chunk, stream)] = (zlib.crc32(data), array.size)
+        self.bytes_written += data.nbytes
+
+    def read_into(self, chunk: int, stream: str, out: Tensor) -> None:
+        """Fill host tensor ``out`` from the stream's file, checking header, length and CRC."""
+        path = self.path(chunk, stream)
+        expected = self._crc.get((chunk, stream))
+        if expected is None:
+            raise ChunkFileError(f"chunk {chunk} stream {stream!r} was never written to the disk tier")
+        if not path.exists():
+            raise ChunkFileError(
+                f"chunk {chunk} stream {stream!r}: {path} is missing (was the disk tier directory changed?)"
+            )
+        array = out.numpy()
+        header = _header(array)
+        with open(path, "rb") as f:
+            head = f.read(len(header))
+            got = f.readinto(array.data.cast("B")) if head == header else 0
+        if head != header:
+            raise ChunkFileError(
+                f"chunk {chunk} stream {stream!r}: {path} is corrupt (its header {head[:64]!r} is not the "
+                f".npy header of {array.dtype} {array.shape})"
+            )
+        if got != array.nbytes:
+            raise ChunkFileError(
+                f"chunk {chunk} stream {stream!r}: {path} is truncated ({got} of {array.nbytes} data bytes)"
+            )
+        crc = zlib.crc32(array.data.cast("B"))
+        if crc != expected[0]:
+            raise ChunkFileError(
+                f"chunk {chunk} stream {stream!r}: {path} does not hold what was written "
+                f"(CRC-32 {crc:#010x}, expected {expected[0]:#010x})"
+            )
+        self.bytes_read += array.nbytes
+
+    def read(self, chunk: int, stream: str, numel: int, *, pin: bool) -> Tensor:
+        """A new host tensor holding the stream (pinned when ``pin``)."""
+        out = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+        self.read_into(chunk, stream, out)
+        return out
+
+    def drop(self, chunk: int, stream: str) -> None:
+        """Forget a stream (its file is removed)."""
+        self._crc.pop((chunk, stream), None)
+        self.path(chunk, stream).unlink(missing_ok=True)
+
+    def has(self, chunk: int, stream: str) -> bool:
+        """Whether the stream was written."""
+        return (chunk, stream) in self._crc
+
+    def close(self) -> None:
+        """Remove the directory and everything in it."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._crc.clear()
