@@ -41,7 +41,8 @@ def child(args: argparse.Namespace) -> None:
     """Build, train ``--steps`` steps, print one JSON line of figures."""
     import torch
 
-    from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
+    from tessera.comm.testing import run_threaded
+    from tessera.models import GPT, GPTConfig, make_batch
     from tessera.zero import ChunkConfig, ZeroOptimizer
     from tessera.zero.chunks.tracer import reset_peak_rss, rss_bytes
 

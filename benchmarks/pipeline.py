@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from _common import emit, table
 from torch import Tensor, nn
 
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import (
     SCHEDULES,
     Costs,

@@ -50,10 +50,11 @@ from typing import Any
 import torch
 from _common import emit, table
 
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate, load_cluster, search
+from tessera.models import GPT, GPTConfig, make_batch
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
 BATCH = 16

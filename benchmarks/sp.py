@@ -58,7 +58,8 @@ from _common import emit, table
 from torch import Tensor, nn
 
 from tessera.comm import storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel.context import (
     context_parallel_loss,
     context_parallelize,

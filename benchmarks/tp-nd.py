@@ -66,7 +66,8 @@ from _common import emit, table
 from torch import Tensor
 
 from tessera.comm import CommMeter, Mesh, Topology, TPMode, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel import parallelize
 from tessera.tensor_parallel.activations import ActivationBytes, activation_bytes_1d
 from tessera.tensor_parallel.testing import gpt_loss, gpt_plan

@@ -42,7 +42,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.comm import CommMeter, Mesh, Topology
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel import (
     GPT_PLAN,
     Plan,

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from _common import emit, table
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, WorkerPool, make_batch
+from tessera.comm.testing import WorkerPool
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.zero import ZeroOptimizer
 
 PAIRS = {2: "torch-ddp", 3: "torch-fsdp2"}

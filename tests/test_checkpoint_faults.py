@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, Diverged, Engine, ParallelConfig, ZeroConfig, boost
+from tessera.models import GPT, GPTConfig, make_batch
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)
 

@@ -35,9 +35,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tessera.comm.testing import GPT, GPTConfig, assert_adam_close, make_batch
+from tessera.comm.testing import assert_adam_close
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.models import GPT, GPTConfig, make_batch
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)
 STEPS = 4

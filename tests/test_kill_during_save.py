@@ -28,7 +28,7 @@ import json, os, signal, sys
 import torch, torch.distributed as dist
 import tessera.launcher.checkpoint as ckpt
 import tessera.zero.checkpoint as zckpt
-from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.launcher import boost, load_config
 from tessera.launcher.preflight import committed_checkpoint
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tessera.comm import measure_memory, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.models import GPT, GPTConfig, make_batch
 
 
 @settings(max_examples=30)

@@ -19,8 +19,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from tessera.comm.testing import GPT, GPTConfig
 from tessera.launcher.data import CharTokenizer, TextData, load_corpus
+from tessera.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 

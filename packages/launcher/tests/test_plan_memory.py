@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
+from tessera.comm.testing import run_threaded
 from tessera.launcher import boost
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.launcher.plan import PRESETS, ModelShape, estimate
 from tessera.launcher.plan.estimate import one_reduction
+from tessera.models import GPT, GPTConfig, make_batch
 
 BASE = Config(
     model=ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2),

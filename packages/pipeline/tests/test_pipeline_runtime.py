@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import (
     SCHEDULES,
     PipelineAborted,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline.split_backward import backward_input, grad_nodes
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=3)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tessera.comm.testing import GPT, GPTConfig
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel.plan import resolve_plan
 from tessera.tensor_parallel.three_d import Cube3D, Embedding3D, VocabEmbedding3D
 from tessera.tensor_parallel.two_d import (

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.comm.testing import GPT, GPTConfig
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel.plan import Plan, resolve_plan
 from tessera.tensor_parallel.style import style_named
 from tessera.tensor_parallel.two_d import GridShardSpec

@@ -21,7 +21,8 @@ import pytest
 from torch import Tensor
 
 from tessera.comm import Mesh, Topology, TPMode
-from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel import parallelize, shard_specs
 from tessera.tensor_parallel.testing import Curve, assert_follows_serial, gather_by_specs, sgd_curve
 from tessera.tensor_parallel.three_d import (

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tessera.comm import Topology, TPMode
-from tessera.comm.testing import GPT, GPTConfig
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel.plan import resolve_plan
 from tessera.tensor_parallel.three_d import (
     EMBEDDING_SPEC,

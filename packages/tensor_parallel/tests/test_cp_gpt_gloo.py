@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel.context import (
     context_parallel_loss,
     context_parallelize,

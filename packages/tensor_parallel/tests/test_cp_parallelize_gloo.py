@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import CommMeter
-from tessera.comm.testing import GPT, GPTConfig
 from tessera.comm.testing.fixtures import PoolFactory
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel.context import (
     ContextParallelAttention,
     context_parallelize,

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology, TPMode, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel import parallelize
 from tessera.tensor_parallel.activations import ActivationBytes, activation_bytes_1d
 from tessera.tensor_parallel.testing import gpt_loss, gpt_plan

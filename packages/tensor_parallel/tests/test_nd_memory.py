@@ -25,7 +25,8 @@ import pytest
 from torch import nn
 
 from tessera.comm import Mesh, Topology, TPMode, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import parallelize
 from tessera.tensor_parallel.testing import gpt_plan
 

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
-from tessera.comm.testing import GPT, GPTConfig, make_batch
 from tessera.comm.testing.fixtures import PoolFactory
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.tensor_parallel import GPT_PLAN, RNGRegion, parallel_gpt_loss, parallelize
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.2)

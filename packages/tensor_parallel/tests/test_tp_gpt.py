@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from tessera.comm import Mesh, Topology
-from tessera.comm.testing import GPT, GPTConfig, make_batch, run_threaded
-from tessera.comm.testing.gpt import Block
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig, make_batch
+from tessera.models.gpt import Block
 from tessera.tensor_parallel import (
     GPT_PLAN,
     Plan,

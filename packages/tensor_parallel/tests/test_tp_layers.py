@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from tessera.comm.testing import run_threaded
-from tessera.comm.testing.gpt import MLP, Attention, GPTConfig
+from tessera.models.gpt import MLP, Attention, GPTConfig
 from tessera.tensor_parallel import (
     ColumnParallelLinear,
     DropoutRNG,

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from tessera.comm import CommMeter, CommOp, Mesh, Topology, storage_bytes
-from tessera.comm.testing import GPT, GPTConfig, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import GPT_PLAN, Plan, parallelize
 
 BLOCK_PLAN = Plan.of(

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tessera.comm import CommMeter, Mesh, Topology
-from tessera.comm.testing import GPT, GPTConfig, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import (
     GPT2_PLAN,
     GPT_PLAN,
@@ -120,7 +121,7 @@ MLP_ONLY = {"layers.*.mlp": "region", "layers.*.mlp.fc_in": "colwise", "layers.*
             CFG,
             {"embed": "vocab"},
             2,
-            "embed (vocab): expected torch.nn.Embedding, got Embedding (from tessera.comm.testing.gpt)",
+            "embed (vocab): expected torch.nn.Embedding, got Embedding (from tessera.models.gpt)",
         ),
         (CFG, {"layers.0.attn": "region"}, 2, "a region needs colwise and rowwise layers inside it"),
         (CFG, {"head.lm_head": "sideways"}, 2, "plan entry 'head.lm_head': unknown style 'sideways'"),

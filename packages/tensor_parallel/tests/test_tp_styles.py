@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
-from tessera.comm.testing import GPT, GPTConfig, run_threaded
+from tessera.comm.testing import run_threaded
+from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import (
     GPT_PLAN,
     ApplyContext,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.comm.testing import GPT, GPTConfig, make_batch
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)

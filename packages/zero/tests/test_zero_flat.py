@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tessera.comm.testing import GPT, GPTConfig
+from tessera.models import GPT, GPTConfig
 from tessera.zero import DynamicLossScaler, clip_coefficient, default_units
 from tessera.zero.flat import FlatLayout, bucketize
 from tessera.zero.precision import compute_dtype

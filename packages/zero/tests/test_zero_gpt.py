@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.comm import CommMeter, CommOp, gloo_ring
-from tessera.comm.testing import GPT, GPTConfig, assert_adam_close, make_batch
+from tessera.comm.testing import assert_adam_close
+from tessera.models import GPT, GPTConfig, make_batch
 from tessera.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, bias=False)

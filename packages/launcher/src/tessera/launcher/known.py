@@ -20,6 +20,6 @@ REFERENCE_GPT_SPEC = ModelSpec(
 GPT2_SPEC = ModelSpec(plans={"1d": GPT2_PLAN}, blocks=gpt2_blocks)
 LLAMA_SPEC = ModelSpec(plans={"1d": LLAMA_PLAN}, blocks=llama_blocks)
 
-register_model_spec("tessera.comm.testing.gpt.GPT", REFERENCE_GPT_SPEC)
+register_model_spec("tessera.models.gpt.GPT", REFERENCE_GPT_SPEC)
 register_model_spec("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", GPT2_SPEC)
 register_model_spec("transformers.models.llama.modeling_llama.LlamaForCausalLM", LLAMA_SPEC)

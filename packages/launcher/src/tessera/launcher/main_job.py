@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.comm import default_device
-from tessera.comm.testing import GPT, GPTConfig
 from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
@@ -31,6 +30,7 @@ from tessera.launcher.engine import Engine
 from tessera.launcher.preflight import committed_checkpoint
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
+from tessera.models import GPT, GPTConfig
 
 __all__ = ["main", "sample"]
 

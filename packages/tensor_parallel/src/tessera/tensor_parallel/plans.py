@@ -1,6 +1,6 @@
 """Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2 and Llama.
 
-``GPT_PLAN`` (the reference GPT of ``tessera.comm.testing``, with or without sequence
+``GPT_PLAN`` (the reference GPT of ``tessera.models``, with or without sequence
 parallelism): vocab-parallel token embedding; with SP the positional embedding keeps this
 rank's positions; attention and MLP are regions with column-parallel q/k/v/fc_in and
 row-parallel out_proj/fc_out; the LM head is column-parallel over the vocabulary and its

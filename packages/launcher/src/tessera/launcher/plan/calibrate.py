@@ -81,9 +81,9 @@ def _link() -> tuple[float, float]:
 
 def _profile(layers: int, hidden: int, seq: int, rows: int) -> tuple[float, float, float]:
     """(seconds, FLOPs, operators) of one forward + backward of the reference GPT."""
-    from tessera.comm.testing import GPT, GPTConfig, make_batch
     from tessera.launcher.plan.estimate import OPS_EDGE, OPS_LAYER
     from tessera.launcher.plan.model import ModelShape
+    from tessera.models import GPT, GPTConfig, make_batch
 
     cfg = GPTConfig(vocab_size=128, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
     model = GPT(cfg, seed=0)

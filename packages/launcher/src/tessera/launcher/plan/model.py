@@ -2,7 +2,7 @@
 holds of it.
 
 `ModelShape` takes the launcher's ``[model]`` section (the reference GPT of
-``tessera.comm.testing``: learned positions, pre-norm layers, separate q/k/v/out
+``tessera.models``: learned positions, pre-norm layers, separate q/k/v/out
 projections with biases, an MLP of ``mlp_ratio``, an untied LM head) and the global batch
 from ``[data]``; a GPT-3-sized model is the same section with bigger numbers.
 
