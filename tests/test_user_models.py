@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.spec import check_blocks, pipeline_blocks
+from tessera.launcher.spec import check_blocks, pipeline_blocks, tied_blocks
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 3, 0.5
@@ -112,12 +112,12 @@ TINY_PLAN = Plan.of(
 
 
 # ---------------------------------------------------------------------------- Hugging Face
-def _hf_gpt2() -> nn.Module:
+def _hf_gpt2(tied: bool = False) -> nn.Module:
     import transformers
 
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, tie_word_embeddings=False,
+        attn_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, tie_word_embeddings=tied,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
@@ -133,7 +133,12 @@ def _hf_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-BUILDERS: dict[str, Callable[[], nn.Module]] = {"tiny": TinyLlama, "gpt2": _hf_gpt2, "llama": _hf_llama}
+BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "tiny": TinyLlama,
+    "gpt2": _hf_gpt2,
+    "gpt2-tied": lambda: _hf_gpt2(tied=True),  # GPT-2's default: LM head = token embedding
+    "llama": _hf_llama,
+}
 
 
 def _build(name: str) -> nn.Module:
@@ -207,7 +212,7 @@ def _id(c: Any) -> str:
     return f"zero{c}" if isinstance(c, int) else str(c)
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-tied", "llama"])
 @pytest.mark.parametrize(("parallel", "zero"), CASES, ids=_id)
 def test_a_model_tessera_never_saw_follows_its_serial_run(
     worker_pools: PoolFactory, name: str, parallel: ParallelConfig, zero: int
@@ -246,11 +251,13 @@ def test_blocks_are_found_and_checked_against_the_model() -> None:
         check_blocks(scaled, pipeline_blocks(scaled, ModelSpec()), _batch(0)[0], _logits)
 
 
-def test_tied_weights_across_blocks_are_refused_before_partitioning() -> None:
+def test_a_weight_tied_across_blocks_is_found_with_its_blocks() -> None:
+    """The embedding and LM head sharing one weight (the pipeline then sums the gradients of
+    its copies on the first and last stage's ranks: the gpt2-tied cases above)."""
     model = TinyLlama()
     model.out.weight = model.tokens.weight
-    with pytest.raises(ValueError, match="'weight' is in pipeline blocks 0 and 5 of TinyLlama"):
-        pipeline_blocks(model, ModelSpec())
+    tied = tied_blocks(pipeline_blocks(model, ModelSpec()))
+    assert list(tied.values()) == [[0, 5]] and next(iter(tied)) is model.tokens.weight
 
 
 def test_a_model_without_layers_or_plan_gets_one_line() -> None:

@@ -29,7 +29,14 @@ from tessera.launcher.engine import Engine
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.recompute import checkpoint_layers
-from tessera.launcher.spec import ModelSpec, check_blocks, layer_stack, model_spec, pipeline_blocks
+from tessera.launcher.spec import (
+    ModelSpec,
+    check_blocks,
+    layer_stack,
+    model_spec,
+    pipeline_blocks,
+    tied_blocks,
+)
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ZeroOptimizer
@@ -148,9 +155,9 @@ def boost(
     # how many tp ranks hold each element, from the shapes: tp for a parameter no style split,
     # 1 for a partition (1D, 2D, 3D), the depth for 2.5D's depth replicas
     copies = {param: tp * param.numel() // math.prod(full_shapes[name]) for name, param in named.items()}
-    replicated = {param: n for param, n in copies.items() if n > 1}
 
     stage_to_rank: tuple[int, ...] = ()
+    tied: list[tuple[str, nn.Parameter]] = []
     if pp > 1:
         blocks = pipeline_blocks(model, spec)  # again: tensor parallelism replaced modules
         schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
@@ -158,8 +165,17 @@ def boost(
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
         module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
         stage_to_rank = schedule.stage_to_rank
+        # a weight tied across blocks (embedding and LM head) that lands on several pipeline
+        # ranks: each holds a copy, their gradients are summed every step, norms count it once
+        for param, where in tied_blocks(blocks).items():
+            holders = {partition.rank_of_block(b) for b in where}
+            if len(holders) > 1:
+                tied.append((names[id(param)], param))
+                copies[param] *= len(holders)
+        tied.sort(key=lambda item: item[0])
     else:
         module = model
+    replicated = {param: n for param, n in copies.items() if n > 1}
     local = list(module.parameters())
     local_ids = {id(param) for param in local}
     placement = Placement(
@@ -203,5 +219,6 @@ def boost(
         objective=goal,
         output=spec.output,
         placement=placement,
+        tied=[(name, param, id(param) in local_ids) for name, param in tied],
         max_skipped_steps=config.train.max_skipped_steps,
     )

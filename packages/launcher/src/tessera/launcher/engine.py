@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -69,6 +69,7 @@ class Engine:
         objective: Objective,
         placement: Placement,
         output: Callable[[Any], Tensor] = logits_of,
+        tied: Sequence[tuple[str, nn.Parameter, bool]] = (),
         max_skipped_steps: int = 20,
     ) -> None:
         self.config = config
@@ -79,6 +80,7 @@ class Engine:
         self.scheduler = scheduler
         self.objective = objective
         self.output = output
+        self.tied = list(tied)  # (serial name, parameter, held by this rank) across pipeline ranks
         self.placement = placement
         self.step = 0
         self.max_skipped_steps = max_skipped_steps
@@ -140,6 +142,7 @@ class Engine:
                 )
                 assert result.loss is not None
                 local_loss = result.loss
+                self._sum_tied_gradients()
             else:
                 local_loss = self._accumulate(x, y)
             if sequence_parallel:
@@ -155,6 +158,20 @@ class Engine:
         out = StepOutput(float(loss_t[0]), self.zero.last_grad_norm, lr, not stepped)
         self._watch_divergence(out)
         return out
+
+    def _sum_tied_gradients(self) -> None:
+        """A weight tied across pipeline ranks (embedding and LM head) gets each holder's
+        gradient summed over the pipeline group, so every copy steps alike (ranks that do not
+        hold it add zeros; one all-reduce per tied weight, in name order on every rank)."""
+        for _, param, held in self.tied:
+            grad = param.grad if held and param.grad is not None else torch.zeros_like(param)
+            summed = all_reduce(grad, self.pp)
+            if not held:
+                continue
+            if param.grad is None:
+                param.grad = summed
+            else:
+                param.grad.copy_(summed)
 
     def _watch_divergence(self, out: StepOutput) -> None:
         """Count steps in a row that ZeRO skipped (a non-finite gradient norm: an fp16 overflow

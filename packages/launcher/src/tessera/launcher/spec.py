@@ -37,6 +37,7 @@ __all__ = [
     "model_spec",
     "pipeline_blocks",
     "register_model_spec",
+    "tied_blocks",
 ]
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,7 @@ def _around(model: nn.Module, path: str) -> tuple[list[nn.Module], nn.ModuleList
 
 def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """``model`` as a sequence of blocks for the pipeline partitioner (see the module
-    docstring); ValueError if a parameter sits in two blocks (two pipeline ranks would train
-    two copies of it)."""
+    docstring). A parameter may sit in several blocks (tied embeddings): see `tied_blocks`."""
     if callable(spec.blocks):
         blocks = list(spec.blocks(model))
     else:
@@ -168,16 +168,18 @@ def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
             "pipeline blocks of %s: %d before %s, %d layers, %d after",
             type(model).__name__, len(before), path, len(layers), len(after),
         )  # fmt: skip
-    owner: dict[int, int] = {}
-    for b, block in enumerate(blocks):
-        for name, param in block.named_parameters():
-            if owner.setdefault(id(param), b) != b:
-                raise ValueError(
-                    f"parameter {name!r} is in pipeline blocks {owner[id(param)]} and {b} of "
-                    f"{type(model).__name__} (tied weights across blocks are not supported with "
-                    "pipelining); untie them (e.g. tie_word_embeddings=False) or use parallel.pp=1"
-                )
     return blocks
+
+
+def tied_blocks(blocks: Sequence[nn.Module]) -> dict[nn.Parameter, list[int]]:
+    """Every parameter held by more than one block (tied embeddings), with those blocks."""
+    holders: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for b, block in enumerate(blocks):
+        for param in block.parameters():
+            entry = holders.setdefault(id(param), (param, []))
+            if b not in entry[1]:
+                entry[1].append(b)
+    return {param: where for param, where in holders.values() if len(where) > 1}
 
 
 @torch.no_grad()
