@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
+import re
 import resource
 import statistics
 import sys
@@ -45,3 +49,31 @@ def table(records: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
     widths = [max(len(k), *(len(row[i]) for row in rows)) for i, k in enumerate(keys)]
     for row in [list(keys), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)), file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- resident memory
+def status_kb(key: str) -> int:
+    """A ``/proc/self/status`` field in kB (``VmRSS``, ``VmHWM``); 0 when absent."""
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def libc_handle() -> ctypes.CDLL | None:
+    """glibc, for ``malloc_trim``; None where it is not there."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def rss_baseline() -> int:
+    """Collect garbage, return freed heap to the system, reset VmHWM; the resident kB now."""
+    gc.collect()
+    libc = libc_handle()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    return status_kb("VmRSS")

@@ -35,20 +35,16 @@ planner's figure is converted to that count.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
-import gc
 import logging
 import math
-import re
 import statistics
 import sys
 import time
 from typing import Any
 
 import torch
-from _common import emit, table
+from _common import emit, libc_handle, rss_baseline, status_kb, table
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
@@ -90,34 +86,11 @@ def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str)
     )
 
 
-# ---------------------------------------------------------------------- resident memory
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    return int(match.group(1)) if match else 0
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def _rss_baseline() -> int:
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        with contextlib.suppress(AttributeError):
-            libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    return _status_kb("VmRSS")
 
 
 # ---------------------------------------------------------------------- one configuration
 def _train(rank: int, config: Config, warmup: int, iters: int) -> dict[str, Any]:
-    libc = _libc()
+    libc = libc_handle()
     if libc is not None:
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the resident set
     tiny = dataclasses.replace(
@@ -131,7 +104,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]
-    base = _rss_baseline()
+    base = rss_baseline()
     model = GPT(cfg, seed=0)
     engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     states: list[int] = []
@@ -144,7 +117,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     engine.zero.step = metered  # type: ignore[method-assign]
     for i in range(warmup):
         engine.train_step(*batches[i])
-    rss_mb = (_status_kb("VmHWM") - base) / 1024
+    rss_mb = (status_kb("VmHWM") - base) / 1024
     engine.zero.step = step  # type: ignore[method-assign]
     times, loss = [], float("nan")
     for i in range(warmup, warmup + iters):

@@ -25,11 +25,7 @@ reference GPT, data and AdamW settings, in one run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import emit, table
+from _common import emit, libc_handle, rss_baseline, status_kb, table
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
 from tessera.comm.testing import WorkerPool
@@ -48,29 +44,6 @@ PAIRS = {2: "torch-ddp", 3: "torch-fsdp2"}
 LR = 1e-4
 
 
-# ---------------------------------------------------------------------- resident memory
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    return int(match.group(1)) if match else 0
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def _rss_baseline() -> int:
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        with contextlib.suppress(AttributeError):
-            libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    return _status_kb("VmRSS")
 
 
 # ---------------------------------------------------------------------- systems
@@ -166,7 +139,7 @@ def _build(name: str, stage: int, cfg: GPTConfig, rank: int, batch: int) -> Syst
 
 def _pair(rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict[str, Any]:
     names = ("tessera", PAIRS[stage])
-    libc = _libc()
+    libc = libc_handle()
     if libc is not None:
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: see the module docstring
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
@@ -175,12 +148,12 @@ def _pair(rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters:
     systems: dict[str, System] = {}
     out: dict[str, dict[str, Any]] = {}
     for name in names:  # one at a time: resident-memory growth over a fresh baseline
-        base = _rss_baseline()
+        base = rss_baseline()
         system = _build(name, stage, cfg, rank, batch)
         for i in range(warmup):
             system.step(i, measure=i == warmup - 1)
         out[name] = {
-            "peak_rss_mb": (_status_kb("VmHWM") - base) / 1024,
+            "peak_rss_mb": (status_kb("VmHWM") - base) / 1024,
             "model_state_bytes": system.model_state,
             "comm_bytes": system.comm_bytes,
         }

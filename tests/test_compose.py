@@ -239,14 +239,7 @@ def _resume(rank: int, config: Config, path: str) -> tuple[list[float], list[flo
     """Five steps straight, and two steps + save + a new engine that loads and runs three more."""
 
     def fresh() -> Any:
-        model = GPT(GPT_CFG, seed=1)
-        opt = _optimizer(model, config.optim.name)
-        return boost(
-            model,
-            opt,
-            config,
-            scheduler_fn=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),
-        )
+        return _fresh(config, seed=1)
 
     straight = fresh()
     a = [straight.train_step(*make_batch(GPT_CFG, BATCH, seed=s)).loss for s in range(5)]
@@ -314,8 +307,9 @@ def _train_and_save(rank: int, config: Config, path: str) -> list[float]:
     return losses
 
 
-def _fresh(config: Config) -> Any:
-    model = GPT(GPT_CFG, seed=7)
+def _fresh(config: Config, seed: int = 7) -> Any:
+    """A boosted reference GPT with a decaying learning-rate schedule."""
+    model = GPT(GPT_CFG, seed=seed)
     opt = _optimizer(model, config.optim.name)
     return boost(
         model,

@@ -78,6 +78,20 @@ def global_grad_stats(
     ``extra_groups`` are summed over. Moves 32 bytes per group summed over.
     """
     sq, bad = _local_sq(grads, weights)
+    return reduce_grad_stats(sq, bad, group, device, extra_groups=extra_groups, replicated=replicated)
+
+
+def reduce_grad_stats(
+    sq: float,
+    bad: bool,
+    group: Group,
+    device: torch.device,
+    *,
+    extra_groups: Sequence[Group] = (),
+    replicated: bool = False,
+) -> GradStats:
+    """The global norm and overflow flag from this rank's squared norm ``sq`` and non-finite
+    flag ``bad`` (one all-reduce of 32 bytes per group summed over; see ``global_grad_stats``)."""
     stats = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64, device=device)
     total = stats if replicated else all_reduce(stats, group, "sum")
     for extra in extra_groups:

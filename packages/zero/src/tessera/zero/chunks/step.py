@@ -14,15 +14,13 @@ Optimizer step hooks run once per chunk.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from tessera.comm import Group, all_reduce
+from tessera.comm import Group
 from tessera.zero.chunks.chunk import Chunk
 from tessera.zero.chunks.store import ChunkStore
-from tessera.zero.clip import GradStats
+from tessera.zero.clip import GradStats, reduce_grad_stats
 from tessera.zero.flat_param import FlatParam
 
 __all__ = ["chunk_grad_stats", "step_chunks"]
@@ -40,13 +38,7 @@ def chunk_grad_stats(
     as their gradients arrived (one all-reduce of 32 bytes per group, as ``global_grad_stats``)."""
     store.end_warmup()
     sq, bad = store.grad_sq()
-    stats = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64, device=device)
-    total = stats if replicated else all_reduce(stats, group, "sum")
-    for extra in extra_groups:
-        total = all_reduce(total, extra, "sum")
-    total = total.cpu()
-    overflow = bool(total[1] > 0)
-    return GradStats(norm=math.inf if overflow else math.sqrt(float(total[0])), overflow=overflow)
+    return reduce_grad_stats(sq, bad, group, device, extra_groups=extra_groups, replicated=replicated)
 
 
 def step_chunks(store: ChunkStore, flats: list[FlatParam], factor: float) -> None:
