@@ -61,6 +61,9 @@ def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
     assert [r["step"] for r in records if "loss" in r] == [2, 4, 6]
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
+    reference = [r for r in records if "serial_tokens_per_s" in r]
+    assert len(reference) == 1 and reference[0]["serial_tokens_per_s"] > 0 and reference[0]["threads"] >= 1
+    assert "the single-process run" in proc.stdout + proc.stderr  # the ratio is logged at the end
     assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"
     latest = (run / "checkpoint" / "latest").read_text().strip()
     assert latest == "step-00000006"
@@ -76,5 +79,5 @@ def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
     logged = next(r["val_loss"] for r in records if r.get("step") == 6 and "val_loss" in r)
     assert sum(val) / len(val) == pytest.approx(logged, rel=1e-5)
     text = (run / "sample.txt").read_text()
-    assert text.startswith("def ") and len(text) == 44
+    assert text.startswith("\ndef ") and len(text) == 45
     assert str(run.relative_to(tmp_path)) in proc.stdout + proc.stderr  # says where things are

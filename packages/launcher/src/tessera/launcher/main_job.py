@@ -5,7 +5,10 @@ executes this module. Rank 0 shows progress and writes the run folder under
 ``train.run_dir``: ``metrics.jsonl`` (a ``loss`` field per logged step, ``val_loss`` at each
 evaluation), ``plot.png`` (loss and tokens/s), ``checkpoint/`` (the resumable engine state),
 ``model.safetensors`` (the consolidated serial model), ``tokenizer.json`` and
-``sample.txt`` (text the trained model generates).
+``sample.txt`` (text the trained model generates). Before a fresh run trains, rank 0 times
+plain single-process PyTorch training of the same model on every core
+(``serial_tokens_per_s`` in ``metrics.jsonl``, a reference line in the plot) and the end of
+the run logs the parallel job's throughput as a multiple of it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from tessera.launcher.engine import Engine
 from tessera.launcher.preflight import committed_checkpoint
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
+from tessera.launcher.serial_speed import best_serial_tokens_per_s
 from tessera.models import GPT, GPTConfig
 
 __all__ = ["main", "sample"]
@@ -85,6 +90,36 @@ def _evaluate(engine: Engine, data: TextData, config: Config, step: int) -> floa
     return sum(losses) / len(losses)
 
 
+def _serial_reference(
+    gpt_cfg: GPTConfig, config: Config, data: TextData, device: torch.device
+) -> dict[str, float]:
+    """The ``serial_tokens_per_s`` record: plain PyTorch training of the same model, one process."""
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = GPT(gpt_cfg, seed=config.train.seed).to(device)
+        return model, _optimizer(config, model)
+
+    speed = best_serial_tokens_per_s(
+        make,
+        lambda i: data.batch("train", i, config.data.batch_size),
+        device=device,
+        clip_grad_norm=config.optim.clip_grad_norm,
+    )
+    log.info(
+        "single-process reference (plain PyTorch, threads=%d): %.0f tokens/s",
+        speed.threads,
+        speed.tokens_per_s,
+    )
+    return {"step": 0, "serial_tokens_per_s": speed.tokens_per_s, "threads": speed.threads}
+
+
+def _mean_speed(records: list[dict[str, Any]]) -> float:
+    """Mean tokens/s of the logged windows after the first (which holds start-up)."""
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    speeds = speeds[1:] or speeds
+    return sum(speeds) / len(speeds) if speeds else 0.0
+
+
 def main() -> None:
     """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank)."""
     config = load_config()
@@ -128,6 +163,8 @@ def main() -> None:
         (run / "tokenizer.json").write_text(data.tokenizer.to_json())
         truncate_metrics(run / "metrics.jsonl", engine.step)  # a resumed run writes them again
         metrics = MetricsWriter(run / "metrics.jsonl")
+        if engine.step == 0:  # a resumed run keeps the record it wrote at the start
+            metrics.write(**_serial_reference(gpt_cfg, config, data, device))
         progress = Progress(config.train.steps)
         log.info(
             "training %s on %d chars (vocab %d) into %s",
@@ -136,6 +173,7 @@ def main() -> None:
             data.tokenizer.vocab_size,
             run,
         )
+    dist.barrier()  # the other ranks wait while rank 0 times the single-process reference
     tokens = config.data.batch_size * m.seq_len
     started = time.perf_counter()
     window_start, window_steps = started, 0
@@ -163,6 +201,8 @@ def main() -> None:
             if metrics is not None:
                 metrics.write(step=done, val_loss=val)
                 log.info("step %d: validation loss %.4f", done, val)
+            if window_steps == 0:  # evaluation time is not training throughput
+                window_start = time.perf_counter()
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
             engine.save(run / "checkpoint", keep_last=config.train.keep_last)
     if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
@@ -173,9 +213,22 @@ def main() -> None:
         assert full is not None
         serial = GPT(gpt_cfg, seed=0)
         serial.load_state_dict(full)
-        text = sample(serial, data, prompt="def ", chars=config.train.sample_chars, seed=config.train.seed)
+        # a function definition at the start of a line; 0.6 keeps the sample in code rather than prose
+        chars, seed = config.train.sample_chars, config.train.seed
+        text = sample(serial, data, prompt="\ndef ", chars=chars, seed=seed, temperature=0.6)
         (run / "sample.txt").write_text(text)
-        plot_metrics(read_metrics(run / "metrics.jsonl"), run / "plot.png")
+        records = read_metrics(run / "metrics.jsonl")
+        plot_metrics(records, run / "plot.png")
+        reference = next((r["serial_tokens_per_s"] for r in records if "serial_tokens_per_s" in r), 0.0)
+        if reference > 0:
+            parallel = _mean_speed(records)
+            log.info(
+                "throughput: %.0f tokens/s on %d processes, %.2fx the single-process run (%.0f tokens/s)",
+                parallel,
+                dist.get_world_size(),
+                parallel / reference,
+                reference,
+            )
         log.info(
             "done in %.0f s. Run folder %s: metrics.jsonl, plot.png, checkpoint/, model.safetensors, "
             "tokenizer.json, sample.txt. Sample:\n%s",

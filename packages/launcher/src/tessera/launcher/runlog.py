@@ -90,7 +90,10 @@ class Progress:
 
 
 def plot_metrics(records: list[dict[str, Any]], path: Path) -> None:
-    """Training and validation loss, and tokens/s, against step, as a PNG."""
+    """Training and validation loss, and tokens/s, against step, as a PNG.
+
+    A ``serial_tokens_per_s`` record (the single-process reference of the same model) is drawn
+    as a dashed line on the tokens/s axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +109,18 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> None:
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     speed = [r for r in train if "tokens_per_s" in r]
-    ax_speed.plot([r["step"] for r in speed], [r["tokens_per_s"] for r in speed], color="tab:green")
+    ax_speed.plot(
+        [r["step"] for r in speed], [r["tokens_per_s"] for r in speed], color="tab:green", label="this run"
+    )
+    for r in records:
+        if "serial_tokens_per_s" in r:
+            threads = r.get("threads")
+            where = f", {threads} threads" if threads else ""
+            label = f"single process (PyTorch{where})"
+            ax_speed.axhline(r["serial_tokens_per_s"], color="tab:gray", linestyle="--", label=label)
+            ax_speed.legend()
+            break
+    ax_speed.set_ylim(bottom=0)
     ax_speed.set_ylabel("tokens / s")
     ax_speed.set_xlabel("step")
     ax_speed.grid(alpha=0.3)
