@@ -211,12 +211,11 @@ def _commit(
 
 # ---------------------------------------------------------------------------- load
 def _check(
-    engine: Checkpointable, path: Path
+    engine: Checkpointable, gen: Path, manifest: dict[str, Any]
 ) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
-    """This rank's share of the checks; returns the generation, its manifest, this rank's
-    tensors and header (raises ValueError/OSError naming the file)."""
-    gen = resolve_generation(path)
-    manifest = read_manifest(gen)
+    """This rank's share of the checks of generation ``gen`` (its ``manifest`` read); returns
+    the generation, its manifest, this rank's tensors and header (raises ValueError/OSError
+    naming the file)."""
     changed = _differences(manifest["config"], _fingerprint(engine.config))
     if changed:
         raise ValueError(f"{gen} was saved under another configuration: {'; '.join(changed[:6])}")
@@ -243,12 +242,10 @@ def _same_layout(engine: Checkpointable, manifest: dict[str, Any]) -> bool:
 
 
 def _check_portable(
-    engine: Checkpointable, path: Path
+    engine: Checkpointable, gen: Path, manifest: dict[str, Any]
 ) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
     """The checks of a generation saved under another topology: the configuration but its
     parallel and zero sections, and the checksums of the portable parts every rank reads."""
-    gen = resolve_generation(path)
-    manifest = read_manifest(gen)
     ignored = ("parallel", "zero")
     saved = {k: v for k, v in manifest["config"].items() if k not in ignored}
     mine = {k: v for k, v in _fingerprint(engine.config).items() if k not in ignored}
@@ -278,8 +275,11 @@ def load_engine(engine: Checkpointable, path: str | Path) -> tuple[int, Path]:
     error: BaseException | None = None
     same = True
     try:
-        same = _same_layout(engine, read_manifest(resolve_generation(path)))
-        gen, manifest, tensors, header = _check(engine, path) if same else _check_portable(engine, path)
+        gen = resolve_generation(path)
+        manifest = read_manifest(gen)
+        same = _same_layout(engine, manifest)
+        check = _check if same else _check_portable
+        gen, manifest, tensors, header = check(engine, gen, manifest)
     except _READ_ERRORS as e:
         error = e
     raise_together(error, None, f"reading the checkpoint {path}", device)

@@ -30,10 +30,16 @@ __all__ = [
     "RefinesInner",
     "Role",
     "TPStyle",
+    "module_kind",
     "register_style",
     "registered_styles",
     "style_named",
 ]
+
+
+def module_kind(module: nn.Module) -> str:
+    """What a module is, for errors: ``Embedding (from tessera.models.gpt)``."""
+    return f"{type(module).__qualname__} (from {type(module).__module__})"
 
 
 class Role(StrEnum):

@@ -24,7 +24,7 @@ from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLine
 from tessera.tensor_parallel.partition import ShardSpec, check_divisible
 from tessera.tensor_parallel.rng import ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import enter_tp_region, mark_sequence_parallel, scatter_to_sequence
-from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, register_style
+from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, module_kind, register_style
 
 __all__ = [
     "HEAD_ATTRIBUTES",
@@ -53,13 +53,9 @@ def attention_heads(module: nn.Module) -> int | None:
     return None if layout is None else layout.heads
 
 
-def _kind(module: nn.Module) -> str:
-    return f"{type(module).__qualname__} (from {type(module).__module__})"
-
-
 def _check_dense(module: nn.Module, where: str) -> tuple[int, int]:
     if not is_dense(module):
-        raise ValueError(f"{where}: expected torch.nn.Linear or HF Conv1D, got {_kind(module)}")
+        raise ValueError(f"{where}: expected torch.nn.Linear or HF Conv1D, got {module_kind(module)}")
     out_f, in_f = dense_weights(module)[0].shape
     return int(out_f), int(in_f)
 
@@ -150,7 +146,7 @@ class Vocab(BaseStyle):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{where}: expected torch.nn.Embedding, got {_kind(module)}")
+            raise ValueError(f"{where}: expected torch.nn.Embedding, got {module_kind(module)}")
         check_divisible(module.num_embeddings, tp, what="num_embeddings (vocab)", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
@@ -172,7 +168,7 @@ class DropoutStyle(BaseStyle):
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         if not isinstance(module, nn.Dropout):
-            raise ValueError(f"{name} ({self.name}): expected torch.nn.Dropout, got {_kind(module)}")
+            raise ValueError(f"{name} ({self.name}): expected torch.nn.Dropout, got {module_kind(module)}")
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Dropout)
@@ -186,7 +182,7 @@ class SequenceNorm(BaseStyle):
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         if list(module.children()):
-            kind = _kind(module)
+            kind = module_kind(module)
             raise ValueError(
                 f"{name} ({self.name}): expected a norm layer (a module without submodules), got {kind}"
             )
@@ -233,7 +229,7 @@ class RegionStyle(BaseStyle):
         layout = head_layout(module, where=f"{name} ({self.name})")
         if layout is None:
             raise ValueError(
-                f"{name} ({self.name}): cannot tell the head count of {_kind(module)}: give it an int "
+                f"{name} ({self.name}): cannot tell the head count of {module_kind(module)}: give it an int "
                 f"attribute {' / '.join(HEAD_ATTRIBUTES)}, a config.num_attention_heads, "
                 "or head_dim and a q_proj"
             )
@@ -242,7 +238,8 @@ class RegionStyle(BaseStyle):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         if is_dense(module) or isinstance(module, nn.Embedding | nn.Dropout):
-            raise ValueError(f"{where}: expected a sublayer holding parallel layers, got {_kind(module)}")
+            kind = module_kind(module)
+            raise ValueError(f"{where}: expected a sublayer holding parallel layers, got {kind}")
         if not self.attention:
             return
         self.layout(module, name=name).check(tp, where=where)

@@ -17,13 +17,14 @@ from typing import Final
 from torch import nn
 
 from tessera.tensor_parallel.partition import ShardSpec
-from tessera.tensor_parallel.style import ApplyContext, BaseStyle, register_style
+from tessera.tensor_parallel.style import ApplyContext, BaseStyle, module_kind, register_style
 from tessera.tensor_parallel.styles import attention_heads
 from tessera.tensor_parallel.three_d.cube import Cube3D, check_cube_divisible, cube_side
 from tessera.tensor_parallel.three_d.embedding import EMBEDDING_SPEC, Embedding3D
 from tessera.tensor_parallel.three_d.layernorm import LayerNorm3D, norm_spec
 from tessera.tensor_parallel.three_d.linear import Linear3D, bias_spec, check_linear_3d, weight_spec
 from tessera.tensor_parallel.three_d.vocab_embedding import VOCAB_EMBEDDING_SPEC, VocabEmbedding3D
+from tessera.tensor_parallel.two_d.embedding import check_plain_embedding
 
 __all__ = [
     "Attention3DStyle",
@@ -35,10 +36,6 @@ __all__ = [
     "VocabEmbedding3DStyle",
     "register",
 ]
-
-
-def _kind(module: nn.Module) -> str:
-    return f"{type(module).__qualname__} (from {type(module).__module__})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +67,7 @@ class Linear3DStyle(Style3D):
         where = f"{name} ({self.name})"
         q = cube_side(tp, where=where)
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"{where}: expected torch.nn.Linear, got {_kind(module)}")
+            raise ValueError(f"{where}: expected torch.nn.Linear, got {module_kind(module)}")
         if self.classifier:
             check_cube_divisible(module.out_features, q * q, what="vocab (out_features)", where=where)
         check_linear_3d(module.in_features, module.out_features, q, bias=module.bias is not None, where=where)
@@ -91,7 +88,7 @@ class LayerNorm3DStyle(Style3D):
         where = f"{name} ({self.name})"
         q = cube_side(tp, where=where)
         if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
-            raise ValueError(f"{where}: expected torch.nn.LayerNorm over one dim, got {_kind(module)}")
+            raise ValueError(f"{where}: expected torch.nn.LayerNorm over one dim, got {module_kind(module)}")
         affine = module.weight is not None
         check_cube_divisible(module.normalized_shape[0], q**3 if affine else q, what="hidden", where=where)
 
@@ -110,11 +107,8 @@ class Embedding3DStyle(Style3D):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         q = cube_side(tp, where=where)
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{where}: expected torch.nn.Embedding, got {_kind(module)}")
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise ValueError(f"{where}: padding_idx, max_norm and sparse are not supported")
-        check_cube_divisible(module.embedding_dim, q**3, what="embedding_dim", where=where)
+        embedding = check_plain_embedding(module, where)
+        check_cube_divisible(embedding.embedding_dim, q**3, what="embedding_dim", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Embedding)
@@ -132,12 +126,9 @@ class VocabEmbedding3DStyle(Style3D):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         q = cube_side(tp, where=where)
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{where}: expected torch.nn.Embedding, got {_kind(module)}")
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise ValueError(f"{where}: padding_idx, max_norm and sparse are not supported")
-        check_cube_divisible(module.num_embeddings, q * q, what="num_embeddings (vocab)", where=where)
-        check_cube_divisible(module.embedding_dim, q, what="embedding_dim", where=where)
+        embedding = check_plain_embedding(module, where)
+        check_cube_divisible(embedding.num_embeddings, q * q, what="num_embeddings (vocab)", where=where)
+        check_cube_divisible(embedding.embedding_dim, q, what="embedding_dim", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Embedding)
@@ -159,7 +150,7 @@ class Attention3DStyle(Style3D):
         q = cube_side(tp, where=where)
         heads = attention_heads(module)
         if heads is None:
-            raise ValueError(f"{where}: cannot tell the head count of {_kind(module)}")
+            raise ValueError(f"{where}: cannot tell the head count of {module_kind(module)}")
         check_cube_divisible(heads, q, what="heads", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:

@@ -24,11 +24,22 @@ from torch import Tensor, nn
 
 from tessera.comm import all_gather_along
 from tessera.tensor_parallel.partition import ShardSpec
+from tessera.tensor_parallel.style import module_kind
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
-__all__ = ["EMBEDDING_SPEC", "Embedding2D", "embedding_twin"]
+__all__ = ["EMBEDDING_SPEC", "Embedding2D", "check_plain_embedding", "embedding_twin"]
 
 M = TypeVar("M", bound=nn.Module)
+
+
+def check_plain_embedding(module: nn.Module, where: str) -> nn.Embedding:
+    """``module`` as an nn.Embedding of plain lookups, what the 2D and 3D embeddings take
+    (ValueError naming ``where`` for another module, or a padding_idx, max_norm or sparse one)."""
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"{where}: expected torch.nn.Embedding, got {module_kind(module)}")
+    if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+        raise ValueError(f"{where}: padding_idx, max_norm and sparse are not supported")
+    return module
 
 
 def embedding_twin(
@@ -37,9 +48,7 @@ def embedding_twin(
     """``cls(vocab, hidden, layout, dtype=, device=)`` holding tp rank ``rank``'s shard (by
     ``spec`` over ``tp`` ranks) of ``embedding``'s weight: the ``from_dense`` of the 2D and 3D
     embeddings. ValueError for a padding_idx, max_norm or sparse embedding (not supported)."""
-    if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-        name = getattr(cls, "__name__", "embedding")
-        raise ValueError(f"{name}: padding_idx, max_norm and sparse are not supported")
+    check_plain_embedding(embedding, getattr(cls, "__name__", "embedding"))
     w = embedding.weight
     new = cls(embedding.num_embeddings, embedding.embedding_dim, layout, dtype=w.dtype, device=w.device)
     with torch.no_grad():

@@ -16,9 +16,9 @@ from typing import Final
 from torch import nn
 
 from tessera.tensor_parallel.partition import ShardSpec
-from tessera.tensor_parallel.style import ApplyContext, BaseStyle, register_style
+from tessera.tensor_parallel.style import ApplyContext, BaseStyle, module_kind, register_style
 from tessera.tensor_parallel.styles import attention_heads
-from tessera.tensor_parallel.two_d.embedding import EMBEDDING_SPEC, Embedding2D
+from tessera.tensor_parallel.two_d.embedding import EMBEDDING_SPEC, Embedding2D, check_plain_embedding
 from tessera.tensor_parallel.two_d.grid import Grid2D, check_grid_divisible, grid_side
 from tessera.tensor_parallel.two_d.layernorm import NORM_SPEC, LayerNorm2D
 from tessera.tensor_parallel.two_d.linear import BIAS_SPEC, WEIGHT_SPEC, Linear2D, check_linear_2d
@@ -34,10 +34,6 @@ __all__ = [
     "VocabEmbedding2DStyle",
     "register",
 ]
-
-
-def _kind(module: nn.Module) -> str:
-    return f"{type(module).__qualname__} (from {type(module).__module__})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +68,7 @@ class Linear2DStyle(Style2D):
         where = f"{name} ({self.name})"
         q = grid_side(tp, where=where)
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"{where}: expected torch.nn.Linear, got {_kind(module)}")
+            raise ValueError(f"{where}: expected torch.nn.Linear, got {module_kind(module)}")
         if self.classifier:
             check_grid_divisible(module.out_features, q, what="vocab (out_features)", where=where)
         check_linear_2d(module.in_features, module.out_features, q, bias=module.bias is not None, where=where)
@@ -93,7 +89,7 @@ class LayerNorm2DStyle(Style2D):
         where = f"{name} ({self.name})"
         q = grid_side(tp, where=where)
         if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
-            raise ValueError(f"{where}: expected torch.nn.LayerNorm over one dim, got {_kind(module)}")
+            raise ValueError(f"{where}: expected torch.nn.LayerNorm over one dim, got {module_kind(module)}")
         affine = module.weight is not None
         check_grid_divisible(module.normalized_shape[0], q * q if affine else q, what="hidden", where=where)
 
@@ -112,11 +108,8 @@ class Embedding2DStyle(Style2D):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         q = grid_side(tp, where=where)
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{where}: expected torch.nn.Embedding, got {_kind(module)}")
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise ValueError(f"{where}: padding_idx, max_norm and sparse are not supported")
-        check_grid_divisible(module.embedding_dim, q * q, what="embedding_dim", where=where)
+        embedding = check_plain_embedding(module, where)
+        check_grid_divisible(embedding.embedding_dim, q * q, what="embedding_dim", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Embedding)
@@ -134,12 +127,9 @@ class VocabEmbedding2DStyle(Style2D):
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         q = grid_side(tp, where=where)
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{where}: expected torch.nn.Embedding, got {_kind(module)}")
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise ValueError(f"{where}: padding_idx, max_norm and sparse are not supported")
-        check_grid_divisible(module.num_embeddings, q, what="num_embeddings (vocab)", where=where)
-        check_grid_divisible(module.embedding_dim, q, what="embedding_dim", where=where)
+        embedding = check_plain_embedding(module, where)
+        check_grid_divisible(embedding.num_embeddings, q, what="num_embeddings (vocab)", where=where)
+        check_grid_divisible(embedding.embedding_dim, q, what="embedding_dim", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Embedding)
@@ -160,7 +150,7 @@ class Attention2DStyle(Style2D):
         q = grid_side(tp, where=where)
         heads = attention_heads(module)
         if heads is None:
-            raise ValueError(f"{where}: cannot tell the head count of {_kind(module)}")
+            raise ValueError(f"{where}: cannot tell the head count of {module_kind(module)}")
         check_grid_divisible(heads, q, what="heads", where=where)
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
