@@ -313,12 +313,6 @@ def test_corrupt_or_missing_disk_files_are_clear_errors(tmp_path: Path, how: str
         run_threaded(1, _break_disk, tmp_path, how)
 
 
-def test_checkpoints_are_refused_with_chunks() -> None:
-    (zero,) = run_threaded(1, _zero, ChunkConfig(chunk_numel=256))
-    with pytest.raises(NotImplementedError, match="chunk memory manager"):
-        zero.save("/nonexistent")
-
-
 class Reversed(nn.Module):
     """Two layers registered as ``first``, ``second`` but run ``second`` then ``first``."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "publish"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
@@ -21,8 +21,14 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    publish(tmp, target)
+
+
+def publish(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Rename the written and fsynced file ``tmp`` over ``target`` and fsync the directory, so
+    the rename survives a crash (the last step of ``atomic_write`` and of streamed writers)."""
     os.replace(tmp, target)
-    fd = os.open(target.parent, os.O_RDONLY)
+    fd = os.open(Path(target).parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,11 +40,27 @@ from tessera.launcher.spec import (
 )
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
-from tessera.zero import ZeroOptimizer
+from tessera.zero import ChunkConfig, ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
 
 log = logging.getLogger(__name__)
+
+
+def chunk_config(config: Config, rank: int) -> ChunkConfig | None:
+    """The chunk memory manager's settings for global rank ``rank`` (None when the job does not
+    use it); each rank's disk chunks go under ``<zero.disk_dir>/rank<k>``."""
+    z = config.zero
+    if not z.chunked:
+        return None
+    return ChunkConfig(
+        device_budget_mb=z.device_budget_mb or None,
+        host_budget_mb=z.host_budget_mb or None,
+        disk_dir=Path(z.disk_dir) / f"rank{rank}" if z.disk_dir else None,
+        policy="auto" if z.policy == "auto" else "static",
+        fractions=(z.fractions[0], z.fractions[1], z.fractions[2]) if z.fractions else None,
+        chunk_numel=z.chunk_numel or None,
+    )
 
 
 def rebuild_optimizer(
@@ -197,6 +214,7 @@ def boost(
         clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
         norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],
         replication=placement.replicated,
+        memory=chunk_config(config, mesh.rank),
     )
     runtime = None
     if pp > 1:

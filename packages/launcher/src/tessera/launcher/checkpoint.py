@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,17 +78,30 @@ class Checkpointable(Boosted, Protocol):
 
 
 # ---------------------------------------------------------------------------- pure parts
+# Fields that choose where or how the state lives but not what it is: a resume may change them
+# (a chunked run's checkpoint loads unchunked, under another disk directory or budget).
+_PLACEMENT_ONLY = {
+    "parallel": ("auto", "cluster"),
+    "zero": ("host_budget_mb", "device_budget_mb", "disk_dir", "policy", "fractions", "chunk_numel"),
+}
+
+
 def _fingerprint(config: Config) -> dict[str, Any]:
     """The configuration that shapes the saved state: a resume under another one is refused."""
     out = {name: dataclasses.asdict(getattr(config, name)) for name in ("parallel", "zero", "model", "optim")}
+    for section, names in _PLACEMENT_ONLY.items():
+        for name in names:
+            out[section].pop(name, None)
     out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
     out["train"] = {"seed": config.train.seed, "precision": config.train.precision}
     return out
 
 
 def _differences(saved: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> list[str]:
+    """What differs, for the keys this run's fingerprint has (a key only an older checkpoint
+    recorded, such as ``parallel.auto``, no longer shapes the state)."""
     lines = []
-    for key in sorted(set(saved) | set(mine)):
+    for key in sorted(mine):
         a, b = saved.get(key), mine.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             lines += _differences(a, b, f"{prefix}{key}.")
@@ -120,7 +133,12 @@ def _layout(engine: Checkpointable) -> dict[str, Any]:
     return {
         "world_size": t.world_size,
         "topology": {
-            "dp": t.dp, "pp": t.pp, "tp": t.tp, "sp": t.sp, "tp_mode": str(t.tp_mode), "depth": t.depth
+            "dp": t.dp,
+            "pp": t.pp,
+            "tp": t.tp,
+            "sp": t.sp,
+            "tp_mode": str(t.tp_mode),
+            "depth": t.depth,
         },
         "stage_to_rank": list(engine.placement.stage_to_rank),
         "zero_stage": engine.zero.stage,
@@ -212,7 +230,7 @@ def _commit(
 # ---------------------------------------------------------------------------- load
 def _check(
     engine: Checkpointable, gen: Path, manifest: dict[str, Any]
-) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+) -> tuple[Path, dict[str, Any], Mapping[str, Tensor], dict[str, Any]]:
     """This rank's share of the checks of generation ``gen`` (its ``manifest`` read); returns
     the generation, its manifest, this rank's tensors and header (raises ValueError/OSError
     naming the file)."""
@@ -243,7 +261,7 @@ def _same_layout(engine: Checkpointable, manifest: dict[str, Any]) -> bool:
 
 def _check_portable(
     engine: Checkpointable, gen: Path, manifest: dict[str, Any]
-) -> tuple[Path, dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+) -> tuple[Path, dict[str, Any], Mapping[str, Tensor], dict[str, Any]]:
     """The checks of a generation saved under another topology: the configuration but its
     parallel and zero sections, and the checksums of the portable parts every rank reads."""
     ignored = ("parallel", "zero")

@@ -34,7 +34,10 @@ class ParallelConfig:
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks).
     ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
-    the world it launches (``tessera.launcher.plan.auto``) before anything spawns.
+    the world it launches (``tessera.launcher.plan.auto``) before anything spawns, planned
+    for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
+    ``tessera plan --calibrate`` writes (``plan.cluster.calibrated_path``) if there is one,
+    else the ``cpu`` preset. The launcher refuses an unknown cluster before anything spawns.
     """
 
     dp: int = 1
@@ -50,21 +53,83 @@ class ParallelConfig:
     microbatches: int = 4
     virtual_stages: int = 1
     auto: bool = False
+    cluster: str = ""
 
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""
         mode = TPMode(self.tp_mode) if self.tp_mode in set(TPMode) else self.tp_mode
         return Topology(
-            dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=mode, depth=self.tp_depth  # type: ignore[arg-type]
+            dp=self.dp,
+            pp=self.pp,
+            tp=self.tp,
+            sp=self.sp,
+            tp_mode=mode,  # type: ignore[arg-type]
+            depth=self.tp_depth,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ZeroConfig:
-    """Data parallelism by ZeRO stage: 0 (plain DP: replicated state) to 3, and CPU offload."""
+    """Data parallelism by ZeRO stage: 0 (plain DP: replicated state) to 3, CPU offload, and
+    the chunk memory manager (``tessera.zero.chunks``), which is on when a budget or
+    ``disk_dir`` is given.
+
+    ``host_budget_mb`` / ``device_budget_mb``: what model data may hold on that tier per rank
+    (0: the host is not limited / no device tier); ``disk_dir``: a directory for the disk
+    tier (each rank writes under ``rank<k>/``; "": no disk tier); ``policy``: "static"
+    (``fractions`` = device, host, disk shares of the chunk bytes, or () to fill the tiers
+    fastest first) or "auto" (the warm-up step measures what training needs besides model
+    data); ``chunk_numel``: elements per chunk (0: searched).
+    """
 
     stage: int = 0
     offload: bool = False
+    host_budget_mb: float = 0.0
+    device_budget_mb: float = 0.0
+    disk_dir: str = ""
+    policy: str = "static"
+    fractions: tuple[float, ...] = ()
+    chunk_numel: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the chunk memory manager places this job's model data."""
+        return self.host_budget_mb > 0 or self.device_budget_mb > 0 or bool(self.disk_dir)
+
+    def check_chunks(self) -> list[str]:
+        """The chunk manager's settings, one line per mistake."""
+        errors: list[str] = []
+        for name in ("host_budget_mb", "device_budget_mb"):
+            if getattr(self, name) < 0:
+                errors.append(f"zero.{name}={getattr(self, name)} must be >= 0 (0: not limited / not used)")
+        if self.policy not in ("static", "auto"):
+            errors.append(f"zero.policy={self.policy!r} is not one of static, auto")
+        if self.fractions:
+            if len(self.fractions) != 3 or any(f < 0 for f in self.fractions):
+                errors.append(
+                    f"zero.fractions={list(self.fractions)} must be three shares >= 0 (device, host, disk)"
+                )
+            elif abs(sum(self.fractions) - 1.0) > 1e-9:
+                errors.append(
+                    f"zero.fractions={list(self.fractions)} must sum to 1, not {sum(self.fractions):g}"
+                )
+            if self.policy != "static":
+                errors.append(
+                    "zero.fractions are for zero.policy='static'; 'auto' places by measured free memory"
+                )
+            if not self.chunked:
+                errors.append(
+                    "zero.fractions is set but no budget and no zero.disk_dir: the chunk manager is off"
+                )
+        if self.chunked and self.offload:
+            errors.append(
+                "zero.offload=true and the chunk manager (a budget or zero.disk_dir) exclude each other"
+            )
+        if self.fractions and len(self.fractions) == 3 and self.fractions[2] > 0 and not self.disk_dir:
+            errors.append(
+                f"zero.fractions={list(self.fractions)} puts chunks on disk but zero.disk_dir is empty"
+            )
+        return errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +299,7 @@ class Config:
                             "stage",
                             "max_skipped_steps",
                             "max_restarts",
+                            "chunk_numel",
                         )
                         else 1
                     )
@@ -283,6 +349,7 @@ class Config:
             f"= {p.dp} * {p.microbatches} = {per_step}",
         )
         need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
+        errors += self.zero.check_chunks()
         need(
             self.train.precision in ("fp32", "bf16", "fp16"),
             f"train.precision={self.train.precision!r} is not one of fp32, bf16, fp16",

@@ -10,9 +10,11 @@ Later sources override earlier ones, field by field:
 Unknown sections or fields and values of the wrong type are errors naming the key: in TOML
 (and the resolved JSON) a value must have the field's own type (a string is not an int, a
 float or a bool is not an int; an int is accepted for a float), while environment and flag
-values are text parsed as the field's type. Any ``TESSERA_*`` environment variable that is
-neither a field nor one of ``LAUNCHER_ENV`` (set by the launcher itself) is an error, so a
-misspelt ``TESSERA_PARALEL_DP=4`` cannot be silently ignored. The resolved config travels
+values are text parsed as the field's type. A tuple field (``zero.fractions``) is an array
+of numbers in TOML and comma-separated text (``0,0.5,0.5``) in the environment. Any
+``TESSERA_*`` environment variable that is neither a field nor one of ``LAUNCHER_ENV`` (set
+by the launcher itself) is an error, so a misspelt ``TESSERA_PARALEL_DP=4`` cannot be
+silently ignored. The resolved config travels
 to the workers of ``tessera run`` as a file named by ``TESSERA_RESOLVED_CONFIG``, so every
 rank sees exactly what was validated.
 """
@@ -64,8 +66,26 @@ class ConfigError(ValueError):
         self.lines = list(lines)
 
 
+def _numbers(key: str, value: Any, *, text: bool) -> tuple[float, ...]:
+    """A tuple field (numbers): a TOML array, or comma-separated text from the environment
+    or a flag ("" is the empty tuple)."""
+    if text and isinstance(value, str):
+        items: list[Any] = [w.strip() for w in value.split(",") if w.strip()]
+        try:
+            return tuple(float(w) for w in items)
+        except ValueError:
+            raise ConfigError([f"{key}={value!r} is not a comma-separated list of numbers"]) from None
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) for v in value
+    ):
+        raise ConfigError([f"{key}={value!r} must be an array of numbers"])
+    return tuple(float(v) for v in value)
+
+
 def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
     kind = type(default)
+    if kind is tuple:
+        return _numbers(key, value, text=text)
     if text and isinstance(value, str) and kind is not str:
         word = value.strip()
         if kind is bool:

@@ -49,6 +49,8 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
     ``model.vocab_size`` against its alphabet.
     """
     errors = _writable_dir("train.run_dir", config.train.run_dir)
+    if config.zero.disk_dir:
+        errors += _writable_dir("zero.disk_dir", config.zero.disk_dir)
     resume = config.train.resume
     if resume:
         if not Path(resume).exists():

@@ -17,21 +17,26 @@ reference models have none that are saved).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import safetensors.torch
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-from tessera.comm.files import atomic_write
+from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
 from tessera.launcher.consolidate import unshard
 from tessera.launcher.placement import Boosted
+from tessera.launcher.tensorfile import LazyTensors
 
 __all__ = ["PORTABLE", "import_weights", "load_portable_state", "read_portable", "write_portable"]
 
 PORTABLE = "portable"
+
+
+_PLAIN = (int, float, bool, str, tuple)  # optimizer hyperparameters the header carries
 
 
 def _part(gen: Path, pp_rank: int) -> Path:
@@ -40,67 +45,121 @@ def _part(gen: Path, pp_rank: int) -> Path:
 
 def write_portable(engine: Boosted, gen: Path, step: int) -> None:
     """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
-    over ZeRO's group and tp; one rank per pipeline rank writes)."""
+    over ZeRO's group and tp; one rank per pipeline rank writes). The tensors stream into the
+    file one at a time behind a header laid out beforehand (``full_state_layout``), so no
+    rank holds more than one flat buffer's state in full."""
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
     tp, group = mesh.size("tp"), mesh.group("tp")
-    out: dict[str, Tensor] = {}
-    for key, value in zero.full_state().items():
+
+    def full(key: str) -> tuple[str, tuple[int, ...] | None]:
+        """The saved name of ``key`` and the full shape (None: a scalar, kept as it is)."""
         kind, _, name = key.partition("/")
         if name.startswith("group") and name not in serial:
-            out[key] = value
-            continue
-        full_name = serial[name]
-        spec = placement.shard_specs.get(full_name)
-        out[f"{kind}/{full_name}"] = unshard(value, spec, placement.full_shapes[full_name], tp, group).cpu()
-    if all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
-        scaler = zero.scaler.scale if zero.scaler is not None else None
-        groups = [
-            {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))}
-            for g in zero.optimizer.param_groups
-        ]
-        header = {"step": step, "loss_scale": scaler, "zero_steps": zero.steps, "param_groups": groups}
-        data = safetensors.torch.save(out, metadata={"tessera": json.dumps(header)})
-        atomic_write(_part(gen, mesh.coordinate("pp")), data)
+            return key, None
+        return f"{kind}/{serial[name]}", tuple(placement.full_shapes[serial[name]])
+
+    writer: StreamWriter | None = None
+    with contextlib.ExitStack() as stack:
+        if all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
+            entries = []
+            for key, shape in zero.full_state_layout():
+                name, full_shape = full(key)
+                entries.append(Entry(name, torch.float32, shape if full_shape is None else full_shape))
+            scaler = zero.scaler.scale if zero.scaler is not None else None
+            groups = [
+                {
+                    k: v
+                    for k, v in g.items()
+                    if k != "params" and isinstance(v, (int, float, bool, str, tuple))
+                }
+                for g in zero.optimizer.param_groups
+            ]
+            header = {"step": step, "loss_scale": scaler, "zero_steps": zero.steps, "param_groups": groups}
+            target = _part(gen, mesh.coordinate("pp"))
+            writer = stack.enter_context(StreamWriter(target, entries, {"tessera": json.dumps(header)}))
+        for key, value in zero.iter_full_state():
+            name, full_shape = full(key)
+            if full_shape is not None:
+                value = unshard(
+                    value, placement.shard_specs.get(name.partition("/")[2]), full_shape, tp, group
+                )
+            if writer is not None:
+                writer.write(tensor_bytes(value.to(torch.float32)))
+        if writer is not None:
+            writer.commit()
 
 
-def read_portable(gen: Path, pp: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def read_portable(gen: Path, pp: int) -> tuple[LazyTensors, dict[str, Any]]:
     """Every part of the portable state of generation ``gen`` saved with ``pp`` pipeline
-    ranks, merged, and the header of the first (ValueError/OSError naming a missing part)."""
-    merged: dict[str, Tensor] = {}
-    header: dict[str, Any] = {}
-    for k in range(pp):
-        part = _part(gen, k)
+    ranks, as one mapping read on access, and the header of the first (ValueError naming a
+    missing part)."""
+    parts = [_part(gen, k) for k in range(pp)]
+    for part in parts:
         if not part.is_file():
             missing = part.relative_to(gen)
             raise ValueError(f"{gen} has no {missing}: it cannot be loaded under another topology")
-        with safetensors.safe_open(str(part), "pt") as f:
-            header = header or json.loads(f.metadata()["tessera"])
-        merged.update(safetensors.torch.load(part.read_bytes()))
-    return merged, header
+    state = LazyTensors(parts)
+    return state, json.loads(state.metadata(0)["tessera"])
 
 
-def load_portable_state(engine: Boosted, state: dict[str, Tensor], header: dict[str, Any]) -> None:
-    """Give this rank's ZeRO its parameters' tensor-parallel shards of ``state``; local."""
-    mesh, placement, zero = engine.mesh, engine.placement, engine.zero
-    tp, tp_rank = mesh.size("tp"), mesh.coordinate("tp")
-    kinds = sorted({k.split("/", 1)[0] for k in state if "/group" not in k})
-    local: dict[str, Tensor] = {k: v for k, v in state.items() if "/group" in k}
-    for flat in zero.flats:
-        for name, param in zip(flat.names, flat.params, strict=True):
-            full_name = placement.names[param]
-            spec = placement.shard_specs.get(full_name)
-            for kind in kinds:
-                full = state.get(f"{kind}/{full_name}")
-                if full is None:
-                    raise ValueError(f"the saved state lacks {kind}/{full_name}")
-                shard = full if spec is None else spec.shard(full, tp_rank, tp)
-                if tuple(shard.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{kind}/{full_name}: the saved {tuple(full.shape)} gives a shard of "
-                        f"{tuple(shard.shape)} on tp rank {tp_rank}, the parameter is {tuple(param.shape)}"
-                    )
-                local[f"{kind}/{name}"] = shard
+class _TPShards(Mapping[str, Tensor]):
+    """This rank's tensor-parallel shards of the full tensors of ``state``, by the local names
+    ZeRO knows, each read and cut on access (ValueError naming a missing or misshapen one)."""
+
+    def __init__(self, engine: Boosted, state: Mapping[str, Tensor]) -> None:
+        self._state, self._engine = state, engine
+        kinds = sorted({k.split("/", 1)[0] for k in state if "/group" not in k})
+        self._keys: dict[str, tuple[str, str, nn.Parameter]] = {}
+        for flat in engine.zero.flats:
+            for name, param in zip(flat.names, flat.params, strict=True):
+                full_name = engine.placement.names[param]
+                for kind in kinds:
+                    self._keys[f"{kind}/{name}"] = (kind, full_name, param)
+        self._scalars = {k for k in state if "/group" in k}
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key in self._scalars:
+            return self._state[key]
+        kind, full_name, param = self._keys[key]
+        if f"{kind}/{full_name}" not in self._state:
+            raise ValueError(f"the saved state lacks {kind}/{full_name}")
+        full = self._state[f"{kind}/{full_name}"]
+        mesh, placement = self._engine.mesh, self._engine.placement
+        spec = placement.shard_specs.get(full_name)
+        tp_rank = mesh.coordinate("tp")
+        shard = full if spec is None else spec.shard(full, tp_rank, mesh.size("tp"))
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{kind}/{full_name}: the saved {tuple(full.shape)} gives a shard of "
+                f"{tuple(shard.shape)} on tp rank {tp_rank}, the parameter is {tuple(param.shape)}"
+            )
+        return shard
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scalars or key in self._keys
+
+    def missing(self) -> list[str]:
+        """The saved tensors this rank needs that ``state`` lacks."""
+        wanted = {f"{kind}/{full_name}" for kind, full_name, _ in self._keys.values()}
+        return sorted(k for k in wanted if k not in self._state)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._keys
+        yield from self._scalars
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._scalars)
+
+
+def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: dict[str, Any]) -> None:
+    """Give this rank's ZeRO its parameters' tensor-parallel shards of ``state`` (read one
+    parameter at a time); local."""
+    zero = engine.zero
+    local = _TPShards(engine, state)
+    missing = local.missing()  # refused before anything changes
+    if missing:
+        raise ValueError(f"the saved state lacks {len(missing)} tensors, e.g. {missing[:5]}")
     zero.load_full_state(local, int(header.get("zero_steps", zero.steps)))
     saved_groups = header.get("param_groups", [{} for _ in zero.optimizer.param_groups])
     if len(saved_groups) != len(zero.optimizer.param_groups):
@@ -114,15 +173,34 @@ def load_portable_state(engine: Boosted, state: dict[str, Tensor], header: dict[
         zero.scaler.scale = float(header["loss_scale"])
 
 
+class _AsParams(Mapping[str, Tensor]):
+    """A consolidated state dict's tensors as the portable state's ``param/<name>`` in fp32."""
+
+    def __init__(self, weights: Mapping[str, Tensor], names: set[str]) -> None:
+        self._weights, self._names = weights, names
+
+    def __getitem__(self, key: str) -> Tensor:
+        name = key.removeprefix("param/")
+        if not key.startswith("param/") or name not in self._names:
+            raise KeyError(key)
+        return self._weights[name].float()
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"param/{name}" for name in self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def import_weights(engine: Boosted, path: Path) -> None:
     """Load a consolidated state dict (``Engine.consolidate``'s file, or any safetensors file
     of the serial model's parameters by name, e.g. a Hugging Face checkpoint of the same
-    model) into this rank's shards; the optimizer state starts fresh. Local (each rank reads
-    the file); ValueError naming a missing or misshapen parameter."""
-    with safetensors.safe_open(str(path), "pt") as f:
+    model) into this rank's shards, one parameter at a time; the optimizer state starts
+    fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
+    parameter."""
+    with LazyTensors([path]) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
-        missing = sorted(wanted - set(f.keys()))
+        missing = sorted(wanted - set(weights))
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
-        state = {f"param/{name}": f.get_tensor(name).float() for name in wanted}
-    load_portable_state(engine, state, {})
+        load_portable_state(engine, _AsParams(weights, wanted), {})

@@ -20,14 +20,18 @@ its own error) instead of leaving the others waiting in a collective.
 
 What is saved is described by ``Checkpointable``: the public attributes of a
 ``ZeroOptimizer``. ``load`` restores the masters, buffers, optimizer and loss-scaler state
-and returns the step count; the owner then pushes the masters into its parameters.
+and returns the step count; the owner then pushes the masters into its parameters. How one
+rank's file is written and read is pluggable (``RankWriter``, ``RankOpener``): by default it
+is built in memory from the FlatParams' masters and the optimizer's state dict; the chunk
+memory manager writes the same file chunk by chunk (``tessera.zero.chunks.checkpoint``), so
+either kind of optimizer loads what the other saved.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,11 +46,31 @@ from tessera.zero.flat_param import FlatParam
 from tessera.zero.precision import DynamicLossScaler
 from tessera.zero.validate import ZeroConfig
 
-__all__ = ["FORMAT", "Checkpointable", "load", "read_meta", "save"]
+__all__ = [
+    "FORMAT",
+    "HEADER_KEY",
+    "Checkpointable",
+    "RankOpener",
+    "RankWriter",
+    "buffers_payload",
+    "groups_payload",
+    "json_ready",
+    "load",
+    "load_groups",
+    "optimizer_index",
+    "read_meta",
+    "save",
+]
 
 FORMAT = "tessera-zero/1"
 META = "meta.json"
-_HEADER_KEY = "tessera-zero"
+HEADER_KEY = "tessera-zero"  # the safetensors metadata key of the rank file's JSON
+
+RankWriter = Callable[[Path], bytes]
+"""Writes this rank's file atomically at the given path; returns its sha256 digest."""
+RankOpener = Callable[[Path, str], Callable[[], None]]
+"""Checks this rank's file against its hex sha256 (no collective; raises naming the file) and
+returns what loads it into the optimizer once every rank has agreed."""
 
 
 class Checkpointable(Protocol):
@@ -100,7 +124,8 @@ def _agree(zero: Checkpointable, error: BaseException | None, what: str) -> None
     raise_together(error, zero.group, what, zero.device)
 
 
-def _json_ready(value: Any, where: str) -> Any:
+def json_ready(value: Any, where: str) -> Any:
+    """``value`` itself if JSON can hold it, else a TypeError naming ``where``."""
     try:
         json.dumps(value)
     except TypeError as exc:
@@ -108,20 +133,12 @@ def _json_ready(value: Any, where: str) -> Any:
     return value
 
 
-def _rank_payload(zero: Checkpointable) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def groups_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
+    """Each parameter group's hyperparameters: tensor ones as ``group.<i>.<key>`` tensors, the
+    rest as JSON (the parameters themselves are not saved: the layout is)."""
     tensors: dict[str, Tensor] = {}
-    for i, flat in enumerate(zero.flats):
-        tensors[f"master.{i}"] = flat.master.detach().cpu().clone()
-    sd = zero.optimizer.state_dict()
-    state: dict[str, dict[str, Any]] = {}
-    for idx, entry in sd["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, Tensor):
-                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().clone()
-            else:
-                state.setdefault(str(idx), {})[key] = _json_ready(value, f"optimizer state {key}")
     groups: list[dict[str, Any]] = []
-    for gi, group in enumerate(sd["param_groups"]):
+    for gi, group in enumerate(optimizer.state_dict()["param_groups"]):
         entry_json: dict[str, Any] = {}
         for key, value in group.items():
             if key == "params":
@@ -129,15 +146,76 @@ def _rank_payload(zero: Checkpointable) -> tuple[dict[str, Tensor], dict[str, An
             if isinstance(value, Tensor):
                 tensors[f"group.{gi}.{key}"] = value.detach().cpu().clone()
             else:
-                entry_json[key] = _json_ready(value, f"param group {key}")
+                entry_json[key] = json_ready(value, f"param group {key}")
         groups.append(entry_json)
-    for name, buf in zero.model.named_buffers():
-        tensors[f"buffer.{name}"] = buf.detach().cpu().clone()
+    return tensors, groups
+
+
+def load_groups(
+    optimizer: torch.optim.Optimizer,
+    saved: list[dict[str, Any]],
+    tensors: Mapping[str, Tensor],
+    state: dict[int, dict[str, Any]],
+) -> None:
+    """Load the saved groups' hyperparameters (JSON ``saved``, tensor ones from ``tensors``) and
+    ``state`` into ``optimizer``, keeping its own parameters."""
+    current = optimizer.state_dict()["param_groups"]
+    groups = []
+    for gi, (entry, now) in enumerate(zip(saved, current, strict=True)):
+        group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in entry.items()}
+        for key in tensors:
+            if key.startswith(f"group.{gi}."):
+                group[key.split(".", 2)[2]] = tensors[key]
+        group["params"] = now["params"]
+        groups.append(group)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def buffers_payload(model: nn.Module) -> dict[str, Tensor]:
+    """The model's buffers as ``buffer.<name>`` host tensors."""
+    return {f"buffer.{name}": buf.detach().cpu().clone() for name, buf in model.named_buffers()}
+
+
+def optimizer_index(zero: Checkpointable) -> list[int]:
+    """The index each FlatParam's master has in ``optimizer.state_dict()`` without chunks
+    (the optimizer's groups hold the masters in FlatParam order, group by group)."""
+    order = sorted(range(len(zero.flats)), key=lambda i: zero.flats[i].group_index)
+    index = [0] * len(order)
+    for position, fi in enumerate(order):
+        index[fi] = position
+    return index
+
+
+def _rank_payload(zero: Checkpointable) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    tensors: dict[str, Tensor] = {}
+    for i, flat in enumerate(zero.flats):
+        tensors[f"master.{i}"] = flat.master.detach().cpu().clone()
+    state: dict[str, dict[str, Any]] = {}
+    for idx, entry in zero.optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().clone()
+            else:
+                state.setdefault(str(idx), {})[key] = json_ready(value, f"optimizer state {key}")
+    group_tensors, groups = groups_payload(zero.optimizer)
+    tensors.update(group_tensors)
+    tensors.update(buffers_payload(zero.model))
     return tensors, {"state": state, "param_groups": groups}
 
 
-def save(zero: Checkpointable, path: Path) -> None:
-    """Write ``zero``'s shards under ``path`` (collective over its group)."""
+def _write_flat_rank(zero: Checkpointable) -> RankWriter:
+    def write(target: Path) -> bytes:
+        tensors, extra = _rank_payload(zero)
+        data = safetensors.torch.save(tensors, metadata={HEADER_KEY: json.dumps(extra)})
+        atomic_write(target, data)
+        return hashlib.sha256(data).digest()
+
+    return write
+
+
+def save(zero: Checkpointable, path: Path, write_rank: RankWriter | None = None) -> None:
+    """Write ``zero``'s shards under ``path`` (collective over its group); ``write_rank`` writes
+    this rank's file (default: the flat optimizer's, built in memory and written at once)."""
     rank, world = group_rank(zero.group), zero.world_size
     replicated = _replicated(zero)
     files = [rank_file(0, 1)] if replicated else [rank_file(r, world) for r in range(world)]
@@ -146,10 +224,8 @@ def save(zero: Checkpointable, path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         if rank == 0 or not replicated:
-            tensors, extra = _rank_payload(zero)
-            data = safetensors.torch.save(tensors, metadata={_HEADER_KEY: json.dumps(extra)})
-            atomic_write(path / files[0 if replicated else rank], data)
-            digest = hashlib.sha256(data).digest()
+            writer = _write_flat_rank(zero) if write_rank is None else write_rank
+            digest = writer(path / files[0 if replicated else rank])
     except Exception as exc:
         error = exc
     _agree(zero, error, "saving a shard")
@@ -225,42 +301,27 @@ def _header(data: bytes) -> dict[str, Any]:
     size = int.from_bytes(data[:8], "little")
     header: dict[str, Any] = json.loads(data[8 : 8 + size])
     meta = header.get("__metadata__") or {}
-    extra: dict[str, Any] = json.loads(meta.get(_HEADER_KEY, "{}"))
+    extra: dict[str, Any] = json.loads(meta.get(HEADER_KEY, "{}"))
     return extra
 
 
-def _read(zero: Checkpointable, path: Path) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
-    """This rank's checks and reads, without any collective: meta, tensors, header."""
-    meta = read_meta(path)
-    _check_meta(zero, meta, path)
-    index = 0 if meta.get("replicated") else group_rank(zero.group)
-    file = path / meta["files"][index]
-    data = file.read_bytes()
-    if hashlib.sha256(data).hexdigest() != meta["sha256"][index]:
-        raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
-    return meta, safetensors.torch.load(data), _header(data)
+def _open_flat_rank(zero: Checkpointable) -> RankOpener:
+    def open_rank(file: Path, sha256: str) -> Callable[[], None]:
+        data = file.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
+        tensors, extra = safetensors.torch.load(data), _header(data)
+        return lambda: _apply_flat(zero, tensors, extra)
+
+    return open_rank
 
 
-def load(zero: Checkpointable, path: Path) -> int:
-    """Load the checkpoint at ``path`` into ``zero``'s masters, buffers, optimizer and loss
-    scaler (collective over its group) and return the saved step count. The parameters are
-    not refreshed from the masters here: that is the caller's."""
-    error: BaseException | None = None
-    meta: dict[str, Any] = {}
-    tensors: dict[str, Tensor] = {}
-    extra: dict[str, Any] = {}
-    try:
-        meta, tensors, extra = _read(zero, path)
-    except Exception as exc:
-        error = exc
-    _agree(zero, error, "checking the checkpoint")
-
+def _apply_flat(zero: Checkpointable, tensors: dict[str, Tensor], extra: dict[str, Any]) -> None:
     with torch.no_grad():
         for i, flat in enumerate(zero.flats):
             flat.master.copy_(tensors[f"master.{i}"])
         for name, buf in zero.model.named_buffers():
             buf.copy_(tensors[f"buffer.{name}"])
-    current = zero.optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -268,15 +329,31 @@ def load(zero: Checkpointable, path: Path) -> int:
             state.setdefault(int(idx), {})[name] = value
     for idx, entry in extra["state"].items():
         state.setdefault(int(idx), {}).update(entry)
-    groups = []
-    for gi, (saved, now) in enumerate(zip(extra["param_groups"], current["param_groups"], strict=True)):
-        group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
-        for key, value in tensors.items():
-            if key.startswith(f"group.{gi}."):
-                group[key.split(".", 2)[2]] = value
-        group["params"] = now["params"]
-        groups.append(group)
-    zero.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    load_groups(zero.optimizer, extra["param_groups"], tensors, state)
+
+
+def _nothing() -> None:
+    pass
+
+
+def load(zero: Checkpointable, path: Path, open_rank: RankOpener | None = None) -> int:
+    """Load the checkpoint at ``path`` into ``zero``'s masters, buffers, optimizer and loss
+    scaler (collective over its group) and return the saved step count. ``open_rank`` checks
+    this rank's file and returns what loads it (default: the flat optimizer's). The
+    parameters are not refreshed from the masters here: that is the caller's."""
+    error: BaseException | None = None
+    meta: dict[str, Any] = {}
+    apply: Callable[[], None] = _nothing
+    try:
+        meta = read_meta(path)
+        _check_meta(zero, meta, path)
+        index = 0 if meta.get("replicated") else group_rank(zero.group)
+        opener = _open_flat_rank(zero) if open_rank is None else open_rank
+        apply = opener(path / meta["files"][index], meta["sha256"][index])
+    except Exception as exc:
+        error = exc
+    _agree(zero, error, "checking the checkpoint")
+    apply()
     if zero.scaler is not None and meta["scaler"] is not None:
         zero.scaler.load_state_dict(meta["scaler"])
     return int(meta["steps"])

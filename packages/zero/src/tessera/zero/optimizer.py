@@ -49,13 +49,14 @@ from tessera.zero.checkpoint import load as load_checkpoint
 from tessera.zero.checkpoint import save as save_checkpoint
 from tessera.zero.chunks import ChunkConfig, ChunkedFlatParam, ChunkStore
 from tessera.zero.chunks.build import build_store
+from tessera.zero.chunks.checkpoint import rank_opener, rank_writer
 from tessera.zero.chunks.step import chunk_grad_stats, step_chunks
 from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
 from tessera.zero.offload import sync_device
-from tessera.zero.portable import full_state, load_full_state
+from tessera.zero.portable import full_state_layout, iter_full_state, load_full_state
 from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
 from tessera.zero.stage3 import ParamGatherer
 from tessera.zero.units import assign_params, default_units
@@ -403,14 +404,14 @@ class ZeroOptimizer:
     def save(self, path: str | Path) -> None:
         """Write this rank's shards and optimizer state under directory ``path`` (collective;
         stage 0 writes its replicated state once, from rank 0)."""
-        self._no_chunks("save")
-        save_checkpoint(self, Path(path))
+        writer = None if self._chunks is None else rank_writer(self, self._chunks)
+        save_checkpoint(self, Path(path), writer)
 
     def load(self, path: str | Path) -> None:
         """Load what ``save`` wrote, at the same world size and layout (collective); every rank
         raises if any rank finds the checkpoint invalid."""
-        self._no_chunks("load")
-        self.steps = load_checkpoint(self, Path(path))
+        opener = None if self._chunks is None else rank_opener(self, self._chunks)
+        self.steps = load_checkpoint(self, Path(path), opener)
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()
@@ -418,25 +419,31 @@ class ZeroOptimizer:
 
     def full_state(self) -> dict[str, Tensor]:
         """Masters and optimizer state in full by parameter name, independent of the stage and
-        world size (``tessera.zero.portable``; collective: all-gathers)."""
-        self._no_chunks("full_state")
-        return full_state(self)
+        world size: ``dict(iter_full_state())`` (the whole model at once; collective)."""
+        return dict(self.iter_full_state())
+
+    def iter_full_state(self) -> Iterator[tuple[str, Tensor]]:
+        """``(key, tensor)`` for every parameter's master and optimizer state in full (fp32, on
+        the host) and each group's scalar state, one at a time, in ``full_state_layout()``'s
+        order (``tessera.zero.portable``). Collective (an all-gather per flat buffer and
+        kind): every rank consumes it to the end."""
+        return iter_full_state(self, self._chunks)
+
+    def full_state_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(key, shape)`` of what ``iter_full_state()`` yields now, in order; no communication.
+        Optimizer state exists once the optimizer has stepped: before the first step only the
+        ``param/`` keys."""
+        return full_state_layout(self, self._chunks)
 
     def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
-        """Restore what ``full_state`` returned, saved under any stage and world size; local."""
-        self._no_chunks("load_full_state")
-        load_full_state(self, state)
+        """Restore what ``iter_full_state`` yielded, saved under any stage and world size, reading
+        ``state`` one parameter at a time (a lazy mapping is never loaded whole); local."""
+        load_full_state(self, state, self._chunks)
         self.steps = steps
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()
         self._refresh_params()
-
-    def _no_chunks(self, what: str) -> None:
-        if self._chunks is not None:
-            raise NotImplementedError(
-                f"{what}() with the chunk memory manager (memory=...) is not implemented yet"
-            )
 
     def __repr__(self) -> str:
         c = self.config

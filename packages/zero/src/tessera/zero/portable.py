@@ -1,26 +1,47 @@
 """ZeRO state by parameter name, independent of how it is sharded: the basis of checkpoints
-that load under another world size or stage.
+that load under another world size or stage, streamed one parameter at a time.
 
-``full_state`` gathers, for every parameter, its fp32 master and each elementwise optimizer
-state tensor (Adam's moments, SGD's momentum) in full, and each optimizer group's scalar
-state (Adam's ``step``); ``load_full_state`` takes the same dictionary and keeps this rank's
-shard of every flat buffer, whatever the stage and world size that produced it. Keys:
-``param/<name>``, ``optim.<key>/<name>`` and ``optim.<key>/group<i>``. Elementwise
-optimizers only, as everywhere in ZeRO: a state tensor is either shaped like the master
-shard or a 0-dim scalar.
+``iter_full_state`` yields, for every parameter, its fp32 master and each elementwise
+optimizer state tensor (Adam's moments, SGD's momentum) in full, and each optimizer group's
+scalar state (Adam's ``step``), as ``(key, tensor)``: fp32 on the host, one at a time, in the
+same order on every rank (it is collective: each FlatParam's shard of one kind is
+all-gathered, so a rank holds at most one flat buffer of one kind at a time).
+``full_state_layout`` lists the keys and shapes it will yield, without communicating.
+``load_full_state`` takes such a mapping and keeps this rank's shard of every flat buffer,
+whatever the stage and world size that produced it, reading the mapping one parameter at a
+time (``state[key]``, ``key in state`` and ``state.keys()`` only, so a lazy mapping over a
+file never loads it whole). With the chunk memory manager the shards are read from, and
+written to, the chunks one chunk at a time.
+
+Keys: ``param/<name>``, ``optim.<key>/<name>`` and ``optim.<key>/group<i>`` (each group's
+scalars once, at its first FlatParam). Elementwise optimizers only, as everywhere in ZeRO: a
+state tensor is either shaped like the master shard or a 0-dim scalar. Optimizer state
+exists only once the optimizer has stepped: before the first step the layout and the state
+hold the ``param/`` keys alone, and loading such a state leaves the optimizer fresh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from tessera.zero.chunks.store import ChunkStore
+from tessera.zero.chunks.streams import (
+    MASTER,
+    drop_streams,
+    flat_scalars,
+    flat_streams,
+    read_stream,
+    write_stream,
+)
 from tessera.zero.flat_param import FlatParam
 
-__all__ = ["PortableZero", "full_state", "load_full_state"]
+__all__ = ["PortableZero", "full_state", "full_state_layout", "iter_full_state", "load_full_state"]
+
+Layout = list[tuple[str, tuple[int, ...]]]
 
 
 class PortableZero(Protocol):
@@ -32,72 +53,196 @@ class PortableZero(Protocol):
     def optimizer(self) -> torch.optim.Optimizer: ...
 
 
-def _sources(zero: PortableZero, flat: FlatParam) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The flat's shards by kind (``param``, ``optim.<key>``) and its scalar state."""
-    shards = {"param": flat.master.detach()}
+def _kinds_and_scalars(
+    zero: PortableZero, store: ChunkStore | None, fi: int
+) -> tuple[list[str], dict[str, Tensor]]:
+    """FlatParam ``fi``'s kinds (``param``, ``optim.<key>``) and its scalar state by key."""
+    flat = zero.flats[fi]
+    if store is not None:
+        kinds = ["param"] + [f"optim.{n}" for n in flat_streams(store, fi)]
+        items: list[tuple[str, object]] = list(flat_scalars(store, fi).items())
+    else:
+        kinds, items = ["param"], []
+        for key, value in zero.optimizer.state.get(flat.master, {}).items():
+            if isinstance(value, Tensor) and value.shape == flat.master.shape:
+                kinds.append(f"optim.{key}")
+            else:
+                items.append((key, value))
     scalars: dict[str, Tensor] = {}
-    for key, value in zero.optimizer.state.get(flat.master, {}).items():
-        if isinstance(value, Tensor) and value.shape == flat.master.shape:
-            shards[f"optim.{key}"] = value.detach()
-        elif isinstance(value, Tensor) and value.dim() == 0:
-            scalars[f"optim.{key}/group{flat.group_index}"] = value.detach().to("cpu", copy=True)
-        else:
+    for key, value in items:
+        if not (isinstance(value, Tensor) and value.dim() == 0):
             raise TypeError(
                 f"optimizer state {key!r} of {type(zero.optimizer).__name__} is neither elementwise nor a "
                 f"scalar ({type(value).__name__}); it cannot be resharded"
             )
-    return shards, scalars
+        scalars[f"optim.{key}/group{flat.group_index}"] = value
+    return kinds, scalars
 
 
-def full_state(zero: PortableZero) -> dict[str, Tensor]:
-    """Every parameter's master and optimizer state in full fp32 on the host, by name, and the
-    scalar state per group (collective over the group: all-gathers, unless replicated)."""
-    out: dict[str, Tensor] = {}
-    for flat in zero.flats:
-        shards, scalars = _sources(zero, flat)
-        out.update(scalars)
-        for kind, shard in shards.items():
-            full = flat.gather_full(shard)
-            for i, name in enumerate(flat.names):
-                start, stop = flat.layout.span(i)
-                value = full[start:stop].view(flat.params[i].shape)
-                out[f"{kind}/{name}"] = value.to("cpu", torch.float32, copy=True)
+def _plan(zero: PortableZero, store: ChunkStore | None) -> Iterator[tuple[int, list[str], dict[str, Tensor]]]:
+    """Per FlatParam: its index, kinds and the group scalars not yet yielded by an earlier one."""
+    seen: set[str] = set()
+    for fi in range(len(zero.flats)):
+        kinds, scalars = _kinds_and_scalars(zero, store, fi)
+        fresh = {k: v for k, v in scalars.items() if k not in seen}
+        seen.update(fresh)
+        yield fi, kinds, fresh
+
+
+def full_state_layout(zero: PortableZero, store: ChunkStore | None = None) -> Layout:
+    """``(key, shape)`` of every tensor ``iter_full_state`` yields right now, in its order (no
+    communication; every tensor is fp32)."""
+    out: Layout = []
+    for fi, kinds, scalars in _plan(zero, store):
+        out += [(key, ()) for key in scalars]
+        flat = zero.flats[fi]
+        out += [
+            (f"{kind}/{n}", tuple(p.shape))
+            for kind in kinds
+            for n, p in zip(flat.names, flat.params, strict=True)
+        ]
     return out
 
 
-def _shard(flat: FlatParam, kind: str, state: Mapping[str, Tensor]) -> Tensor:
-    """This rank's shard of ``kind`` for ``flat``, cut from the full tensors in ``state``."""
-    buf = torch.zeros(flat.layout.padded_numel, dtype=torch.float32)
-    for i, name in enumerate(flat.names):
-        key = f"{kind}/{name}"
-        if key not in state:
-            raise KeyError(f"the state to load lacks {key!r}")
-        start, stop = flat.layout.span(i)
-        value = state[key]
-        if value.numel() != stop - start:
-            raise ValueError(f"{key} has {value.numel()} elements, the parameter {stop - start}")
-        buf[start:stop] = value.reshape(-1)
-    lo, hi = flat.layout.shard_range(flat.shard_rank)
-    return buf[lo:hi]
+def _local_shard(zero: PortableZero, store: ChunkStore | None, fi: int, kind: str) -> Tensor:
+    flat = zero.flats[fi]
+    if store is None:
+        if kind == "param":
+            return flat.master.detach()
+        return zero.optimizer.state[flat.master][kind.removeprefix("optim.")].detach()  # type: ignore[no-any-return]
+    shard = torch.empty(flat.layout.shard_numel, dtype=torch.float32, device=flat.device)
+    stream = MASTER if kind == "param" else kind.removeprefix("optim.")
+    with torch.no_grad():
+        for chunk in store.chunks_of(fi):
+            read_stream(store, chunk, stream, shard[chunk.lo : chunk.hi])
+    return shard
 
 
-def load_full_state(zero: PortableZero, state: Mapping[str, Tensor]) -> None:
-    """Set every master and the optimizer state from ``state`` (as ``full_state`` returns it,
-    from any stage and world size). Local; the owner then pushes the masters into the
-    parameters (``ZeroOptimizer.load_full_state`` does)."""
-    kinds = sorted({k.split("/", 1)[0] for k in state if k.startswith("optim.") and "/group" not in k})
-    for flat in zero.flats:
-        master = flat.master
-        with torch.no_grad():
-            master.copy_(_shard(flat, "param", state))
-        entry: dict[str, Any] = {}
+def iter_full_state(zero: PortableZero, store: ChunkStore | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter's master and optimizer state in full fp32 on the host, by name, and the
+    scalar state per group, one tensor at a time in ``full_state_layout``'s order (collective
+    over the group: one all-gather per FlatParam and kind, unless replicated). Consume it to
+    the end on every rank."""
+    for fi, kinds, scalars in _plan(zero, store):
+        for key, value in scalars.items():
+            yield key, value.detach().to("cpu", torch.float32, copy=True)
+        flat = zero.flats[fi]
         for kind in kinds:
-            entry[kind.removeprefix("optim.")] = _shard(flat, kind, state).to(master.device, copy=True)
-        for key, value in state.items():
+            full = flat.gather_full(_local_shard(zero, store, fi, kind))
+            for i, name in enumerate(flat.names):
+                start, stop = flat.layout.span(i)
+                value = full[start:stop].view(flat.params[i].shape)
+                yield f"{kind}/{name}", value.to("cpu", torch.float32, copy=True)
+            del full
+
+
+def full_state(zero: PortableZero, store: ChunkStore | None = None) -> dict[str, Tensor]:
+    """``iter_full_state`` as a dictionary (the whole model's state at once; collective)."""
+    return dict(iter_full_state(zero, store))
+
+
+class _Pieces:
+    """Reads one kind of ``state`` into element ranges of a FlatParam's buffer, holding one
+    parameter's tensor at a time (ranges are asked in increasing order)."""
+
+    def __init__(self, flat: FlatParam, kind: str, state: Mapping[str, Tensor]) -> None:
+        self.flat, self.kind, self.state = flat, kind, state
+        self._held: tuple[int, Tensor] | None = None
+
+    def _param(self, i: int) -> Tensor:
+        if self._held is None or self._held[0] != i:
+            self._held = None  # let the previous one go before reading the next
+            key = f"{self.kind}/{self.flat.names[i]}"
+            value = self.state[key]
+            start, stop = self.flat.layout.span(i)
+            if value.numel() != stop - start:
+                raise ValueError(f"{key} has {value.numel()} elements, the parameter {stop - start}")
+            self._held = (i, value.detach().reshape(-1))
+        return self._held[1]
+
+    def fill(self, out: Tensor, lo: int) -> None:
+        """Set ``out`` to the flat buffer's elements ``[lo, lo + out.numel())`` (zero padding)."""
+        hi = lo + out.numel()
+        out.zero_()
+        for i in range(len(self.flat.names)):
+            start, stop = self.flat.layout.span(i)
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                out[a - lo : b - lo].copy_(self._param(i)[a - start : b - start])
+
+
+def _check_keys(zero: PortableZero, keys: set[str], kinds: list[str]) -> None:
+    for flat in zero.flats:
+        for kind in ["param", *kinds]:
+            for name in flat.names:
+                if f"{kind}/{name}" not in keys:
+                    raise KeyError(f"the state to load lacks {kind}/{name!r}")
+
+
+def load_full_state(zero: PortableZero, state: Mapping[str, Tensor], store: ChunkStore | None = None) -> None:
+    """Set every master and the optimizer state from ``state`` (as ``iter_full_state`` yields
+    it, from any stage and world size), one parameter at a time. Local; the owner then pushes
+    the masters into the parameters (``ZeroOptimizer.load_full_state`` does)."""
+    keys = list(state.keys())
+    kinds = sorted({k.split("/", 1)[0] for k in keys if k.startswith("optim.") and "/group" not in k})
+    if store is not None:
+        extra = [k for k in kinds if k.removeprefix("optim.") not in store.state_names]
+        if extra:
+            raise ValueError(
+                f"the state holds {extra}, not per-element state of {type(zero.optimizer).__name__} "
+                f"(whose state streams are {list(store.state_names)})"
+            )
+    _check_keys(zero, set(keys), kinds)
+    for fi, flat in enumerate(zero.flats):
+        scalars: dict[str, Any] = {}
+        for key in keys:
             kind, _, where = key.partition("/")
             if where == f"group{flat.group_index}":
-                entry[kind.removeprefix("optim.")] = value.clone()
-        if entry:
-            zero.optimizer.state[master] = entry
-        else:
-            zero.optimizer.state.pop(master, None)
+                scalars[kind.removeprefix("optim.")] = state[key].clone()
+        with torch.no_grad():
+            if store is None:
+                _load_flat(zero, flat, state, kinds, scalars)
+            else:
+                _load_chunks(store, fi, state, kinds, scalars)
+
+
+def _load_flat(
+    zero: PortableZero,
+    flat: FlatParam,
+    state: Mapping[str, Tensor],
+    kinds: list[str],
+    scalars: dict[str, Any],
+) -> None:
+    lo, _ = flat.layout.shard_range(flat.shard_rank)
+    master = flat.master
+    _Pieces(flat, "param", state).fill(master.detach(), lo)
+    entry: dict[str, Any] = {}
+    for kind in kinds:
+        shard = torch.empty_like(master.detach())
+        _Pieces(flat, kind, state).fill(shard, lo)
+        entry[kind.removeprefix("optim.")] = shard
+    entry.update(scalars)
+    if entry:
+        zero.optimizer.state[master] = entry
+    else:
+        zero.optimizer.state.pop(master, None)
+
+
+def _load_chunks(
+    store: ChunkStore, fi: int, state: Mapping[str, Tensor], kinds: list[str], scalars: dict[str, Any]
+) -> None:
+    flat = store.flats[fi]
+    base, _ = flat.layout.shard_range(flat.shard_rank)
+    staging = torch.empty(store.chunk_numel, dtype=torch.float32)
+    streams = [MASTER, *(k.removeprefix("optim.") for k in kinds)]
+    for stream, kind in zip(streams, ["param", *kinds], strict=True):
+        reader = _Pieces(flat, kind, state)  # one parameter's tensor held at a time
+        for chunk in store.chunks_of(fi):
+            buf = staging[: chunk.numel]
+            reader.fill(buf, base + chunk.lo)
+            write_stream(store, chunk, stream, buf)
+            if stream == MASTER and not store.owns_shards:
+                flat.shard.detach()[chunk.lo : chunk.hi].copy_(buf)
+    for chunk in store.chunks_of(fi):
+        drop_streams(store, chunk, set(streams))
+        chunk.scalars = {k: v.clone() for k, v in scalars.items()}

@@ -148,6 +148,10 @@ class ChunkStore:
         out["resident_bytes"] = self.resident_bytes()
         return out
 
+    def chunks_of(self, flat_index: int) -> list[Chunk]:
+        """The chunks of FlatParam ``flat_index``, in order of their element ranges."""
+        return self._by_flat[flat_index]
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of chunk streams held in memory right now, by tier (a budget counts every
         stream a chunk will hold; before the first step there is no optimizer state yet)."""
