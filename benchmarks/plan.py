@@ -4,9 +4,12 @@ Part 1, measured (``--skip-measure`` to leave out): 16 configurations of one ref
 at world 2, 4 and 8 (dp, 1D tp with and without Megatron SP, 2D, 2.5D, 3D, context
 parallelism ring and Ulysses, pipelines 1F1B/GPipe/ZB-H1, ZeRO 0-3, offload, bf16), each
 built by ``boost()`` on a pool of gloo processes (one pool per world size) and trained for
-``--warmup`` + ``--iters`` steps. Per configuration, one JSON line:
+``--warmup`` + ``--iters`` steps, ``--rounds`` times (round after round; ``--cases``
+measures a subset). Per configuration, one JSON line:
 
-- ``step_time_s``: median over ``--iters`` steps of the slowest rank; ``predicted_step_s``:
+- ``step_time_s``: median over ``--iters`` steps of the slowest rank, in the fastest round
+  (``round_steps_s``: every round's; other work on a shared machine only adds time);
+  ``predicted_step_s``:
   the planner's, on the cluster of ``--cluster`` (default the ``cpu`` preset, this machine
   as ``tessera plan --calibrate`` measured it);
 - ``model_state_bytes``: ``ZeroOptimizer.memory().model_state`` when the last warmup step
@@ -16,8 +19,10 @@ built by ``boost()`` on a pool of gloo processes (one pool per world size) and t
   through /proc/self/clear_refs after ``gc`` and ``malloc_trim``, mmap threshold 128 KiB as
   in ``zero.py``; every code path first runs once on a tiny copy of the configuration, so lazy
   initialisation is not charged) while the engine is built and runs its warmup steps, beside the planner's
-  ``predicted_peak_mb`` (model state, activations and buffers of the fullest rank; with
-  offload the host's share too, since on this machine host and device are one memory).
+  ``predicted_peak_mb`` (``MemoryEstimate.resident`` of the fullest rank: model state plus
+  the larger of activations with their buffers and the end-of-backward / optimizer-step
+  scratch, the host's share, the other pipeline stages' parameters the caller's model keeps,
+  or the build of the engine if larger; on this machine host and device are one memory).
 
 Then the Spearman rank correlation of predicted and measured step times, and the share of
 pairs whose measured times differ by more than 20% that the planner orders right.
@@ -143,44 +148,58 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / spread
 
 
-def measure(cluster: Cluster, warmup: int, iters: int) -> list[dict[str, Any]]:
-    """Part 1: every case measured and predicted."""
+def measure(
+    cluster: Cluster, warmup: int, iters: int, cases: list[int] | None = None, rounds: int = 1
+) -> list[dict[str, Any]]:
+    """Part 1: every case (or those of the indices ``cases``) measured and predicted; with
+    ``rounds`` > 1 every case runs that many times, round after round, and keeps its fastest
+    round's median (other work on the machine only ever adds time)."""
     records: list[dict[str, Any]] = []
-    configs = [_config(*case) for case in CASES]
-    for world in sorted({c.world_size for c in configs}):
-        with WorkerPool(world, timeout=900) as pool:
-            for config in (c for c in configs if c.world_size == world):
-                assert config.validate() == [], config.validate()
-                per_rank = pool.run(_train, config, warmup, iters, timeout=900)
-                steps = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
-                est = estimate(config, ModelShape.from_config(config), cluster)
-                step = statistics.median(steps)
-                p = config.parallel
-                label = (
-                    f"dp{p.dp} pp{p.pp} tp{p.tp}/{p.tp_mode}{'+sp' if p.sequence_parallel else ''} "
-                    f"cp{p.sp}/{p.sp_mode} {p.schedule} m{p.microbatches} z{config.zero.stage}"
-                    f"{'+off' if config.zero.offload else ''} {config.train.precision}"
-                )
-                record = {
-                    "bench": "plan",
-                    "system": "tessera",
-                    "config": f"{label} world={world}",
-                    "step_time_s": round(step, 5),
-                    "predicted_step_s": round(est.time.total, 5),
-                    "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
-                    "model_state_bytes": max(r["model_state"] for r in per_rank),
-                    "predicted_model_state_bytes": round(est.memory.model_state),
-                    "peak_rss_mb": round(max(r["rss_mb"] for r in per_rank), 1),
-                    "predicted_peak_mb": round((est.memory.device + est.memory.host) / 2**20, 1),
-                    "final_loss": round(per_rank[0]["loss"], 4),
-                }
-                record["state_ratio"] = round(
-                    record["predicted_model_state_bytes"] / record["model_state_bytes"], 4
-                )
-                record["rss_ratio"] = round(record["predicted_peak_mb"] / max(record["peak_rss_mb"], 1e-9), 3)
-                record["time_ratio"] = round(est.time.total / step, 3)
-                emit(record)
-                records.append(record)
+    chosen = range(len(CASES)) if cases is None else cases
+    configs = {i: _config(*CASES[i]) for i in chosen}
+    runs: dict[int, list[list[dict[str, Any]]]] = {i: [] for i in configs}
+    for _ in range(rounds):
+        for world in sorted({c.world_size for c in configs.values()}):
+            with WorkerPool(world, timeout=900) as pool:
+                for case, config in ((i, c) for i, c in configs.items() if c.world_size == world):
+                    assert config.validate() == [], config.validate()
+                    runs[case].append(pool.run(_train, config, warmup, iters, timeout=900))
+    for case, config in configs.items():
+        world = config.world_size
+
+        def median_step(per_rank: list[dict[str, Any]]) -> float:
+            slowest = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
+            return float(statistics.median(slowest))
+
+        per_rank = min(runs[case], key=median_step)
+        step = median_step(per_rank)
+        est = estimate(config, ModelShape.from_config(config), cluster)
+        p = config.parallel
+        label = (
+            f"dp{p.dp} pp{p.pp} tp{p.tp}/{p.tp_mode}{'+sp' if p.sequence_parallel else ''} "
+            f"cp{p.sp}/{p.sp_mode} {p.schedule} m{p.microbatches} z{config.zero.stage}"
+            f"{'+off' if config.zero.offload else ''} {config.train.precision}"
+        )
+        record = {
+            "bench": "plan",
+            "system": "tessera",
+            "config": f"{label} world={world}",
+            "case": case,
+            "step_time_s": round(step, 5),
+            "round_steps_s": [round(median_step(r), 4) for r in runs[case]],
+            "predicted_step_s": round(est.time.total, 5),
+            "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
+            "model_state_bytes": max(r["model_state"] for r in per_rank),
+            "predicted_model_state_bytes": round(est.memory.model_state),
+            "peak_rss_mb": round(max(r["rss_mb"] for r in per_rank), 1),
+            "predicted_peak_mb": round(est.memory.resident / 2**20, 1),
+            "final_loss": round(per_rank[0]["loss"], 4),
+        }
+        record["state_ratio"] = round(record["predicted_model_state_bytes"] / record["model_state_bytes"], 4)
+        record["rss_ratio"] = round(record["predicted_peak_mb"] / max(record["peak_rss_mb"], 1e-9), 3)
+        record["time_ratio"] = round(est.time.total / step, 3)
+        emit(record)
+        records.append(record)
     measured = [r["step_time_s"] for r in records]
     predicted = [r["predicted_step_s"] for r in records]
     pairs = right = 0
@@ -200,6 +219,8 @@ def measure(cluster: Cluster, warmup: int, iters: int) -> list[dict[str, Any]]:
             "spearman": round(_spearman(measured, predicted), 3),
             "pairs_over_20pct": pairs,
             "pairs_ordered_right": right,
+            "model_state_within_5pct": sum(abs(r["state_ratio"] - 1) <= 0.05 for r in records),
+            "peak_rss_within_15pct": sum(abs(r["rss_ratio"] - 1) <= 0.15 for r in records),
         }
     )
     return records
@@ -296,17 +317,34 @@ def main() -> None:
     parser.add_argument("--cluster", default="cpu", help="preset or cluster TOML for part 1 (default cpu)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs of every case; the fastest counts (default 2)"
+    )
     parser.add_argument("--skip-measure", action="store_true", help="only the at-scale comparison")
+    parser.add_argument("--skip-scale", action="store_true", help="only the measured part")
+    parser.add_argument(
+        "--cases", default="", help="comma-separated indices into CASES to measure (default: all 16)"
+    )
     parser.add_argument("--max-chunks", type=int, default=4, help="interleaved chunks at scale (default 4)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not args.skip_measure:
-        records = measure(load_cluster(args.cluster), args.warmup, args.iters)
+        cases = [int(i) for i in args.cases.split(",")] if args.cases else None
+        records = measure(load_cluster(args.cluster), args.warmup, args.iters, cases, args.rounds)
         table(
             records,
-            ("config", "step_time_s", "predicted_step_s", "state_ratio", "peak_rss_mb", "predicted_peak_mb"),
+            (
+                "config",
+                "step_time_s",
+                "predicted_step_s",
+                "state_ratio",
+                "peak_rss_mb",
+                "predicted_peak_mb",
+                "rss_ratio",
+            ),
         )
-    at_scale(args.max_chunks)
+    if not args.skip_scale:
+        at_scale(args.max_chunks)
     sys.stdout.flush()
 
 

@@ -178,13 +178,16 @@ def test_calibrate_writes_a_cluster_that_loads(tmp_path: Path) -> None:
     assert cluster.flops > 0 and cluster.intra_bandwidth > 0 and cluster.op_overhead_s > 0
 
 
-def test_parallel_auto_runs_the_planners_choice(capsys: pytest.CaptureFixture[str]) -> None:
+def test_parallel_auto_runs_the_planners_choice(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no calibrated file: the cpu preset
     auto = dataclasses.replace(SMALL, parallel=ParallelConfig(auto=True))
     chosen, best = auto_config(auto, 4)
     assert chosen.parallel.auto is False and chosen.world_size == 4
     assert chosen.validate() == []
     assert (chosen.parallel, chosen.zero) == (
-        dataclasses.replace(best.config.parallel, auto=False),
+        dataclasses.replace(best.config.parallel, auto=False, cluster=""),
         best.config.zero,
     )
     assert chosen.model == SMALL.model
@@ -206,3 +209,25 @@ def test_parallel_auto_runs_the_planners_choice(capsys: pytest.CaptureFixture[st
     assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
     with pytest.raises(ValueError, match="fits 2 rank"):
         auto_config(auto, 2, dataclasses.replace(PRESETS["cpu"], memory_gib=1e-6))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
+    p=st.integers(2, 4),
+    m=st.integers(4, 8),
+    scale=st.lists(st.sampled_from([0.5, 1.0, 1.5]), min_size=4, max_size=4),
+)
+def test_stage_scales_time_each_stage_by_its_work(name: str, p: int, m: int, scale: list[float]) -> None:
+    """Per-stage costs (the planner's imbalance model): every rank is busy exactly its own
+    stages' work, equal scales are the unscaled schedule stretched, and the makespan lies
+    between the unscaled schedule at the smallest and at the largest scale."""
+    schedule = build_schedule(name, p, m)
+    scales = tuple(scale[:p])
+    got = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0, stage_scale=scales))
+    for rank in range(p):
+        assert got.busy[rank] == pytest.approx(3.0 * m * scales[rank])
+    flat = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0)).makespan
+    same = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0, stage_scale=(1.5,) * p)).makespan
+    assert same == pytest.approx(1.5 * flat)
+    assert min(scales) * flat - 1e-9 <= got.makespan <= max(scales) * flat + 1e-9

@@ -32,8 +32,7 @@ from tessera.launcher.config_io import (
     resolve_config,
 )
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
-from tessera.launcher.plan.auto import auto_config
-from tessera.launcher.plan.cluster import PRESETS
+from tessera.launcher.plan.auto import auto_launch
 from tessera.launcher.plan.command import add_arguments as add_plan_arguments
 from tessera.launcher.plan.command import run as run_plan
 from tessera.launcher.preflight import preflight
@@ -152,9 +151,8 @@ def _fail(lines: Sequence[str]) -> int:
 def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
     nnodes_hint = args.nnodes or 1
     if config.parallel.auto:  # the planner's choice for the world about to start
-        per_node = args.nproc_per_node or PRESETS["cpu"].devices_per_node
         try:
-            config, chosen = auto_config(config, per_node * nnodes_hint)
+            config, chosen, per_node = auto_launch(config, args.nproc_per_node, nnodes_hint)
         except ValueError as exc:
             return _fail([str(exc)])
         _say(f"parallel.auto: {chosen.label()} (predicted {chosen.step_time:.3g} s/step)")

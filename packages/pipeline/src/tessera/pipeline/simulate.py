@@ -39,22 +39,30 @@ K = ActionKind
 
 @dataclass(frozen=True, slots=True)
 class Costs:
-    """Durations of one action on one (microbatch, stage) unit, and the p2p latency."""
+    """Durations of one action on one (microbatch, stage) unit, and the p2p latency.
+
+    ``stage_scale``: per-stage multipliers of ``f``, ``b`` and ``w`` (stages of unequal
+    work, e.g. a pipeline's embedding and head stages); empty: every stage costs the same."""
 
     f: float = 1.0
     b: float = 1.0
     w: float = 1.0
     p2p_latency: float = 0.0
+    stage_scale: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "p2p_latency"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost {name}={value} must be finite and >= 0")
+        for i, value in enumerate(self.stage_scale):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"stage_scale[{i}]={value} must be finite and >= 0")
 
-    def of(self, kind: ActionKind) -> float:
-        """Duration of an action of ``kind`` on its rank (p2p actions take no rank time)."""
-        return {K.F: self.f, K.B: self.b, K.W: self.w, K.BW: self.b + self.w}.get(kind, 0.0)
+    def of(self, kind: ActionKind, stage: int = 0) -> float:
+        """Duration of an action of ``kind`` on ``stage`` (p2p actions take no rank time)."""
+        base = {K.F: self.f, K.B: self.b, K.W: self.w, K.BW: self.b + self.w}.get(kind, 0.0)
+        return base * self.stage_scale[stage] if self.stage_scale else base
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """Validate ``schedule``, then time it under ``costs`` (default: F = B = W = 1, no latency)."""
     costs = costs or Costs()
     validate(schedule)
+    if costs.stage_scale and len(costs.stage_scale) != schedule.num_stages:
+        raise ValueError(
+            f"costs.stage_scale has {len(costs.stage_scale)} entries for {schedule.num_stages} stages"
+        )
     acts = schedule.actions
     p = schedule.num_ranks
     clock = [0.0] * p
@@ -144,7 +156,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                     sent_at[a.message] = start
                     end = start
                 else:
-                    end = start + costs.of(a.kind)
+                    end = start + costs.of(a.kind, a.stage)
                     busy[r] += end - start
                 rows[r].append(TimedAction(r, a, start, end))
                 clock[r] = end

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.pipeline import Costs, build_schedule, schedule_spec, simulate
+from tessera.pipeline import ActionKind, Costs, build_schedule, schedule_spec, simulate
 
 __all__ = ["EXACT_LIMIT", "PipelineProfile", "pipeline_profile"]
 
@@ -33,6 +33,7 @@ class PipelineProfile:
     busy: float  # the busiest rank's compute time
     peak_held: tuple[float, ...]
     extrapolated: bool = False
+    split_backward: bool = False  # the schedule runs weight gradients (W) apart from B
 
     @property
     def bubble(self) -> float:
@@ -41,8 +42,12 @@ class PipelineProfile:
 
 
 def _simulate(name: str, p: int, m: int, v: int, costs: Costs) -> PipelineProfile:
-    result = simulate(build_schedule(name, p, m, v), costs)
-    return PipelineProfile(result.makespan, max(result.busy), tuple(float(x) for x in result.peak_held))
+    schedule = build_schedule(name, p, m, v)
+    result = simulate(schedule, costs)
+    split = any(a.kind == ActionKind.W for actions in schedule.actions for a in actions)
+    return PipelineProfile(
+        result.makespan, max(result.busy), tuple(float(x) for x in result.peak_held), split_backward=split
+    )
 
 
 def _small_counts(name: str, p: int, v: int) -> tuple[int, int] | None:
@@ -69,15 +74,19 @@ def _steady(
 
 @functools.lru_cache(maxsize=8192)
 def pipeline_profile(
-    name: str, p: int, m: int, v: int, b: float, w: float, latency: float
+    name: str, p: int, m: int, v: int, b: float, w: float, latency: float, scale: tuple[float, ...] = ()
 ) -> PipelineProfile:
     """The schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v`` chunks per rank,
     timed with a forward of 1, backward-for-input ``b``, backward-for-weight ``w`` and a p2p
-    latency of ``latency`` (all in forwards)."""
-    costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency)
+    latency of ``latency`` (all in forwards), each stage's actions scaled by ``scale`` (its
+    work against the heaviest stage's; empty: all equal) when simulated exactly; beyond
+    ``EXACT_LIMIT`` actions every stage costs the heaviest's."""
     chunks = schedule_spec(name).chunks(v)
     if p * m * chunks * 3 <= EXACT_LIMIT:
-        return _simulate(name, p, m, v, costs)
+        return _simulate(name, p, m, v, Costs(f=1.0, b=b, w=w, p2p_latency=latency, stage_scale=scale))
+    # Long pipelines: every stage at the heaviest one's cost, so that the two extrapolation
+    # runs are shared by every cut of the same schedule (``estimate.shape_of`` agrees).
+    costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency)
     steady = _steady(name, p, v, costs)
     if steady is None or m < steady[0]:
         return _simulate(name, p, m, v, costs)
@@ -89,4 +98,5 @@ def pipeline_profile(
         busy,
         tuple(x + k * (y - x) for x, y in zip(a.peak_held, z.peak_held, strict=True)),
         extrapolated=True,
+        split_backward=a.split_backward,
     )

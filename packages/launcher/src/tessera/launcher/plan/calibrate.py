@@ -6,8 +6,12 @@ size (a short profile of the model itself), fitted to the planner's own compute 
 ``t = FLOPs / rate + operators * overhead`` (two sizes, two unknowns: the sustained FLOP/s
 of one rank and the fixed cost per operator); a large copy (memory bandwidth); and, between
 two gloo processes over loopback, all-reduces of a small and a large tensor, fitted to the
-alpha-beta model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``). The
-node's FLOP/s are one rank's times the cores (ranks beyond the cores share them).
+alpha-beta model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``), and a
+small all-reduce among twice as many processes as cores, for the wait each message adds per
+rank beyond the cores (``wait_s``: a peer must be scheduled before it answers). The
+medium profile runs again with bf16 parameters for the bf16 rate (``flops``; CPUs with
+AVX512-BF16 or AMX run it faster than fp32). The node's FLOP/s are one rank's fp32 rate
+times the cores (ranks beyond the cores share them).
 """
 
 from __future__ import annotations
@@ -36,16 +40,16 @@ def _median(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _collective_worker(rank: int, path: str, out: Any) -> None:
+def _collective_worker(rank: int, world: int, path: str, sizes: tuple[int, ...], out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.FileStore(path, 2)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = dist.FileStore(path, world)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         result = []
-        for nbytes in (SMALL, LARGE):
+        for nbytes in sizes:
             x = torch.ones(nbytes // 4)
 
             def reduce(x: torch.Tensor = x) -> None:
@@ -58,35 +62,53 @@ def _collective_worker(rank: int, path: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def _link() -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of loopback gloo between two processes."""
+def _all_reduce_times(world: int, sizes: tuple[int, ...]) -> list[float]:
+    """Median seconds of gloo all-reduces of ``sizes`` bytes among ``world`` processes here."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as tmp:
         queue = ctx.Queue()
+        store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_collective_worker, args=(r, os.path.join(tmp, "store"), queue))
-            for r in range(2)
+            ctx.Process(target=_collective_worker, args=(r, world, store, sizes, queue)) for r in range(world)
         ]
         for p in procs:
             p.start()
-        small, large = queue.get(timeout=120)
+        times: list[float] = queue.get(timeout=300)
         for p in procs:
             p.join(60)
+    return times
+
+
+def _link(cores: int) -> tuple[float, float, float]:
+    """(latency s, bandwidth B/s, wait s) of loopback gloo: two processes fit the alpha-beta
+    model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``); then ``2 cores``
+    processes, twice as many as the cores, time a small all-reduce (``2 (n - 1)`` ring steps),
+    whose steps each wait ``wait`` more per rank beyond the cores (``cores`` of them)."""
+    small, large = _all_reduce_times(2, (SMALL, LARGE))
     bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
     latency = max((small - SMALL / bandwidth) / 2, 1e-7)
-    return latency, bandwidth
+    n = 2 * cores
+    (crowded,) = _all_reduce_times(n, (SMALL,))
+    per_step = crowded / (2 * (n - 1))
+    wait = max(per_step - latency - SMALL / n / bandwidth, 0.0) / cores
+    return latency, bandwidth, wait
 
 
-def _profile(layers: int, hidden: int, seq: int, rows: int) -> tuple[float, float, float]:
-    """(seconds, FLOPs, operators) of one forward + backward of the reference GPT."""
+def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) -> tuple[float, float, float]:
+    """(seconds, FLOPs, operators) of one forward + backward of the reference GPT (its
+    parameters in bf16 when ``bf16``, as a bf16 job computes)."""
+    import torch
+
     from tessera.launcher.plan.estimate import OPS_EDGE, OPS_LAYER
     from tessera.launcher.plan.model import ModelShape
     from tessera.models import GPT, GPTConfig, make_batch
 
     cfg = GPTConfig(vocab_size=128, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
     model = GPT(cfg, seed=0)
+    if bf16:
+        model = model.to(torch.bfloat16)
     idx, targets = make_batch(cfg, rows, seed=0)
 
     def step() -> None:
@@ -113,12 +135,14 @@ def calibrate() -> Cluster:
         inv_rate = inv_rate if inv_rate > 0 else t2 / f2
         op = max((t1 - f1 * inv_rate) / o1, 1e-7)
         flops = 1.0 / inv_rate
+        t3, f3, o3 = _profile(2, 256, 128, 8, bf16=True)  # the same work in bf16 (AMX / AVX512-BF16)
+        flops_bf16 = f3 / max(t3 - o3 * op, 0.1 * t3)
         big = torch.empty(16 * 2**20 // 4)
         memory_bw = 2 * big.numel() * 4 / _median(lambda: big.clone(), 20)  # read + write
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth = _link()
     cores = os.cpu_count() or 1
+    latency, bandwidth, wait = _link(cores)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = PRESETS["cpu"]
     return Cluster(
@@ -126,7 +150,7 @@ def calibrate() -> Cluster:
         nodes=1,
         devices_per_node=base.devices_per_node,
         memory_gib=round(total / GIB / base.devices_per_node, 2),
-        flops=flops,
+        flops=flops_bf16,
         flops_fp32=flops,
         efficiency=1.0,
         node_flops=flops * cores,
@@ -139,4 +163,5 @@ def calibrate() -> Cluster:
         host_bandwidth=memory_bw,
         host_memory_bandwidth=memory_bw,
         overlap=0.0,
+        wait_s=wait,
     )

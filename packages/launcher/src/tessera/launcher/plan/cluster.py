@@ -12,25 +12,36 @@ The optimizer step streams its state through ``memory_bandwidth`` (device) or, o
 ``host_memory_bandwidth`` after copies over ``host_bandwidth``. ``overlap``: how much of the
 compute time communication can hide under (1 on GPUs, whose copy engines and NICs work
 beside the kernels; 0 on a CPU host, where gloo's threads compete for the same cores).
-``node_flops``: when not 0, the devices of a node share this many FLOP/s (a CPU host whose
-processes share its cores), so a rank gets ``min(flops, node_flops / ranks on the node)``.
+``wait_s``: on such a node, each message waits that long more for every rank beyond the
+cores (its peer must be scheduled first; measured by ``--calibrate``).
+``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
+whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
+the node * flops_fp32))`` of its peak at any precision.
 
 Presets: ``a100-80g`` (DGX A100: 8 x A100 80GB, NVLink 3 at ~240 GB/s achievable per
 direction, 8 x HDR 200 Gb/s InfiniBand), ``h100-80g`` (DGX H100: NVLink 4, 8 x NDR 400
 Gb/s), ``h200-141g`` (H100's links, 141 GB), and ``cpu`` (this machine, as measured by
-``tessera plan --calibrate``, which writes a TOML of the same fields). Peak FLOP/s are the
-vendors' dense figures (A100: 312 TFLOP/s bf16, 19.5 fp32; H100/H200 SXM: 989 bf16, 67 fp32).
+``tessera plan --calibrate``, which writes a TOML of the same fields; its device count is
+this machine's ``os.cpu_count()``, one device per core, not a fixed number). Peak FLOP/s are
+the vendors' dense figures (A100: 312 TFLOP/s bf16, 19.5 fp32; H100/H200 SXM: 989 bf16, 67
+fp32).
+
+`resolve_cluster` is what a configuration's ``parallel.cluster`` means: a preset, a TOML
+file, or (empty) the calibrated file at `calibrated_path` when ``tessera plan --calibrate``
+wrote one there, else the ``cpu`` preset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "Cluster", "cluster_to_toml", "load_cluster"]
+__all__ = ["PRESETS", "Cluster", "calibrated_path", "cluster_to_toml", "load_cluster", "resolve_cluster"]
 
 GIB = 2**30
 
@@ -56,6 +67,7 @@ class Cluster:
     host_bandwidth: float = 25e9  # device <-> host copies per device (PCIe), bytes/s
     host_memory_bandwidth: float = 12e9  # host memory per device (an offloaded optimizer step)
     overlap: float = 1.0  # fraction of compute time under which communication can hide
+    wait_s: float = 0.0  # per message, per rank beyond the cores (a peer must be scheduled first)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -91,25 +103,31 @@ class Cluster:
         """Memory of one device in bytes."""
         return self.memory_gib * GIB
 
+    def ranks_per_node(self, world: int) -> int:
+        """Ranks sharing one node when ``world`` ranks run here: nodes fill up first, and a
+        world larger than the cluster puts its extra ranks on the same nodes (processes that
+        share a CPU host's cores)."""
+        return max(min(world, self.devices_per_node), -(-world // self.nodes))
+
     def device_flops(self, precision: str, ranks_on_node: int) -> float:
         """FLOP/s one rank sustains at ``precision`` when ``ranks_on_node`` ranks share its node."""
         peak = self.flops_fp32 if precision == "fp32" else self.flops
-        if self.node_flops > 0:
-            peak = min(peak, self.node_flops / max(1, ranks_on_node))
+        if self.node_flops > 0:  # the share of the node's cores one rank gets
+            peak *= min(1.0, self.node_flops / (max(1, ranks_on_node) * self.flops_fp32))
         return peak * self.efficiency
 
     def link(self, span: int, ranks_on_node: int = 1) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group whose ranks lie ``span`` consecutive ranks
         apart at most: inside one node when the span fits a node, otherwise across nodes.
         On a node whose ranks outnumber its cores (``node_flops``), each message also waits
-        for its peer to be scheduled: the latency grows by the oversubscription."""
+        for its peer to be scheduled: ``wait_s`` for every rank beyond the cores."""
         latency, bandwidth = (
             (self.intra_latency, self.intra_bandwidth)
-            if span <= self.devices_per_node
+            if span <= max(self.devices_per_node, ranks_on_node)
             else (self.inter_latency, self.inter_bandwidth)
         )
         if self.node_flops > 0:
-            latency *= max(1.0, ranks_on_node * self.flops / self.node_flops)
+            latency += max(0.0, ranks_on_node * self.flops_fp32 / self.node_flops - 1.0) * self.wait_s
         return latency, bandwidth
 
     def with_world(self, world: int) -> Cluster:
@@ -151,13 +169,13 @@ PRESETS: dict[str, Cluster] = {
         intra_bandwidth=400e9,
         inter_bandwidth=50e9,
     ),
-    # this 2-core machine as `tessera plan --calibrate` measured it (rounded)
+    # a 2-core machine as `tessera plan --calibrate` measured it (rounded), one device per core here
     "cpu": Cluster(
         name="cpu",
         nodes=1,
-        devices_per_node=8,
+        devices_per_node=os.cpu_count() or 1,
         memory_gib=2.94,
-        flops=5.0e10,
+        flops=9.0e10,  # bf16 (AVX512-BF16): 1.86x the fp32 rate of the same profile here
         flops_fp32=5.0e10,
         efficiency=1.0,
         node_flops=1.0e11,
@@ -166,6 +184,7 @@ PRESETS: dict[str, Cluster] = {
         inter_bandwidth=0.85e9,
         inter_latency=200e-6,
         op_overhead_s=6.5e-6,
+        wait_s=7.5e-4,  # small all-reduces over 2, 4, 8 gloo processes here: 0.38, 6.2, 30.7 ms
         memory_bandwidth=31e9,
         host_bandwidth=31e9,
         host_memory_bandwidth=31e9,
@@ -209,3 +228,22 @@ def cluster_to_toml(cluster: Cluster) -> str:
         value = getattr(cluster, f.name)
         lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
     return "\n".join(lines) + "\n"
+
+
+def calibrated_path(env: Mapping[str, str] | None = None) -> Path:
+    """Where ``tessera plan --calibrate`` writes this machine's cluster by default and where
+    ``parallel.auto`` looks for it: ``$XDG_CONFIG_HOME/tessera/cluster.toml`` (XDG_CONFIG_HOME
+    defaults to ``~/.config``)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".config")
+    return Path(base) / "tessera" / "cluster.toml"
+
+
+def resolve_cluster(spec: str, env: Mapping[str, str] | None = None) -> Cluster:
+    """The cluster ``parallel.cluster = spec`` names: a preset or a TOML file (`load_cluster`),
+    or, when ``spec`` is empty, the calibrated file at `calibrated_path` if it exists, else the
+    ``cpu`` preset. ValueError naming the spec when it is neither a preset nor a readable file."""
+    if spec:
+        return load_cluster(spec)
+    path = calibrated_path(env)
+    return load_cluster(str(path)) if path.is_file() else PRESETS["cpu"]

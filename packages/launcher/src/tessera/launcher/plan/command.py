@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tessera.launcher.config import Config
-from tessera.launcher.plan.cluster import PRESETS, cluster_to_toml, load_cluster
+from tessera.launcher.plan.cluster import PRESETS, calibrated_path, cluster_to_toml, resolve_cluster
 from tessera.launcher.plan.model import ModelShape
 from tessera.launcher.plan.report import summary, table, write_png, write_winner
 from tessera.launcher.plan.search import search
@@ -23,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``tessera plan`` (``--config``/``--set`` are added by the caller)."""
     p.add_argument(
         "--cluster",
-        default="cpu",
-        help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file with a [cluster] table (default: cpu)",
+        default="",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a TOML file with a [cluster] table (default: "
+        f"parallel.cluster, else the file --calibrate wrote at {calibrated_path()} if any, else cpu)",
     )
     p.add_argument(
         "--world", type=int, help="plan for this many devices (default: every device of the cluster)"
@@ -38,9 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
         nargs="?",
-        const="cluster.toml",
+        const="",
         metavar="FILE",
-        help="time matmuls and gloo collectives here and write a cluster TOML (default cluster.toml)",
+        help=f"time matmuls and gloo collectives here and write a cluster TOML (default {calibrated_path()}, "
+        "where parallel.auto and tessera plan look for it)",
     )
 
 
@@ -50,12 +52,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
         from tessera.launcher.plan.calibrate import calibrate
 
         cluster = calibrate()
-        Path(args.calibrate).write_text(cluster_to_toml(cluster))
+        out = Path(args.calibrate) if args.calibrate else calibrated_path()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster), end="")
-        print(f"tessera: wrote {args.calibrate}", file=sys.stderr)
+        print(f"tessera: wrote {out}", file=sys.stderr)
         return 0
     try:
-        cluster = load_cluster(args.cluster)
+        cluster = resolve_cluster(args.cluster or config.parallel.cluster)
     except (ValueError, OSError) as exc:
         print(f"tessera: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 The configuration is a launcher `Config` that ``Config.validate()`` accepted. The model is
 cut into ``[embed, *layers, head]`` blocks; the pipeline's own partitioner
 (``partition_by_params``, the placement from the schedule's spec) gives each rank its stages,
-exactly as ``boost()`` cuts them; the pipeline's simulator times the schedule (`bubble`).
+exactly as ``boost()`` cuts them (`plan.cut`); the pipeline's simulator times the schedule
+(`bubble`) with every stage's actions scaled by that stage's own work (the embedding and the
+head make the first and last stages heavier), and each rank is busy for its own stages.
 
 Step time = the pipeline's makespan (or ``m`` microbatches back to back without a pipeline)
 with each microbatch-stage costing its FLOPs at the device's sustained rate, its operator
@@ -23,8 +25,9 @@ import math
 from dataclasses import dataclass
 
 from tessera.launcher.config import Config, ParallelConfig
-from tessera.launcher.plan.bubble import pipeline_profile
+from tessera.launcher.plan.bubble import EXACT_LIMIT, pipeline_profile
 from tessera.launcher.plan.cluster import Cluster
+from tessera.launcher.plan.cut import Cut, Kind, RankShare, cut_of
 from tessera.launcher.plan.links import Link
 from tessera.launcher.plan.memory import (
     DTYPE_BYTES,
@@ -35,7 +38,16 @@ from tessera.launcher.plan.memory import (
 )
 from tessera.launcher.plan.model import ModelShape, TPShape
 from tessera.launcher.plan.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
-from tessera.pipeline import partition_by_params, schedule_spec
+from tessera.launcher.plan.transient import (
+    activations_3d,
+    build_peak,
+    gradient_peak,
+    kept_gradients,
+    retained_bytes,
+    step_scratch,
+    summa_backward,
+)
+from tessera.pipeline import schedule_spec
 
 __all__ = [
     "Cut",
@@ -87,63 +99,16 @@ class Estimate:
 
 
 def _link(cluster: Cluster, span: int, world: int) -> Link:
-    latency, bandwidth = cluster.link(span, min(world, cluster.devices_per_node))
+    latency, bandwidth = cluster.link(span, cluster.ranks_per_node(world))
     return Link(latency, bandwidth)
-
-
-Kind = tuple[int, bool, bool]  # a chunk: (transformer layers, holds the embedding, holds the head)
-
-
-@dataclass(frozen=True, slots=True)
-class RankShare:
-    """What one pipeline rank holds: parameter elements, its kinds of chunk, its block count
-    and its largest block's elements."""
-
-    psi: int
-    kinds: tuple[Kind, ...]
-    blocks: int
-    largest: int
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """The pipeline partitioner's cut of the blocks, by rank (independent of batch and dp)."""
-
-    ranks: tuple[RankShare, ...]
-    kinds: frozenset[Kind]
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def cut_of(model: ModelShape, shape: TPShape, pp: int, schedule: str, v: int) -> Cut:
-    """Cut ``[embed, *layers, head]`` as ``boost()`` does: ``partition_by_params`` over this
-    tensor-parallel rank's parameter counts, stages placed by the schedule's spec."""
-    placement = schedule_spec(schedule).stage_to_rank(pp, v) if pp > 1 else (0,)
-    part = partition_by_params(model.block_params(shape), placement)
-    last = model.layers + 1
-
-    def kind(stage: int) -> Kind:
-        blocks = part.blocks_of_stage(stage)
-        return (sum(1 for b in blocks if 0 < b < last), blocks[0] == 0, blocks[-1] == last)
-
-    ranks = []
-    for rank in range(pp):
-        stages = part.stages_of_rank(rank)
-        ranks.append(
-            RankShare(
-                psi=int(sum(part.costs[s] for s in stages)),
-                kinds=tuple(kind(s) for s in stages),
-                blocks=sum(len(part.blocks_of_stage(s)) for s in stages),
-                largest=int(max(part.block_costs[b] for s in stages for b in part.blocks_of_stage(s))),
-            )
-        )
-    return Cut(tuple(ranks), frozenset(k for r in ranks for k in r.kinds))
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """Everything about a configuration that does not depend on its ZeRO stage: per-chunk
-    forward ``f`` and backward ``bw`` seconds, the busiest rank's compute, the cut, and the
-    activation bytes of one microbatch per layer, embedding and head."""
+    """Everything about a configuration that does not depend on its ZeRO stage: the heaviest
+    chunk's forward ``f`` and backward ``bw`` seconds, the busiest rank's compute (each rank
+    its own stages), each stage's work relative to the heaviest, the cut, and the activation
+    bytes of one microbatch per layer, embedding and head."""
 
     f: float
     bw: float
@@ -154,6 +119,9 @@ class Shape:
     cut: Cut
     act: tuple[float, float, float]  # (embedding, one layer, head)
     recompute_extra: float  # bytes of one layer's activations while it is recomputed
+    scales: tuple[float, ...]  # each stage's work over the heaviest stage's (pipelines)
+    backward_extra: float  # transient of the widest layer's backward (SUMMA's partials)
+    kept_per_layer: float  # output gradients one layer keeps from B to W per microbatch (zero-bubble)
 
     @property
     def bound(self) -> float:
@@ -184,7 +152,10 @@ def shape_of(
     rows = model.batch / (p.dp * p.microbatches)
     split = ActivationShape(shape, p.sequence_parallel, p.sp, recompute)
     act = activation_bytes(model, rows, precision, split, layers=1)
-    rate = cluster.device_flops(precision, min(world, cluster.devices_per_node))
+    if p.tp_mode == "3d":  # gathered inputs and weights kept for backward
+        q = round(p.tp ** (1 / 3))
+        act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.sp)
+    rate = cluster.device_flops(precision, cluster.ranks_per_node(world))
     tokens = rows * model.seq
     tp_link, sp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.sp, world)
     layer_tp = tensor_traffic(model, rows, c, shape, tp_link, sp=p.sp)
@@ -199,14 +170,30 @@ def shape_of(
     layer_s = model.layer_flops(tokens) / (p.tp * p.sp) / rate + OPS_LAYER * cluster.op_overhead_s
     head_s = model.head_flops(tokens) / (p.tp * p.sp) / rate
     edge_s = OPS_EDGE * cluster.op_overhead_s
-    f = bw = comm_most = 0.0
-    for layers, embed, head in cut.kinds:
+    timed: dict[Kind, tuple[float, float, float]] = {}  # kind -> (forward, backward, comm)
+    for kind in cut.kinds:
+        layers, embed, head = kind
         edges = int(embed) + int(head)
         compute = layers * layer_s + edges * edge_s + head * head_s
         comm = layer_comm.scaled(layers) + edge_tp.scaled(edges)
-        f = max(f, compute + comm.forward)
-        bw = max(bw, (2 + recompute) * compute + comm.backward)
-        comm_most = max(comm_most, comm.forward + comm.backward)
+        timed[kind] = (
+            compute + comm.forward,
+            (2 + recompute) * compute + comm.backward,
+            comm.forward + comm.backward,
+        )
+    f = max(t[0] for t in timed.values())
+    bw = max(t[1] for t in timed.values())
+    heaviest = max(t[0] + t[1] for t in timed.values())
+    # Each rank computes its own stages and the simulator scales each stage's actions by its
+    # work, where the pipeline is simulated exactly; longer ones are extrapolated from runs
+    # shared by every cut, with every stage at the heaviest's cost (`bubble.pipeline_profile`).
+    exact = p.pp > 1 and p.pp * p.microbatches * v * 3 <= EXACT_LIMIT
+    if exact or p.pp == 1:
+        busy = max(sum(timed[k][0] + timed[k][1] for k in r.kinds) for r in cut.ranks)
+    else:
+        busy = v * (f + bw)
+    comm_most = max(sum(timed[k][2] for k in r.kinds) for r in cut.ranks)
+    scales = tuple(round((timed[k][0] + timed[k][1]) / heaviest, 2) for k in cut.stages) if exact else ()
     boundary = (
         rows * model.seq / p.sp * model.hidden * c / (p.tp if p.sequence_parallel or p.tp_mode != "1d" else 1)
     )
@@ -217,27 +204,36 @@ def shape_of(
     return Shape(
         f=f,
         bw=bw,
-        busy=p.microbatches * v * (f + bw),
-        tensor_comm=comm_most * p.microbatches * v,
+        busy=p.microbatches * busy,
+        tensor_comm=comm_most * p.microbatches,
+        scales=scales,
         chunks=v,
         hop=_link(cluster, world, world).p2p(boundary) if p.pp > 1 else 0.0,
         cut=cut,
         act=(act[0], act[1] if model.layers else 0.0, act[-1]),
         recompute_extra=extra,
+        backward_extra=(
+            summa_backward(model, rows, precision, round(math.sqrt(p.tp // p.tp_depth)), p.tp_depth, p.sp)
+            if p.tp_mode in ("2d", "2.5d")
+            else 0.0
+        ),
+        kept_per_layer=kept_gradients(
+            model, rows, precision, p.tp, p.sequence_parallel or p.tp_mode != "1d", p.sp
+        ),
     )
 
 
-def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float, ...]]:
-    """(busy, makespan, peak held units per rank) of the pipeline, from the simulator; ratios
-    to the forward are rounded to 0.1 so that near-identical pipelines share one simulation."""
+def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float, ...], bool]:
+    """(busy, makespan, peak held units per rank, whether W runs apart from B) of the
+    pipeline, from the simulator; ratios to the forward are rounded to 0.1 so that
+    near-identical pipelines share one simulation."""
     if p.pp == 1:
-        return shape.busy, shape.busy, (1.0,)
+        return shape.busy, shape.busy, (1.0,), False
     ratio = round(shape.bw / 2 / shape.f, 1)
-    prof = pipeline_profile(
-        p.schedule, p.pp, p.microbatches, shape.chunks, ratio, ratio, round(shape.hop / shape.f, 1)
-    )
+    hop = round(shape.hop / shape.f, 1)
+    prof = pipeline_profile(p.schedule, p.pp, p.microbatches, shape.chunks, ratio, ratio, hop, shape.scales)
     scale = shape.busy / prof.busy  # the simulated busy time in seconds, exactly
-    return shape.busy, prof.makespan * scale, prof.peak_held
+    return shape.busy, prof.makespan * scale, prof.peak_held, prof.split_backward
 
 
 def one_reduction(p: ParallelConfig) -> bool:
@@ -301,18 +297,21 @@ def estimate(
     shape = shape_of(p, model, cluster, precision, recompute)
     if shape is None:
         raise ValueError(f"parallel={p} cannot cut {model.layers + 2} blocks into its stages")
-    busy, makespan, held = timeline(p, shape)
-    state_of: dict[tuple[int, int, int], tuple[float, float, float, float, float]] = {}
+    busy, makespan, held, split_backward = timeline(p, shape)
+    serial_total = float(sum(model.block_params()))
+    n = p.dp * p.sp
+    state_of: dict[tuple[int, int, int, int], tuple[float, ...]] = {}
     worst: MemoryEstimate | None = None
     worst_psi = 0
     for rank, share in enumerate(shape.cut.ranks):
-        key = (share.psi, share.blocks, share.largest)
+        key = (share.psi, share.blocks, share.largest, share.serial)
         if key not in state_of:
             flats = share.blocks if z.stage == 3 else max(1, math.ceil(share.psi * c / BUCKET_BYTES))
+            psi_f = share.largest if z.stage == 3 else share.psi / flats
             state = model_state_bytes(
                 share.psi,
                 stage=z.stage,
-                n=p.dp * p.sp,
+                n=n,
                 precision=precision,
                 offload=z.offload,
                 optimizer=config.optim.name,
@@ -320,12 +319,30 @@ def estimate(
                 one_reduction=one_reduction(p),
             )
             buffers = 2.0 * share.largest * c if z.stage == 3 and not one_reduction(p) else 0.0
-            state_of[key] = (*state, buffers)
-        params, grads, states, host, buffers = state_of[key]
-        activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra
-        device = params + grads + states - host + activations + buffers
-        if worst is None or device > worst.device:
-            worst, worst_psi = MemoryEstimate(params, grads, states, host, activations, buffers), share.psi
+            buffers += shape.backward_extra
+            scratch = max(
+                gradient_peak(
+                    share.psi, psi_f, precision=precision, n=n, stage=z.stage, one_reduction=one_reduction(p)
+                ),
+                step_scratch(
+                    psi_f,
+                    precision=precision,
+                    n=n,
+                    stage=z.stage,
+                    offload=z.offload,
+                    optimizer=config.optim.name,
+                ),
+            )
+            retained = retained_bytes(serial_total, share.serial, p.pp)
+            build = build_peak(serial_total, psi_f, precision=precision, n=n, stage=z.stage)
+            state_of[key] = (*state, buffers, scratch, retained, build)
+        params, grads, states, host, buffers, scratch, retained, build = state_of[key]
+        layers_held = max(k[0] for k in share.kinds)
+        kept = held[rank] * layers_held * shape.kept_per_layer if split_backward else 0.0
+        activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra + kept
+        mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, retained, build)
+        if worst is None or mem.device > worst.device:
+            worst, worst_psi = mem, share.psi
     assert worst is not None
     data_comm, optimizer = overheads(config, shape, cluster)
     time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)

@@ -28,6 +28,10 @@ sequence parallelism splits those too; 2D, 2.5D and 3D split every activation ``
 (batch and hidden blocks); context parallelism splits the sequence ``sp`` ways. Full
 recomputation keeps only each layer's input. A pipeline rank holds as many microbatch x
 chunk units as the simulator's ``peak_held`` says; without a pipeline, one microbatch.
+(3D tensor parallelism keeps more: ``plan.transient.activations_3d`` replaces the split.)
+
+What a rank holds besides, at the other moments of a step (end of backward, optimizer step,
+building the engine), is ``plan.transient``'s; `MemoryEstimate` puts the two together.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class MemoryEstimate:
     host: float
     activations: float
     buffers: float
+    scratch: float = 0.0  # transient once the activations are freed (`plan.transient`)
+    retained: float = 0.0  # other pipeline stages' parameters the caller's model keeps (host)
+    build: float = 0.0  # resident while boost() builds the engine (host, before training)
 
     @property
     def model_state(self) -> float:
@@ -68,8 +75,16 @@ class MemoryEstimate:
 
     @property
     def device(self) -> float:
-        """What must fit in the device's memory."""
-        return self.model_state - self.host + self.activations + self.buffers
+        """What must fit in the device's memory: model state on the device plus the larger of
+        the activations with their buffers (forward, early backward) and the scratch of the
+        end of the backward and of the optimizer step."""
+        return self.model_state - self.host + max(self.activations + self.buffers, self.scratch)
+
+    @property
+    def resident(self) -> float:
+        """The process's peak where host and device are one memory (a CPU run): the device's
+        bytes plus the host's share and retained parameters, or the build, whichever is more."""
+        return max(self.device + self.host + self.retained, self.build)
 
 
 def model_state_bytes(
