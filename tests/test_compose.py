@@ -439,3 +439,23 @@ def test_any_accepted_composition_follows_the_serial_run(worker_pools: PoolFacto
     for curve, _ in results:
         assert [loss for loss, _ in curve] == pytest.approx([loss for loss, _ in alone[0]], rel=5e-3)
         assert [norm for _, norm in curve] == pytest.approx([norm for _, norm in alone[0]], rel=2e-2)
+
+
+def _held(rank: int, config: Config) -> tuple[int, int]:
+    model = GPT(GPT_CFG, seed=1)
+    engine = boost(model, _optimizer(model, "sgd"), config)
+    held = sum(p.numel() for p in model.parameters())
+    local = sum(p.numel() for p in engine.module.parameters())
+    engine.mesh.close()
+    return held, local
+
+
+def test_a_pipeline_rank_releases_the_other_stages_weights(worker_pools: PoolFactory) -> None:
+    """After boost() under pp2 the caller's model holds only this rank's stages' elements
+    (the rest are emptied), so a rank does not keep the whole serial model resident."""
+    config = _config(ParallelConfig(pp=2, microbatches=2), 0, "sgd")
+    results = worker_pools(2).run(_held, config, timeout=120)
+    total = sum(p.numel() for p in GPT(GPT_CFG, seed=1).parameters())
+    assert sum(local for _, local in results) == total
+    for held, local in results:
+        assert held == local < total

@@ -63,6 +63,16 @@ def chunk_config(config: Config, rank: int) -> ChunkConfig | None:
     )
 
 
+def _release_others(params: Any, keep: set[int]) -> None:
+    """Empty the parameters other pipeline ranks hold: the caller's model still references
+    every block, and without this each rank would keep the whole serial model resident."""
+    with torch.no_grad():
+        for param in params:
+            if id(param) not in keep:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                param.grad = None
+
+
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer, local: Mapping[str, nn.Parameter], group_of: Mapping[str, int]
 ) -> torch.optim.Optimizer:
@@ -195,6 +205,8 @@ def boost(
     replicated = {param: n for param, n in copies.items() if n > 1}
     local = list(module.parameters())
     local_ids = {id(param) for param in local}
+    if pp > 1:
+        _release_others(named.values(), local_ids)
     placement = Placement(
         names={param: names[id(param)] for param in local},
         full_shapes=full_shapes,

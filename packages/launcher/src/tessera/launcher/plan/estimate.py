@@ -43,7 +43,6 @@ from tessera.launcher.plan.transient import (
     build_peak,
     gradient_peak,
     kept_gradients,
-    retained_bytes,
     step_scratch,
     summa_backward,
 )
@@ -333,14 +332,13 @@ def estimate(
                     optimizer=config.optim.name,
                 ),
             )
-            retained = retained_bytes(serial_total, share.serial, p.pp)
             build = build_peak(serial_total, psi_f, precision=precision, n=n, stage=z.stage)
-            state_of[key] = (*state, buffers, scratch, retained, build)
-        params, grads, states, host, buffers, scratch, retained, build = state_of[key]
+            state_of[key] = (*state, buffers, scratch, build)
+        params, grads, states, host, buffers, scratch, build = state_of[key]
         layers_held = max(k[0] for k in share.kinds)
         kept = held[rank] * layers_held * shape.kept_per_layer if split_backward else 0.0
         activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra + kept
-        mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, retained, build)
+        mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, build)
         if worst is None or mem.device > worst.device:
             worst, worst_psi = mem, share.psi
     assert worst is not None

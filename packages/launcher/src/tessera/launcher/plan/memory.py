@@ -65,7 +65,6 @@ class MemoryEstimate:
     activations: float
     buffers: float
     scratch: float = 0.0  # transient once the activations are freed (`plan.transient`)
-    retained: float = 0.0  # other pipeline stages' parameters the caller's model keeps (host)
     build: float = 0.0  # resident while boost() builds the engine (host, before training)
 
     @property
@@ -83,8 +82,8 @@ class MemoryEstimate:
     @property
     def resident(self) -> float:
         """The process's peak where host and device are one memory (a CPU run): the device's
-        bytes plus the host's share and retained parameters, or the build, whichever is more."""
-        return max(self.device + self.host + self.retained, self.build)
+        bytes plus the host's share, or the build, whichever is more."""
+        return max(self.device + self.host, self.build)
 
 
 def model_state_bytes(

@@ -10,10 +10,6 @@ its largest unit), ``Psi`` the serial model's elements.
   the flat itself in fp32; freed after a cast when ``c < 4``, which also makes the compute
   copy ``c psi_f`` and a master shard ``4 psi_f / n``). The original parameters are freed as
   the flats take them over, so the peak is the first flat's.
-- Kept by the caller (`retained_bytes`): under a pipeline, ``boost()`` keeps only this rank's
-  stages, but the caller's model still references every other block, whose fp32
-  parameters stay resident: ``4 (Psi - psi_serial)``, ``psi_serial`` this rank's blocks'
-  serial elements. (On a GPU these sit in host memory, where the model was built.)
 - End of backward (`gradient_peak`): stages 0-1 accumulate into the flat gradient buffer
   (counted as model state); stage 2 outside ``accumulating()`` gets every gradient from
   autograd as a new tensor before the flat's reduce-scatter copies and frees them: ``c psi``
@@ -57,7 +53,6 @@ __all__ = [
     "build_peak",
     "gradient_peak",
     "kept_gradients",
-    "retained_bytes",
     "step_scratch",
     "summa_backward",
 ]
@@ -70,11 +65,6 @@ def build_peak(serial: float, psi_f: float, *, precision: str, n: int, stage: in
     shards = n if stage >= 1 else 1
     staging = 4 * psi_f + (c * psi_f + 4 * psi_f / shards if c != 4 else 0.0)
     return 4 * serial + staging
-
-
-def retained_bytes(serial: float, serial_rank: float, pp: int) -> float:
-    """fp32 bytes of the other pipeline stages' parameters, which the caller's model keeps."""
-    return 4 * (serial - serial_rank) if pp > 1 else 0.0
 
 
 def gradient_peak(
