@@ -7,23 +7,28 @@ reduce-scatter's input (1 and 25 MiB by default: a small bucket and a ZeRO/DDP-s
 On gloo, Tessera's all-gather and reduce-scatter run its own p2p ring
 (``tessera.comm.gloo_ring``); torch's gloo reduce-scatter all-reduces a copy of its input.
 A "token" here is one fp32 element reduced or gathered, so tokens_per_s is elements/s.
+``all_reduce`` is Tessera's default, which returns a new tensor (a clone of the input,
+reduced); ``all_reduce_inplace`` is ``all_reduce(x, inplace=True)``, which reduces ``x``
+itself as torch's call does (what Tessera's internal callers use where the input is theirs).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import emit, median_time, table
+from _common import emit, table
 
 from tessera.comm import CommMeter, all_gather, all_reduce, reduce_scatter
 from tessera.comm.testing import WorkerPool
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_reduce_inplace", "all_gather", "reduce_scatter")
 
 
 def _bench(rank: int, op: str, numel: int, iters: int) -> dict[str, Any]:
@@ -34,21 +39,27 @@ def _bench(rank: int, op: str, numel: int, iters: int) -> dict[str, Any]:
     out_shard = torch.empty(numel // n)
     tessera_step: Callable[[], object] = {
         "all_reduce": lambda: all_reduce(x),
+        "all_reduce_inplace": lambda: all_reduce(x, inplace=True),
         "all_gather": lambda: all_gather(shard),
         "reduce_scatter": lambda: reduce_scatter(x),
     }[op]
     torch_step: Callable[[], object] = {
         "all_reduce": lambda: dist.all_reduce(x),
+        "all_reduce_inplace": lambda: dist.all_reduce(x),
         "all_gather": lambda: dist.all_gather_single(out_full, shard),
         "reduce_scatter": lambda: dist.reduce_scatter_single(out_shard, x),
     }[op]
     with CommMeter() as meter:
         tessera_step()
-    return {
-        "tessera": median_time(tessera_step, iters=iters),
-        "torch-c10d": median_time(torch_step, iters=iters),
-        "comm_bytes": meter.volume_bytes,
-    }
+    steps = {"tessera": tessera_step, "torch-c10d": torch_step}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(3 + iters):  # alternating (ABBA), so background load hits both alike
+        for name, step in steps.items() if i % 2 == 0 else reversed(steps.items()):
+            t0 = time.perf_counter()
+            step()
+            if i >= 3:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()} | {"comm_bytes": meter.volume_bytes}
 
 
 def main() -> None:

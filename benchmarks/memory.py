@@ -1,13 +1,17 @@
 """Heterogeneous memory: the largest reference GPT that trains under a resident-memory cap
 with Tessera ZeRO-3 alone, with CPU offload (``offload=True``) and with the chunk memory
-manager's disk tier (``memory=ChunkConfig(host_budget_mb=..., disk_dir=...)``), one rank,
-AdamW, fp32; then the step time of the three at one size all of them train, and the disk
-tier's bytes read and written per step beside the formula.
+manager's disk tier (``memory=ChunkConfig(host_budget_mb=..., disk_dir=...)``), beside FSDP2
+with CPU offload and DeepSpeed ZeRO-3 with NVMe or CPU offload; one rank, AdamW, fp32; then
+the step time of all of them at one size they all train, and the disk tiers' bytes read and
+written per step (Tessera's beside the formula).
 
 - Every measurement is a fresh process (``python memory.py --child ...``), so its peak
   resident set (``VmHWM``) is its own: ``peak_rss_mb`` covers the whole run, construction
   included (the full model is built before sharding: there is no meta-device init), and
   ``train_peak_rss_mb`` the steps after the first (VmHWM reset through /proc/self/clear_refs).
+  Resetting VmHWM resets ``ru_maxrss`` too (Linux keeps one high-water mark), and the chunk
+  manager's tracer resets it in its warm-up step, so ``peak_rss_mb`` is the largest of
+  VmHWM read after construction, before the reset at step 1, and at the end.
   glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the
   resident set.
 - Sizes: ``--layers`` blocks of width ``--widths`` (ascending); a system's ladder stops at
@@ -17,8 +21,17 @@ tier's bytes read and written per step beside the formula.
   bytes (gradient, master, two Adam moments), read 24 (the master for the forward and the
   backward gathers, then master, gradient and moments for the step; the first step reads no
   moments). ``disk_*_per_step`` are the steady-state steps' averages.
-- Peers: DeepSpeed (ZeRO-Infinity) is not installed in this environment; FSDP2 with
-  ``CPUOffloadPolicy`` was not attempted (see README).
+- Peers (``_memory_peers.py``), each a fresh one-rank process like Tessera's: FSDP2 with
+  ``CPUOffloadPolicy`` (``torch-fsdp2-offload``), DeepSpeed ZeRO-3 with parameters and
+  optimizer state offloaded to NVMe (``deepspeed-nvme``, ZeRO-Infinity) or to the host
+  (``deepspeed-cpu``), run by ``--deepspeed-python`` (a separate venv; never a dependency
+  here). A peer that cannot run gives a line with ``error`` or ``ladder_ended``
+  ("not available: ..." or the failure's last line), never a failed bench; the "largest
+  under" lines say what each system needed (``needs``).
+- (b) step time: every system that ran, at each of ``--time-widths`` (default: the largest width all
+  of them trained under the cap, else the smallest they all trained), ``--rounds`` fresh
+  processes each, the order rotated each round; the median of the timed steps, and
+  ``time_ratio_vs_tessera_zero3`` (above 1: slower than Tessera ZeRO-3 alone).
 - A token is one position of one sequence.
 """
 
@@ -26,15 +39,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+from _common import emit, table
+from _memory_peers import DEFAULT_DS_PYTHON, PEERS, deepspeed_version, peer_command
+
 SYSTEMS = ("zero3", "offload", "disk")
+ALL = (*SYSTEMS, *PEERS)
+NAMES = {
+    "zero3": "tessera-zero3",
+    "offload": "tessera-offload",
+    "disk": "tessera-disk",
+    "fsdp2-offload": "torch-fsdp2-offload",
+    "deepspeed-nvme": "deepspeed-nvme",
+    "deepspeed-cpu": "deepspeed-cpu",
+}
+NEEDS = {
+    "zero3": "torch and the Tessera packages (the hatch env)",
+    "offload": "torch and the Tessera packages (the hatch env)",
+    "disk": "torch and the Tessera packages (the hatch env); a directory",
+    "fsdp2-offload": "torch only (fully_shard, CPUOffloadPolicy); a one-rank gloo group",
+    "deepspeed-nvme": (
+        "a venv with deepspeed and the same torch; DS_ACCELERATOR=cpu (gloo without oneCCL); ninja and a "
+        "C++ compiler for the JIT ops async_io and cpu_adam; libaio-dev (apt) for async_io; a directory"
+    ),
+    "deepspeed-cpu": (
+        "a venv with deepspeed and the same torch; DS_ACCELERATOR=cpu (gloo without oneCCL); ninja and a "
+        "C++ compiler for the JIT op cpu_adam"
+    ),
+}
+logger = logging.getLogger("bench.memory")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -66,8 +109,10 @@ def child(args: argparse.Namespace) -> None:
         )
         times, losses = [], []
         disk0 = (0, 0)
+        hwm = [rss_bytes()[1]]  # VmHWM: built (see the module doc)
         for step in range(args.steps):
             if step == 1:
+                hwm.append(rss_bytes()[1])  # through the first step
                 reset_peak_rss()
                 if zero._chunks is not None:
                     r = zero._chunks.report()
@@ -82,7 +127,9 @@ def child(args: argparse.Namespace) -> None:
         out: dict[str, Any] = {
             "params": numel,
             "step_time_s": statistics.median(times[1:]),
+            "step_times": times[1:],
             "train_peak_rss_mb": rss_bytes()[1] / 2**20,
+            "peak_rss_mb": max(*hwm, rss_bytes()[1]) / 2**20,
             "final_loss": losses[-1],
         }
         if zero._chunks is not None:
@@ -101,38 +148,117 @@ def child(args: argparse.Namespace) -> None:
             zero._chunks.close()
         return out
 
-    (res,) = run_threaded(1, body)
-    res["peak_rss_mb"] = _hwm_total()
+    (res,) = run_threaded(1, body, timeout=args.timeout)
     print(json.dumps(res))
 
 
-def _hwm_total() -> float:
-    """The whole process's peak: ``ru_maxrss`` is not reset by clear_refs."""
-    import resource
+def run_one(
+    args: argparse.Namespace, system: str, width: int, disk_dir: str, steps: int
+) -> dict[str, Any] | str:
+    """One measurement in a fresh process: its JSON figures, or a line saying why there are none."""
+    extra: dict[str, str] = {}
+    if system in SYSTEMS:
+        cmd = [sys.executable, __file__, "--child"]
+    else:
+        got = peer_command(system, args.deepspeed_python)
+        if isinstance(got, str):
+            return got
+        cmd, extra = got
+    run_dir = tempfile.mkdtemp(prefix=f"{system}-d{width}-", dir=disk_dir)
+    cmd += ["--system", system, "--width", str(width), "--disk-dir", run_dir, "--steps", str(steps)]
+    for key in ("layers", "vocab", "seq", "batch"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    if system == "disk":
+        cmd += ["--host-budget-mib", str(args.host_budget_mib)]
+    env = {**os.environ, **extra, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return f"failed: timed out after {args.timeout:g} s"
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        errors = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no stderr)"]
+        return f"failed (exit {done.returncode}): {errors[-1].strip()}"
+    return dict(json.loads(lines[-1]))
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+def _config(args: argparse.Namespace, width: int) -> str:
+    return f"gpt d={width} L={args.layers} V={args.vocab} seq={args.seq} b={args.batch} adamw"
 
 
-def run_one(args: argparse.Namespace, system: str, width: int, disk_dir: str) -> dict[str, Any] | None:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        "--system",
-        system,
-        "--width",
-        str(width),
-        "--disk-dir",
-        disk_dir,
-    ]
-    for key in ("layers", "vocab", "seq", "batch", "steps", "host_budget_mib"):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
-    if done.returncode != 0:
-        print(f"{system} width {width} failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-        return None
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+def _record(args: argparse.Namespace, system: str, width: int, res: dict[str, Any]) -> dict[str, Any]:
+    skip = ("step_time_s", "peak_rss_mb", "final_loss", "params", "step_times")
+    return {
+        "bench": "memory",
+        "system": NAMES[system],
+        "config": _config(args, width),
+        "step_time_s": round(res["step_time_s"], 4),
+        "tokens_per_s": round(args.batch * args.seq / res["step_time_s"], 1),
+        "peak_rss_mb": round(res["peak_rss_mb"], 1),
+        "model_state_bytes": 16 * res["params"],
+        "final_loss": round(res["final_loss"], 4),
+        "params": res["params"],
+        "fits_cap": res["peak_rss_mb"] <= args.cap_mib,
+        "cap_mib": args.cap_mib,
+        **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in res.items() if k not in skip},
+    }
+
+
+def _ladder(
+    args: argparse.Namespace, system: str, widths: list[int], disk_dir: str
+) -> tuple[list[dict[str, Any]], str]:
+    """Ascending sizes until one passes the cap or fails; the records and how the ladder ended."""
+    records: list[dict[str, Any]] = []
+    for width in widths:
+        res = run_one(args, system, width, disk_dir, args.steps)
+        if isinstance(res, str):
+            emit({"bench": "memory", "system": NAMES[system], "config": _config(args, width),
+                  "step_time_s": 0.0, "tokens_per_s": 0.0, "error": res})  # fmt: skip
+            return records, f"d={width}: {res}"
+        record = _record(args, system, width, res)
+        emit(record)
+        records.append(record)
+        if not record["fits_cap"]:
+            return records, f"d={width} over the cap"
+    return records, "every size fit"
+
+
+def _step_times(
+    args: argparse.Namespace, systems: list[str], width: int, disk_dir: str
+) -> list[dict[str, Any]]:
+    """(b): every system at one width, ``--rounds`` rounds with the order rotated each round."""
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    last: dict[str, dict[str, Any]] = {}
+    for r in range(args.rounds):
+        for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
+            res = run_one(args, system, width, disk_dir, args.time_steps)
+            if isinstance(res, str):
+                logger.warning("%s at d=%d: %s", system, width, res)
+                continue
+            times[system] += res["step_times"]
+            last[system] = res
+    medians = {s: statistics.median(t) for s, t in times.items() if t}
+    base = medians.get("zero3")
+    records = []
+    for system, median in medians.items():
+        res = last[system]
+        records.append(
+            {
+                "bench": "memory",
+                "system": NAMES[system],
+                "config": f"step time: {_config(args, width)} rounds={args.rounds} steps={args.time_steps}",
+                "step_time_s": round(median, 4),
+                "tokens_per_s": round(args.batch * args.seq / median, 1),
+                "peak_rss_mb": round(res["peak_rss_mb"], 1),
+                "final_loss": round(res["final_loss"], 4),
+                "params": res["params"],
+                "time_ratio_vs_tessera_zero3": round(median / base, 3) if base else None,
+                "timed_steps": len(times[system]),
+            }
+        )
+    return records
 
 
 def main() -> None:
@@ -140,83 +266,85 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, default="zero3", help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
-    parser.add_argument("--disk-dir", default=None, help="where the disk tier writes (default: a temp dir)")
+    parser.add_argument("--disk-dir", default=None, help="where the disk tiers write (default: a temp dir)")
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="resident-memory cap per rank")
     parser.add_argument("--host-budget-mib", type=float, default=64.0, help="the disk system's host budget")
     parser.add_argument("--widths", default="256,512,768,1024,1280", help="model widths, ascending")
+    parser.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, of {', '.join(ALL)}")
+    parser.add_argument(
+        "--deepspeed-python",
+        default=DEFAULT_DS_PYTHON if Path(DEFAULT_DS_PYTHON).exists() else None,
+        help=f"a Python with DeepSpeed installed (default: {DEFAULT_DS_PYTHON} if present)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--time-widths", default="", help="(b)'s widths, comma-separated (default: see doc)")
+    parser.add_argument("--time-steps", type=int, default=6, help="steps per (b) run (the first untimed)")
+    parser.add_argument("--rounds", type=int, default=2, help="(b)'s rounds over the systems")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    from _common import emit, table
-
+    logging.basicConfig(level=logging.WARNING)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(ALL))
+    if unknown:
+        raise ValueError(f"--systems has {unknown}; choose of {list(ALL)}")
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="tessera-bench-memory-")
     widths = [int(w) for w in args.widths.split(",")]
-    results: dict[tuple[str, int], dict[str, Any]] = {}
+    ds_version = ""
+    if any(s.startswith("deepspeed") for s in systems) and args.deepspeed_python:
+        ds_version = deepspeed_version(args.deepspeed_python)
     records: list[dict[str, Any]] = []
-    for system in SYSTEMS:
-        for width in widths:
-            res = run_one(args, system, width, disk_dir)
-            if res is None:
-                break
-            results[(system, width)] = res
-            fits = res["peak_rss_mb"] <= args.cap_mib
-            record = {
-                "bench": "memory",
-                "system": f"tessera-{system}",
-                "config": f"gpt d={width} L={args.layers} V={args.vocab} seq={args.seq} b={args.batch} adamw",
-                "step_time_s": round(res["step_time_s"], 4),
-                "tokens_per_s": round(args.batch * args.seq / res["step_time_s"], 1),
-                "peak_rss_mb": round(res["peak_rss_mb"], 1),
-                "model_state_bytes": 16 * res["params"],
-                "final_loss": round(res["final_loss"], 4),
-                "params": res["params"],
-                "fits_cap": fits,
-                "cap_mib": args.cap_mib,
-                **{
-                    k: (round(v, 1) if isinstance(v, float) else v)
-                    for k, v in res.items()
-                    if k not in ("step_time_s", "peak_rss_mb", "final_loss", "params")
-                },
-            }
-            emit(record)
-            records.append(record)
-            if not fits:
-                break
-    for system in SYSTEMS:
-        under = [r for r in records if r["system"] == f"tessera-{system}" and r["fits_cap"]]
-        largest = max((r["params"] for r in under), default=0)
+    ran: list[str] = []
+    for system in systems:
+        recs: list[dict[str, Any]] = []
+        if system.startswith("deepspeed") and ds_version.startswith("not available"):
+            ended = ds_version
+        else:
+            recs, ended = _ladder(args, system, widths, disk_dir)
+        records += recs
+        if recs:
+            ran.append(system)
+        under = [r for r in recs if r["fits_cap"]]
         emit(
             {
                 "bench": "memory",
-                "system": f"tessera-{system}",
+                "system": NAMES[system],
                 "config": f"largest under {args.cap_mib:g} MiB",
                 "step_time_s": 0.0,
                 "tokens_per_s": 0.0,
-                "largest_params": largest,
+                "largest_params": max((r["params"] for r in under), default=0),
+                "ladder_ended": ended,
+                "needs": NEEDS[system] + (f" ({ds_version})" if system.startswith("deepspeed") else ""),
             }
         )
-    table(
-        records,
-        (
-            "system",
-            "params",
-            "peak_rss_mb",
-            "train_peak_rss_mb",
-            "step_time_s",
-            "fits_cap",
-            "disk_read_per_step",
-            "formula_read_per_step",
-            "disk_written_per_step",
-            "formula_written_per_step",
-        ),
-    )
+    timed: list[dict[str, Any]] = []
+    for width in [int(w) for w in args.time_widths.split(",") if w] or [_common_width(records, ran, widths)]:
+        timed += _step_times(args, ran, width, disk_dir) if ran and width else []
+    for rec in timed:
+        emit(rec)
+    if not args.disk_dir:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    keys = ("system", "params", "peak_rss_mb", "train_peak_rss_mb", "step_time_s", "fits_cap")
+    disk = ("disk_read_per_step", "formula_read_per_step", "disk_written_per_step")
+    if records:  # table() needs at least one row
+        table(records, (*keys, *disk, "formula_written_per_step"))
+    if timed:
+        table(timed, ("system", "config", "step_time_s", "time_ratio_vs_tessera_zero3", "timed_steps"))
+
+
+def _common_width(records: list[dict[str, Any]], ran: list[str], widths: list[int]) -> int:
+    """The largest width every system that ran trained under the cap, else the smallest they all trained."""
+    done = {(r["system"], int(r["config"].split()[1][2:])): r["fits_cap"] for r in records}
+    names = [NAMES[s] for s in ran]
+    under = [w for w in widths if all(done.get((n, w)) is True for n in names)]
+    trained = [w for w in widths if all((n, w) in done for n in names)]
+    return max(under) if under else min(trained, default=0)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,22 @@
    median of the ratios of back-to-back steps (steadier on a shared machine).
    ``final_loss`` is the mean microbatch loss of the last step; both sides must agree
    (``loss_match``). A "token" is one sequence position.
+   A ``torch-single`` line (system) runs the same GPT in plain PyTorch in one process (rank
+   0, one thread, rank 1 idle at a barrier): the same work as one pipeline step, the whole
+   batch of m x mb sequences in one forward and backward (the mean loss over equal
+   microbatches is the mean over the batch) and an SGD step; ``speedup_vs_single`` on each
+   gpt line is its tokens/s over that one's.
+3. ``--breakdown`` (gpt part): after the timed steps, ``--breakdown-steps`` more of each
+   system run under torch.profiler on both ranks; rank 0's split of a step into compute /
+   communication / idle (waiting for the peer's activations or gradients) / overhead
+   (``benchmarks/_breakdown.py``) goes into the line, the Chrome traces and a stacked-bar
+   ``breakdown.png`` into the run folder (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
@@ -34,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as tpp
 import torch.nn.functional as F
+from _breakdown import Breakdown, plot, profile_steps, run_folder
 from _common import emit, table
 from torch import Tensor, nn
 
@@ -163,8 +175,39 @@ def _torch_schedule(cls_name: str, stages: list[tpp.PipelineStage], m: int) -> A
     return cls(stages, m, loss_fn=_ce)
 
 
+def _gpt_single(rank: int, cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float,
+                folder: str | None, prof_steps: int) -> dict[str, Any]:
+    """Rank 0: the whole GPT on the whole batch in one process (SGD); rank 1 waits."""
+    out: dict[str, Any] = {}
+    if rank == 0:
+        model = GPT(cfg, seed=0)
+        idx, targets = make_batch(cfg, m * mb, seed=1)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+        def step() -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = _ce(model(idx), targets)
+            torch.autograd.backward(loss)
+            opt.step()
+            return float(loss.detach())
+
+        times = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            out["final"] = step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out["median"] = statistics.median(times)
+        if folder is not None:
+            trace = f"{folder}/single-rank0.json"
+            out |= {"breakdown": profile_steps(step, prof_steps, trace).as_record(), "breakdown_trace": trace}
+    dist.barrier()
+    return out
+
+
 def _gpt_pair(
-    rank: int, ours: str, theirs: str, cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float
+    rank: int, ours: str, theirs: str, cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float,
+    folder: str | None = None, prof_steps: int = 3,
 ) -> dict[str, Any]:
     """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
     p = dist.get_world_size()
@@ -222,12 +265,19 @@ def _gpt_pair(
             t1 = time.perf_counter()
             if i >= warmup:
                 times[system].append((t0, t1))
+    out: dict[str, Any] = {"times": times, "final": final}
+    if folder is not None:
+        for system, step in order:
+            trace = f"{folder}/{ours}-vs-{theirs}-{system}-rank{rank}.json"
+            b = profile_steps(step, prof_steps, trace, before=dist.barrier)
+            out[system] = {"breakdown": b.as_record(), "breakdown_trace": trace}
     runtime.close()
-    return {"times": times, "final": final}
+    return out
 
 
 def bench_gpt(
-    cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float, only: list[str]
+    cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float, only: list[str],
+    folder: str | None = None, prof_steps: int = 3,
 ) -> list[dict[str, Any]]:
     pairs = [
         ("gpipe", "ScheduleGPipe"),
@@ -241,10 +291,23 @@ def bench_gpt(
     tokens = m * mb * cfg.seq_len
     records = []
     with WorkerPool(2, timeout=900) as pool:
+        single = pool.run(_gpt_single, cfg, m, mb, warmup, iters, lr, folder, prof_steps)[0]
+        extra: dict[str, Any] = {k: single[k] for k in ("breakdown", "breakdown_trace") if k in single}
+        records.append({
+            "bench": "pipeline",
+            "system": "torch-single",
+            "config": f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} "
+            f"one process, batch {m * mb} in one pass, sgd",
+            "step_time_s": round(single["median"], 4),
+            "tokens_per_s": round(tokens / single["median"], 1),
+            "final_loss": round(single["final"], 6),
+            "ratio_vs_peer": None,
+            **extra,
+        })
         for ours, theirs in pairs:
             if only and ours not in only:
                 continue
-            per_rank = pool.run(_gpt_pair, ours, theirs, cfg, m, mb, warmup, iters, lr)
+            per_rank = pool.run(_gpt_pair, ours, theirs, cfg, m, mb, warmup, iters, lr, folder, prof_steps)
             v = schedule_spec(ours).chunks()
             config = (
                 f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} p=2 v={v} m={m} "
@@ -273,8 +336,24 @@ def bench_gpt(
                     "ratio_paired_median": round(statistics.median(
                         b / a for a, b in zip(steps["tessera"], steps["torch-pipelining"], strict=True)
                     ), 3) if system == "tessera" else None,
+                    "speedup_vs_single": round(single["median"] / medians[system], 3),
+                    **{k: per_rank[0][system][k] for k in ("breakdown", "breakdown_trace")
+                       if system in per_rank[0]},
                 })
     return records
+
+
+def _write_breakdown(records: list[dict[str, Any]], folder: str) -> None:
+    bars = {}
+    for rec in records:
+        b = {k: v for k, v in rec["breakdown"].items() if k != "fractions"}
+        label = rec["system"] if rec["system"] == "torch-single" else (
+            f"{rec['system']}\n{rec['config'].split(': ')[1].replace(' vs torch ', ' / ')}"
+        )
+        bars[label] = Breakdown(**b)
+    plot(bars, f"{folder}/breakdown.png", "pipeline p=2 m=8, one step of rank 0 (torch.profiler)")
+    with open(f"{folder}/results.jsonl", "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in records)
 
 
 def main() -> None:
@@ -290,6 +369,9 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--breakdown", action="store_true", help="profile each gpt system: see above")
+    parser.add_argument("--breakdown-steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/pipeline-<time>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     records = []
@@ -298,7 +380,12 @@ def main() -> None:
     if args.part in ("all", "gpt"):
         cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                         n_layers=args.layers)
-        records += bench_gpt(cfg, 8, args.microbatch, args.warmup, args.iters, 0.1, args.schedules)
+        folder = str(run_folder("pipeline", args.out)) if args.breakdown else None
+        gpt = bench_gpt(cfg, 8, args.microbatch, args.warmup, args.iters, 0.1, args.schedules, folder,
+                        args.breakdown_steps)
+        records += gpt
+        if folder is not None:
+            _write_breakdown(gpt, folder)
     for rec in records:
         emit(rec)
     keys = ("system", "config", "step_time_s", "ratio_vs_peer", "ratio_paired_median", "bubble_measured",

@@ -13,6 +13,14 @@ Two plans, each run by both systems:
   ``ColwiseParallel(use_local_output=False)`` under ``loss_parallel()``).
 
 A third Tessera line runs the ``full`` plan with sequence parallelism (no DTensor peer here).
+A ``torch-single`` line runs the same GPT in plain PyTorch in one process (rank 0, one
+thread, while rank 1 waits at a barrier): the same work as the whole tp job, since both tp
+ranks read the same batch; ``speedup_vs_single`` on each line is its tokens/s over that one's.
+
+``--breakdown``: after the timed steps, ``--breakdown-steps`` more of each system run under
+torch.profiler on both ranks; rank 0's split of a step into compute / communication / idle /
+overhead (``benchmarks/_breakdown.py``) goes into the line (``breakdown``), the Chrome trace
+of each rank and a stacked-bar ``breakdown.png`` into the run folder (``--out``).
 
 - Both ranks of the tp group read the same batch; a token is one position of one sequence,
   so ``tokens_per_s`` = batch * seq / step time.
@@ -29,6 +37,8 @@ A third Tessera line runs the ``full`` plan with sequence parallelism (no DTenso
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import time
 import warnings
@@ -37,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _breakdown import plot, profile_steps, run_folder
 from _common import emit, table
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -177,13 +188,42 @@ class DTensorTP(System):
         return float(value.item())
 
 
+class Single(System):
+    """Plain PyTorch in one process: the serial GPT on the whole batch, AdamW."""
+
+    def __init__(self, cfg: GPTConfig, batch: int) -> None:
+        super().__init__(cfg, batch)
+        self.model = GPT(cfg, seed=0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)  # type: ignore[arg-type]
+
+    def step(self, i: int, measure: bool = False) -> float:
+        idx, targets = self.data(i)
+        loss = F.cross_entropy(self.model(idx).flatten(0, -2), targets.flatten())
+        torch.autograd.backward(loss)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+SINGLE = ("single", "torch-single")
+
+
 def _build(plan: str, system: str, cfg: GPTConfig, batch: int, mesh: Mesh) -> System:
     if system == "tessera":
         return Tessera(cfg, batch, plan, mesh)
     return DTensorTP(cfg, batch, plan, mesh)
 
 
-def _run(rank: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict[str, dict[str, Any]]:
+def _single_step(system: System, i: int) -> float | None:
+    """Rank 0 steps the one-process system; every rank meets at a barrier after (untimed)."""
+    loss = system.step(i) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return loss
+
+
+def _run(
+    rank: int, cfg: GPTConfig, batch: int, warmup: int, iters: int, folder: str | None, prof_steps: int
+) -> dict[str, dict[str, Any]]:
     torch.manual_seed(0)
     # DTensor's loss_parallel fires module backward hooks on an input without grad; harmless here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -193,10 +233,12 @@ def _run(rank: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict
     for plan, name in runs:  # first use of each code path (lazy initialisation) outside the timings
         _build(plan, name, tiny, 1, mesh).step(0)
     systems = {run: _build(*run, cfg, batch, mesh) for run in runs}
+    single = Single(cfg, batch)
     for i in range(warmup):
         for system in systems.values():
             system.step(i, measure=i == warmup - 1)
-    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+        _single_step(single, i)
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in (*runs, SINGLE)}
     out: dict[str, dict[str, Any]] = {}
     for i in range(warmup, warmup + iters):
         for run, system in systems.items():
@@ -204,11 +246,26 @@ def _run(rank: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict
             loss = system.step(i)
             times[run].append(time.perf_counter() - t0)
             out.setdefault("/".join(run), {})["final_loss"] = loss
-    for run, system in systems.items():
+        t0 = time.perf_counter()
+        single_loss = _single_step(single, i)  # rank 0's time counts; the barrier is outside
+        times[SINGLE].append(time.perf_counter() - t0)
+        out.setdefault("/".join(SINGLE), {})["final_loss"] = single_loss
+    for run, system in (*systems.items(), (SINGLE, single)):
         rec = out["/".join(run)]
         rec["step_time_s"] = sorted(times[run])[len(times[run]) // 2]
         rec["comm_bytes"] = system.comm_bytes
         rec["comm_counts"] = system.comm_counts
+    if folder is not None:
+        step = warmup + iters
+        for run, system in systems.items():
+            trace = f"{folder}/{'-'.join(run).replace('+', '_')}-rank{rank}.json"
+            b = profile_steps(functools.partial(system.step, step), prof_steps, trace)
+            out["/".join(run)] |= {"breakdown": b.as_record(), "breakdown_trace": trace}
+        if rank == 0:
+            trace = f"{folder}/single-rank0.json"
+            b = profile_steps(functools.partial(single.step, step), prof_steps, trace)
+            out["/".join(SINGLE)] |= {"breakdown": b.as_record(), "breakdown_trace": trace}
+        dist.barrier()
     mesh.close()
     return out
 
@@ -225,6 +282,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--breakdown", action="store_true", help="profile each system: see above")
+    parser.add_argument("--breakdown-steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/tp-<time>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cfg = GPTConfig(
@@ -235,30 +295,39 @@ def main() -> None:
         n_layers=args.layers,
     )
     world = 2
+    folder = str(run_folder("tp", args.out)) if args.breakdown else None
     with WorkerPool(world, timeout=900) as pool:
-        per_rank = pool.run(_run, cfg, args.batch, args.warmup, args.iters)
+        per_rank = pool.run(_run, cfg, args.batch, args.warmup, args.iters, folder, args.breakdown_steps)
     psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())
     records: list[dict[str, Any]] = []
-    for plan, name in (*RUNS, SP_RUN):
+    for plan, name in (*RUNS, SP_RUN, SINGLE):
         key = f"{plan}/{name}"
-        step_time = max(r[key]["step_time_s"] for r in per_rank)
+        ranks = per_rank[:1] if name == "torch-single" else per_rank
+        step_time = max(r[key]["step_time_s"] for r in ranks)
         rec: dict[str, Any] = {
             "bench": "tp",
             "system": name,
             "config": (
-                f"tp={world} plan={plan} gpt {psi / 1e6:.1f}M d={cfg.d_model} heads={cfg.n_heads} "
+                f"tp={1 if name == 'torch-single' else world} plan={plan} gpt {psi / 1e6:.1f}M "
+                f"d={cfg.d_model} heads={cfg.n_heads} "
                 f"L={cfg.n_layers} V={cfg.vocab_size} seq={cfg.seq_len} batch={args.batch} AdamW fp32 gloo"
             ),
             "step_time_s": round(step_time, 4),
             "tokens_per_s": round(args.batch * cfg.seq_len / step_time, 1),
             "comm_bytes": per_rank[0][key]["comm_bytes"],
-            "comm_source": "CommMeter" if name == "tessera" else "dispatch",
+            "comm_source": {"tessera": "CommMeter", "torch-single": None}.get(name, "dispatch"),
             "final_loss": round(per_rank[0][key]["final_loss"], 5),
             "ratio_vs_peer": None,
         }
         if per_rank[0][key]["comm_counts"] is not None:
             rec["comm_counts"] = per_rank[0][key]["comm_counts"]
+        if "breakdown" in per_rank[0][key]:
+            rec["breakdown"] = per_rank[0][key]["breakdown"]
+            rec["breakdown_trace"] = per_rank[0][key]["breakdown_trace"]
         records.append(rec)
+    single = records[-1]
+    for rec in records:
+        rec["speedup_vs_single"] = round(rec["tokens_per_s"] / single["tokens_per_s"], 3)
     by_config = {(r["config"], r["system"]): r for r in records}
     for rec in records:
         peer = by_config.get((rec["config"], "torch-dtensor"))
@@ -266,10 +335,27 @@ def main() -> None:
             rec["ratio_vs_peer"] = round(peer["step_time_s"] / rec["step_time_s"], 3)
     for rec in records:
         emit(rec)
+    if folder is not None:
+        _write_breakdown(records, folder)
     table(
         records,
-        ("system", "config", "step_time_s", "tokens_per_s", "comm_bytes", "final_loss", "ratio_vs_peer"),
+        ("system", "config", "step_time_s", "tokens_per_s", "comm_bytes", "final_loss", "ratio_vs_peer",
+         "speedup_vs_single"),
     )
+
+
+def _write_breakdown(records: list[dict[str, Any]], folder: str) -> None:
+    from _breakdown import Breakdown
+
+    bars = {}
+    for rec in records:
+        b = dict(rec["breakdown"])
+        b.pop("fractions")
+        plan = rec["config"].split("plan=")[1].split()[0]
+        bars[f"{rec['system']}\n{plan}"] = Breakdown(**b)
+    plot(bars, f"{folder}/breakdown.png", "tp=2, one step of rank 0 (torch.profiler)")
+    with open(f"{folder}/results.jsonl", "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in records)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,22 @@ reference GPT, data and AdamW settings, in one run.
   ``CommMeter``; DDP's and FSDP2's collectives bypass ``tessera.comm``, so theirs are the
   formulas (DDP: all-reduce of the fp32 gradients, 2 x 4 bytes per parameter; FSDP2: 3 x 4),
   marked ``"comm_source": "formula"``.
+- ``torch-single`` (with the first stage run): the same GPT in plain PyTorch in one process
+  (rank 0, one thread, while rank 1 waits at a barrier) on one rank's batch (``--batch``
+  sequences) per step, AdamW: the work of one data-parallel rank without communication.
+  Its tokens/s counts its own tokens; ``scaling_vs_single`` on each line is the line's
+  tokens/s over it (2.0 is perfect scaling on 2 ranks, each with its own core).
+- ``--breakdown``: after the timed steps, ``--breakdown-steps`` more of each system run under
+  torch.profiler on both ranks; rank 0's split of a step into compute / communication / idle
+  / overhead (``benchmarks/_breakdown.py``) goes into the line (``breakdown``), the Chrome
+  traces and a stacked-bar ``breakdown.png`` into the run folder (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _breakdown import Breakdown, plot, profile_steps, run_folder
 from _common import emit, libc_handle, rss_baseline, status_kb, table
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
@@ -130,28 +142,63 @@ class FSDP2(System):
         return loss.item()
 
 
+class Single(System):
+    """Plain PyTorch in one process on one rank's batch: forward, backward, AdamW."""
+
+    def __init__(self, model: GPT, rank: int, batch: int) -> None:
+        super().__init__(model, rank, batch)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(self, i: int, measure: bool = False) -> float:
+        loss = self.model.loss(*self.data(i))
+        torch.autograd.backward(loss)
+        if measure:
+            self.model_state = measure_memory(modules=[self.model], optimizers=[self.opt]).model_state
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+SINGLE = "torch-single"
+
+
 def _build(name: str, stage: int, cfg: GPTConfig, rank: int, batch: int) -> System:
     model = GPT(cfg, seed=0)
     if name == "tessera":
         return Tessera(model, rank, batch, stage)
+    if name == SINGLE:
+        return Single(model, rank, batch)
     return DDP(model, rank, batch) if name == "torch-ddp" else FSDP2(model, rank, batch)
 
 
-def _pair(rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int) -> dict[str, Any]:
-    names = ("tessera", PAIRS[stage])
+def _step(name: str, system: System, i: int, measure: bool = False) -> float | None:
+    """One step; the single-process system steps on rank 0 only, then every rank meets at a
+    barrier (outside the timing of the others)."""
+    if name != SINGLE:
+        return system.step(i, measure)
+    loss = system.step(i, measure) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return loss
+
+
+def _pair(
+    rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int,
+    single: bool, folder: str | None, prof_steps: int,
+) -> dict[str, Any]:
+    names = ("tessera", PAIRS[stage], *((SINGLE,) if single else ()))
     libc = libc_handle()
     if libc is not None:
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: see the module docstring
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
     for name in names:  # first use of each code path (lazy initialisation) outside the measurements
-        _build(name, stage, tiny, rank, 1).step(0)
+        _step(name, _build(name, stage, tiny, rank, 1), 0)
     systems: dict[str, System] = {}
     out: dict[str, dict[str, Any]] = {}
     for name in names:  # one at a time: resident-memory growth over a fresh baseline
         base = rss_baseline()
         system = _build(name, stage, cfg, rank, batch)
         for i in range(warmup):
-            system.step(i, measure=i == warmup - 1)
+            _step(name, system, i, measure=i == warmup - 1)
         out[name] = {
             "peak_rss_mb": (status_kb("VmHWM") - base) / 1024,
             "model_state_bytes": system.model_state,
@@ -162,10 +209,19 @@ def _pair(rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters:
     for i in range(warmup, warmup + iters):  # alternate, so both see the same background load
         for name in names:
             t0 = time.perf_counter()
-            out[name]["final_loss"] = systems[name].step(i)
+            out[name]["final_loss"] = _step(name, systems[name], i)
             times[name].append(time.perf_counter() - t0)
     for name in names:
         out[name]["step_time_s"] = sorted(times[name])[len(times[name]) // 2]
+    if folder is not None:
+        for name in names:
+            if name == SINGLE and rank != 0:
+                continue
+            trace = f"{folder}/stage{stage}-{name}-rank{rank}.json"
+            step = functools.partial(systems[name].step, warmup + iters)
+            b = profile_steps(step, prof_steps, trace)
+            out[name] |= {"breakdown": b.as_record(), "breakdown_trace": trace}
+        dist.barrier()
     out["psi"] = {"n": sum(p.numel() for p in systems["tessera"].model.parameters())}
     return out
 
@@ -181,6 +237,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[2, 3])
+    parser.add_argument("--breakdown", action="store_true", help="profile each system: see above")
+    parser.add_argument("--breakdown-steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/zero-<time>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cfg = GPTConfig(
@@ -188,9 +247,13 @@ def main() -> None:
     )
     world = 2
     records: list[dict[str, Any]] = []
+    folder = str(run_folder("zero", args.out)) if args.breakdown else None
     with WorkerPool(world, timeout=900) as pool:
         for stage in args.stages:
-            per_rank = pool.run(_pair, stage, cfg, args.batch, args.warmup, args.iters)
+            single = stage == args.stages[0]
+            per_rank = pool.run(
+                _pair, stage, cfg, args.batch, args.warmup, args.iters, single, folder, args.breakdown_steps
+            )
             psi = per_rank[0]["psi"]["n"]
             config = (
                 f"stage={stage} gpt {psi / 1e6:.1f}M d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} "
@@ -198,32 +261,47 @@ def main() -> None:
             )
             tokens = world * args.batch * cfg.seq_len
             pair = []
-            for name in ("tessera", PAIRS[stage]):
-                step_time = max(r[name]["step_time_s"] for r in per_rank)
-                rss = [round(r[name]["peak_rss_mb"], 1) for r in per_rank]
+            for name in ("tessera", PAIRS[stage], *((SINGLE,) if single else ())):
+                ranks = per_rank[:1] if name == SINGLE else per_rank
+                step_time = max(r[name]["step_time_s"] for r in ranks)
+                rss = [round(r[name]["peak_rss_mb"], 1) for r in ranks]
                 pair.append(
                     {
                         "bench": "zero",
                         "system": name,
-                        "config": config,
+                        "config": config.replace(f"stage={stage}", "stage=none").replace(
+                            f"world={world}", "world=1"
+                        ) if name == SINGLE else config,
                         "step_time_s": round(step_time, 4),
-                        "tokens_per_s": round(tokens / step_time, 1),
+                        "tokens_per_s": round((tokens // world if name == SINGLE else tokens) / step_time, 1),
                         "peak_rss_mb": max(rss),
                         "peak_rss_mb_per_rank": rss,
                         "model_state_bytes": max(r[name]["model_state_bytes"] for r in per_rank),
                         "comm_bytes": per_rank[0][name]["comm_bytes"],
-                        "comm_source": "CommMeter" if name == "tessera" else "formula",
-                        "final_loss": round(sum(r[name]["final_loss"] for r in per_rank) / world, 5),
+                        "comm_source": {"tessera": "CommMeter", SINGLE: None}.get(name, "formula"),
+                        "final_loss": round(sum(r[name]["final_loss"] for r in ranks) / len(ranks), 5),
                         "ratio_vs_peer": None,
                     }
                 )
-            ours, peer = pair
+                if "breakdown" in per_rank[0][name]:
+                    pair[-1] |= {k: per_rank[0][name][k] for k in ("breakdown", "breakdown_trace")}
+            ours, peer = pair[:2]
             ours["ratio_vs_peer"] = round(peer["step_time_s"] / ours["step_time_s"], 3)
             ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
             ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
             records += pair
+    single_tps = next((r["tokens_per_s"] for r in records if r["system"] == SINGLE), None)
     for rec in records:
+        rec["scaling_vs_single"] = round(rec["tokens_per_s"] / single_tps, 3) if single_tps else None
         emit(rec)
+    if folder is not None:
+        bars = {}
+        for rec in records:
+            b = {k: v for k, v in rec["breakdown"].items() if k != "fractions"}
+            bars[f"{rec['system']}\nstage {rec['config'].split()[0].split('=')[1]}"] = Breakdown(**b)
+        plot(bars, f"{folder}/breakdown.png", "ZeRO on 2 ranks, one step of rank 0 (torch.profiler)")
+        with open(f"{folder}/results.jsonl", "w") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in records)
     table(
         records,
         ("system", "step_time_s", "peak_rss_mb", "model_state_bytes", "comm_bytes", "ratio_vs_peer"),

@@ -53,6 +53,15 @@ OPS: dict[str, Op] = {
         lambda xs, d, n: [sum(xs[1:], xs[0])] * n,
         replicated_output=True,
     ),
+    # the in-place forms: the input is a temporary (x * 1), the gradient a new product (y * w)
+    "copy_to_region_grad_inplace": Op(
+        lambda x, d: copy_to_region(x, grad_inplace=True), lambda xs, d, n: list(xs), replicated_input=True
+    ),
+    "reduce_from_region_inplace": Op(
+        lambda x, d: reduce_from_region(x * 1, inplace=True),
+        lambda xs, d, n: [sum(xs[1:], xs[0])] * n,
+        replicated_output=True,
+    ),
     "split_along": Op(
         lambda x, d: split_along(x, d),
         lambda xs, d, n: [xs[r].chunk(n, d)[r] for r in range(n)],
@@ -139,3 +148,30 @@ def test_op_matches_serial_autograd(
         assert y.dtype == dtype
         torch.testing.assert_close(y.float(), ys[r].detach(), atol=atol, rtol=rtol)
         torch.testing.assert_close(g.float(), grad_of[id(leaves[r])], atol=atol, rtol=rtol)
+
+
+def _inplace_rank(rank: int) -> tuple[Tensor, Tensor, bool, Tensor]:
+    leaf = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    tmp = leaf * 2  # a temporary: reduced in place, the same tensor comes back
+    y = reduce_from_region(tmp, inplace=True)
+    same = y is tmp
+    saved = leaf.exp()  # exp saves its output: reducing it in place must not go unnoticed
+    z = reduce_from_region(saved, inplace=True)
+    try:
+        z.sum().backward()
+        raised = torch.zeros(())
+    except RuntimeError:
+        raised = torch.ones(())
+    return y.detach(), leaf.detach(), same, raised
+
+
+def test_inplace_reduce_writes_the_temporary_and_autograd_guards_saved_tensors() -> None:
+    """reduce_from_region(inplace=True) returns its input holding the sum (exact: small
+    integers); a leaf is never written; reducing a tensor a backward saved makes that
+    backward raise instead of reading the sum."""
+    out = run_threaded(2, _inplace_rank)
+    for rank, (y, leaf, same, raised) in enumerate(out):
+        assert same
+        assert torch.equal(y, torch.full((2, 3), 6.0))
+        assert torch.equal(leaf, torch.full((2, 3), float(rank + 1)))
+        assert raised.item() == 1.0

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from tessera.comm import gloo_ring
 from tessera.comm.meters import CommOp, record
+from tessera.comm.profiling import WAIT, profiled, profiler_enabled
 
 __all__ = [
     "Group",
@@ -67,22 +68,30 @@ class Waitable(Protocol):
 class Handle(Generic[T]):
     """An operation in flight; ``wait()`` blocks until it completes and returns its result."""
 
-    __slots__ = ("_done", "_finish", "_result", "_works")
+    __slots__ = ("_done", "_finish", "_result", "_wait_name", "_works")
 
-    def __init__(self, works: list[Waitable], finish: Callable[[], T]) -> None:
+    def __init__(self, works: list[Waitable], finish: Callable[[], T], *, wait_name: str = WAIT) -> None:
         self._works = works
         self._finish = finish
         self._done = False
         self._result: T | None = None
+        self._wait_name = wait_name  # the profiler range of wait(): see tessera.comm.profiling
 
     def wait(self) -> T:
         """Wait for completion (idempotent) and return the result."""
         if not self._done:
-            for work in self._works:
-                work.wait()
-            self._result = self._finish()
-            self._done = True
+            if self._works and profiler_enabled():
+                with torch.autograd.profiler.record_function(self._wait_name):
+                    self._complete()
+            else:
+                self._complete()
         return self._result  # type: ignore[return-value]
+
+    def _complete(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._result = self._finish()
+        self._done = True
 
     def is_completed(self) -> bool:
         """Whether every underlying operation has finished (the result may still need wait()).
@@ -127,6 +136,7 @@ def _done(result: T) -> Handle[T]:
     return Handle([], lambda: result)
 
 
+@profiled("tessera.comm.all_reduce_async")
 def all_reduce_async(
     x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False
 ) -> Handle[Tensor]:
@@ -154,6 +164,7 @@ def all_reduce_async(
     return Handle([work], finish)
 
 
+@profiled("tessera.comm.all_reduce")
 def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False) -> Tensor:
     """Reduce ``x`` over the group (sum by default) and return the result on every rank."""
     return all_reduce_async(x, group, op, inplace=inplace).wait()
@@ -213,6 +224,7 @@ def _all_gather(x: Tensor, group: Group, dim: int, out: Tensor | None, async_op:
     return Handle([work], finish)
 
 
+@profiled("tessera.comm.all_gather_async")
 def all_gather_async(
     x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None
 ) -> Handle[Tensor]:
@@ -223,6 +235,7 @@ def all_gather_async(
     return _all_gather(x, group, dim, out, async_op=True)
 
 
+@profiled("tessera.comm.all_gather")
 def all_gather(x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
     return _all_gather(x, group, dim, out, async_op=False).wait()
@@ -263,6 +276,7 @@ def _reduce_scatter(
     return Handle([work], lambda: out)
 
 
+@profiled("tessera.comm.reduce_scatter_async")
 def reduce_scatter_async(
     x: Tensor,
     group: Group = None,
@@ -278,6 +292,7 @@ def reduce_scatter_async(
     return _reduce_scatter(x, group, dim, op, out, async_op=True)
 
 
+@profiled("tessera.comm.reduce_scatter")
 def reduce_scatter(
     x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum", *, out: Tensor | None = None
 ) -> Tensor:
@@ -285,6 +300,7 @@ def reduce_scatter(
     return _reduce_scatter(x, group, dim, op, out, async_op=False).wait()
 
 
+@profiled("tessera.comm.all_to_all")
 def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0) -> Tensor:
     """Send chunk j of ``x`` (split along ``scatter_dim``) to rank j; concatenate what arrives
     along ``gather_dim`` in rank order. Moves the input, less the chunk a rank keeps."""
@@ -302,6 +318,7 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
+@profiled("tessera.comm.broadcast_async")
 def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
     """Start sending the group rank ``src``'s ``x`` to every rank (shapes and dtypes must
     agree); ``wait()`` gives a new tensor holding it. Moves ``x`` (sent by the root)."""
@@ -318,6 +335,7 @@ def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
     return Handle([work], lambda: out)
 
 
+@profiled("tessera.comm.broadcast")
 def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
     """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""
     return broadcast_async(x, src, group).wait()

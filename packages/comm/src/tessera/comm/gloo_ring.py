@@ -34,11 +34,14 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from tessera.comm.profiling import COMM_PREFIX, annotate
 
 __all__ = [
     "LANE_IDLE_S",
@@ -51,6 +54,8 @@ __all__ = [
     "submit",
 ]
 
+RING_RANGE = COMM_PREFIX + "ring"
+"""The profiler range around an async ring on its lane thread (see tessera.comm.profiling)."""
 RING_TAG = 0x7E55_0001
 """The p2p tag of ring traffic; user p2p on a group must not use it."""
 LANE_IDLE_S = 1.0
@@ -162,11 +167,11 @@ def _lane(group: dist.ProcessGroup | None) -> _Lane:
         return lane
 
 
-def _in_callers_modes(fn: Callable[[], T]) -> Callable[[], T]:
+def _in_callers_modes(fn: Callable[[], T], name: str | None = None) -> Callable[[], T]:
     inference = torch.is_inference_mode_enabled()
 
     def body() -> T:
-        with torch.inference_mode(inference), torch.no_grad():
+        with torch.inference_mode(inference), torch.no_grad(), annotate(name) if name else nullcontext():
             return fn()
 
     return body
@@ -177,7 +182,7 @@ def submit(group: dist.ProcessGroup | None, fn: Callable[[], T]) -> Future[T]:
 
     ``fn`` runs without autograd recording and in the caller's inference mode.
     """
-    return _lane(group).submit(_in_callers_modes(fn))
+    return _lane(group).submit(_in_callers_modes(fn, RING_RANGE))
 
 
 def run(group: dist.ProcessGroup | None, fn: Callable[[], T]) -> T:

@@ -61,25 +61,37 @@ def _own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
     return x.chunk(n, dim=dim)[C.group_rank(group)].contiguous()
 
 
+def _owned(t: Tensor) -> bool:
+    """Whether an in-place all-reduce may write into ``t``: contiguous, not a view of another
+    tensor (whose other parts someone may hold), not a leaf that requires grad."""
+    return t.is_contiguous() and t._base is None and not (t.is_leaf and t.requires_grad)
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
+    def forward(ctx: FunctionCtx, x: Tensor, group: Group, grad_inplace: bool) -> Tensor:
+        ctx.group, ctx.grad_inplace = group, grad_inplace  # type: ignore[attr-defined]
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return C.all_reduce(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        # a linear consumer's input gradient is a new matmul output, or (inputs of more than two
+        # dims) a reshaped view of one: the caller's promise covers both, so views qualify here
+        inplace = ctx.grad_inplace and grad.is_contiguous()
+        return C.all_reduce(grad, ctx.group, inplace=inplace), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: Group) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, group: Group, inplace: bool) -> Tensor:
+        if inplace and _owned(x):
+            ctx.mark_dirty(x)
+            return C.all_reduce(x, group, inplace=True)
         return C.all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -143,14 +155,26 @@ class _Broadcast(torch.autograd.Function):
         return total, None, None
 
 
-def copy_to_region(x: Tensor, group: Group = None) -> Tensor:
-    """Megatron's f: identity forward; backward all-reduces the gradient (moves 2x it)."""
-    return _apply(_CopyToRegion, x, group)
+def copy_to_region(x: Tensor, group: Group = None, *, grad_inplace: bool = False) -> Tensor:
+    """Megatron's f: identity forward; backward all-reduces the gradient (moves 2x it).
+
+    ``grad_inplace=True`` reduces the incoming gradient in place instead of a copy of it: only
+    for a caller whose output feeds ops that each make a new input gradient (linear layers,
+    matmuls), so the gradient arriving here (or the tensor it is a view of) is a temporary
+    nothing else holds. A gradient that is not contiguous is still copied.
+    """
+    return _apply(_CopyToRegion, x, group, grad_inplace)
 
 
-def reduce_from_region(x: Tensor, group: Group = None) -> Tensor:
-    """Megatron's g: all-reduce (sum) forward, moving 2x ``x``; identity backward."""
-    return _apply(_ReduceFromRegion, x, group)
+def reduce_from_region(x: Tensor, group: Group = None, *, inplace: bool = False) -> Tensor:
+    """Megatron's g: all-reduce (sum) forward, moving 2x ``x``; identity backward.
+
+    ``inplace=True`` writes the sum into ``x`` itself and returns it (autograd's in-place
+    protocol: ``x``'s history moves to this op, and a backward that saved ``x`` raises rather
+    than read the sum): for a caller whose ``x`` is a temporary that nothing else reads (a
+    matmul's output). A view, a non-contiguous tensor or a leaf is reduced into a copy.
+    """
+    return _apply(_ReduceFromRegion, x, group, inplace)
 
 
 def split_along(x: Tensor, dim: int, group: Group = None) -> Tensor:

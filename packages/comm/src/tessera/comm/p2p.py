@@ -14,6 +14,7 @@ from torch import Tensor
 
 from tessera.comm.collectives import Group, Handle, group_rank, group_size
 from tessera.comm.meters import CommOp, record
+from tessera.comm.profiling import P2P_WAIT, profiled
 
 __all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send"]
 
@@ -27,6 +28,7 @@ def _global(peer: int, group: Group) -> int:
     return peer if group is None else dist.get_global_rank(group, peer)
 
 
+@profiled("tessera.comm.batch_isend_irecv")
 def batch_isend_irecv(
     sends: Sequence[tuple[Tensor, int]],
     recvs: Sequence[tuple[Tensor, int]],
@@ -54,7 +56,7 @@ def batch_isend_irecv(
         ops.append(dist.P2POp(dist.irecv, buffer, _global(peer, group), group, tag))
         buffers.append(buffer)
     works = dist.batch_isend_irecv(ops) if ops else []
-    return Handle(list(works), lambda: buffers)
+    return Handle(list(works), lambda: buffers, wait_name=P2P_WAIT)
 
 
 def send(x: Tensor, peer: int, group: Group = None) -> None:

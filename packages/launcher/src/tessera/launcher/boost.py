@@ -82,7 +82,8 @@ def rebuild_optimizer(
 
     Tensor and pipeline parallelism replace or drop parameters, so the user's optimizer is
     rebuilt over what this rank holds (a group may be empty on a pipeline rank); it must hold
-    no state yet.
+    no state yet. Adam/AdamW on torch's default implementation are rebuilt fused
+    (``_prefers_fused``).
     """
     if optimizer.state:
         raise ValueError("boost() needs a fresh optimizer (it already holds state)")
@@ -95,7 +96,22 @@ def rebuild_optimizer(
         for index, group in enumerate(optimizer.param_groups)
     ]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    if _prefers_fused(optimizer):
+        defaults["fused"] = True
+        for group in groups:
+            group["fused"], group["foreach"] = True, None
     return type(optimizer)(groups, **defaults)
+
+
+def _prefers_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam and AdamW left on torch's default implementation (neither ``foreach`` nor
+    ``fused`` given, for any group) step ZeRO's flat shards with the fused kernel: one large
+    flat tensor is where the default multi-tensor path is slowest (5M elements here: 84 ms
+    against 8.8 ms fused; the results differ from it only in the last bit of some elements)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    settings = [optimizer.defaults, *optimizer.param_groups]
+    return all(s.get("fused") is None and s.get("foreach") is None for s in settings)
 
 
 def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

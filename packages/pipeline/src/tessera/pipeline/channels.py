@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.comm import Group, Handle, batch_isend_irecv
+from tessera.comm.profiling import P2P_WAIT, annotate
 
 __all__ = [
     "HEADER_SIZE",
@@ -135,6 +136,12 @@ class Watch:
 
     def wait(self, pending: Pending, what: str) -> list[Tensor]:
         """Wait for ``pending`` while watching the abort key and the timeout."""
+        if pending.ready(0.0):
+            return pending.result()
+        with annotate(P2P_WAIT):  # the step breakdown's idle time: waiting on the peer
+            return self._wait(pending, what)
+
+    def _wait(self, pending: Pending, what: str) -> list[Tensor]:
         start = time.monotonic()
         while not pending.ready(_CHECK_EVERY_S):
             self.check()

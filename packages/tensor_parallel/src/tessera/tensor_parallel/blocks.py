@@ -101,7 +101,9 @@ class ParallelMLP(nn.Module):
         self.drop = _dropout(dropout, rng, sequence_parallel, "ParallelMLP")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = enter_tp_region(x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=_SEQ)
+        sp = self.sequence_parallel
+        # x feeds only linear layers: its gradient is reduced in place (see enter_tp_region)
+        x = enter_tp_region(x, self.group, sequence_parallel=sp, seq_dim=_SEQ, private=True)
         return self.drop(self.fc_out(F.gelu(self.fc_in(x))))  # type: ignore[no-any-return]
 
 
@@ -146,7 +148,9 @@ class ParallelSelfAttention(nn.Module):
         self.resid_drop = _dropout(dropout, rng, sequence_parallel, "ParallelSelfAttention")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = enter_tp_region(x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=_SEQ)
+        sp = self.sequence_parallel
+        # x feeds only linear layers: its gradient is reduced in place (see enter_tp_region)
+        x = enter_tp_region(x, self.group, sequence_parallel=sp, seq_dim=_SEQ, private=True)
         b, s, _ = x.shape
         q, k, v = (
             p(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)

@@ -102,7 +102,9 @@ class VocabParallelEmbedding(nn.Module):
         )
         out = F.embedding(local, self.weight, padding_idx=local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return exit_tp_region(out, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
+        return exit_tp_region(  # out is a temporary (masked_fill saves only its mask)
+            out, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim, private=True
+        )
 
     def extra_repr(self) -> str:
         return (

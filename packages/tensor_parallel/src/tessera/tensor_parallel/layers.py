@@ -64,7 +64,7 @@ class _SumCopies(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         buf = grad.new_zeros((ctx.blocks, *grad.shape))
         buf[ctx.block] = grad
-        return all_reduce(buf, ctx.group)[ctx.block], None, None, None
+        return all_reduce(buf, ctx.group, inplace=True)[ctx.block], None, None, None
 
 
 def sum_copy_grads(x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
@@ -195,7 +195,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.enter_region:
-            x = enter_tp_region(x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
+            x = enter_tp_region(  # x feeds only the linear below: its gradient is a new tensor
+                x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim, private=True
+            )
         weight: Tensor = self.weight
         bias: Tensor | None = self.bias
         if self.copies > 1:
@@ -311,11 +313,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_along(x, -1, self.group)
-        y = exit_tp_region(
+        y = exit_tp_region(  # the partial product is a temporary: summed in place
             F.linear(x, self.weight),
             self.group,
             sequence_parallel=self.sequence_parallel,
             seq_dim=self.seq_dim,
+            private=True,
         )
         return y if self.bias is None else y + self.bias
 

@@ -6,6 +6,8 @@ and one all-reduce (sum) of the per-token sums of exponentials and target logits
 3 fp32 numbers per token (moved 2x each); no rank ever holds a full row of logits. Backward
 is local: ``softmax - one_hot(target)`` on this rank's columns, times the incoming gradient.
 Computed in fp32 whatever the logits' dtype; the gradient comes back in the logits' dtype.
+On a group of one rank it is ``F.cross_entropy`` on the fp32 logits (one fused kernel, no
+collectives).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 from typing import Any, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from tessera.comm import Group, all_reduce, group_rank
+from tessera.comm import Group, all_reduce, group_rank, group_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -29,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits.float()
         local_vocab = x.shape[-1]
         start = group_rank(group) * local_vocab
-        gmax = all_reduce(x.detach().amax(dim=-1), group, op="max")
+        gmax = all_reduce(x.detach().amax(dim=-1), group, op="max", inplace=True)
         shifted = x - gmax.unsqueeze(-1)
         valid = targets != ignore_index
         local_t = targets - start
@@ -37,7 +40,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         safe = torch.where(mine, local_t, torch.zeros_like(local_t))
         picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * mine
         exp = shifted.exp_()
-        sums = all_reduce(torch.stack([exp.sum(dim=-1), picked]), group)
+        sums = all_reduce(torch.stack([exp.sum(dim=-1), picked]), group, inplace=True)
         sum_exp, target_logit = sums[0], sums[1]
         loss = (sum_exp.log() - target_logit) * valid
         exp.div_(sum_exp.unsqueeze(-1))  # softmax over the whole vocabulary, this rank's columns
@@ -76,6 +79,10 @@ def vocab_parallel_cross_entropy(
         )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if group_size(group) == 1:  # the whole vocabulary here: torch's fused kernel, in fp32
+        x, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        out = F.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
+        return (out.view(targets.shape) if reduction == "none" else out).to(logits.dtype)
     per_token = cast(
         Tensor,
         _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index),  # type: ignore[no-untyped-call]

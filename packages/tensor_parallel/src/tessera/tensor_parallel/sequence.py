@@ -46,23 +46,30 @@ __all__ = [
 _MARK = "tessera_sequence_parallel"
 
 
-def enter_tp_region(x: Tensor, group: Group, *, sequence_parallel: bool, seq_dim: int = -2) -> Tensor:
+def enter_tp_region(
+    x: Tensor, group: Group, *, sequence_parallel: bool, seq_dim: int = -2, private: bool = False
+) -> Tensor:
     """Hand a replicated (or, with SP, sequence-sharded) ``x`` to the column-parallel layers.
 
     Moves nothing forward and all-reduces the gradient (2x ``x``) backward; with SP
     all-gathers ``x`` along ``seq_dim`` forward (the full tensor) and reduce-scatters the
-    gradient backward."""
+    gradient backward. ``private``: the result feeds only linear layers (each makes a new
+    input gradient), so the gradient is all-reduced in place (``copy_to_region``'s
+    ``grad_inplace``) instead of into a copy."""
     if sequence_parallel:
         return all_gather_along(x, seq_dim, group)
-    return copy_to_region(x, group)
+    return copy_to_region(x, group, grad_inplace=private)
 
 
-def exit_tp_region(x: Tensor, group: Group, *, sequence_parallel: bool, seq_dim: int = -2) -> Tensor:
+def exit_tp_region(
+    x: Tensor, group: Group, *, sequence_parallel: bool, seq_dim: int = -2, private: bool = False
+) -> Tensor:
     """Sum the row-parallel layers' partial outputs: all-reduce (2x ``x``), or with SP
-    reduce-scatter along ``seq_dim`` (``x``); backward: nothing, or an all-gather."""
+    reduce-scatter along ``seq_dim`` (``x``); backward: nothing, or an all-gather.
+    ``private``: ``x`` is a temporary nothing else reads, all-reduced in place."""
     if sequence_parallel:
         return reduce_scatter_along(x, seq_dim, group)
-    return reduce_from_region(x, group)
+    return reduce_from_region(x, group, inplace=private)
 
 
 def scatter_to_sequence(x: Tensor, group: Group, *, seq_dim: int = -2) -> Tensor:

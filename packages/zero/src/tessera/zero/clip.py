@@ -93,9 +93,9 @@ def reduce_grad_stats(
     """The global norm and overflow flag from this rank's squared norm ``sq`` and non-finite
     flag ``bad`` (one all-reduce of 32 bytes per group summed over; see ``global_grad_stats``)."""
     stats = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64, device=device)
-    total = stats if replicated else all_reduce(stats, group, "sum")
+    total = stats if replicated else all_reduce(stats, group, "sum", inplace=True)  # stats: ours
     for extra in extra_groups:
-        total = all_reduce(total, extra, "sum")
+        total = all_reduce(total, extra, "sum", inplace=True)
     total = total.cpu()
     overflow = bool(total[1] > 0)
     return GradStats(norm=math.inf if overflow else math.sqrt(float(total[0])), overflow=overflow)

@@ -54,6 +54,9 @@ class Residency(Enum):
     READY = "ready"
 
 
+_MAX_SPARE = 2  # flat gradient buffers kept for reuse by one GradReducer's FlatParams
+
+
 class FlatParam:
     """Parameters of one optimizer group flattened into one padded buffer, sharded over ``group``."""
 
@@ -117,6 +120,10 @@ class FlatParam:
         self._gather: Handle[Tensor] | None = None
         self._reduce: tuple[Handle[Tensor], Tensor] | None = None
         self._grad_flat: Tensor | None = None  # the buffer the parameters' .grad views point into
+        self._grad_buffer: Tensor | None = None  # stage 0: the flat gradient, reused every step
+        self._reduce_input: Tensor | None = None  # stages 1-2: the buffer being reduce-scattered
+        self.spare_buffers: list[Tensor] | None = None  # stages 1-2: a free list shared by flats
+        self.spare_numel = 0  # the size of the buffers in that list (the largest flat's)
         self.ready_params = 0  # parameters whose gradient is final in the current backward
         self.launched = False  # whether the current backward has started this reduce
         if sharded:
@@ -205,13 +212,14 @@ class FlatParam:
         replicated FlatParam all-reduces it in place)."""
         if self._reduce is not None:
             self.finish_reduce()
+        pooled = False  # whether buf goes back to spare_buffers when the reduce is done
         if self._in_place():
             assert self._grad_flat is not None
             buf = self._grad_flat
             for p in self.params:
                 p.grad = None
         else:
-            buf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            buf, pooled = self._flat_grad_buffer()
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     start, stop = self.layout.span(i)
@@ -226,9 +234,43 @@ class FlatParam:
             self._reduce = (all_reduce_async(buf, self.group, inplace=True), buf)
             return
         out = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
-        # The backend keeps its input alive until the collective completes (gloo copies it at
-        # once, NCCL stashes it), so the flat buffer is not held here: gloo frees it right away.
+        # The backend keeps its input alive until the collective completes; with a free list
+        # (``spare_buffers``) the buffer is kept here too and handed back once the reduce is done.
         self._reduce = (reduce_scatter_async(buf, self.group, out=out), out)
+        if not pooled:
+            self._reduce_input = None
+
+    def _flat_grad_buffer(self) -> tuple[Tensor, bool]:
+        """Where the gradients are gathered for the reduce, and whether it is to be handed
+        back to ``spare_buffers`` once reduced. A new buffer of the model's size each step
+        costs its page faults on the CPU (see benchmarks/README.md, single-rank overhead), so
+        stage 0 (replicated) keeps one from step to step, as DDP keeps its buckets (reused
+        only when this FlatParam holds no reduced gradient: the last one has been consumed
+        and released), and stages 1-2 take one of the right size from the free list that
+        their ``GradReducer`` shares among its FlatParams (at most ``max_in_flight + 1``
+        buffers: those the backend reads anyway)."""
+        numel = self.layout.padded_numel
+
+        def new(n: int) -> Tensor:
+            return torch.empty(n, dtype=self.compute_dtype, device=self.device)
+
+        if self.replicated:
+            if not self.has_grad and self._grad_buffer is not None:
+                return self._grad_buffer, False
+            buf = new(numel)
+            if not self.has_grad:
+                self._grad_buffer = buf
+            return buf, False
+        spare = self.spare_buffers
+        if spare is None or self.sharded:
+            return new(numel), False
+        base = next((b for b in spare if b.numel() >= numel and b.dtype == self.compute_dtype), None)
+        if base is not None and base.device == self.device:
+            spare.remove(base)
+        else:  # sized for the largest FlatParam sharing the list, so any of them can reuse it
+            base = new(max(numel, self.spare_numel))
+        self._reduce_input = base
+        return base[:numel], True
 
     @property
     def reducing(self) -> bool:
@@ -246,6 +288,11 @@ class FlatParam:
         handle, _ = self._reduce
         reduced = handle.wait()
         self._reduce = None
+        if self._reduce_input is not None:  # read by the backend until now: free to reuse
+            assert self.spare_buffers is not None
+            if len(self.spare_buffers) < _MAX_SPARE:
+                self.spare_buffers.append(self._reduce_input)
+            self._reduce_input = None
         if self.offload:
             assert self.master.grad is not None
             to_host_(self.master.grad, reduced, accumulate=self.has_grad)

@@ -78,9 +78,12 @@ class GradReducer:
         self._pending: list[FlatParam] = []
         self._owner: dict[int, FlatParam] = {}
         self._handles: list[Any] = []
+        spare: list[Tensor] = []  # the flat gradient buffers of stages 1-2, reused step to step
+        largest = max((f.layout.padded_numel for f in self.flats), default=0)
         for flat in self.flats:
             for p in flat.params:
                 self._owner[id(p)] = flat
+            flat.spare_buffers, flat.spare_numel = spare, largest
         if overlap or on_final is not None:
             for flat in self.flats:
                 for p in flat.params:

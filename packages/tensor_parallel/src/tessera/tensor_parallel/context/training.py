@@ -54,7 +54,7 @@ def sync_context_parallel_grads(model: nn.Module | Iterable[nn.Parameter], group
     grads = [p.grad for p in params if p.grad is not None]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in same]), group)
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in same]), group, inplace=True)
         for g, part in zip(same, flat.split_with_sizes([g.numel() for g in same]), strict=True):
             g.copy_(part.view_as(g))
     return len(grads)

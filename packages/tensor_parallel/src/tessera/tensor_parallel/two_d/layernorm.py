@@ -35,9 +35,9 @@ class _Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, hidden: int, eps: float, row: Group) -> Tensor:
         xf = x.float()
-        mean = all_reduce(xf.sum(-1, keepdim=True), row) / hidden
+        mean = all_reduce(xf.sum(-1, keepdim=True), row, inplace=True) / hidden
         centred = xf - mean
-        var = all_reduce(centred.square().sum(-1, keepdim=True), row) / hidden
+        var = all_reduce(centred.square().sum(-1, keepdim=True), row, inplace=True) / hidden
         rstd = (var + eps).rsqrt()
         xhat = centred * rstd
         ctx.save_for_backward(xhat, rstd)
@@ -48,7 +48,7 @@ class _Normalize(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         xhat, rstd = ctx.saved_tensors
         g = grad.float()
-        sums = all_reduce(torch.stack([g.sum(-1), (g * xhat).sum(-1)]), ctx.row) / ctx.hidden
+        sums = all_reduce(torch.stack([g.sum(-1), (g * xhat).sum(-1)]), ctx.row, inplace=True) / ctx.hidden
         gx = rstd * (g - sums[0].unsqueeze(-1) - xhat * sums[1].unsqueeze(-1))
         return gx.to(ctx.dtype), None, None, None
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tessera.comm.safefile import Entry, SafeFile, StreamWriter, sha256_file, tensor_bytes
 from tessera.zero.checkpoint import (
     HEADER_KEY,
     Checkpointable,
@@ -42,7 +43,6 @@ from tessera.zero.checkpoint import (
     optimizer_index,
 )
 from tessera.zero.chunks.chunk import Tier
-from tessera.comm.safefile import Entry, SafeFile, StreamWriter, sha256_file, tensor_bytes
 from tessera.zero.chunks.store import ChunkStore
 from tessera.zero.chunks.streams import (
     MASTER,
