@@ -16,6 +16,9 @@ A third Tessera line runs the ``full`` plan with sequence parallelism (no DTenso
 A ``torch-single`` line runs the same GPT in plain PyTorch in one process (rank 0, one
 thread, while rank 1 waits at a barrier): the same work as the whole tp job, since both tp
 ranks read the same batch; ``speedup_vs_single`` on each line is its tokens/s over that one's.
+A ``torch-ddp`` line runs data parallelism on the same two ranks (DDP, each rank its own
+batch of ``--batch`` rows, so twice the tokens per step; its bytes are the formula, an
+all-reduce of the fp32 gradients); ``vs_dp`` on each line is its tokens/s over DDP's.
 
 ``--breakdown``: after the timed steps, ``--breakdown-steps`` more of each system run under
 torch.profiler on both ranks; rank 0's split of a step into compute / communication / idle /
@@ -205,12 +208,36 @@ class Single(System):
         return loss.item()
 
 
+class DDP(System):
+    """Data parallelism on the same ranks, for the issue's TP-against-DP ratio: torch DDP over
+    the serial GPT, each rank its own batch of the same size (twice the tokens per step)."""
+
+    def __init__(self, cfg: GPTConfig, batch: int) -> None:
+        super().__init__(cfg, batch)
+        self.model = torch.nn.parallel.DistributedDataParallel(GPT(cfg, seed=0))
+        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)  # type: ignore[arg-type]
+
+    def data(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_batch(self.cfg, self.batch, seed=1000 + i + 100_000 * dist.get_rank())
+
+    def step(self, i: int, measure: bool = False) -> float:
+        idx, targets = self.data(i)
+        loss = F.cross_entropy(self.model(idx).flatten(0, -2), targets.flatten())
+        torch.autograd.backward(loss)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
 SINGLE = ("single", "torch-single")
+DP = ("dp", "torch-ddp")
 
 
 def _build(plan: str, system: str, cfg: GPTConfig, batch: int, mesh: Mesh) -> System:
     if system == "tessera":
         return Tessera(cfg, batch, plan, mesh)
+    if system == "torch-ddp":
+        return DDP(cfg, batch)
     return DTensorTP(cfg, batch, plan, mesh)
 
 
@@ -228,7 +255,7 @@ def _run(
     # DTensor's loss_parallel fires module backward hooks on an input without grad; harmless here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     mesh = Mesh(Topology(tp=dist.get_world_size()))
-    runs = (*RUNS, SP_RUN)
+    runs = (*RUNS, SP_RUN, DP)
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
     for plan, name in runs:  # first use of each code path (lazy initialisation) outside the timings
         _build(plan, name, tiny, 1, mesh).step(0)
@@ -300,7 +327,7 @@ def main() -> None:
         per_rank = pool.run(_run, cfg, args.batch, args.warmup, args.iters, folder, args.breakdown_steps)
     psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())
     records: list[dict[str, Any]] = []
-    for plan, name in (*RUNS, SP_RUN, SINGLE):
+    for plan, name in (*RUNS, SP_RUN, DP, SINGLE):
         key = f"{plan}/{name}"
         ranks = per_rank[:1] if name == "torch-single" else per_rank
         step_time = max(r[key]["step_time_s"] for r in ranks)
@@ -308,14 +335,19 @@ def main() -> None:
             "bench": "tp",
             "system": name,
             "config": (
-                f"tp={1 if name == 'torch-single' else world} plan={plan} gpt {psi / 1e6:.1f}M "
+                f"{'dp' if name == 'torch-ddp' else 'tp'}={1 if name == 'torch-single' else world} "
+                f"plan={plan} gpt {psi / 1e6:.1f}M "
                 f"d={cfg.d_model} heads={cfg.n_heads} "
                 f"L={cfg.n_layers} V={cfg.vocab_size} seq={cfg.seq_len} batch={args.batch} AdamW fp32 gloo"
             ),
             "step_time_s": round(step_time, 4),
-            "tokens_per_s": round(args.batch * cfg.seq_len / step_time, 1),
-            "comm_bytes": per_rank[0][key]["comm_bytes"],
-            "comm_source": {"tessera": "CommMeter", "torch-single": None}.get(name, "dispatch"),
+            "tokens_per_s": round(
+                (world if name == "torch-ddp" else 1) * args.batch * cfg.seq_len / step_time, 1
+            ),
+            "comm_bytes": 2 * 4 * psi if name == "torch-ddp" else per_rank[0][key]["comm_bytes"],
+            "comm_source": {"tessera": "CommMeter", "torch-single": None, "torch-ddp": "formula"}.get(
+                name, "dispatch"
+            ),
             "final_loss": round(per_rank[0][key]["final_loss"], 5),
             "ratio_vs_peer": None,
         }
@@ -325,9 +357,10 @@ def main() -> None:
             rec["breakdown"] = per_rank[0][key]["breakdown"]
             rec["breakdown_trace"] = per_rank[0][key]["breakdown_trace"]
         records.append(rec)
-    single = records[-1]
+    single, ddp = records[-1], records[-2]
     for rec in records:
         rec["speedup_vs_single"] = round(rec["tokens_per_s"] / single["tokens_per_s"], 3)
+        rec["vs_dp"] = round(rec["tokens_per_s"] / ddp["tokens_per_s"], 3)
     by_config = {(r["config"], r["system"]): r for r in records}
     for rec in records:
         peer = by_config.get((rec["config"], "torch-dtensor"))
@@ -339,8 +372,17 @@ def main() -> None:
         _write_breakdown(records, folder)
     table(
         records,
-        ("system", "config", "step_time_s", "tokens_per_s", "comm_bytes", "final_loss", "ratio_vs_peer",
-         "speedup_vs_single"),
+        (
+            "system",
+            "config",
+            "step_time_s",
+            "tokens_per_s",
+            "comm_bytes",
+            "final_loss",
+            "ratio_vs_peer",
+            "speedup_vs_single",
+            "vs_dp",
+        ),
     )
 
 
