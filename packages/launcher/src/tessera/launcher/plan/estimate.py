@@ -42,6 +42,7 @@ from tessera.launcher.plan.transient import (
     activations_3d,
     build_peak,
     gradient_peak,
+    kept_grad_buffers,
     kept_gradients,
     step_scratch,
     summa_backward,
@@ -319,6 +320,7 @@ def estimate(
             )
             buffers = 2.0 * share.largest * c if z.stage == 3 and not one_reduction(p) else 0.0
             buffers += shape.backward_extra
+            buffers += kept_grad_buffers(share.psi, psi_f, flats, precision=precision, stage=z.stage)
             scratch = max(
                 gradient_peak(
                     share.psi, psi_f, precision=precision, n=n, stage=z.stage, one_reduction=one_reduction(p)

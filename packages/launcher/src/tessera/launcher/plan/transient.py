@@ -10,6 +10,10 @@ its largest unit), ``Psi`` the serial model's elements.
   the flat itself in fp32; freed after a cast when ``c < 4``, which also makes the compute
   copy ``c psi_f`` and a master shard ``4 psi_f / n``). The original parameters are freed as
   the flats take them over, so the peak is the first flat's.
+- Kept between steps (`kept_grad_buffers`): ZeRO reuses its flat gradient buffers from
+  step to step instead of allocating them anew: stage 0 each flat's (``c psi``), stages
+  1-2 a free list of at most two of the largest flat's size (``min(2, flats) c psi_f``),
+  resident through the forward and backward.
 - End of backward (`gradient_peak`): stages 0-1 accumulate into the flat gradient buffer
   (counted as model state); stage 2 outside ``accumulating()`` gets every gradient from
   autograd as a new tensor before the flat's reduce-scatter copies and frees them: ``c psi``
@@ -52,6 +56,7 @@ __all__ = [
     "activations_3d",
     "build_peak",
     "gradient_peak",
+    "kept_grad_buffers",
     "kept_gradients",
     "step_scratch",
     "summa_backward",
@@ -65,6 +70,19 @@ def build_peak(serial: float, psi_f: float, *, precision: str, n: int, stage: in
     shards = n if stage >= 1 else 1
     staging = 4 * psi_f + (c * psi_f + 4 * psi_f / shards if c != 4 else 0.0)
     return 4 * serial + staging
+
+
+def kept_grad_buffers(psi: float, psi_f: float, flats: int, *, precision: str, stage: int) -> float:
+    """Flat gradient buffers ZeRO keeps from one step to the next (``FlatParam``'s buffer
+    reuse, as DDP keeps its buckets), resident through the forward and backward: stage 0
+    keeps each flat's buffer (``c psi``), stages 1-2 a shared free list of at most two
+    buffers of the largest flat (``min(2, flats) c psi_f``); stage 3 allocates per unit."""
+    c = DTYPE_BYTES[precision]
+    if stage == 0:
+        return c * psi
+    if stage in (1, 2):
+        return min(2, flats) * c * psi_f
+    return 0.0
 
 
 def gradient_peak(
