@@ -196,7 +196,7 @@ class Single(System):
 
     def __init__(self, cfg: GPTConfig, batch: int) -> None:
         super().__init__(cfg, batch)
-        self.model = GPT(cfg, seed=0)
+        self.model: torch.nn.Module = GPT(cfg, seed=0)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)  # type: ignore[arg-type]
 
     def step(self, i: int, measure: bool = False) -> float:
@@ -208,25 +208,16 @@ class Single(System):
         return loss.item()
 
 
-class DDP(System):
+class DDP(Single):
     """Data parallelism on the same ranks, for the issue's TP-against-DP ratio: torch DDP over
     the serial GPT, each rank its own batch of the same size (twice the tokens per step)."""
 
     def __init__(self, cfg: GPTConfig, batch: int) -> None:
         super().__init__(cfg, batch)
-        self.model = torch.nn.parallel.DistributedDataParallel(GPT(cfg, seed=0))
-        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)  # type: ignore[arg-type]
+        self.model = torch.nn.parallel.DistributedDataParallel(self.model)  # same parameters
 
     def data(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return make_batch(self.cfg, self.batch, seed=1000 + i + 100_000 * dist.get_rank())
-
-    def step(self, i: int, measure: bool = False) -> float:
-        idx, targets = self.data(i)
-        loss = F.cross_entropy(self.model(idx).flatten(0, -2), targets.flatten())
-        torch.autograd.backward(loss)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
 
 
 SINGLE = ("single", "torch-single")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ def chunk_config(config: Config, rank: int) -> ChunkConfig | None:
     )
 
 
-def _release_others(params: Any, keep: set[int]) -> None:
+def _release_others(params: Iterable[nn.Parameter], keep: set[int]) -> None:
     """Empty the parameters other pipeline ranks hold: the caller's model still references
     every block, and without this each rank would keep the whole serial model resident."""
     with torch.no_grad():
