@@ -12,7 +12,10 @@ Two plans, each run by both systems:
   computed from sharded logits (Tessera ``vocab_parallel_cross_entropy``; torch
   ``ColwiseParallel(use_local_output=False)`` under ``loss_parallel()``).
 
-A third Tessera line runs the ``full`` plan with sequence parallelism (no DTensor peer here).
+A third Tessera line runs the ``full`` plan with sequence parallelism (no DTensor peer here),
+a fourth the ``full`` plan without the overlapped region entry (``full-no-overlap``:
+``set_overlap(model, False)``, so each input-gradient all-reduce runs after the weight
+gradients instead of beside them): the A/B of that overlap within the run.
 A ``torch-single`` line runs the same GPT in plain PyTorch in one process (rank 0, one
 thread, while rank 1 waits at a barrier): the same work as the whole tp job, since both tp
 ranks read the same batch; ``speedup_vs_single`` on each line is its tokens/s over that one's.
@@ -63,6 +66,7 @@ from tessera.tensor_parallel import (
     Plan,
     parallel_gpt_loss,
     parallelize,
+    set_overlap,
     sync_sequence_parallel_grads,
 )
 
@@ -72,6 +76,8 @@ BLOCKS_PLAN = Plan.of(
 )
 RUNS = (("blocks", "tessera"), ("blocks", "torch-dtensor"), ("full", "tessera"), ("full", "torch-dtensor"))
 SP_RUN = ("full+sp", "tessera")
+NO_OVERLAP_RUN = ("full-no-overlap", "tessera")
+CHUNKS_RUN = ("full-chunks2", "tessera")
 
 
 class _FunctionalCollectiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -122,6 +128,7 @@ class Tessera(System):
             mesh=mesh,
             sequence_parallel=self.sp,
         )
+        set_overlap(self.model, not plan.endswith("no-overlap"), chunks=2 if plan.endswith("chunks2") else 1)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)  # type: ignore[arg-type]
 
     def step(self, i: int, measure: bool = False) -> float:
@@ -246,7 +253,7 @@ def _run(
     # DTensor's loss_parallel fires module backward hooks on an input without grad; harmless here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     mesh = Mesh(Topology(tp=dist.get_world_size()))
-    runs = (*RUNS, SP_RUN, DP)
+    runs = (*RUNS, SP_RUN, NO_OVERLAP_RUN, CHUNKS_RUN, DP)
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
     for plan, name in runs:  # first use of each code path (lazy initialisation) outside the timings
         _build(plan, name, tiny, 1, mesh).step(0)
@@ -318,7 +325,7 @@ def main() -> None:
         per_rank = pool.run(_run, cfg, args.batch, args.warmup, args.iters, folder, args.breakdown_steps)
     psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())
     records: list[dict[str, Any]] = []
-    for plan, name in (*RUNS, SP_RUN, DP, SINGLE):
+    for plan, name in (*RUNS, SP_RUN, NO_OVERLAP_RUN, CHUNKS_RUN, DP, SINGLE):
         key = f"{plan}/{name}"
         ranks = per_rank[:1] if name == "torch-single" else per_rank
         step_time = max(r[key]["step_time_s"] for r in ranks)

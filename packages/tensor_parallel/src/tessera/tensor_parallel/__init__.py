@@ -28,7 +28,7 @@ from tessera.tensor_parallel.context import (
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.heads import HeadLayout, HeadShardSpec, head_layout
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.parallelize import parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
@@ -174,6 +174,7 @@ __all__ = [
     "seeded_embedding",
     "seeded_linear",
     "sequence_parallel_params",
+    "set_overlap",
     "shard_of",
     "shard_specs",
     "split_batch",

@@ -19,10 +19,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import Group, group_size
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    end_region,
+    enter_region_of,
+)
 from tessera.tensor_parallel.partition import check_divisible
 from tessera.tensor_parallel.rng import DropoutRNG, ParallelDropout, RNGRegion
-from tessera.tensor_parallel.sequence import enter_tp_region
 
 __all__ = ["ParallelMLP", "ParallelSelfAttention"]
 
@@ -101,10 +105,13 @@ class ParallelMLP(nn.Module):
         self.drop = _dropout(dropout, rng, sequence_parallel, "ParallelMLP")
 
     def forward(self, x: Tensor) -> Tensor:
-        sp = self.sequence_parallel
         # x feeds only linear layers: its gradient is reduced in place (see enter_tp_region)
-        x = enter_tp_region(x, self.group, sequence_parallel=sp, seq_dim=_SEQ, private=True)
-        return self.drop(self.fc_out(F.gelu(self.fc_in(x))))  # type: ignore[no-any-return]
+        x = enter_region_of(
+            [self.fc_in], x, self.group, sequence_parallel=self.sequence_parallel, private=True
+        )
+        h = self.fc_in(x)
+        end_region([self.fc_in])
+        return self.drop(self.fc_out(F.gelu(h)))  # type: ignore[no-any-return]
 
 
 class ParallelSelfAttention(nn.Module):
@@ -148,14 +155,12 @@ class ParallelSelfAttention(nn.Module):
         self.resid_drop = _dropout(dropout, rng, sequence_parallel, "ParallelSelfAttention")
 
     def forward(self, x: Tensor) -> Tensor:
-        sp = self.sequence_parallel
         # x feeds only linear layers: its gradient is reduced in place (see enter_tp_region)
-        x = enter_tp_region(x, self.group, sequence_parallel=sp, seq_dim=_SEQ, private=True)
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        x = enter_region_of(qkv, x, self.group, sequence_parallel=self.sequence_parallel, private=True)
         b, s, _ = x.shape
-        q, k, v = (
-            p(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        q, k, v = (p(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for p in qkv)
+        end_region(qkv)
         if self.training and self.dropout > 0 and self.rng is not None:
             with self.rng.fork(RNGRegion.SPLIT):  # heads are split: each rank its own masks
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout)

@@ -17,6 +17,7 @@ whole blocks (grouped-query attention's K/V heads) fewer than the ranks holds on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -27,10 +28,20 @@ from torch.autograd.function import FunctionCtx
 from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, split_along
 from tessera.tensor_parallel.heads import block_shard_range
 from tessera.tensor_parallel.init import linear_weights
+from tessera.tensor_parallel.overlap import Region, Slot, overlaps, summed_linear
 from tessera.tensor_parallel.partition import fused_shard_indices, shard_range
 from tessera.tensor_parallel.sequence import enter_tp_region, exit_tp_region, mark_sequence_parallel
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "dense_weights", "is_dense", "sum_copy_grads"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "dense_weights",
+    "end_region",
+    "enter_region_of",
+    "is_dense",
+    "set_overlap",
+    "sum_copy_grads",
+]
 
 
 def is_dense(module: nn.Module) -> bool:
@@ -136,6 +147,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.seq_dim, self.enter_region = seq_dim, enter_region
         local = len(self._index)
+        self._slot: Slot | None = None  # set by an enclosing region for one forward call
+        self.overlap = True  # see enter_region_of; set_overlap switches a whole model
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
         if seed is not None:
@@ -193,18 +206,34 @@ class ColumnParallelLinear(nn.Module):
         layer.load_full(weight, bias)
         return layer
 
+    def defer_weight_grads(self, region: Region | None) -> None:
+        """Let ``region`` (one forward call of an enclosing region, see ``overlap``) compute this
+        layer's weight gradients while its input-gradient all-reduce runs; None ends that.
+        A layer whose copies sum their gradients over ranks keeps its own backward."""
+        self._slot = None if region is None or self.copies > 1 else region.slot(self.weight, self.bias)
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.enter_region:
-            x = enter_tp_region(  # x feeds only the linear below: its gradient is a new tensor
-                x, self.group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim, private=True
+        slot = self._slot
+        if self.enter_region:  # x feeds only the linear below: its gradient is a new tensor
+            x = enter_region_of(
+                [self],
+                x,
+                self.group,
+                sequence_parallel=self.sequence_parallel,
+                seq_dim=self.seq_dim,
+                private=True,
             )
-        weight: Tensor = self.weight
-        bias: Tensor | None = self.bias
-        if self.copies > 1:
-            assert self.blocks is not None
-            weight = sum_copy_grads(weight, self.group, self._block, self.blocks)
-            bias = None if bias is None else sum_copy_grads(bias, self.group, self._block, self.blocks)
-        y = F.linear(x, weight, bias)
+            slot, self._slot = self._slot, None
+        if slot is not None and x is slot.region.input:
+            y = slot.linear(x)
+        else:
+            weight: Tensor = self.weight
+            bias: Tensor | None = self.bias
+            if self.copies > 1:
+                assert self.blocks is not None
+                weight = sum_copy_grads(weight, self.group, self._block, self.blocks)
+                bias = None if bias is None else sum_copy_grads(bias, self.group, self._block, self.blocks)
+            y = F.linear(x, weight, bias)
         if self.gather_output:
             y = gather_along(y, -1, self.group)
         return y
@@ -257,6 +286,7 @@ class RowParallelLinear(nn.Module):
             seq_dim,
         )
         local = self._end - self._start
+        self.chunks = 1  # > 1: the all-reduce in pieces overlapping the product (set_overlap)
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         if self.bias is not None and sequence_parallel:
@@ -313,6 +343,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_along(x, -1, self.group)
+        if self.chunks > 1 and not self.sequence_parallel and self.tp > 1:
+            y = summed_linear(x, self.weight, self.group, self.chunks)
+            return y if self.bias is None else y + self.bias
         y = exit_tp_region(  # the partial product is a temporary: summed in place
             F.linear(x, self.weight),
             self.group,
@@ -328,3 +361,53 @@ class RowParallelLinear(nn.Module):
             f"out_features={self.out_features}, tp={self.tp}, bias={self.bias is not None}, "
             f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
         )
+
+
+def enter_region_of(
+    layers: Sequence[ColumnParallelLinear],
+    x: Tensor,
+    group: Group,
+    *,
+    sequence_parallel: bool,
+    seq_dim: int = -2,
+    private: bool = False,
+) -> Tensor:
+    """``enter_tp_region`` for the column ``layers`` that read the result: when a backward
+    will run, the input gradient's all-reduce (with sequence parallelism its reduce-scatter)
+    overlaps the weight gradients of those layers (``overlap``); call ``end_region(layers)``
+    once they have run forward. ``private`` as for ``enter_tp_region``. A layer with ``overlap`` off
+    (``set_overlap``) keeps the plain entry for the whole region."""
+    plain = group_size(group) == 1 or not layers
+    if plain or not all(layer.overlap for layer in layers) or not overlaps(x):
+        return enter_tp_region(
+            x, group, sequence_parallel=sequence_parallel, seq_dim=seq_dim, private=private
+        )
+    region = Region(group, private=private, sequence_parallel=sequence_parallel, seq_dim=seq_dim)
+    for layer in layers:
+        layer.defer_weight_grads(region)
+    return region.enter(x)
+
+
+def end_region(layers: Sequence[ColumnParallelLinear]) -> None:
+    """End what ``enter_region_of`` set up on ``layers`` for this forward call."""
+    for layer in layers:
+        layer.defer_weight_grads(None)
+
+
+def set_overlap(model: nn.Module, enabled: bool, *, chunks: int | None = None) -> int:
+    """Switch the overlapped region entry (``enter_region_of``) on or off for every
+    ColumnParallelLinear in ``model``; returns how many. Off, the input-gradient all-reduce
+    runs after the weight gradients, as in a plain graph (results equal to round-off).
+    ``chunks``: every RowParallelLinear's exit without sequence parallelism runs in that many
+    pieces of rows, each piece's all-reduce overlapping the next piece's product
+    (``overlap.summed_linear``; 1 is one all-reduce after the whole product)."""
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"set_overlap: chunks={chunks} must be >= 1")
+    found = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
+    for layer in found:
+        layer.overlap = enabled
+    if chunks is not None:
+        for row in model.modules():
+            if isinstance(row, RowParallelLinear):
+                row.chunks = chunks
+    return len(found)

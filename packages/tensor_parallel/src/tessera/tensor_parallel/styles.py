@@ -20,10 +20,17 @@ from tessera.tensor_parallel.heads import (
     HeadShardSpec,
     head_layout,
 )
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, dense_weights, is_dense
+from tessera.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    dense_weights,
+    end_region,
+    enter_region_of,
+    is_dense,
+)
 from tessera.tensor_parallel.partition import ShardSpec, check_divisible
 from tessera.tensor_parallel.rng import ParallelDropout, RNGRegion
-from tessera.tensor_parallel.sequence import enter_tp_region, mark_sequence_parallel, scatter_to_sequence
+from tessera.tensor_parallel.sequence import mark_sequence_parallel, scatter_to_sequence
 from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, module_kind, register_style
 
 __all__ = [
@@ -324,13 +331,20 @@ def _region_hooks(ctx: ApplyContext, where: str, *, fork_split: bool) -> tuple[_
     stream, restored after."""
     entered: list[bool] = []
     group, sp, seq_dim, rng = ctx.group, ctx.sequence_parallel, ctx.seq_dim, ctx.rng
+    inner: list[ColumnParallelLinear] = []  # the column layers the region enters for, found once
 
     def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         at = module_input(args, kwargs, where=where)
+        if not inner:
+            inner.extend(
+                m for m in mod.modules() if isinstance(m, ColumnParallelLinear) and not m.enter_region
+            )
+        x = args[0] if isinstance(at, int) else kwargs[at]
+        x = enter_region_of(inner, x, group, sequence_parallel=sp, seq_dim=seq_dim)
         if isinstance(at, int):
-            args = (enter_tp_region(args[0], group, sequence_parallel=sp, seq_dim=seq_dim), *args[1:])
+            args = (x, *args[1:])
         else:
-            kwargs = {**kwargs, at: enter_tp_region(kwargs[at], group, sequence_parallel=sp, seq_dim=seq_dim)}
+            kwargs = {**kwargs, at: x}
         fork = fork_split and mod.training
         if fork:
             rng.enter(RNGRegion.SPLIT)
@@ -338,6 +352,7 @@ def _region_hooks(ctx: ApplyContext, where: str, *, fork_split: bool) -> tuple[_
         return args, kwargs
 
     def post(mod: nn.Module, args: Any, output: Any) -> None:
+        end_region(inner)
         if entered and entered.pop():
             rng.exit()
 
