@@ -375,14 +375,15 @@ def enter_region_of(
     """``enter_tp_region`` for the column ``layers`` that read the result: when a backward
     will run, the input gradient's all-reduce (with sequence parallelism its reduce-scatter)
     overlaps the weight gradients of those layers (``overlap``); call ``end_region(layers)``
-    once they have run forward. ``private`` as for ``enter_tp_region``. A layer with ``overlap`` off
-    (``set_overlap``) keeps the plain entry for the whole region."""
+    once they have run forward. ``private`` as for ``enter_tp_region``, on the plain path (the
+    overlapped one reduces in place whenever those layers read the input: see ``Region``). A
+    layer with ``overlap`` off (``set_overlap``) keeps the plain entry for the whole region."""
     plain = group_size(group) == 1 or not layers
     if plain or not all(layer.overlap for layer in layers) or not overlaps(x):
         return enter_tp_region(
             x, group, sequence_parallel=sequence_parallel, seq_dim=seq_dim, private=private
         )
-    region = Region(group, private=private, sequence_parallel=sequence_parallel, seq_dim=seq_dim)
+    region = Region(group, sequence_parallel=sequence_parallel, seq_dim=seq_dim)
     for layer in layers:
         layer.defer_weight_grads(region)
     return region.enter(x)

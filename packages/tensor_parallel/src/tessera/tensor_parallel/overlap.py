@@ -76,6 +76,7 @@ class Slot:
     def linear(self, x: Tensor) -> Tensor:
         """``F.linear(x, weight, bias)`` whose weight and bias gradients the region computes."""
         bias = None if self.bias is None else self.bias.detach()
+        self.region.readers += 1
         return cast(Tensor, _DeferredLinear.apply(x, self.weight.detach(), bias, self))  # type: ignore[no-untyped-call]
 
     def grads(self) -> tuple[Tensor | None, Tensor | None]:
@@ -97,17 +98,20 @@ class Slot:
 
 class Region:
     """One entry into the tp region (one forward call): add the column layers' ``slot``\\ s,
-    then ``enter`` the input. ``private``: the input feeds only linear layers, so its summed
-    gradient is a fresh tensor and is all-reduced in place (else a copy is). With
-    ``sequence_parallel`` the input is this rank's slice along ``seq_dim``: entering
-    all-gathers it, and backward reduce-scatters the gradient (asynchronously, overlapped
-    the same way) instead of all-reducing it."""
+    then ``enter`` the input. With ``sequence_parallel`` the input is this rank's slice along
+    ``seq_dim``: entering all-gathers it, and backward reduce-scatters the gradient
+    (asynchronously, overlapped the same way) instead of all-reducing it.
 
-    def __init__(
-        self, group: Group, *, private: bool, sequence_parallel: bool = False, seq_dim: int = -2
-    ) -> None:
-        self.group, self.private = group, private
+    The all-reduce runs in place when a deferred linear read the input (``readers``): the
+    gradient reaching ``_Start`` is then that linear's fresh input gradient, or a sum autograd
+    made of several (a new tensor, or one it owned alone), so nothing else can see the
+    buffer change. Otherwise (only other consumers) the gradient may be a tensor autograd
+    also hands elsewhere, and a copy is reduced."""
+
+    def __init__(self, group: Group, *, sequence_parallel: bool = False, seq_dim: int = -2) -> None:
+        self.group = group
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.readers = 0  # forward calls of the slots' linears on the input
         self.slots: list[Slot] = []
         self.input: Tensor | None = None
         self.handle: Handle[Tensor] | None = None
@@ -144,7 +148,7 @@ class Region:
         if self.sequence_parallel:  # reads grad, writes a new tensor: nothing to copy
             self.handle = reduce_scatter_async(grad, self.group, self.seq_dim)
             return grad
-        buffer = grad if self.private and grad.is_contiguous() else grad.contiguous().clone()
+        buffer = grad if self.readers and grad.is_contiguous() else grad.contiguous().clone()
         self.handle = all_reduce_async(buffer, self.group, inplace=True)
         return buffer
 
