@@ -12,9 +12,11 @@
    torch.distributed.pipelining (system "torch-pipelining": Schedule1F1B,
    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and also ScheduleGPipe and
    ScheduleZBVZeroBubble) on the same partition by parameters (torch's interleaved schedules
-   get the loop layout, ZBV the V layout), initial weights, data and SGD steps (zero grads,
-   forward/backward, step). The two systems alternate steps (ABBA) so that both see the same
-   machine load; a step's time runs from the barrier before it to the last rank's end.
+   get the loop layout, ZBV the V layout; ``balance_ranks=True``: with two stages per rank,
+   stage balancing alone gives ZBV's rank 1 four of the six layers), initial weights, data
+   and SGD steps (zero grads, forward/backward, step). The two systems alternate steps
+   (ABBA) so that both see the same machine load; a step's time runs from the barrier
+   before it to the last rank's end.
    ``ratio_vs_peer`` is the ratio of the median step times, ``ratio_paired_median`` the
    median of the ratios of back-to-back steps (steadier on a shared machine).
    ``final_loss`` is the mean microbatch loss of the last step; both sides must agree
@@ -215,9 +217,11 @@ def _gpt_pair(
     v = schedule.chunks_per_rank
     idx, targets = make_batch(cfg, m * mb, seed=1)
     probe = GPT(cfg, seed=0).blocks()
-    part = partition_by_params(probe, schedule=schedule)
+    part = partition_by_params(probe, schedule=schedule, balance_ranks=True)
     if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
-        torch_part = partition_by_params(probe, stage_to_rank(Layout.LOOP, p, v))  # torch's loop layout
+        torch_part = partition_by_params(  # torch's loop layout
+            probe, stage_to_rank(Layout.LOOP, p, v), balance_ranks=True
+        )
     else:
         torch_part = part
     last = part.num_stages - 1

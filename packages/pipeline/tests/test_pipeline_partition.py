@@ -172,3 +172,38 @@ def test_partition_rejects_bad_ranges_and_stages() -> None:
         partition_by_cost([1.0, 1.0], range(2), schedule=SCHEDULES["gpipe"].build(2, 1))
     with pytest.raises(ValueError, match=r"block 7 is outside 0\.\.3"):
         partition_by_cost([1.0] * 4, range(2)).stage_of_block(7)
+
+
+def _rank_and_stage_max(part: Partition) -> tuple[float, float]:
+    return max(part.rank_costs), part.max_cost
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_and_grid(integers=True), st.sampled_from([Layout.V, Layout.LOOP]))
+def test_balance_ranks_never_worse(case: tuple[list[float], int, int], layout: Layout) -> None:
+    """``balance_ranks`` keeps a valid contiguous split and never raises the largest rank
+    cost (nor, at an equal one, the largest stage cost) of the stage-balanced split."""
+    costs, p, v = case
+    if layout is Layout.V and v != 2:
+        v = 1
+    placement = stage_to_rank(layout, p, v)
+    if len(placement) > len(costs):
+        return
+    plain = partition_by_cost(costs, placement)
+    ranked = partition_by_cost(costs, placement, balance_ranks=True)
+    check_partition(ranked, costs, len(placement))
+    assert _rank_and_stage_max(ranked) <= _rank_and_stage_max(plain)
+    if len(set(placement)) == len(placement):  # one stage per rank: nothing to even out
+        assert ranked.ranges == plain.ranges
+
+
+def test_balance_ranks_evens_out_the_v() -> None:
+    """[embed, 6 layers, head] in the V on p = 2: stage balancing gives the middle rank four
+    layers; rank balancing gives each rank three (the ends take the embedding and head)."""
+    counts = [74, *([197] * 6), 66]
+    placement = stage_to_rank(Layout.V, 2, 2)
+    plain = partition_by_params(counts, placement)
+    ranked = partition_by_params(counts, placement, balance_ranks=True)
+    assert plain.rank_costs == (74 + 197 + 197 + 66, 4 * 197)
+    assert ranked.rank_costs == (74 + 3 * 197 + 66, 3 * 197)
+    assert ranked.ranges == ((0, 3), (3, 4), (4, 6), (6, 8))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.models import GPT, GPTConfig, make_batch
+from tessera.pipeline import split_backward
 from tessera.pipeline.split_backward import backward_input, grad_nodes
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=3)
@@ -77,6 +78,14 @@ def test_split_equals_full(which: str, nodes: bool) -> None:
     else:
         stage, loss = Ignores(), False
     full_and_split(stage, x, loss, nodes)
+
+
+@pytest.mark.parametrize("which", ["layers", "layers+head+loss", "twice"])
+def test_split_without_input_metadata(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback for a torch whose nodes hide ``_input_metadata`` (pre-hooks keep the
+    frontier gradients) equals the full backward too, to the tolerance of `full_and_split`."""
+    monkeypatch.setattr(split_backward, "_num_slots", lambda node: None)
+    test_split_equals_full(which, nodes=True)
 
 
 def test_weight_grads_accumulate() -> None:

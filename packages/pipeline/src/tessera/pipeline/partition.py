@@ -5,7 +5,8 @@ estimated cost, or measured seconds). It is cut into as many contiguous, non-emp
 stages* as the placement names, so that the largest stage cost is as small as possible
 (exact optimum, by dynamic programming; among optimal splits, each stage boundary is placed as
 early as possible from the last stage backwards, so later stages are as long as the optimum
-allows).
+allows). With several stages per rank (interleaved, V) the busiest *rank* can still carry far
+more than the others; ``balance_ranks=True`` then moves boundaries to even the ranks out.
 
 Where each virtual stage lives comes from the schedule that will run the stages, so nothing
 here restates a layout:
@@ -141,15 +142,18 @@ def partition_by_cost(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
+    balance_ranks: bool = False,
 ) -> Partition:
     """Split blocks with the given non-negative ``costs`` into balanced contiguous stages.
 
     The stages and their ranks are ``schedule.stage_to_rank`` or, without a schedule,
     ``placement`` (stage ``s`` on rank ``placement[s]``); give exactly one. Minimises the
     maximum virtual-stage cost over all contiguous splits into that many non-empty stages
-    (exact).
+    (exact). ``balance_ranks``: with several stages per rank, then move stage boundaries
+    while that lowers the largest *rank* cost (never worse than the stage-balanced split; a
+    local optimum, see ``_balance_ranks``).
     """
-    return _partition(costs, _stage_ranks(placement, schedule), Balance.COST)
+    return _partition(costs, _stage_ranks(placement, schedule), Balance.COST, balance_ranks)
 
 
 def partition_by_profile(
@@ -157,9 +161,10 @@ def partition_by_profile(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
+    balance_ranks: bool = False,
 ) -> Partition:
     """Like `partition_by_cost`, with measured seconds per block (forward + backward)."""
-    return _partition(seconds, _stage_ranks(placement, schedule), Balance.PROFILE)
+    return _partition(seconds, _stage_ranks(placement, schedule), Balance.PROFILE, balance_ranks)
 
 
 def partition_by_params(
@@ -167,11 +172,13 @@ def partition_by_params(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
+    balance_ranks: bool = False,
 ) -> Partition:
     """Balance stages by parameter count: ``blocks`` are modules, or their counts as ints.
 
     A module's count is the number of elements of ``module.parameters()`` (a parameter shared
-    by two blocks counts in both). ``placement`` or ``schedule`` as in `partition_by_cost`.
+    by two blocks counts in both). ``placement``, ``schedule`` and ``balance_ranks`` as in
+    `partition_by_cost`.
     """
     counts: list[float] = []
     items: Sequence[nn.Module | int] = blocks
@@ -182,7 +189,7 @@ def partition_by_params(
             counts.append(float(block))
         else:
             counts.append(float(sum(p.numel() for p in block.parameters())))
-    return _partition(counts, _stage_ranks(placement, schedule), Balance.PARAMS)
+    return _partition(counts, _stage_ranks(placement, schedule), Balance.PARAMS, balance_ranks)
 
 
 def _stage_ranks(placement: Sequence[int] | None, schedule: Schedule | None) -> tuple[int, ...]:
@@ -212,7 +219,9 @@ def _check_placement(ranks: tuple[int, ...]) -> None:
         )
 
 
-def _partition(costs: Sequence[float], ranks: tuple[int, ...], balance: Balance) -> Partition:
+def _partition(
+    costs: Sequence[float], ranks: tuple[int, ...], balance: Balance, balance_ranks: bool = False
+) -> Partition:
     _check_placement(ranks)
     values = tuple(float(c) for c in costs)
     for i, c in enumerate(values):
@@ -224,6 +233,8 @@ def _partition(costs: Sequence[float], ranks: tuple[int, ...], balance: Balance)
             f"cannot split {len(values)} blocks into {num_stages} stages: each stage needs a block"
         )
     bounds = _min_max_split(values, num_stages)
+    if balance_ranks:
+        bounds = _balance_ranks(values, bounds, ranks)
     ranges = tuple(itertools.pairwise(bounds))
     stage_costs = tuple(math.fsum(values[a:b]) for a, b in ranges)
     part = Partition(ranges, stage_costs, values, ranks, balance)
@@ -269,3 +280,38 @@ def _min_max_split(values: tuple[float, ...], k: int) -> list[int]:
         bounds.append(choice[bounds[-1]])
     bounds.append(0)
     return bounds[::-1]
+
+
+def _balance_ranks(values: tuple[float, ...], bounds: list[int], ranks: tuple[int, ...]) -> list[int]:
+    """Move stage boundaries while that lowers (largest rank cost, largest stage cost).
+
+    With several stages per rank (interleaved, V), the stage-balanced split can load one rank
+    far more than another: in the V layout rank ``r`` holds stages ``r`` and ``2p - 1 - r``,
+    so for ``[embed, 6 layers, head]`` on p = 2 the middle rank gets four layers. Coordinate
+    descent from the stage-balanced split: for each boundary in turn, the position that
+    lowers the pair the most, until no boundary moves. Never worse than the start (a local
+    optimum, not a proven one); a no-op with one stage per rank, where it is already exact.
+    """
+    if len(set(ranks)) == len(ranks):
+        return bounds
+    prefix = [0.0]
+    for c in values:
+        prefix.append(prefix[-1] + c)
+
+    def score(b: list[int]) -> tuple[float, float]:
+        stage = [prefix[b[i + 1]] - prefix[b[i]] for i in range(len(ranks))]
+        per_rank: dict[int, float] = {}
+        for r, c in zip(ranks, stage, strict=True):
+            per_rank[r] = per_rank.get(r, 0.0) + c
+        return max(per_rank.values()), max(stage)
+
+    best, current = score(bounds), list(bounds)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(1, len(current) - 1):
+            for pos in range(current[i - 1] + 1, current[i + 1]):
+                trial = [*current[:i], pos, *current[i + 1 :]]
+                if (s := score(trial)) < best:
+                    best, current, moved = s, trial, True
+    return current

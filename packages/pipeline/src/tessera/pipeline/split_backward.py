@@ -7,14 +7,23 @@ path towards the parameters (weight gradients, which can run whenever the rank w
 
 `backward_input` (B) runs autograd from ``y`` to ``x`` only. Before it runs, it finds, for
 every parameter, the first nodes of the input path its branch hangs off (the *frontier*,
-e.g. the matmul node whose output gradient both ``dx`` and ``dW`` need) and hooks them to
-keep the gradient flowing into them. `WeightGrad.run` (W) later restarts autograd at those
+e.g. the matmul node whose output gradient both ``dx`` and ``dW`` need) and asks autograd,
+in the same call that computes ``dx``, for the gradient flowing into each of them (an edge
+into a node as an input of ``torch.autograd.grad``), which it keeps. `WeightGrad.run` (W)
+later restarts autograd at those
 frontier nodes with the kept gradients and asks for the parameters only, so no node of the
 input path is computed twice except the frontier nodes' weight outputs, which B skipped.
 Parameters whose frontiers share nodes form one group, computed in one autograd call; when
 a group has several frontier nodes, each one is clamped to its kept gradient so a path from
 one to another cannot count twice. (The same idea as torch.distributed.pipelining's
-``stage_backward_input`` / ``stage_backward_weight``, written here against public autograd.)
+``stage_backward_input`` / ``stage_backward_weight``.)
+
+**Fixed costs.** W makes one engine call per group (dozens per microbatch), so it calls the
+engine's own entry (``torch.autograd.graph._engine_run_backward``) instead of
+``torch.autograd.backward``, whose Python checks cost about a tenth of a small stage's W;
+B reads the number of gradients a node receives from ``Node._input_metadata`` to name the
+edges it keeps (no Python hook runs inside the engine). Both are private torch details:
+without them the public calls (and pre-hooks on the frontier nodes) do the same.
 
 Results equal one full backward to fp32 round-off: the same node functions run on the same
 gradients, only in two calls.
@@ -84,10 +93,26 @@ def _run_group(group: _Group, *, retain: bool) -> None:
             if kept is not None:
                 handles.append(node.register_prehook(lambda _g, kept=kept: kept))
     try:  # the engine adds the weight gradients to .grad itself
-        torch.autograd.backward(edges, grads, retain_graph=retain, inputs=group.params)
+        _accumulate(edges, grads, group.params, retain)
     finally:
         for h in handles:
             h.remove()
+
+
+def _accumulate(edges: list[GradientEdge], grads: list[Tensor], params: list[Tensor], retain: bool) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=params)`` without its Python checks.
+
+    W calls the engine once per group (dozens per microbatch); the public wrapper re-validates
+    every gradient's shape in Python each time (about a tenth of a small stage's W). The
+    gradients given here are the ones autograd itself handed to the frontier nodes during B,
+    so they are valid by construction. Falls back to the public call if torch moves the entry.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # pragma: no cover - depends on torch internals
+        torch.autograd.backward(edges, grads, retain_graph=retain, inputs=params)
+        return
+    # (roots, grads, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
+    run(tuple(edges), tuple(grads), retain, False, tuple(params), True, True)
 
 
 def backward_full(output: Tensor, grad_output: Tensor | None) -> None:
@@ -135,6 +160,34 @@ def grad_nodes(params: Sequence[Tensor]) -> list[Node]:
     return [get_gradient_edge(p).node for p in params]
 
 
+def _analyse(
+    root: Node, input_node: Node, trainable: list[Tensor], nodes: Sequence[Node]
+) -> list[_Group] | None:
+    """The parameter groups and their frontiers; None if the output ignores the input."""
+    parents = _parents(root)
+    if input_node not in parents:
+        return None
+    on_path, _ = _upwards([input_node], parents, set())  # nodes that carry d(output)/d(input)
+    groups: list[_Group] = []
+    group_of: dict[Node, _Group] = {}
+    for param, node in zip(trainable, nodes, strict=True):
+        if node not in parents:
+            continue  # unused by this stage: no gradient, as in the serial model
+        _, frontier = _upwards([node], parents, on_path)
+        merged = {id(group_of[n]): group_of[n] for n in frontier if n in group_of}
+        group = _Group()
+        for old in merged.values():
+            group.params += old.params
+            group.frontier += [n for n in old.frontier if n not in group.frontier]
+            groups.remove(old)
+        group.params.append(param)
+        group.frontier += [n for n in frontier if n not in group.frontier]
+        for n in group.frontier:
+            group_of[n] = group
+        groups.append(group)
+    return groups
+
+
 def backward_input(
     output: Tensor,
     grad_output: Tensor | None,
@@ -152,28 +205,38 @@ def backward_input(
     root = output.grad_fn
     if inp is None or not inp.requires_grad or root is None:
         return None, WeightGrad(output, grad_output, trainable, [], full=True)
-    parents = _parents(root)
-    input_node = get_gradient_edge(inp).node
-    if input_node not in parents:  # the output does not depend on the input
+    input_edge = get_gradient_edge(inp)
+    input_node = input_edge.node
+    nodes = grad_nodes(trainable) if nodes is None else nodes
+    groups = _analyse(root, input_node, trainable, nodes)
+    if groups is None:  # the output does not depend on the input
         return torch.zeros_like(inp), WeightGrad(output, grad_output, trainable, [], full=True)
-    on_path, _ = _upwards([input_node], parents, set())  # nodes that carry d(output)/d(input)
-    groups: list[_Group] = []
-    group_of: dict[Node, _Group] = {}
-    for param, node in zip(trainable, grad_nodes(trainable) if nodes is None else nodes, strict=True):
-        if node not in parents:
-            continue  # unused by this stage: no gradient, as in the serial model
-        _, frontier = _upwards([node], parents, on_path)
-        merged = {id(group_of[n]): group_of[n] for n in frontier if n in group_of}
-        group = _Group()
-        for old in merged.values():
-            group.params += old.params
-            group.frontier += [n for n in old.frontier if n not in group.frontier]
-            groups.remove(old)
-        group.params.append(param)
-        group.frontier += [n for n in frontier if n not in group.frontier]
-        for n in group.frontier:
-            group_of[n] = group
-        groups.append(group)
+    slots = [(group, node, _num_slots(node)) for group in groups for node in group.frontier]
+    if any(k is None for _, _, k in slots):  # torch hides the count: keep them with pre-hooks
+        return _backward_input_hooked(output, grad_output, inp, trainable, groups)
+    # B asks autograd for the input gradient and, in the same call, for the gradients that
+    # reach each frontier node (an edge into a node names the gradient of its output)
+    edges = [GradientEdge(node, i) for _, node, k in slots for i in range(k or 0)]
+    found = torch.autograd.grad(
+        output, [input_edge, *edges], grad_output, retain_graph=True, allow_unused=True
+    )
+    at = 1
+    for group, node, k in slots:
+        group.grads[node] = tuple(found[at : at + (k or 0)])
+        at += k or 0
+    return found[0], WeightGrad(None, None, trainable, groups, full=False)
+
+
+def _num_slots(node: Node) -> int | None:
+    """How many gradients flow into ``node`` (its forward's outputs); None if torch hides it."""
+    metadata = getattr(node, "_input_metadata", None)
+    return None if metadata is None else len(metadata)
+
+
+def _backward_input_hooked(
+    output: Tensor, grad_output: Tensor | None, inp: Tensor, trainable: list[Tensor], groups: list[_Group]
+) -> tuple[Tensor | None, WeightGrad]:
+    """B keeping the frontier gradients with pre-hooks (for a torch without ``_input_metadata``)."""
     handles = []
     for group in groups:
         for node in group.frontier:
