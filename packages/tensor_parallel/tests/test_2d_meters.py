@@ -42,7 +42,10 @@ def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[Comm
     q = c["q"]
     grid = Grid2D.from_mesh(Mesh(Topology(tp=q * q, tp_mode=TPMode.TWO_D)))
     layers: dict[str, Any] = {
-        "linear": Linear2D, "norm": LayerNorm2D, "embedding": Embedding2D, "vocab": VocabEmbedding2D
+        "linear": Linear2D,
+        "norm": LayerNorm2D,
+        "embedding": Embedding2D,
+        "vocab": VocabEmbedding2D,
     }
     return metered_layer(kind, c, rows=c["batch"] // q, q=q, make=lambda k, s: layers[k].from_dense(s, grid))
 

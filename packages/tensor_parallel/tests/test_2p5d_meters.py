@@ -51,7 +51,10 @@ def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[Comm
     q, d = c["q"], c["d"]
     grid = Grid2p5D.from_mesh(Mesh(Topology(tp=q * q * d, tp_mode=TPMode.TWO_P5_D, depth=d)))
     layers: dict[str, Any] = {
-        "linear": Linear2p5D, "norm": LayerNorm2p5D, "embedding": Embedding2p5D, "vocab": VocabEmbedding2p5D
+        "linear": Linear2p5D,
+        "norm": LayerNorm2p5D,
+        "embedding": Embedding2p5D,
+        "vocab": VocabEmbedding2p5D,
     }
     rows = c["batch"] // (q * d)
     return metered_layer(kind, c, rows=rows, q=q, make=lambda k, s: layers[k].from_dense(s, grid))

@@ -17,6 +17,7 @@ weights (its weight pass) still gets them all.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -205,3 +206,18 @@ def test_an_input_only_backward_defers_the_weight_gradients(monkeypatch: Any) ->
     for later, full in run_threaded(2, _split, calls):
         for a, b in zip(later, full, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _steps(rank: int) -> None:
+    module = _Region(8, 8, True)
+    for _ in range(3):
+        module(torch.randn(2, 3, 8).requires_grad_(True)).sum().backward()
+
+
+def test_a_finished_step_leaves_no_region_behind() -> None:
+    """Once the steps' graphs are gone, no ``Region`` survives (each holds its forward's
+    tensors: one kept past the step would leak the step's graph, a cycle through autograd's
+    C++ nodes that ``gc`` cannot collect)."""
+    run_threaded(2, _steps)
+    gc.collect()
+    assert [o for o in gc.get_objects() if type(o) is overlap.Region] == []

@@ -226,6 +226,8 @@ class ColumnParallelLinear(nn.Module):
             slot, self._slot = self._slot, None
         if slot is not None and x is slot.region.input:
             y = slot.linear(x)
+            if self.enter_region:
+                slot.region.close()
         else:
             weight: Tensor = self.weight
             bias: Tensor | None = self.bias
@@ -392,6 +394,8 @@ def enter_region_of(
 def end_region(layers: Sequence[ColumnParallelLinear]) -> None:
     """End what ``enter_region_of`` set up on ``layers`` for this forward call."""
     for layer in layers:
+        if layer._slot is not None:
+            layer._slot.region.close()
         layer.defer_weight_grads(None)
 
 

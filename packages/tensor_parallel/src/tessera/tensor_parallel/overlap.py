@@ -138,6 +138,12 @@ class Region:
         self.input = cast(Tensor, _Start.apply(kept, self))  # type: ignore[no-untyped-call]
         return self.input
 
+    def close(self) -> None:
+        """End the forward call: forget the input. (It is the output of ``_Start``, whose
+        node holds this region: kept, the two would form a cycle through autograd's C++ graph
+        that Python's collector cannot see, and leak every step's graph.)"""
+        self.input = None
+
     def gather(self, x: Tensor) -> Tensor:
         """Forward of the entry: ``x`` itself, or under SP the whole sequence."""
         if self.sequence_parallel:
@@ -167,7 +173,7 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         x, weight = ctx.saved_tensors
-        ctx.slot.calls[id(ctx)] = (x, grad)
+        ctx.slot.calls[id(ctx)] = (x.detach(), grad)  # detached: no path back to this graph
         return grad.matmul(weight), None, None, None
 
 

@@ -56,6 +56,12 @@ def activation_bytes_2d(
     for what, size in (("batch", batch), ("heads", heads), ("vocab", vocab), ("hidden", hidden)):
         check_grid_divisible(size, q, what=what, where="activation_bytes_2d")
     return summa_activation_bytes(
-        tokens=batch * seq // q, batch=batch, seq=seq, hidden=hidden, heads=heads, vocab=vocab, q=q,
+        tokens=batch * seq // q,
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        q=q,
         mlp_ratio=mlp_ratio,
     )

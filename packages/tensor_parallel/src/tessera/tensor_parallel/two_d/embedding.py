@@ -55,6 +55,7 @@ def embedding_twin(
         new.get_parameter("weight").copy_(spec.shard(w, rank, tp))
     return new
 
+
 EMBEDDING_SPEC = GridShardSpec(i_dim=1, j_dim=1)  # hidden in q*q chunks, rank (i, j) holds chunk j*q + i
 
 

@@ -28,6 +28,12 @@ def activation_bytes_2p5d(
     for what, size in (("heads", heads), ("vocab", vocab), ("hidden", hidden)):
         check_grid_divisible(size, q, what=what, where=where)
     return summa_activation_bytes(
-        tokens=batch * seq // (q * depth), batch=batch, seq=seq, hidden=hidden, heads=heads,
-        vocab=vocab, q=q, mlp_ratio=mlp_ratio,
+        tokens=batch * seq // (q * depth),
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        q=q,
+        mlp_ratio=mlp_ratio,
     )
