@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--disk-dir", default=None, help="where the disk tiers write (default: a temp dir)")
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="resident-memory cap per rank")
     parser.add_argument("--host-budget-mib", type=float, default=64.0, help="the disk system's host budget")
-    parser.add_argument("--widths", default="256,512,768,1024,1280", help="model widths, ascending")
+    parser.add_argument("--widths", default="256,512,768,1024,1280,1536", help="model widths, ascending")
     parser.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, of {', '.join(ALL)}")
     parser.add_argument(
         "--deepspeed-python",

@@ -9,12 +9,15 @@ measures a subset). Per configuration, one JSON line:
 
 - ``step_time_s``: median over ``--iters`` steps of the slowest rank, in the fastest round
   (``round_steps_s``: every round's; other work on a shared machine only adds time);
+  ``min_step_s``: the fastest step of the slowest rank over every round (the least disturbed
+  by other work; the summary line ranks by both, and names the misordered pairs of cases);
   ``predicted_step_s``:
   the planner's, on the cluster of ``--cluster`` (default the ``cpu`` preset, this machine
   as ``tessera plan --calibrate`` measured it);
 - ``model_state_bytes``: ``ZeroOptimizer.memory().model_state`` when the last warmup step
   enters ``ZeroOptimizer.step()`` (every backward done; the fullest rank) beside
-  ``predicted_model_state_bytes``;
+  ``predicted_model_state_bytes`` (``Estimate.model_state``: the most of any rank, which
+  under a pipeline is not always the rank with most device memory);
 - ``peak_rss_mb``: the largest growth over the ranks of the resident set (``VmHWM`` reset
   through /proc/self/clear_refs after ``gc`` and ``malloc_trim``, mmap threshold 128 KiB as
   in ``zero.py``; every code path first runs once on a tiny copy of the configuration, so lazy
@@ -141,11 +144,13 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
             r[i] = float(pos)
         return r
 
+    if len(xs) < 2:
+        return float("nan")  # one configuration (``--cases`` with one index): no order to compare
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     spread = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / spread
+    return cov / spread if spread else float("nan")
 
 
 def measure(
@@ -171,6 +176,9 @@ def measure(
             slowest = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
             return float(statistics.median(slowest))
 
+        def fastest(per_rank: list[dict[str, Any]]) -> float:
+            return float(min(max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)))
+
         per_rank = min(runs[case], key=median_step)
         step = median_step(per_rank)
         est = estimate(config, ModelShape.from_config(config), cluster)
@@ -187,10 +195,11 @@ def measure(
             "case": case,
             "step_time_s": round(step, 5),
             "round_steps_s": [round(median_step(r), 4) for r in runs[case]],
+            "min_step_s": round(min(fastest(r) for r in runs[case]), 5),
             "predicted_step_s": round(est.time.total, 5),
             "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
             "model_state_bytes": max(r["model_state"] for r in per_rank),
-            "predicted_model_state_bytes": round(est.memory.model_state),
+            "predicted_model_state_bytes": round(est.model_state),
             "peak_rss_mb": round(max(r["rss_mb"] for r in per_rank), 1),
             "predicted_peak_mb": round(est.memory.resident / 2**20, 1),
             "final_loss": round(per_rank[0]["loss"], 4),
@@ -200,15 +209,25 @@ def measure(
         record["time_ratio"] = round(est.time.total / step, 3)
         emit(record)
         records.append(record)
-    measured = [r["step_time_s"] for r in records]
     predicted = [r["predicted_step_s"] for r in records]
-    pairs = right = 0
-    for i in range(len(records)):
-        for j in range(i + 1, len(records)):
-            a, b = measured[i], measured[j]
-            if max(a, b) > 1.2 * min(a, b):
-                pairs += 1
-                right += (a < b) == (predicted[i] < predicted[j])
+
+    def agreement(measured: list[float]) -> tuple[int, int, list[tuple[int, int]]]:
+        pairs, right, wrong = 0, 0, []
+        for i in range(len(records)):
+            for j in range(i + 1, len(records)):
+                a, b = measured[i], measured[j]
+                if max(a, b) > 1.2 * min(a, b):
+                    pairs += 1
+                    if (a < b) == (predicted[i] < predicted[j]):
+                        right += 1
+                    else:
+                        wrong.append((records[i]["case"], records[j]["case"]))
+        return pairs, right, wrong
+
+    measured = [r["step_time_s"] for r in records]
+    fastest_steps = [r["min_step_s"] for r in records]
+    pairs, right, wrong = agreement(measured)
+    pairs_min, right_min, wrong_min = agreement(fastest_steps)
     emit(
         {
             "bench": "plan",
@@ -219,6 +238,11 @@ def measure(
             "spearman": round(_spearman(measured, predicted), 3),
             "pairs_over_20pct": pairs,
             "pairs_ordered_right": right,
+            "misordered_cases": wrong,
+            "spearman_min_step": round(_spearman(fastest_steps, predicted), 3),
+            "pairs_over_20pct_min_step": pairs_min,
+            "pairs_ordered_right_min_step": right_min,
+            "misordered_cases_min_step": wrong_min,
             "model_state_within_5pct": sum(abs(r["state_ratio"] - 1) <= 0.05 for r in records),
             "peak_rss_within_15pct": sum(abs(r["rss_ratio"] - 1) <= 0.15 for r in records),
         }

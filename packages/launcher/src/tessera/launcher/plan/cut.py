@@ -41,11 +41,20 @@ class Cut:
     stages: tuple[Kind, ...]  # by stage index
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def cut_of(model: ModelShape, shape: TPShape, pp: int, schedule: str, v: int) -> Cut:
     """Cut ``[embed, *layers, head]`` as ``boost()`` does: ``partition_by_params`` over this
-    tensor-parallel rank's parameter counts, stages placed by the schedule's spec."""
-    placement = schedule_spec(schedule).stage_to_rank(pp, v) if pp > 1 else (0,)
+    tensor-parallel rank's parameter counts, stages placed by the schedule's spec (schedules
+    that place their stages alike share one cut)."""
+    return _cut(model, shape, pp, _placement(schedule, pp, v) if pp > 1 else (0,))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _placement(schedule: str, pp: int, v: int) -> tuple[int, ...]:
+    return tuple(schedule_spec(schedule).stage_to_rank(pp, v))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _cut(model: ModelShape, shape: TPShape, pp: int, placement: tuple[int, ...]) -> Cut:
     part = partition_by_params(model.block_params(shape), placement)
     serial = model.block_params()
     last = model.layers + 1

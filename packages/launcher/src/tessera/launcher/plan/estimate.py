@@ -92,6 +92,8 @@ class Estimate:
     time: StepTime
     psi: int  # parameter elements on the fullest rank
     bubble_fraction: float
+    model_state: float = 0.0  # the most model-state bytes of any rank (the fullest by device
+    # memory may hold less: a pipeline's head stage, whose logits outweigh the embedding)
 
     def fits(self, cluster: Cluster) -> bool:
         """Whether the fullest rank's device memory fits one device."""
@@ -299,10 +301,13 @@ def estimate(
         raise ValueError(f"parallel={p} cannot cut {model.layers + 2} blocks into its stages")
     busy, makespan, held, split_backward = timeline(p, shape)
     serial_total = float(sum(model.block_params()))
+    tp_shape = TPShape(p.tp_mode, p.tp, p.tp_depth)
+    tp_copies = float(sum(model.block_params(tp_shape)) - model.unsplit_params(tp_shape))
     n = p.dp * p.sp
     state_of: dict[tuple[int, int, int, int], tuple[float, ...]] = {}
     worst: MemoryEstimate | None = None
     worst_psi = 0
+    most_state = 0.0
     for rank, share in enumerate(shape.cut.ranks):
         key = (share.psi, share.blocks, share.largest, share.serial)
         if key not in state_of:
@@ -334,19 +339,23 @@ def estimate(
                     optimizer=config.optim.name,
                 ),
             )
-            build = build_peak(serial_total, psi_f, precision=precision, n=n, stage=z.stage)
+            build = build_peak(
+                serial_total, psi_f, precision=precision, n=n, stage=z.stage, tp_share=tp_copies
+            )
             state_of[key] = (*state, buffers, scratch, build)
         params, grads, states, host, buffers, scratch, build = state_of[key]
         layers_held = max(k[0] for k in share.kinds)
         kept = held[rank] * layers_held * shape.kept_per_layer if split_backward else 0.0
         activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra + kept
         mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, build)
+        most_state = max(most_state, mem.model_state)
         if worst is None or mem.device > worst.device:
             worst, worst_psi = mem, share.psi
     assert worst is not None
     data_comm, optimizer = overheads(config, shape, cluster)
     time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)
-    return Estimate(worst, time, worst_psi, (makespan - busy) / makespan if makespan else 0.0)
+    bubble = (makespan - busy) / makespan if makespan else 0.0
+    return Estimate(worst, time, worst_psi, bubble, most_state)
 
 
 def _data_comm(stage: int, n: int, nbytes: float, link: Link, f: float, bw: float, m: int) -> float:

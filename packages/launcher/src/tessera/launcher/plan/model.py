@@ -96,6 +96,16 @@ class ModelShape:
             head = cut(2 * d) + cut(v * d)
         return [embed, *([layer] * self.layers), head]
 
+    def unsplit_params(self, shape: TPShape) -> int:
+        """Elements tensor parallelism leaves as they were (the same tensors, not copies): in
+        1D the position embedding and the LayerNorms; 2D, 2.5D and 3D split every parameter
+        (row-parallel biases are copied in every mode)."""
+        if shape.tp == 1:
+            return self.params
+        if shape.mode != "1d":
+            return 0
+        return self.seq * self.hidden + 4 * self.hidden * self.layers + 2 * self.hidden
+
     @property
     def params(self) -> int:
         """Parameters of the whole serial model."""

@@ -10,9 +10,13 @@ candidate is a launcher `Config` (the base configuration with its ``[parallel]``
 rules, not a copy.
 
 Pruning, never sampling: a degree split whose parameters cannot fit one device even fully
-sharded is skipped before its schedules are tried; layouts whose lower bound on step time
-exceeds the ``keep``-th best found are not simulated (see `search`); offload (which only adds time in this
-model) is tried only when the same configuration without it does not fit; the zigzag
+sharded is skipped before its schedules are tried; a tensor-parallel shape that validation
+refuses whatever the rest of the world does (heads or widths that do not split: the same
+line with the rest all data-, all context- and all pipeline-parallel) is refused whole
+(`_Validator.refused_shape`); each configuration is validated once (`_Validator`); layouts
+whose lower bound on step time exceeds the ``keep``-th best found are not simulated (see
+`search`); offload (which only adds time in this model) is tried only when the same
+configuration without it does not fit; the zigzag
 layout of context parallelism (which balances causal attention) is preferred to the
 contiguous one whenever the sequence splits that way.
 """
@@ -148,14 +152,57 @@ def _cannot_fit(model: ModelShape, shape: TPShape, pp: int, n: int, precision: s
     return least > cluster.memory_bytes
 
 
-def _refused_whole(base: Config, parallel: ParallelConfig, counts: Sequence[int]) -> bool:
-    """Whether validation refuses the family for a reason independent of the microbatch count."""
+class _Validator:
+    """``Config.validate()`` of the configurations one search builds, each asked once (the
+    search asks again for the same configuration: a family's first microbatch count, its
+    ZeRO stage 0 without offload)."""
 
-    def lines(m: int) -> set[str]:
-        par = dataclasses.replace(parallel, microbatches=m)
-        return set(dataclasses.replace(base, parallel=par, zero=ZeroConfig()).validate())
+    def __init__(self, base: Config) -> None:
+        self.base = base
+        self.seen: dict[tuple[ParallelConfig, ZeroConfig, bool], tuple[str, ...]] = {}
 
-    return bool(lines(counts[0]) & lines(counts[-1]))
+    def __call__(
+        self, parallel: ParallelConfig, zero: ZeroConfig | None = None, recompute: bool | None = None
+    ) -> tuple[str, ...]:
+        """The lines of ``base`` with ``parallel``, ``zero`` (default: ``ZeroConfig()``) and
+        activation checkpointing ``recompute`` (default: the base's)."""
+        train = self.base.train
+        if recompute is not None and recompute != train.activation_checkpointing:
+            train = dataclasses.replace(train, activation_checkpointing=recompute)
+        zero = ZeroConfig() if zero is None else zero
+        key = (parallel, zero, train.activation_checkpointing)
+        lines = self.seen.get(key)
+        if lines is None:
+            config = dataclasses.replace(self.base, parallel=parallel, zero=zero, train=train)
+            lines = self.seen[key] = tuple(config.validate())
+        return lines
+
+    def refused_shape(self, shape: TPShape, world: int) -> bool:
+        """Whether validation refuses every configuration of a tensor-parallel shape: a line
+        reported alike with the rest of the world all data-, all context- and all
+        pipeline-parallel (the launcher's messages name the numbers they depend on, so that
+        line depends on the shape and the model alone: heads or widths that do not split)."""
+        rest = world // shape.tp
+        if rest == 1:
+            return False
+        common: set[str] | None = None
+        for dp, sp, pp in ((rest, 1, 1), (1, rest, 1), (1, 1, rest)):
+            par = ParallelConfig(
+                dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=shape.mode, tp_depth=shape.depth, microbatches=1
+            )
+            lines = set(self(par))
+            common = lines if common is None else common & lines
+            if not common:
+                return False
+        return True
+
+    def refused_whole(self, parallel: ParallelConfig, counts: Sequence[int]) -> bool:
+        """Whether validation refuses the family for a reason independent of the microbatch
+        count: a line reported alike at its smallest and its largest count."""
+        first = self(dataclasses.replace(parallel, microbatches=counts[0]))
+        if not first:
+            return False
+        return bool(set(first) & set(self(dataclasses.replace(parallel, microbatches=counts[-1]))))
 
 
 def search(
@@ -188,9 +235,11 @@ def search(
     model = ModelShape.from_config(base) if model is None else model
     precision, batch = base.train.precision, base.data.batch_size
     pruned = overflow = invalid = 0
+    valid = _Validator(base)
     groups: list[tuple[float, ParallelConfig, bool]] = []  # (bound over every m, layout at m = 1)
     for shape in _tp_shapes(world, tp_modes):
         rest = world // shape.tp
+        refused = valid.refused_shape(shape, world)
         for sp in divisors(rest):
             for pp in divisors(rest // sp):
                 dp = rest // sp // pp
@@ -201,7 +250,7 @@ def search(
                     for name, v in _schedules(pp, max_chunks):
                         par = dataclasses.replace(parallel, schedule=name, virtual_stages=v, microbatches=1)
                         counts = divisors(batch // dp)
-                        if _refused_whole(base, par, counts):
+                        if refused or valid.refused_whole(par, counts):
                             invalid += len(counts) * len(recompute)
                             continue
                         for rc in recompute:
@@ -222,7 +271,7 @@ def search(
         for m in divisors(batch // first.dp):
             par = dataclasses.replace(first, microbatches=m)
             layouts += 1
-            if dataclasses.replace(base, parallel=par, zero=ZeroConfig()).validate():
+            if valid(par):
                 invalid += 1
                 continue
             found = shape_of(par, model, cluster, precision, rc)
@@ -238,7 +287,7 @@ def search(
                     config = dataclasses.replace(base, parallel=par, zero=zero, train=train)
                     if beaten(found.bound + sum(overheads(config, found, cluster))):
                         break  # offload only adds time: it cannot do better either
-                    if config.validate():
+                    if valid(par, zero, rc):
                         invalid += 1
                         break
                     est = estimate(config, model, cluster, recompute=rc)

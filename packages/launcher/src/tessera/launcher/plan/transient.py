@@ -9,7 +9,13 @@ its largest unit), ``Psi`` the serial model's elements.
   (``4 Psi``), then each ``FlatParam`` stages its parameters in an fp32 buffer (``4 psi_f``,
   the flat itself in fp32; freed after a cast when ``c < 4``, which also makes the compute
   copy ``c psi_f`` and a master shard ``4 psi_f / n``). The original parameters are freed as
-  the flats take them over, so the peak is the first flat's.
+  the flats take them over, so the peak is the first flat's. Under tensor parallelism the
+  peak can come earlier: ``parallelize`` makes this rank's shard of every layer of the whole
+  model, every pipeline stage's (``4 Psi_tp``: the tp rank's elements before the pipeline
+  cut, less those it leaves in place, `ModelShape.unsplit_params`), while the caller's serial
+  parameters stay referenced (by the optimizer handed to ``boost()``, which is rebuilt only
+  afterwards, and under a pipeline by the serial blocks kept for the check), so
+  ``4 Psi + 4 Psi_tp`` are resident at once.
 - Kept between steps (`kept_grad_buffers`): ZeRO reuses its flat gradient buffers from
   step to step instead of allocating them anew: stage 0 each flat's (``c psi``), stages
   1-2 a free list of at most two of the largest flat's size (``min(2, flats) c psi_f``),
@@ -63,13 +69,18 @@ __all__ = [
 ]
 
 
-def build_peak(serial: float, psi_f: float, *, precision: str, n: int, stage: int) -> float:
+def build_peak(
+    serial: float, psi_f: float, *, precision: str, n: int, stage: int, tp_share: float = 0.0
+) -> float:
     """Bytes resident while ``boost()`` builds a rank's engine: the caller's fp32 model and
-    the first flat's fp32 staging (with its compute copy and master shard under mixed precision)."""
+    the larger of the first flat's fp32 staging (with its compute copy and master shard under
+    mixed precision) and, under tensor parallelism, the fp32 shards ``parallelize`` makes of
+    the whole model (``tp_share``: the elements it copies for the tp rank over every pipeline
+    stage; 0 without tensor parallelism)."""
     c = DTYPE_BYTES[precision]
     shards = n if stage >= 1 else 1
     staging = 4 * psi_f + (c * psi_f + 4 * psi_f / shards if c != 4 else 0.0)
-    return 4 * serial + staging
+    return 4 * serial + max(staging, 4 * tp_share)
 
 
 def kept_grad_buffers(psi: float, psi_f: float, flats: int, *, precision: str, stage: int) -> float:

@@ -1,0 +1,92 @@
+"""The search's shortcuts against what they stand for: the lean replay of a long pipeline
+gives exactly ``tessera.pipeline.simulate``'s makespan, busy time and held activations, and a
+tensor-parallel shape the search refuses whole holds no configuration the launcher accepts.
+Pure (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessera.launcher.config import Config, DataConfig, ModelConfig, ZeroConfig
+from tessera.launcher.plan.bubble import _compiled, _replay
+from tessera.launcher.plan.search import _parallel_variants, _schedules, _tp_shapes, _Validator, divisors
+from tessera.pipeline import SCHEDULES, Costs, build_schedule, schedule_spec, simulate
+
+costs_st = st.builds(
+    Costs,
+    f=st.sampled_from([1.0]),
+    b=st.floats(0.3, 3.0),
+    w=st.floats(0.0, 2.0),
+    p2p_latency=st.floats(0.0, 2.0),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    p=st.sampled_from([2, 3, 4, 8]),
+    m=st.integers(1, 24),
+    v=st.integers(1, 3),
+    costs=costs_st,
+    scaled=st.booleans(),
+    data=st.data(),
+)
+def test_replay_is_the_simulator_exactly(
+    name: str, p: int, m: int, v: int, costs: Costs, scaled: bool, data: st.DataObject
+) -> None:
+    """Same floating-point operations in the same order: equal to the last bit (``==``), for
+    every registered schedule the registry accepts, with and without per-stage scales."""
+    spec = schedule_spec(name)
+    chunks = spec.default_chunks if spec.fixed_chunks else max(v, spec.min_chunks or 1)
+    if spec.check(p, m, chunks):
+        return  # the schedule refuses this shape; nothing to time
+    schedule = build_schedule(name, p, m, chunks)
+    if scaled:
+        n = schedule.num_stages
+        scale = data.draw(st.lists(st.floats(0.1, 2.0), min_size=n, max_size=n))
+        costs = dataclasses.replace(costs, stage_scale=tuple(scale))
+    want = simulate(schedule, costs)
+    compiled = _compiled(name, p, m, chunks)
+    makespan, busy = _replay(compiled, costs)
+    assert makespan == want.makespan
+    assert busy == max(want.busy)
+    assert compiled.peak_held == tuple(float(x) for x in want.peak_held)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    world=st.sampled_from([2, 4, 6, 8, 12]),
+    heads=st.sampled_from([1, 2, 3, 4, 6]),
+    seq=st.sampled_from([8, 12, 16]),
+    batch=st.sampled_from([4, 6, 8]),
+    layers=st.integers(1, 4),
+)
+def test_a_shape_refused_whole_holds_no_valid_configuration(
+    world: int, heads: int, seq: int, batch: int, layers: int
+) -> None:
+    """Every configuration of a refused tensor-parallel shape (every split of the rest of the
+    world, variant, schedule and microbatch count) is one ``Config.validate()`` refuses; and
+    with ``ZeroConfig()`` (what the shortcut asks) as with any stage."""
+    base = Config(
+        model=ModelConfig(vocab_size=64, seq_len=seq, d_model=8 * heads, n_heads=heads, n_layers=layers),
+        data=DataConfig(batch_size=batch),
+    )
+    valid = _Validator(base)
+    for shape in _tp_shapes(world, ("1d", "2d", "2.5d", "3d")):
+        if not valid.refused_shape(shape, world):
+            continue
+        rest = world // shape.tp
+        for sp in divisors(rest):
+            for pp in divisors(rest // sp):
+                dp = rest // sp // pp
+                for parallel in _parallel_variants(shape, dp, pp, sp, seq):
+                    for name, v in _schedules(pp, 3):
+                        for m in divisors(batch):
+                            par = dataclasses.replace(
+                                parallel, schedule=name, virtual_stages=v, microbatches=m
+                            )
+                            config = dataclasses.replace(base, parallel=par, zero=ZeroConfig(1))
+                            assert config.validate(), par
