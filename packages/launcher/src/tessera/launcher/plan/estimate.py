@@ -164,7 +164,14 @@ def shape_of(
     heads_split = p.tp if p.tp_mode == "1d" else 1
     layer_sp = context_traffic(model, rows, c, p.sp, p.sp_mode, heads_split, sp_link)
     attention_s = 4.0 * tokens * model.seq * model.hidden / (p.tp * p.sp) / rate * cluster.overlap
-    layer_comm = layer_tp + Traffic(
+    # 1D: each region entry's backward all-reduce runs beside the weight gradients of the
+    # column layers reading it (tensor_parallel.overlap): q/k/v for attention, fc_in for the MLP
+    entry = layer_tp.hidden_backward / 2
+    wgrads = (3 * model.hidden * model.hidden, model.hidden * model.ffn)
+    tp_exposed = sum(
+        max(0.0, entry - 2.0 * tokens * n / (p.tp * p.sp) / rate * cluster.overlap) for n in wgrads
+    )
+    layer_comm = Traffic(layer_tp.forward, layer_tp.backward + (tp_exposed if entry else 0.0)) + Traffic(
         layer_sp.forward + max(0.0, layer_sp.hidden_forward - attention_s),
         layer_sp.backward + max(0.0, layer_sp.hidden_backward - 2 * attention_s),
     )

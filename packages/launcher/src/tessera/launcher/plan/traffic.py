@@ -3,13 +3,15 @@
 Bytes per rank are the paper accounting of the tensor-parallel README (asserted there
 against ``CommMeter``): 1D moves four all-reduces of a layer's output per layer (two forward,
 two backward; Megatron sequence parallelism swaps each for an all-gather and a reduce-scatter
-of the same total); 2D (SUMMA) moves ``(|X| + |W|)/q`` per Linear forward and twice that
-backward; 2.5D ``(|X|/d + |W|)/q`` forward, twice backward, plus the depth all-reduce of
-``2 |W| / q^2``; 3D ``(|X| + |W| + |Y|)/q^2`` each way; LayerNorms of the grid modes
-all-reduce their statistics (16 bytes per token). Context parallelism: ring attention passes
-``sp - 1`` K/V blocks forward (twice that backward, K/V and their gradients), overlapped with
-the attention it computes; Ulysses moves four all-to-alls each way. Each collective also
-pays its latencies (`Link`).
+of the same total), the backward two at the region entries, which the runtime overlaps with
+the entry layers' weight gradients (``hidden_backward``); 2D (SUMMA) moves
+``(|X| + |W|)/q`` per Linear forward and twice that backward; 2.5D ``(|X|/d + |W|)/q``
+forward, twice backward, plus the depth all-reduce of ``2 |W| / q^2``; 3D
+``(|X| + |W| + |Y|)/q^2`` each way; LayerNorms of the grid modes all-reduce their statistics
+(16 bytes per token). Context parallelism: ring attention passes ``sp - 1`` K/V blocks
+forward (twice that backward, K/V and their gradients), overlapped with the attention it
+computes; Ulysses moves four all-to-alls each way. Each collective also pays its latencies
+(`Link`).
 """
 
 from __future__ import annotations
@@ -82,9 +84,9 @@ def tensor_traffic(
     if t <= 1:
         return Traffic()
     tokens = rows * model.seq / sp
-    if shape.mode == "1d":
+    if shape.mode == "1d":  # backward: the two region entries, overlapped (estimate hides them)
         y = tokens * model.hidden * c
-        return Traffic(2 * link.all_reduce(y, t), 2 * link.all_reduce(y, t))
+        return Traffic(2 * link.all_reduce(y, t), 0.0, 0.0, 2 * link.all_reduce(y, t))
     q = round((t // shape.depth) ** 0.5) if shape.mode != "3d" else round(t ** (1 / 3))
     total = Traffic()
     for n_in, n_out in _linears(model):
