@@ -29,6 +29,11 @@ reference GPT, data and AdamW settings, in one run.
   torch.profiler on both ranks; rank 0's split of a step into compute / communication / idle
   / overhead (``benchmarks/_breakdown.py``) goes into the line (``breakdown``), the Chrome
   traces and a stacked-bar ``breakdown.png`` into the run folder (``--out``).
+- A/B inside one run: ``--vs-stage2`` adds Tessera ZeRO-2 (system "tessera-zero2") to the
+  stage-3 pair, so ZeRO-3's ratio to ZeRO-2 (``ratio_vs_zero2``) comes from steps that
+  alternate under the same load; ``--variants NAME:KEY=VALUE,...`` adds ZeRO-3 systems
+  "tessera-NAME" built with those ``ZeroOptimizer`` options (booleans as 0/1, integers), e.g.
+  ``--variants before:keep_for_backward=0,reuse_buffers=0``.
 """
 
 from __future__ import annotations
@@ -76,10 +81,10 @@ class System:
 
 
 class Tessera(System):
-    def __init__(self, model: GPT, rank: int, batch: int, stage: int) -> None:
+    def __init__(self, model: GPT, rank: int, batch: int, stage: int, **options: Any) -> None:
         super().__init__(model, rank, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        self.zero = ZeroOptimizer(model, opt, stage=stage, bucket_bytes=25 * 2**20)
+        self.zero = ZeroOptimizer(model, opt, stage=stage, bucket_bytes=25 * 2**20, **options)
 
     def step(self, i: int, measure: bool = False) -> float:
         with CommMeter() as meter:
@@ -160,12 +165,29 @@ class Single(System):
 
 
 SINGLE = "torch-single"
+ZERO2 = "tessera-zero2"
+Variants = dict[str, dict[str, int]]
 
 
-def _build(name: str, stage: int, cfg: GPTConfig, rank: int, batch: int) -> System:
+def _parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    name, _, spec = text.partition(":")
+    options = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value)
+    return f"tessera-{name}", options
+
+
+def _build(
+    name: str, stage: int, cfg: GPTConfig, rank: int, batch: int, variants: Variants | None = None
+) -> System:
     model = GPT(cfg, seed=0)
     if name == "tessera":
         return Tessera(model, rank, batch, stage)
+    if name == ZERO2:
+        return Tessera(model, rank, batch, 2)
+    if variants and name in variants:
+        return Tessera(model, rank, batch, stage, **variants[name])
     if name == SINGLE:
         return Single(model, rank, batch)
     return DDP(model, rank, batch) if name == "torch-ddp" else FSDP2(model, rank, batch)
@@ -183,20 +205,21 @@ def _step(name: str, system: System, i: int, measure: bool = False) -> float | N
 
 def _pair(
     rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int,
-    single: bool, folder: str | None, prof_steps: int,
+    single: bool, folder: str | None, prof_steps: int, extras: tuple[str, ...] = (),
+    variants: Variants | None = None,
 ) -> dict[str, Any]:
-    names = ("tessera", PAIRS[stage], *((SINGLE,) if single else ()))
+    names = ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ()))
     libc = libc_handle()
     if libc is not None:
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: see the module docstring
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
     for name in names:  # first use of each code path (lazy initialisation) outside the measurements
-        _step(name, _build(name, stage, tiny, rank, 1), 0)
+        _step(name, _build(name, stage, tiny, rank, 1, variants), 0)
     systems: dict[str, System] = {}
     out: dict[str, dict[str, Any]] = {}
     for name in names:  # one at a time: resident-memory growth over a fresh baseline
         base = rss_baseline()
-        system = _build(name, stage, cfg, rank, batch)
+        system = _build(name, stage, cfg, rank, batch, variants)
         for i in range(warmup):
             _step(name, system, i, measure=i == warmup - 1)
         out[name] = {
@@ -240,7 +263,10 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="profile each system: see above")
     parser.add_argument("--breakdown-steps", type=int, default=3)
     parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/zero-<time>)")
+    parser.add_argument("--vs-stage2", action="store_true", help="add Tessera ZeRO-2 to the stage-3 pair")
+    parser.add_argument("--variants", nargs="*", default=[], help="NAME:KEY=VALUE,... ZeRO-3 variants")
     args = parser.parse_args()
+    variants = dict(_parse_variant(v) for v in args.variants)
     logging.basicConfig(level=logging.WARNING)
     cfg = GPTConfig(
         vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_heads=8, n_layers=args.layers
@@ -251,8 +277,10 @@ def main() -> None:
     with WorkerPool(world, timeout=900) as pool:
         for stage in args.stages:
             single = stage == args.stages[0]
+            extras = (*(variants if stage == 3 else ()), *((ZERO2,) if stage == 3 and args.vs_stage2 else ()))
             per_rank = pool.run(
-                _pair, stage, cfg, args.batch, args.warmup, args.iters, single, folder, args.breakdown_steps
+                _pair, stage, cfg, args.batch, args.warmup, args.iters, single, folder, args.breakdown_steps,
+                extras, variants,
             )
             psi = per_rank[0]["psi"]["n"]
             config = (
@@ -261,7 +289,11 @@ def main() -> None:
             )
             tokens = world * args.batch * cfg.seq_len
             pair = []
-            for name in ("tessera", PAIRS[stage], *((SINGLE,) if single else ())):
+            labels = {
+                SINGLE: config.replace(f"stage={stage}", "stage=none").replace(f"world={world}", "world=1"),
+                ZERO2: config.replace(f"stage={stage}", "stage=2"),
+            }
+            for name in ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ())):
                 ranks = per_rank[:1] if name == SINGLE else per_rank
                 step_time = max(r[name]["step_time_s"] for r in ranks)
                 rss = [round(r[name]["peak_rss_mb"], 1) for r in ranks]
@@ -269,9 +301,7 @@ def main() -> None:
                     {
                         "bench": "zero",
                         "system": name,
-                        "config": config.replace(f"stage={stage}", "stage=none").replace(
-                            f"world={world}", "world=1"
-                        ) if name == SINGLE else config,
+                        "config": labels.get(name, config),
                         "step_time_s": round(step_time, 4),
                         "tokens_per_s": round((tokens // world if name == SINGLE else tokens) / step_time, 1),
                         "peak_rss_mb": max(rss),
@@ -286,7 +316,13 @@ def main() -> None:
                 if "breakdown" in per_rank[0][name]:
                     pair[-1] |= {k: per_rank[0][name][k] for k in ("breakdown", "breakdown_trace")}
             ours, peer = pair[:2]
-            ours["ratio_vs_peer"] = round(peer["step_time_s"] / ours["step_time_s"], 3)
+            for rec in pair:
+                if rec["system"].startswith("tessera") and rec["system"] != ZERO2:
+                    rec["ratio_vs_peer"] = round(peer["step_time_s"] / rec["step_time_s"], 3)
+            zero2 = next((r for r in pair if r["system"] == ZERO2), None)
+            for rec in pair:
+                if zero2 is not None and rec["system"].startswith("tessera") and rec is not zero2:
+                    rec["ratio_vs_zero2"] = round(zero2["step_time_s"] / rec["step_time_s"], 3)
             ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
             ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
             records += pair
@@ -304,7 +340,8 @@ def main() -> None:
             f.writelines(json.dumps(rec) + "\n" for rec in records)
     table(
         records,
-        ("system", "step_time_s", "peak_rss_mb", "model_state_bytes", "comm_bytes", "ratio_vs_peer"),
+        ("system", "step_time_s", "peak_rss_mb", "model_state_bytes", "comm_bytes", "ratio_vs_peer",
+         "ratio_vs_zero2"),
     )
 
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import assert_adam_close, run_threaded
 from tessera.zero import ZeroOptimizer
+from tessera.zero.flat_param import Residency
 
 D, H = 6, 10
 
@@ -118,6 +119,10 @@ def _train(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         bucket_bytes=case.get("bucket", 25 * 2**20),
         clip_grad_norm=case.get("clip"),
         offload=case.get("offload", False),
+        prefetch=case.get("prefetch", True),
+        prefetch_depth=case.get("depth", 1),
+        keep_for_backward=case.get("keep", True),
+        reuse_buffers=case.get("reuse", True),
     )
     micro = case.get("micro", 1)
     plain = case.get("plain_backward", False)  # as a pipeline runtime does (stages 0-1)
@@ -193,6 +198,63 @@ def test_plain_backward_works_where_the_reduce_waits_for_step(stage: int, opt: s
 def test_tied_weights_are_sharded_once(stage: int) -> None:
     case = {"world": 3, "stage": stage, "opt": "adamw", "groups": False, "bucket": 100, "tie": True}
     check(case | {"clip": 0.1, "steps": 3})
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize(("prefetch", "depth"), [(True, 1), (True, 3), (False, 1)])
+def test_stage3_gather_options_equal_serial(keep: bool, reuse: bool, prefetch: bool, depth: int) -> None:
+    """Keeping the model's own and the last unit's parameters gathered into backward,
+    reusing freed memory and prefetching (1 or 3 units ahead) change when memory is filled,
+    never the values:
+    every combination equals serial (tied weights, which the model itself owns; microbatches
+    under ``no_sync``, whose backwards each start from a kept unit)."""
+    case = {"world": 2, "stage": 3, "opt": "sgd", "groups": True, "tie": True, "micro": 2, "clip": 0.5}
+    check(case | {"steps": 3, "keep": keep, "reuse": reuse, "prefetch": prefetch, "depth": depth})
+
+
+def _residency(rank: int, keep: bool) -> dict[str, Any]:
+    model = MLP(0, tie=True)
+    zero = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, keep_for_backward=keep)
+    pool = zero.flats[0].pool
+    assert pool is not None
+    out: dict[str, Any] = {}
+    x, y = batch(0, rank)
+    with torch.no_grad():
+        model(x)
+    out["after_eval"] = _gathered_units(zero)
+    loss = F.mse_loss(model(x), y)
+    out["after_forward"] = _gathered_units(zero)
+    zero.backward(loss)
+    out["after_backward"] = _gathered_units(zero)
+    out["declared"] = len(zero.declared_buffers())
+    out["other"] = zero.memory().other
+    out["reused"] = pool.reused
+    assert zero.step()
+    return out
+
+
+def _gathered_units(zero: ZeroOptimizer) -> list[str]:
+    """The names of the units with a FlatParam not free now (the model itself as "model")."""
+    names = {id(m): n for n, m in zero.model.named_modules()}
+    busy = [m for m, fl in zero.units if any(f.residency is not Residency.FREE for f in fl)]
+    return sorted(names[id(m)] or "model" for m in busy)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_stage3_keeps_only_what_backward_needs_first_and_holds_no_spare_memory(keep: bool) -> None:
+    """A forward without gradients frees everything; one with gradients keeps the model's own
+    parameters (the tied weight) and the last unit's (``out``) gathered for backward, and
+    nothing else; after backward nothing is gathered and the pool holds nothing. With them
+    kept, the pool has served some gathers or gradient buffers from freed memory (a unit's
+    spare waits only for the next request, so whether one is reused depends on the order of
+    sizes: here the two body layers are the same size)."""
+    for res in run_threaded(2, _residency, keep):
+        assert res["after_eval"] == []
+        assert res["after_forward"] == (["model", "out"] if keep else [])
+        assert res["after_backward"] == []
+        assert res["declared"] == 0 and res["other"] == 0
+        assert res["reused"] > 0 or not keep
 
 
 def _unused(rank: int, stage: int) -> list[bool]:

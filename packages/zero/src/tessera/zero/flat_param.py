@@ -42,6 +42,7 @@ from tessera.comm import (
 )
 from tessera.zero.flat import FlatLayout
 from tessera.zero.offload import host_empty, host_zeros, to_device_, to_host_
+from tessera.zero.pool import BufferPool
 
 __all__ = ["FlatParam", "Residency"]
 
@@ -126,6 +127,8 @@ class FlatParam:
         self.spare_numel = 0  # the size of the buffers in that list (the largest flat's)
         self.ready_params = 0  # parameters whose gradient is final in the current backward
         self.launched = False  # whether the current backward has started this reduce
+        self.pool: BufferPool | None = None  # stage 3: where freed memory waits for reuse
+        self._pool_input: Tensor | None = None  # stage 3: a reduce's input, back to the pool after
         if sharded:
             self.free()
 
@@ -145,7 +148,10 @@ class FlatParam:
         """Start refilling the full buffer from every rank's shard (stage 3); no-op if there."""
         if self.residency is not Residency.FREE:
             return
-        self.full.untyped_storage().resize_(self.padded_bytes)
+        if self.pool is not None:
+            self.pool.fill(self.full.untyped_storage(), self.padded_bytes)
+        else:
+            self.full.untyped_storage().resize_(self.padded_bytes)
         self._gather = all_gather_async(self.shard, self.group, out=self._full_out)
         self.residency = Residency.GATHERING
 
@@ -164,7 +170,10 @@ class FlatParam:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
-        self.full.untyped_storage().resize_(0)
+        if self.pool is not None:
+            self.pool.release(self.full.untyped_storage())
+        else:
+            self.full.untyped_storage().resize_(0)
         self.residency = Residency.FREE
 
     def gather_params_async(self) -> Handle[Tensor]:
@@ -194,7 +203,11 @@ class FlatParam:
         backward); a no-op when gradients already exist."""
         if self._grad_flat is not None or any(p.grad is not None for p in self.params):
             return
-        buf = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        n = self.layout.padded_numel
+        if self.pool is not None:
+            buf = self.pool.zeros(n, self.compute_dtype, self.device)
+        else:
+            buf = torch.zeros(n, dtype=self.compute_dtype, device=self.device)
         for i, p in enumerate(self.params):
             start, stop = self.layout.span(i)
             p.grad = buf[start:stop].view(p.shape)
@@ -218,6 +231,8 @@ class FlatParam:
             buf = self._grad_flat
             for p in self.params:
                 p.grad = None
+            if self.pool is not None:  # taken from the pool: back to it once reduced
+                self._pool_input = buf
         else:
             buf, pooled = self._flat_grad_buffer()
             with torch.no_grad():
@@ -293,6 +308,10 @@ class FlatParam:
             if len(self.spare_buffers) < _MAX_SPARE:
                 self.spare_buffers.append(self._reduce_input)
             self._reduce_input = None
+        if self._pool_input is not None:
+            assert self.pool is not None
+            self.pool.give(self._pool_input)
+            self._pool_input = None
         if self.offload:
             assert self.master.grad is not None
             to_host_(self.master.grad, reduced, accumulate=self.has_grad)

@@ -18,10 +18,12 @@ gradients are all-reduced bucket by bucket at ``step()`` and every rank steps ev
 as DDP does. Per step each stage moves, by the paper accounting, the padded parameter bytes
 (in the compute dtype) twice: an all-reduce in stage 0, a reduce-scatter of gradients and an
 all-gather of updated parameters in stages 1-2; three times in stage 3 (all-gathers in
-forward and backward, reduce-scatter); plus 32 bytes for the gradient norm / non-finite
-check, every step (stage 0: only over ``norm_groups``, as its gradients are already the same
-on every data-parallel rank). A step whose gradient norm is not finite is skipped in every
-precision (fp16: the loss scale also halves), so a divergence never writes NaN weights.
+forward and backward, reduce-scatter), less the backward all-gather of the units kept
+gathered from forward into backward (``keep_for_backward``); plus 32 bytes for the
+gradient norm / non-finite check, every step (stage 0: only over ``norm_groups``, as its
+gradients are already the same on every data-parallel rank). A step whose gradient norm is
+not finite is skipped in every precision (fp16: the loss scale also halves), so a
+divergence never writes NaN weights.
 
 Stages 0 and 1 reduce at ``step()``, so a caller that runs backward itself (a pipeline
 runtime calling ``loss.backward()`` per microbatch) simply lets the gradients accumulate in
@@ -56,6 +58,7 @@ from tessera.zero.flat import bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
 from tessera.zero.offload import sync_device
+from tessera.zero.pool import BufferPool
 from tessera.zero.portable import full_state_layout, iter_full_state, load_full_state
 from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
 from tessera.zero.stage3 import ParamGatherer
@@ -79,6 +82,14 @@ class ZeroOptimizer:
     ``clip_grad_norm``: clip the global gradient norm like ``clip_grad_norm_``.
     ``bucket_bytes``: stage 1-2 bucket size. ``units``: stage-3 modules to gather together
     (default: ``default_units(model)``). ``loss_scaler``: fp16's (a default one if None).
+    Stage 3 only: ``prefetch`` starts the next unit's all-gather while the current one
+    computes (``prefetch_depth`` units ahead, each holding one more unit gathered);
+    ``keep_for_backward`` keeps the model's own parameters and the last unit's gathered from
+    the end of forward into backward, which needs them first (no extra peak;
+    ``tessera.zero.stage3``); ``reuse_buffers`` hands freed gathered and gradient memory to
+    the next unit of the same size instead of allocating anew (``tessera.zero.pool``: at
+    most one unit's parameters and one gradient buffer wait for reuse, none after backward;
+    not with ``memory``).
 
     Under tensor or pipeline parallelism the model here is this rank's part: pass the
     model-parallel groups as ``norm_groups`` (the squared gradient norm and the overflow flag
@@ -108,6 +119,9 @@ class ZeroOptimizer:
         bucket_bytes: int = 25 * 2**20,
         units: Sequence[nn.Module] | None = None,
         prefetch: bool = True,
+        prefetch_depth: int = 1,
+        keep_for_backward: bool = True,
+        reuse_buffers: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
         norm_groups: Sequence[Group] = (),
         replication: Mapping[nn.Parameter, int] | None = None,
@@ -170,13 +184,21 @@ class ZeroOptimizer:
                 self.units.append((unit, unit_flats))
                 self.flats.extend(unit_flats)
         cast_buffers_(model, dtype)
+        self._pool = BufferPool() if stage == 3 and reuse_buffers and memory is None else None
+        for flat in self.flats if self._pool is not None else []:
+            flat.pool = self._pool
         for gi, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [f.master for f in self.flats if f.group_index == gi]
         optimizer.state.clear()
 
         self._runner = HookRunner()
         self._gatherer = (
-            ParamGatherer(model, self.units, self._runner, prefetch=prefetch) if stage == 3 else None
+            ParamGatherer(
+                model, self.units, self._runner, prefetch=prefetch, prefetch_depth=prefetch_depth,
+                keep_for_backward=keep_for_backward, pool=self._pool,
+            )
+            if stage == 3
+            else None
         )
         self._reducer = GradReducer(
             self.flats,
@@ -280,6 +302,8 @@ class ZeroOptimizer:
                 self._gatherer.free_all()
         else:
             self._reducer.wait_all()
+        if self._pool is not None:  # (already released at the end of backward)
+            self._pool.close()
         self._accumulated = False
         if self.config.offload:
             sync_device(self.device)
@@ -345,6 +369,8 @@ class ZeroOptimizer:
             for p in flat.params:
                 p.grad = None
             flat.release_grads()
+        if self._pool is not None:
+            self._pool.close()
 
     # ------------------------------------------------------------------ inspection
     @contextlib.contextmanager
@@ -390,8 +416,10 @@ class ZeroOptimizer:
 
     def declared_buffers(self) -> list[Tensor]:
         """Transient buffers held right now beyond model state: the output shards of reductions
-        in flight (none between steps; their flat inputs are held by the backend)."""
-        return self._reducer.in_flight()
+        in flight (none between steps; their flat inputs are held by the backend) and, in stage
+        3, the spare memory waiting for reuse (none outside a forward or backward)."""
+        spares = [] if self._pool is None else self._pool.held()
+        return self._reducer.in_flight() + spares
 
     def memory(self) -> MemoryReport:
         """Bytes held by this rank, by storage: parameters (full or gathered compute copies,

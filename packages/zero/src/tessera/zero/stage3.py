@@ -10,7 +10,22 @@ their gradients are final. The model itself is a unit too (it owns tied and othe
 unowned parameters); its post-forward hook frees anything still gathered, and every
 gathered FlatParam is freed at the end of backward.
 
-Moves each unit's padded parameters twice per step (forward and backward all-gathers).
+``keep_for_backward`` (the default): a forward that records gradients keeps the model's own
+FlatParams and the last unit's (the one expected last) gathered into backward, which needs
+them first, as FSDP does for its root (``reshard_after_forward=False``). That saves their
+backward all-gathers, which nothing could overlap, and does not raise the peak: backward
+holds them at its start anyway. Between that forward and its backward they stay gathered.
+
+With a ``BufferPool``, a freed unit's memory waits for the next gather of the same size
+(``tessera.zero.pool``); the pool opens at the start of each forward and closes (releasing
+its spares) when backward reaches the first unit of forward, or at the end of backward or
+of a forward without gradients.
+
+``prefetch_depth``: how many units ahead (in forward) or behind (in backward) are gathered
+ahead of use; each one more holds one more unit gathered.
+
+Moves each unit's padded parameters twice per step (forward and backward all-gathers), the
+kept ones once.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from torch import Tensor, nn
 
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import HookRunner
+from tessera.zero.pool import BufferPool
 
 __all__ = ["ParamGatherer"]
 
@@ -47,11 +63,19 @@ class ParamGatherer:
         runner: HookRunner,
         *,
         prefetch: bool = True,
+        prefetch_depth: int = 1,
+        keep_for_backward: bool = True,
+        pool: BufferPool | None = None,
     ) -> None:
         self.model = model
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         self.prefetch = prefetch
+        self.depth = prefetch_depth
+        self.keep_for_backward = keep_for_backward
         self.held = False  # every parameter stays gathered (a pipeline step); nothing is freed
         self._runner = runner
+        self._pool = pool
         self._flats: dict[int, list[FlatParam]] = {id(m): fl for m, fl in units if fl}
         self._root_flats = self._flats.get(id(model), [])
         self._units = [m for m, fl in units if fl and m is not model]
@@ -78,11 +102,12 @@ class ParamGatherer:
             if for_backward:
                 flat.prepare_grads()
 
-    def _prefetch(self, module: nn.Module | None) -> None:
-        if module is None or not self.prefetch:
+    def _prefetch(self, modules: Sequence[nn.Module]) -> None:
+        if not self.prefetch:
             return
-        for flat in self._flats.get(id(module), []):
-            flat.gather_async()
+        for module in modules:
+            for flat in self._flats.get(id(module), []):
+                flat.gather_async()
 
     def _free(self, module: nn.Module) -> None:
         if self.held:
@@ -91,11 +116,14 @@ class ParamGatherer:
             flat.free()
 
     def free_all(self) -> None:
-        """Free every gathered FlatParam (the end of a forward without grad, or of backward)."""
+        """Free every gathered FlatParam (the end of a forward without grad, or of backward)
+        and release the spare memory kept for reuse: nothing stays until the next forward."""
         if self.held:
             return
         for flat in self.all_flats():
             flat.free()
+        if self._pool is not None:
+            self._pool.close()
 
     def _hook_backward(self, module: nn.Module, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -110,14 +138,31 @@ class ParamGatherer:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._order, self._order_index = [], {}
         self._backward_seen = set()
+        if self._pool is not None:
+            self._pool.open()
         for flat in self._root_flats:
             flat.wait_gathered()
         predicted = self._last_order or self._units
-        self._prefetch(predicted[0] if predicted else None)
+        self._prefetch(predicted[: self.depth])
+
+    def _keeps(self, module: nn.Module) -> bool:
+        """Whether ``module``'s FlatParams stay gathered from its forward into backward."""
+        if not (self.keep_for_backward and torch.is_grad_enabled()):
+            return False
+        if module is self.model:
+            return True
+        predicted = self._last_order or self._units
+        return bool(predicted) and predicted[-1] is module
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._last_order = list(self._order)
-        self.free_all()
+        if not self._keeps(module):
+            self.free_all()
+        elif not self.held:
+            last = self._order[-1] if self._order else None
+            for unit in self._units:
+                if unit is not last:
+                    self._free(unit)
         self._hook_backward(module, output)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -130,10 +175,11 @@ class ParamGatherer:
             i = next(k for k, m in enumerate(predicted) if m is module)
         except StopIteration:
             return
-        self._prefetch(predicted[i + 1] if i + 1 < len(predicted) else None)
+        self._prefetch(predicted[i + 1 : i + 1 + self.depth])
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._free(module)
+        if not self._keeps(module):
+            self._free(module)
         self._hook_backward(module, output)
 
     # ------------------------------------------------------------------ backward
@@ -143,12 +189,14 @@ class ParamGatherer:
         self._backward_seen.add(id(module))
         if module is self.model:
             self._gather(module, for_backward=True)
-            self._prefetch(self._order[-1] if self._order else None)
+            self._prefetch(self._order[::-1][: self.depth])
             return
         self._gather(module, for_backward=True)
         i = self._order_index.get(id(module))
-        if i is not None and i > 0:
-            self._prefetch(self._order[i - 1])
+        if i is not None:
+            self._prefetch(self._order[max(0, i - self.depth) : i][::-1])
+        if i == 0 and self._pool is not None:  # backward's last unit: no buffer will be taken again
+            self._pool.close()
 
     def remove(self) -> None:
         """Remove every hook."""
