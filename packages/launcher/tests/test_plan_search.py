@@ -176,6 +176,7 @@ def test_calibrate_writes_a_cluster_that_loads(tmp_path: Path) -> None:
     assert main(["plan", "--calibrate", str(path)]) == 0
     cluster = load_cluster(str(path))
     assert cluster.flops > 0 and cluster.intra_bandwidth > 0 and cluster.op_overhead_s > 0
+    assert cluster.a2a_latency > 0 and cluster.a2a_bandwidth > 0  # the all-to-all was timed
 
 
 def test_parallel_auto_runs_the_planners_choice(

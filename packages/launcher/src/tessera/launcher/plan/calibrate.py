@@ -8,7 +8,10 @@ of one rank and the fixed cost per operator); a large copy (memory bandwidth); a
 two gloo processes over loopback, all-reduces of a small and a large tensor, fitted to the
 alpha-beta model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``), and a
 small all-reduce among twice as many processes as cores, for the wait each message adds per
-rank beyond the cores (``wait_s``: a peer must be scheduled before it answers). The
+rank beyond the cores (``wait_s``: a peer must be scheduled before it answers); and
+all-to-alls (``tessera.comm.all_to_all``, what Ulysses runs) of the same two sizes on two
+processes, fitted to ``a2a_latency + bytes / 2 / a2a_bandwidth`` (gloo's all-to-all costs
+about an all-reduce of the same buffer, not the half the ring form says). The
 medium profile runs again with bf16 parameters for the bf16 rate (``flops``; CPUs with
 AVX512-BF16 or AMX run it faster than fp32). The node's FLOP/s are one rank's fp32 rate
 times the cores (ranks beyond the cores share them).
@@ -40,9 +43,13 @@ def _median(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _collective_worker(rank: int, world: int, path: str, sizes: tuple[int, ...], out: Any) -> None:
+def _collective_worker(
+    rank: int, world: int, path: str, sizes: tuple[int, ...], out: Any, op: str = "all_reduce"
+) -> None:
     import torch
     import torch.distributed as dist
+
+    from tessera.comm import all_to_all
 
     torch.set_num_threads(1)
     store = dist.FileStore(path, world)  # type: ignore[attr-defined]
@@ -53,7 +60,10 @@ def _collective_worker(rank: int, world: int, path: str, sizes: tuple[int, ...],
             x = torch.ones(nbytes // 4)
 
             def reduce(x: torch.Tensor = x) -> None:
-                dist.all_reduce(x)
+                if op == "all_to_all":
+                    all_to_all(x.view(world, -1))
+                else:
+                    dist.all_reduce(x)
 
             result.append(_median(reduce, 20 if nbytes == LARGE else 200))
         if rank == 0:
@@ -62,8 +72,9 @@ def _collective_worker(rank: int, world: int, path: str, sizes: tuple[int, ...],
         dist.destroy_process_group()
 
 
-def _all_reduce_times(world: int, sizes: tuple[int, ...]) -> list[float]:
-    """Median seconds of gloo all-reduces of ``sizes`` bytes among ``world`` processes here."""
+def _all_reduce_times(world: int, sizes: tuple[int, ...], op: str = "all_reduce") -> list[float]:
+    """Median seconds of gloo all-reduces (or ``op="all_to_all"``: tessera all-to-alls) of
+    ``sizes`` bytes among ``world`` processes here."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -71,7 +82,8 @@ def _all_reduce_times(world: int, sizes: tuple[int, ...]) -> list[float]:
         queue = ctx.Queue()
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_collective_worker, args=(r, world, store, sizes, queue)) for r in range(world)
+            ctx.Process(target=_collective_worker, args=(r, world, store, sizes, queue, op))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -79,6 +91,14 @@ def _all_reduce_times(world: int, sizes: tuple[int, ...]) -> list[float]:
         for p in procs:
             p.join(60)
     return times
+
+
+def _all_to_all() -> tuple[float, float]:
+    """(a2a_latency s, a2a_bandwidth B/s): two processes time all-to-alls of a small and a
+    large buffer, fitted to ``latency + bytes / 2 / bandwidth`` (half the buffer leaves)."""
+    small, large = _all_reduce_times(2, (SMALL, LARGE), op="all_to_all")
+    bandwidth = (LARGE - SMALL) / 2 / max(large - small, 1e-9)
+    return max(small - SMALL / 2 / bandwidth, 1e-7), bandwidth
 
 
 def _link(cores: int) -> tuple[float, float, float]:
@@ -143,6 +163,7 @@ def calibrate() -> Cluster:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     latency, bandwidth, wait = _link(cores)
+    a2a_latency, a2a_bandwidth = _all_to_all()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = PRESETS["cpu"]
     return Cluster(
@@ -164,4 +185,6 @@ def calibrate() -> Cluster:
         host_memory_bandwidth=memory_bw,
         overlap=0.0,
         wait_s=wait,
+        a2a_latency=a2a_latency,
+        a2a_bandwidth=a2a_bandwidth,
     )

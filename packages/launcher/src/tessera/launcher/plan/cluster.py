@@ -14,6 +14,12 @@ compute time communication can hide under (1 on GPUs, whose copy engines and NIC
 beside the kernels; 0 on a CPU host, where gloo's threads compete for the same cores).
 ``wait_s``: on such a node, each message waits that long more for every rank beyond the
 cores (its peer must be scheduled first; measured by ``--calibrate``).
+``a2a_latency`` / ``a2a_bandwidth``: when ``a2a_bandwidth`` > 0, an all-to-all (Ulysses) of a
+tensor of ``n`` bytes per rank among ``k`` ranks takes ``(k-1) a2a_latency + (k-1)/k n /
+a2a_bandwidth`` (plus the wait above per message) instead of the link's ring form: on this
+host gloo's ``all_to_all_single`` (with tessera's stack and concatenation around it) costs
+about what an all-reduce of the same buffer costs, 2-3x the ring form; ``--calibrate`` times
+it on two processes. 0 (the GPU presets): the link's ring form.
 ``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
 whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
 the node * flops_fp32))`` of its peak at any precision.
@@ -68,6 +74,8 @@ class Cluster:
     host_memory_bandwidth: float = 12e9  # host memory per device (an offloaded optimizer step)
     overlap: float = 1.0  # fraction of compute time under which communication can hide
     wait_s: float = 0.0  # per message, per rank beyond the cores (a peer must be scheduled first)
+    a2a_latency: float = 0.0  # a measured all-to-all per message (with a2a_bandwidth > 0)
+    a2a_bandwidth: float = 0.0  # bytes/s of a measured all-to-all; 0: the link's ring form
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -126,9 +134,14 @@ class Cluster:
             if span <= max(self.devices_per_node, ranks_on_node)
             else (self.inter_latency, self.inter_bandwidth)
         )
-        if self.node_flops > 0:
-            latency += max(0.0, ranks_on_node * self.flops_fp32 / self.node_flops - 1.0) * self.wait_s
-        return latency, bandwidth
+        return latency + self.crowd_wait(ranks_on_node), bandwidth
+
+    def crowd_wait(self, ranks_on_node: int) -> float:
+        """Seconds each message waits for its peer when ``ranks_on_node`` ranks share a node's
+        cores (``node_flops``): ``wait_s`` for every rank beyond the cores; 0 otherwise."""
+        if self.node_flops <= 0:
+            return 0.0
+        return max(0.0, ranks_on_node * self.flops_fp32 / self.node_flops - 1.0) * self.wait_s
 
     def with_world(self, world: int) -> Cluster:
         """The same hardware with enough nodes for ``world`` ranks (one node if it fits)."""
@@ -185,6 +198,10 @@ PRESETS: dict[str, Cluster] = {
         inter_latency=200e-6,
         op_overhead_s=6.5e-6,
         wait_s=7.5e-4,  # small all-reduces over 2, 4, 8 gloo processes here: 0.38, 6.2, 30.7 ms
+        # tessera.comm.all_to_all on 2 gloo processes here, medians of 3 runs: 0.40 ms at 1 KiB,
+        # 7.2 ms at 4 MiB (all-reduces of the same buffers in the same runs: 0.4 and 5.6 ms)
+        a2a_latency=4.0e-4,
+        a2a_bandwidth=0.31e9,
         memory_bandwidth=31e9,
         host_bandwidth=31e9,
         host_memory_bandwidth=31e9,

@@ -101,8 +101,12 @@ class Estimate:
 
 
 def _link(cluster: Cluster, span: int, world: int) -> Link:
-    latency, bandwidth = cluster.link(span, cluster.ranks_per_node(world))
-    return Link(latency, bandwidth)
+    per_node = cluster.ranks_per_node(world)
+    latency, bandwidth = cluster.link(span, per_node)
+    if cluster.a2a_bandwidth <= 0:
+        return Link(latency, bandwidth)
+    a2a_latency = cluster.a2a_latency + cluster.crowd_wait(per_node)
+    return Link(latency, bandwidth, a2a_latency, cluster.a2a_bandwidth)
 
 
 @dataclass(frozen=True, slots=True)

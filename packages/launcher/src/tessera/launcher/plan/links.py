@@ -5,7 +5,10 @@
 output, a reduce-scatter's input, an all-reduce's buffer). Ring algorithms move ``(n-1)/n``
 of it per rank per phase in ``n-1`` steps; the tree all-reduce (NCCL's double binary tree)
 pays ``2 log2 n`` latencies and about twice the bytes over the bandwidth; an all-reduce takes
-whichever is faster, as NCCL picks by size.
+whichever is faster, as NCCL picks by size. An all-to-all follows the ring phase's form over
+the link, unless the link carries its own measured all-to-all terms (``a2a_latency``,
+``a2a_bandwidth``: gloo's ``all_to_all_single`` on a CPU host costs about as much as an
+all-reduce of the same buffer, not half of one; `Cluster` documents the measurement).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class Link:
 
     latency: float
     bandwidth: float
+    a2a_latency: float = 0.0  # > 0 with a2a_bandwidth: a measured all-to-all (else the ring form)
+    a2a_bandwidth: float = 0.0
 
     def p2p(self, nbytes: float) -> float:
         """One message between two ranks."""
@@ -48,5 +53,10 @@ class Link:
         return math.ceil(math.log2(n)) * self.latency + nbytes / self.bandwidth
 
     def all_to_all(self, nbytes: float, n: int) -> float:
-        """An all-to-all of a tensor of nbytes per rank: (n-1)/n of it leaves each rank."""
+        """An all-to-all of a tensor of nbytes per rank: (n-1)/n of it leaves each rank, in n-1
+        messages (over the measured all-to-all terms when the link has them)."""
+        if n <= 1:
+            return 0.0
+        if self.a2a_bandwidth > 0:
+            return (n - 1) * self.a2a_latency + (n - 1) / n * nbytes / self.a2a_bandwidth
         return self.ring_phase(nbytes, n)

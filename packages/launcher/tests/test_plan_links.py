@@ -1,0 +1,72 @@
+"""The link model's all-to-all: the ring form by default, a measured all-to-all when the link
+carries one (``Cluster.a2a_latency`` / ``a2a_bandwidth``, with the crowding wait per message),
+and only Ulysses configurations pay it. Pure (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, ZeroConfig
+from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate
+from tessera.launcher.plan.links import Link
+
+MODEL = ModelConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+
+
+def _config(**parallel: object) -> Config:
+    return Config(
+        parallel=ParallelConfig(**{"microbatches": 1, **parallel}),  # type: ignore[arg-type]
+        zero=ZeroConfig(1, False),
+        model=MODEL,
+        data=DataConfig(batch_size=8),
+    )
+
+
+def _step(config: Config, cluster: Cluster) -> float:
+    assert config.validate() == []
+    return estimate(config, ModelShape.from_config(config), cluster).time.total
+
+
+@given(
+    n=st.integers(1, 64),
+    nbytes=st.floats(0, 1e10),
+    lat=st.floats(1e-7, 1e-2),
+    bw=st.floats(1e6, 1e12),
+)
+def test_all_to_all_is_the_ring_form_unless_measured(n: int, nbytes: float, lat: float, bw: float) -> None:
+    plain = Link(2e-4, 0.85e9)
+    assert plain.all_to_all(nbytes, n) == plain.ring_phase(nbytes, n)
+    measured = Link(2e-4, 0.85e9, lat, bw)
+    want = 0.0 if n == 1 else (n - 1) * lat + (n - 1) / n * nbytes / bw
+    assert measured.all_to_all(nbytes, n) == pytest.approx(want, rel=1e-12)
+    assert measured.ring_phase(nbytes, n) == plain.ring_phase(nbytes, n)  # other collectives unchanged
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_measured_all_to_all_equal_to_the_link_predicts_as_the_ring_form(world: int) -> None:
+    """Wiring: a cluster whose measured all-to-all has the link's own latency and bandwidth
+    predicts every step exactly as one without (the crowding wait reaches both alike)."""
+    base = dataclasses.replace(PRESETS["cpu"], devices_per_node=2, a2a_latency=0.0, a2a_bandwidth=0.0)
+    same = dataclasses.replace(base, a2a_latency=base.intra_latency, a2a_bandwidth=base.intra_bandwidth)
+    config = _config(dp=world // 2, sp=2, sp_mode="ulysses")
+    assert _step(config, same) == pytest.approx(_step(config, base), rel=1e-12)
+
+
+def test_a_slower_all_to_all_costs_ulysses_only() -> None:
+    base = dataclasses.replace(PRESETS["cpu"], a2a_latency=0.0, a2a_bandwidth=0.0)
+    slow = dataclasses.replace(
+        base, a2a_latency=4 * base.intra_latency, a2a_bandwidth=base.intra_bandwidth / 4
+    )
+    ulysses = _config(sp=2, sp_mode="ulysses")
+    assert _step(ulysses, slow) > _step(ulysses, base)
+    for unaffected in (_config(sp=2), _config(dp=2), _config(tp=2, sequence_parallel=True)):
+        assert _step(unaffected, slow) == _step(unaffected, base)
+
+
+def test_the_measured_all_to_all_must_be_a_number() -> None:
+    with pytest.raises(ValueError, match="a2a_bandwidth"):
+        Cluster(a2a_bandwidth=-1.0)
