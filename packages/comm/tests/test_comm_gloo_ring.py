@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -308,3 +309,22 @@ def test_lane_runs_in_order_delivers_errors_and_retires(monkeypatch: pytest.Monk
         time.sleep(0.01)
     assert not any(t.name == "tessera-gloo-ring" for t in threading.enumerate())
     assert lane.submit(lambda: 9).result() == 9  # and a new one starts on demand
+
+
+def test_lane_lets_a_finished_ring_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a ring's closure holds (an all-gather's copy of its shard) is freed once the ring
+    has run, while the lane's thread waits for more work (not when the next ring arrives)."""
+    monkeypatch.setattr(gloo_ring, "LANE_IDLE_S", 60.0)  # the worker stays, idle, through the test
+
+    class Buffer:
+        pass
+
+    lane = gloo_ring._Lane()
+    buffer = Buffer()
+    held = weakref.ref(buffer)
+    lane.submit(lambda b=buffer: None).result()  # type: ignore[misc]
+    del buffer
+    deadline = time.monotonic() + 10.0  # a hang guard, not a timing: the thread lets go at once
+    while held() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held() is None

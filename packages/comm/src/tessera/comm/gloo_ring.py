@@ -142,6 +142,9 @@ class _Lane:
                     future.set_result(fn())
                 except BaseException as exc:  # delivered to the caller's wait()
                     future.set_exception(exc)
+            # the ring's closure holds its buffers (an all-gather's copy of a shard): let them
+            # go now, not when the next ring arrives or the lane idles out
+            del fn, future
 
 
 _LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, _Lane] = weakref.WeakKeyDictionary()
