@@ -36,6 +36,7 @@ systems profiled the same way, not against unprofiled step times.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import statistics
@@ -200,6 +201,19 @@ def profile_steps(
     Path(trace).parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     return breakdown(load_trace(trace))
+
+
+def add_breakdown_args(parser: argparse.ArgumentParser, bench: str, what: str = "each system") -> None:
+    """The options every bench with a step breakdown takes: ``--breakdown``,
+    ``--breakdown-steps``, ``--out`` (see ``breakdown_folder``)."""
+    parser.add_argument("--breakdown", action="store_true", help=f"profile {what}: see above")
+    parser.add_argument("--breakdown-steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help=f"run folder (default benchmarks/out/{bench}-<time>)")
+
+
+def breakdown_folder(args: argparse.Namespace, bench: str) -> str | None:
+    """The run folder of a ``--breakdown`` run (``run_folder``), None without one."""
+    return str(run_folder(bench, args.out)) if args.breakdown else None
 
 
 def run_folder(bench: str, given: str | None = None) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -12,7 +13,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # _memory_peers runs this module in a venv without Tessera
+    from tessera.models import GPTConfig
 
 REQUIRED = ("bench", "system", "config", "step_time_s", "tokens_per_s")
 OPTIONAL = ("peak_rss_mb", "model_state_bytes", "comm_bytes", "final_loss")
@@ -77,3 +81,29 @@ def rss_baseline() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
     return status_kb("VmRSS")
+
+
+def add_gpt_args(parser: argparse.ArgumentParser, *, seq: int, batch: int, iters: int) -> None:
+    """The reference GPT's shape and the timing options the tp and overhead benches share
+    (d=256, 8 heads, 4 layers, V=4096 by default); ``gpt_config`` reads them back."""
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=iters)
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The ``GPTConfig`` of ``add_gpt_args``' options."""
+    from tessera.models import GPTConfig
+
+    return GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+    )

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _breakdown import STEP, Breakdown, load_trace, plot, profile_steps, run_folder
-from _common import emit, table
+from _breakdown import STEP, Breakdown, add_breakdown_args, breakdown_folder, load_trace, plot, profile_steps
+from _common import add_gpt_args, emit, gpt_config, table
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import Config, boost
@@ -130,28 +130,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    add_gpt_args(parser, seq=128, batch=8, iters=20)
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) on both sides")
-    parser.add_argument("--breakdown", action="store_true", help="profile both systems: see above")
-    parser.add_argument("--breakdown-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/overhead-<time>)")
+    add_breakdown_args(parser, "overhead", "both systems")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_layers=args.layers,
-    )
-    folder = str(run_folder("overhead", args.out)) if args.breakdown else None
+    cfg = gpt_config(args)
+    folder = breakdown_folder(args, "overhead")
     with WorkerPool(1, timeout=900) as pool:
         res = pool.run(
             _run, cfg, args.batch, args.warmup, args.iters, folder, args.breakdown_steps, args.fused

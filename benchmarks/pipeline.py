@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as tpp
 import torch.nn.functional as F
-from _breakdown import Breakdown, plot, profile_steps, run_folder
+from _breakdown import Breakdown, add_breakdown_args, breakdown_folder, plot, profile_steps
 from _common import emit, table
 from torch import Tensor, nn
 
@@ -373,9 +373,7 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=9)
-    parser.add_argument("--breakdown", action="store_true", help="profile each gpt system: see above")
-    parser.add_argument("--breakdown-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/pipeline-<time>)")
+    add_breakdown_args(parser, "pipeline", "each gpt system")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     records = []
@@ -384,7 +382,7 @@ def main() -> None:
     if args.part in ("all", "gpt"):
         cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                         n_layers=args.layers)
-        folder = str(run_folder("pipeline", args.out)) if args.breakdown else None
+        folder = breakdown_folder(args, "pipeline")
         gpt = bench_gpt(cfg, 8, args.microbatch, args.warmup, args.iters, 0.1, args.schedules, folder,
                         args.breakdown_steps)
         records += gpt

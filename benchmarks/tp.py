@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _breakdown import plot, profile_steps, run_folder
-from _common import emit, table
+from _breakdown import add_breakdown_args, breakdown_folder, plot, profile_steps
+from _common import add_gpt_args, emit, gpt_config, table
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -299,28 +299,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--breakdown", action="store_true", help="profile each system: see above")
-    parser.add_argument("--breakdown-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/tp-<time>)")
+    add_gpt_args(parser, seq=64, batch=4, iters=10)
+    add_breakdown_args(parser, "tp", "each system")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_layers=args.layers,
-    )
+    cfg = gpt_config(args)
     world = 2
-    folder = str(run_folder("tp", args.out)) if args.breakdown else None
+    folder = breakdown_folder(args, "tp")
     with WorkerPool(world, timeout=900) as pool:
         per_rank = pool.run(_run, cfg, args.batch, args.warmup, args.iters, folder, args.breakdown_steps)
     psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _breakdown import Breakdown, plot, profile_steps, run_folder
+from _breakdown import Breakdown, add_breakdown_args, breakdown_folder, plot, profile_steps
 from _common import emit, libc_handle, rss_baseline, status_kb, table
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
@@ -59,8 +59,6 @@ from tessera.zero import ZeroOptimizer
 
 PAIRS = {2: "torch-ddp", 3: "torch-fsdp2"}
 LR = 1e-4
-
-
 
 
 # ---------------------------------------------------------------------- systems
@@ -98,25 +96,39 @@ class Tessera(System):
         return loss.item()
 
 
-class DDP(System):
+class Single(System):
+    """Plain PyTorch in one process on one rank's batch: forward, backward, AdamW."""
+
     def __init__(self, model: GPT, rank: int, batch: int) -> None:
         super().__init__(model, rank, batch)
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.ddp = DistributedDataParallel(model)
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        self.comm_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
+
+    def loss(self, i: int) -> torch.Tensor:
+        return self.model.loss(*self.data(i))
 
     def step(self, i: int, measure: bool = False) -> float:
-        idx, targets = self.data(i)
-        logits = self.ddp(idx)
-        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        loss = self.loss(i)
         torch.autograd.backward(loss)
         if measure:
             self.model_state = measure_memory(modules=[self.model], optimizers=[self.opt]).model_state
         self.opt.step()
         self.opt.zero_grad()
         return loss.item()
+
+
+class DDP(Single):
+    """torch DDP over the same model: Single's step, the forward through the DDP wrapper."""
+
+    def __init__(self, model: GPT, rank: int, batch: int) -> None:
+        super().__init__(model, rank, batch)
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(model)
+        self.comm_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
+
+    def loss(self, i: int) -> torch.Tensor:
+        idx, targets = self.data(i)
+        return F.cross_entropy(self.ddp(idx).flatten(0, -2), targets.flatten())
 
 
 class FSDP2(System):
@@ -142,23 +154,6 @@ class FSDP2(System):
             grads = [self._local(p.grad) for p in self.model.parameters() if p.grad is not None]
             state = [self._local(v) for s in self.opt.state.values() for v in s.values()]
             self.model_state = storage_bytes(params) + storage_bytes(grads) + storage_bytes(state)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
-
-
-class Single(System):
-    """Plain PyTorch in one process on one rank's batch: forward, backward, AdamW."""
-
-    def __init__(self, model: GPT, rank: int, batch: int) -> None:
-        super().__init__(model, rank, batch)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(self, i: int, measure: bool = False) -> float:
-        loss = self.model.loss(*self.data(i))
-        torch.autograd.backward(loss)
-        if measure:
-            self.model_state = measure_memory(modules=[self.model], optimizers=[self.opt]).model_state
         self.opt.step()
         self.opt.zero_grad()
         return loss.item()
@@ -204,8 +199,16 @@ def _step(name: str, system: System, i: int, measure: bool = False) -> float | N
 
 
 def _pair(
-    rank: int, stage: int, cfg: GPTConfig, batch: int, warmup: int, iters: int,
-    single: bool, folder: str | None, prof_steps: int, extras: tuple[str, ...] = (),
+    rank: int,
+    stage: int,
+    cfg: GPTConfig,
+    batch: int,
+    warmup: int,
+    iters: int,
+    single: bool,
+    folder: str | None,
+    prof_steps: int,
+    extras: tuple[str, ...] = (),
     variants: Variants | None = None,
 ) -> dict[str, Any]:
     names = ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ()))
@@ -260,9 +263,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[2, 3])
-    parser.add_argument("--breakdown", action="store_true", help="profile each system: see above")
-    parser.add_argument("--breakdown-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="run folder (default benchmarks/out/zero-<time>)")
+    add_breakdown_args(parser, "zero", "each system")
     parser.add_argument("--vs-stage2", action="store_true", help="add Tessera ZeRO-2 to the stage-3 pair")
     parser.add_argument("--variants", nargs="*", default=[], help="NAME:KEY=VALUE,... ZeRO-3 variants")
     args = parser.parse_args()
@@ -273,14 +274,23 @@ def main() -> None:
     )
     world = 2
     records: list[dict[str, Any]] = []
-    folder = str(run_folder("zero", args.out)) if args.breakdown else None
+    folder = breakdown_folder(args, "zero")
     with WorkerPool(world, timeout=900) as pool:
         for stage in args.stages:
             single = stage == args.stages[0]
             extras = (*(variants if stage == 3 else ()), *((ZERO2,) if stage == 3 and args.vs_stage2 else ()))
             per_rank = pool.run(
-                _pair, stage, cfg, args.batch, args.warmup, args.iters, single, folder, args.breakdown_steps,
-                extras, variants,
+                _pair,
+                stage,
+                cfg,
+                args.batch,
+                args.warmup,
+                args.iters,
+                single,
+                folder,
+                args.breakdown_steps,
+                extras,
+                variants,
             )
             psi = per_rank[0]["psi"]["n"]
             config = (
@@ -340,8 +350,15 @@ def main() -> None:
             f.writelines(json.dumps(rec) + "\n" for rec in records)
     table(
         records,
-        ("system", "step_time_s", "peak_rss_mb", "model_state_bytes", "comm_bytes", "ratio_vs_peer",
-         "ratio_vs_zero2"),
+        (
+            "system",
+            "step_time_s",
+            "peak_rss_mb",
+            "model_state_bytes",
+            "comm_bytes",
+            "ratio_vs_peer",
+            "ratio_vs_zero2",
+        ),
     )
 
 
