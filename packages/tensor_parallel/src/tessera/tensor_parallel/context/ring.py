@@ -8,7 +8,9 @@ block with allowed pairs are computed, so the zigzag layout gives every rank the
 (half a block per step besides its own) and contiguous skips the blocks of later ranks.
 Backward recomputes each block's probabilities from the saved log-sum-exp (flash-attention
 style); K/V travel the ring again and the dK/dV accumulated for a block travel with it,
-arriving home after ``sp - 1`` hops.
+arriving home after ``sp - 1`` hops. Each block's arithmetic is `kernels`: torch's fused
+flash-attention kernel on CPU tensors (every block of both layouts is unmasked or exactly
+causal), separate operators elsewhere.
 
 Bytes sent per rank: forward ``(sp - 1)`` local K and V blocks, i.e. ``(sp-1)/sp`` of the
 full K and V; backward twice that (K/V again, and their gradients). Grouped-query attention
@@ -27,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Group, Handle, group_rank, group_size, ring_shift_async
+from tessera.tensor_parallel.context.kernels import block_backward, block_forward
 from tessera.tensor_parallel.context.layout import Layout, local_positions
 
 __all__ = ["check_heads", "ring_attention"]
@@ -54,6 +57,7 @@ class _Block:
     rows: Tensor | None
     cols: Tensor | None
     mask: Tensor | None  # allowed (row, col) pairs among those kept; None: all of them
+    causal: bool = False  # mask is exactly the lower triangle of a square block
 
     @staticmethod
     def between(q_pos: Tensor | None, k_pos: Tensor | None) -> _Block | None:
@@ -65,10 +69,13 @@ class _Block:
             return None
         rows, cols = allowed.any(1), allowed.any(0)
         kept = allowed[rows][:, cols]
+        mask = None if bool(kept.all()) else kept
+        causal = mask is not None and mask.shape[0] == mask.shape[1] and bool(torch.equal(mask, mask.tril()))
         return _Block(
             None if bool(rows.all()) else rows.nonzero().squeeze(1),
             None if bool(cols.all()) else cols.nonzero().squeeze(1),
-            None if bool(kept.all()) else kept,
+            mask,
+            causal,
         )
 
     @staticmethod
@@ -97,39 +104,6 @@ class _Block:
     def cols_to(self, x: Tensor, length: int) -> Tensor:
         """``x`` of the kept columns put back among ``length`` columns, the others zero."""
         return self._put(x, self.cols, length, 0.0)
-
-
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    s = (q @ k.transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, -math.inf)
-
-
-def _block_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Normalised attention output of one block and its log-sum-exp (``-inf`` on rows with no key)."""
-    s = _scores(q, k, mask, scale)
-    top = s.amax(-1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    p = torch.exp(s - top)
-    total = p.sum(-1, keepdim=True)
-    return (p @ v) / total.clamp_min(torch.finfo(total.dtype).tiny), top + torch.log(total)
-
-
-def _block_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    dout: Tensor,
-    delta: Tensor,
-    mask: Tensor | None,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one block, from the final log-sum-exp and ``delta = rowsum(dout * out)``."""
-    p = torch.exp(_scores(q, k, mask, scale) - lse)
-    ds = p * (dout @ v.transpose(-1, -2) - delta)
-    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout
 
 
 class _Ring:
@@ -196,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
             block = ring.block(step)
             if block is not None:  # only the rows and columns with work (zigzag: half the block)
                 (q_b,), (k_b, v_b) = block.rows_of(q32), block.cols_of(*ring.expand(kv))
-                o, s = _block_forward(q_b, k_b, v_b, block.mask, scale)
+                o, s = block_forward(q_b, k_b, v_b, block.mask, block.causal, scale)
                 o, s = block.rows_to(o, q32.shape[2], 0.0), block.rows_to(s, q32.shape[2], -math.inf)
                 if out is None or lse is None:
                     out, lse = o, s
@@ -226,10 +200,10 @@ class _RingAttention(torch.autograd.Function):
             block = ring.block(step)
             grads = torch.zeros_like(own)
             if block is not None:
-                q_b, lse_b, dout_b, delta_b = block.rows_of(q32, lse, dout32, delta)
+                q_b, out_b, lse_b, dout_b, delta_b = block.rows_of(q32, out, lse, dout32, delta)
                 k_b, v_b = block.cols_of(*ring.expand(kv))
-                dq_b, dk_b, dv_b = _block_backward(
-                    q_b, k_b, v_b, lse_b, dout_b, delta_b, block.mask, ring.scale
+                dq_b, dk_b, dv_b = block_backward(
+                    q_b, k_b, v_b, out_b, lse_b, dout_b, delta_b, block.mask, block.causal, ring.scale
                 )
                 dq += block.rows_to(dq_b, n, 0.0)
                 grads = ring.fold(block.cols_to(dk_b, n), block.cols_to(dv_b, n))
