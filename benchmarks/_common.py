@@ -71,6 +71,33 @@ def libc_handle() -> ctypes.CDLL | None:
         return None
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def malloc_for_rss() -> None:
+    """glibc's mmap and trim thresholds fixed at their 128 KiB defaults: every larger tensor is
+    its own mapping, unmapped when freed, and the heap's free top goes back to the system, so
+    the resident set follows the live bytes instead of what the heap happens to retain. Page
+    faults on every large allocation make steps slower: measure memory under this, time
+    under `malloc_for_speed`."""
+    libc = libc_handle()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+
+
+def malloc_for_speed() -> None:
+    """glibc's thresholds as high as its own dynamic adjustment takes them (mmap 32 MiB, trim
+    twice that), as in an ordinary torch process once it has freed large tensors: freed
+    blocks stay in the heap for reuse. Under `malloc_for_rss` the planner bench's steps were
+    20-35% slower, unevenly (tp2 with Megatron SP, whose many 512 KiB buffers each fault
+    their pages in, the most)."""
+    libc = libc_handle()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+        libc.mallopt(M_TRIM_THRESHOLD, 64 * 2**20)
+
+
 def rss_baseline() -> int:
     """Collect garbage, return freed heap to the system, reset VmHWM; the resident kB now."""
     gc.collect()

@@ -20,8 +20,9 @@ measures a subset). Per configuration, one JSON line:
   under a pipeline is not always the rank with most device memory);
 - ``peak_rss_mb``: the largest growth over the ranks of the resident set (``VmHWM`` reset
   through /proc/self/clear_refs after ``gc`` and ``malloc_trim``, mmap threshold 128 KiB as
-  in ``zero.py``; every code path first runs once on a tiny copy of the configuration, so lazy
-  initialisation is not charged) while the engine is built and runs its warmup steps, beside the planner's
+  in ``zero.py``, raised again for the timed steps: ``_common.malloc_for_speed``; every code
+  path first runs once on a tiny copy of the configuration, so lazy initialisation is not
+  charged) while the engine is built and runs its warmup steps, beside the planner's
   ``predicted_peak_mb`` (``MemoryEstimate.resident`` of the fullest rank: model state plus
   the larger of activations with their buffers and the end-of-backward / optimizer-step
   scratch, the host's share, the other pipeline stages' parameters the caller's model keeps,
@@ -52,7 +53,7 @@ import time
 from typing import Any
 
 import torch
-from _common import emit, libc_handle, rss_baseline, status_kb, table
+from _common import emit, malloc_for_rss, malloc_for_speed, rss_baseline, status_kb, table
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
@@ -98,9 +99,6 @@ def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str)
 
 # ---------------------------------------------------------------------- one configuration
 def _train(rank: int, config: Config, warmup: int, iters: int) -> dict[str, Any]:
-    libc = libc_handle()
-    if libc is not None:
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the resident set
     tiny = dataclasses.replace(
         config, model=dataclasses.replace(config.model, d_model=64, n_layers=config.parallel.pp)
     )
@@ -112,6 +110,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]
+    malloc_for_rss()  # the resident set follows the live bytes while building and warming up
     base = rss_baseline()
     model = GPT(cfg, seed=0)
     engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
@@ -127,6 +126,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
         engine.train_step(*batches[i])
     rss_mb = (status_kb("VmHWM") - base) / 1024
     engine.zero.step = step  # type: ignore[method-assign]
+    malloc_for_speed()  # and the timed steps run as an ordinary process would
     times, loss = [], float("nan")
     for i in range(warmup, warmup + iters):
         t0 = time.perf_counter()

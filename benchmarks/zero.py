@@ -11,7 +11,10 @@ reference GPT, data and AdamW settings, in one run.
   "5" to /proc/self/clear_refs. ``peak_rss_mb_per_rank`` lists both ranks. The workers set
   glibc's mmap threshold to 128 KiB (``mallopt``), so large tensors are unmapped when freed
   and the resident set follows the live bytes instead of what the heap happens to retain;
-  both systems of a pair run under the same setting. Each code path runs once on a tiny
+  both systems of a pair run under the same setting. The timed steps run after the
+  thresholds are raised to where glibc's own adjustment takes them (32 MiB mmap, 64 MiB
+  trim: ``_common.malloc_for_speed``), as in an ordinary process: under 128 KiB every large
+  allocation faults its pages in again. Each code path runs once on a tiny
   model first, so lazy initialisation is not charged to whichever system goes first.
 - ``model_state_bytes``: parameters + gradients + optimizer state per rank, right after a
   backward (gradients present): ``ZeroOptimizer.memory()`` for Tessera,
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _breakdown import Breakdown, add_breakdown_args, breakdown_folder, plot, profile_steps
-from _common import emit, libc_handle, rss_baseline, status_kb, table
+from _common import emit, malloc_for_rss, malloc_for_speed, rss_baseline, status_kb, table
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
 from tessera.comm.testing import WorkerPool
@@ -212,9 +215,7 @@ def _pair(
     variants: Variants | None = None,
 ) -> dict[str, Any]:
     names = ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ()))
-    libc = libc_handle()
-    if libc is not None:
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: see the module docstring
+    malloc_for_rss()  # see the module docstring
     tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
     for name in names:  # first use of each code path (lazy initialisation) outside the measurements
         _step(name, _build(name, stage, tiny, rank, 1, variants), 0)
@@ -232,6 +233,7 @@ def _pair(
         }
         systems[name] = system
     times: dict[str, list[float]] = {n: [] for n in names}
+    malloc_for_speed()  # see the module docstring
     for i in range(warmup, warmup + iters):  # alternate, so both see the same background load
         for name in names:
             t0 = time.perf_counter()
