@@ -38,6 +38,20 @@ def test_the_cpu_preset_has_one_device_per_core_of_this_machine() -> None:
     assert PRESETS["cpu"].world_size == (os.cpu_count() or 1)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_ranks_beyond_the_cores_share_their_flops_and_bandwidth(ranks: int) -> None:
+    """On a host of 2 cores (``node_flops``) a rank gets 2/ranks of a core once ranks exceed
+    the cores: of its FLOP/s and of its loopback bandwidth alike; GPU nodes share nothing."""
+    cpu = dataclasses.replace(PRESETS["cpu"], devices_per_node=2, node_flops=2 * PRESETS["cpu"].flops_fp32)
+    share = min(1.0, 2 / ranks)
+    assert cpu.core_share(ranks) == pytest.approx(share, rel=1e-12)
+    assert cpu.device_flops("fp32", ranks) == pytest.approx(cpu.flops_fp32 * share, rel=1e-12)
+    assert cpu.link(2, ranks)[1] == pytest.approx(cpu.intra_bandwidth * share, rel=1e-12)
+    gpu = PRESETS["a100-80g"]
+    assert gpu.link(2, ranks)[1] == gpu.intra_bandwidth
+    assert gpu.device_flops("bf16", ranks) == gpu.flops * gpu.efficiency
+
+
 def test_calibrated_path_follows_xdg_and_home() -> None:
     assert calibrated_path({"XDG_CONFIG_HOME": "/x"}) == Path("/x/tessera/cluster.toml")
     assert calibrated_path({"HOME": "/h"}) == Path("/h/.config/tessera/cluster.toml")

@@ -22,7 +22,11 @@ about what an all-reduce of the same buffer costs, 2-3x the ring form; ``--calib
 it on two processes. 0 (the GPU presets): the link's ring form.
 ``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
 whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
-the node * flops_fp32))`` of its peak at any precision.
+the node * flops_fp32))`` of its peak at any precision, and the same share of the link's
+bandwidth (loopback copies are the cores' work too: a 13.8 MB gradient all-reduce over 4
+processes on 2 cores took what the link model says for half the measured bandwidth; with
+the full bandwidth the planner ordered the data-parallel runs at world 4 and 8 before
+pipelines they trail).
 
 Presets: ``a100-80g`` (DGX A100: 8 x A100 80GB, NVLink 3 at ~240 GB/s achievable per
 direction, 8 x HDR 200 Gb/s InfiniBand), ``h100-80g`` (DGX H100: NVLink 4, 8 x NDR 400
@@ -120,9 +124,7 @@ class Cluster:
     def device_flops(self, precision: str, ranks_on_node: int) -> float:
         """FLOP/s one rank sustains at ``precision`` when ``ranks_on_node`` ranks share its node."""
         peak = self.flops_fp32 if precision == "fp32" else self.flops
-        if self.node_flops > 0:  # the share of the node's cores one rank gets
-            peak *= min(1.0, self.node_flops / (max(1, ranks_on_node) * self.flops_fp32))
-        return peak * self.efficiency
+        return peak * self.core_share(ranks_on_node) * self.efficiency
 
     def link(self, span: int, ranks_on_node: int = 1) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group whose ranks lie ``span`` consecutive ranks
@@ -134,7 +136,15 @@ class Cluster:
             if span <= max(self.devices_per_node, ranks_on_node)
             else (self.inter_latency, self.inter_bandwidth)
         )
-        return latency + self.crowd_wait(ranks_on_node), bandwidth
+        return latency + self.crowd_wait(ranks_on_node), bandwidth * self.core_share(ranks_on_node)
+
+    def core_share(self, ranks_on_node: int) -> float:
+        """The share of a core one rank gets when ``ranks_on_node`` ranks share a node's cores
+        (``node_flops``; 1 without): its compute and, on a CPU host whose loopback copies are
+        the cores' work, its bandwidth."""
+        if self.node_flops <= 0:
+            return 1.0
+        return min(1.0, self.node_flops / (max(1, ranks_on_node) * self.flops_fp32))
 
     def crowd_wait(self, ranks_on_node: int) -> float:
         """Seconds each message waits for its peer when ``ranks_on_node`` ranks share a node's
@@ -188,23 +198,23 @@ PRESETS: dict[str, Cluster] = {
         nodes=1,
         devices_per_node=os.cpu_count() or 1,
         memory_gib=2.94,
-        flops=9.0e10,  # bf16 (AVX512-BF16): 1.86x the fp32 rate of the same profile here
-        flops_fp32=5.0e10,
+        # two `tessera plan --calibrate` runs on the idle machine, 2026-12-01 (rounded, between them)
+        flops=1.19e11,  # bf16 (AVX512-BF16): 1.6x the fp32 rate of the same profile here
+        flops_fp32=7.5e10,
         efficiency=1.0,
-        node_flops=1.0e11,
-        intra_bandwidth=0.85e9,
-        intra_latency=200e-6,
-        inter_bandwidth=0.85e9,
-        inter_latency=200e-6,
-        op_overhead_s=6.5e-6,
-        wait_s=7.5e-4,  # small all-reduces over 2, 4, 8 gloo processes here: 0.38, 6.2, 30.7 ms
-        # tessera.comm.all_to_all on 2 gloo processes here, medians of 3 runs: 0.40 ms at 1 KiB,
-        # 7.2 ms at 4 MiB (all-reduces of the same buffers in the same runs: 0.4 and 5.6 ms)
-        a2a_latency=4.0e-4,
-        a2a_bandwidth=0.31e9,
-        memory_bandwidth=31e9,
-        host_bandwidth=31e9,
-        host_memory_bandwidth=31e9,
+        node_flops=1.5e11,
+        intra_bandwidth=0.87e9,
+        intra_latency=235e-6,
+        inter_bandwidth=0.87e9,
+        inter_latency=235e-6,
+        op_overhead_s=7.0e-6,
+        wait_s=2.7e-4,  # a small all-reduce over 4 gloo processes on the 2 cores, beyond 2
+        # tessera.comm.all_to_all on 2 gloo processes: 0.38 ms at 256 B, about 6 ms at 4 MiB
+        a2a_latency=3.8e-4,
+        a2a_bandwidth=0.34e9,
+        memory_bandwidth=25e9,
+        host_bandwidth=25e9,
+        host_memory_bandwidth=25e9,
         overlap=0.0,
     ),
 }

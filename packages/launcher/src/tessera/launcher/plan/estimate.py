@@ -106,7 +106,7 @@ def _link(cluster: Cluster, span: int, world: int) -> Link:
     if cluster.a2a_bandwidth <= 0:
         return Link(latency, bandwidth)
     a2a_latency = cluster.a2a_latency + cluster.crowd_wait(per_node)
-    return Link(latency, bandwidth, a2a_latency, cluster.a2a_bandwidth)
+    return Link(latency, bandwidth, a2a_latency, cluster.a2a_bandwidth * cluster.core_share(per_node))
 
 
 @dataclass(frozen=True, slots=True)
