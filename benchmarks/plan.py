@@ -20,9 +20,10 @@ measures a subset). Per configuration, one JSON line:
   under a pipeline is not always the rank with most device memory);
 - ``peak_rss_mb``: the largest growth over the ranks of the resident set (``VmHWM`` reset
   through /proc/self/clear_refs after ``gc`` and ``malloc_trim``, mmap threshold 128 KiB as
-  in ``zero.py``, raised again for the timed steps: ``_common.malloc_for_speed``; every code
-  path first runs once on a tiny copy of the configuration, so lazy initialisation is not
-  charged) while the engine is built and runs its warmup steps, beside the planner's
+  in ``zero.py``; the steps are timed in another build of the engine under the thresholds
+  glibc's own adjustment reaches, ``_common.malloc_for_speed``; every code path first runs
+  once on a tiny copy of the configuration, so lazy initialisation is not charged) while
+  the engine is built and runs its warmup steps, beside the planner's
   ``predicted_peak_mb`` (``MemoryEstimate.resident`` of the fullest rank: model state plus
   the larger of activations with their buffers and the end-of-backward / optimizer-step
   scratch, the host's share, the other pipeline stages' parameters the caller's model keeps,
@@ -99,6 +100,11 @@ def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str)
 
 # ---------------------------------------------------------------------- one configuration
 def _train(rank: int, config: Config, warmup: int, iters: int) -> dict[str, Any]:
+    """Memory (``iters == 0``: build and warm up under `malloc_for_rss`) or step times (under
+    `malloc_for_speed`). A process measures memory only before it ever times: once the heap
+    has grown under the high thresholds, large tensors come from its free chunks again and
+    the resident set counts its slack."""
+    (malloc_for_speed if iters else malloc_for_rss)()
     tiny = dataclasses.replace(
         config, model=dataclasses.replace(config.model, d_model=64, n_layers=config.parallel.pp)
     )
@@ -110,7 +116,6 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]
-    malloc_for_rss()  # the resident set follows the live bytes while building and warming up
     base = rss_baseline()
     model = GPT(cfg, seed=0)
     engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
@@ -126,7 +131,6 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
         engine.train_step(*batches[i])
     rss_mb = (status_kb("VmHWM") - base) / 1024
     engine.zero.step = step  # type: ignore[method-assign]
-    malloc_for_speed()  # and the timed steps run as an ordinary process would
     times, loss = [], float("nan")
     for i in range(warmup, warmup + iters):
         t0 = time.perf_counter()
@@ -163,11 +167,15 @@ def measure(
     chosen = range(len(CASES)) if cases is None else cases
     configs = {i: _config(*CASES[i]) for i in chosen}
     runs: dict[int, list[list[dict[str, Any]]]] = {i: [] for i in configs}
-    for _ in range(rounds):
+    memory: dict[int, list[dict[str, Any]]] = {}
+    for round_ in range(rounds):
         for world in sorted({c.world_size for c in configs.values()}):
             with WorkerPool(world, timeout=900) as pool:
-                for case, config in ((i, c) for i, c in configs.items() if c.world_size == world):
+                here = [(i, c) for i, c in configs.items() if c.world_size == world]
+                for case, config in here if round_ == 0 else ():  # memory first (see `_train`)
                     assert config.validate() == [], config.validate()
+                    memory[case] = pool.run(_train, config, warmup, 0, timeout=900)
+                for case, config in here:
                     runs[case].append(pool.run(_train, config, warmup, iters, timeout=900))
     for case, config in configs.items():
         world = config.world_size
@@ -198,9 +206,9 @@ def measure(
             "min_step_s": round(min(fastest(r) for r in runs[case]), 5),
             "predicted_step_s": round(est.time.total, 5),
             "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
-            "model_state_bytes": max(r["model_state"] for r in per_rank),
+            "model_state_bytes": max(r["model_state"] for r in memory[case]),
             "predicted_model_state_bytes": round(est.model_state),
-            "peak_rss_mb": round(max(r["rss_mb"] for r in per_rank), 1),
+            "peak_rss_mb": round(max(r["rss_mb"] for r in memory[case]), 1),
             "predicted_peak_mb": round(est.memory.resident / 2**20, 1),
             "final_loss": round(per_rank[0]["loss"], 4),
         }

@@ -277,10 +277,12 @@ def main() -> None:
     world = 2
     records: list[dict[str, Any]] = []
     folder = breakdown_folder(args, "zero")
-    with WorkerPool(world, timeout=900) as pool:
-        for stage in args.stages:
-            single = stage == args.stages[0]
-            extras = (*(variants if stage == 3 else ()), *((ZERO2,) if stage == 3 and args.vs_stage2 else ()))
+    for stage in args.stages:
+        single = stage == args.stages[0]
+        extras = (*(variants if stage == 3 else ()), *((ZERO2,) if stage == 3 and args.vs_stage2 else ()))
+        # fresh processes per stage: memory is measured before the process ever timed steps
+        # (`_common.malloc_for_rss`: a heap grown under malloc_for_speed serves large tensors again)
+        with WorkerPool(world, timeout=900) as pool:
             per_rank = pool.run(
                 _pair,
                 stage,
@@ -294,50 +296,50 @@ def main() -> None:
                 extras,
                 variants,
             )
-            psi = per_rank[0]["psi"]["n"]
-            config = (
-                f"stage={stage} gpt {psi / 1e6:.1f}M d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} "
-                f"seq={cfg.seq_len} batch={args.batch}/rank world={world} AdamW fp32 gloo"
+        psi = per_rank[0]["psi"]["n"]
+        config = (
+            f"stage={stage} gpt {psi / 1e6:.1f}M d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} "
+            f"seq={cfg.seq_len} batch={args.batch}/rank world={world} AdamW fp32 gloo"
+        )
+        tokens = world * args.batch * cfg.seq_len
+        pair = []
+        labels = {
+            SINGLE: config.replace(f"stage={stage}", "stage=none").replace(f"world={world}", "world=1"),
+            ZERO2: config.replace(f"stage={stage}", "stage=2"),
+        }
+        for name in ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ())):
+            ranks = per_rank[:1] if name == SINGLE else per_rank
+            step_time = max(r[name]["step_time_s"] for r in ranks)
+            rss = [round(r[name]["peak_rss_mb"], 1) for r in ranks]
+            pair.append(
+                {
+                    "bench": "zero",
+                    "system": name,
+                    "config": labels.get(name, config),
+                    "step_time_s": round(step_time, 4),
+                    "tokens_per_s": round((tokens // world if name == SINGLE else tokens) / step_time, 1),
+                    "peak_rss_mb": max(rss),
+                    "peak_rss_mb_per_rank": rss,
+                    "model_state_bytes": max(r[name]["model_state_bytes"] for r in per_rank),
+                    "comm_bytes": per_rank[0][name]["comm_bytes"],
+                    "comm_source": {"tessera": "CommMeter", SINGLE: None}.get(name, "formula"),
+                    "final_loss": round(sum(r[name]["final_loss"] for r in ranks) / len(ranks), 5),
+                    "ratio_vs_peer": None,
+                }
             )
-            tokens = world * args.batch * cfg.seq_len
-            pair = []
-            labels = {
-                SINGLE: config.replace(f"stage={stage}", "stage=none").replace(f"world={world}", "world=1"),
-                ZERO2: config.replace(f"stage={stage}", "stage=2"),
-            }
-            for name in ("tessera", PAIRS[stage], *extras, *((SINGLE,) if single else ())):
-                ranks = per_rank[:1] if name == SINGLE else per_rank
-                step_time = max(r[name]["step_time_s"] for r in ranks)
-                rss = [round(r[name]["peak_rss_mb"], 1) for r in ranks]
-                pair.append(
-                    {
-                        "bench": "zero",
-                        "system": name,
-                        "config": labels.get(name, config),
-                        "step_time_s": round(step_time, 4),
-                        "tokens_per_s": round((tokens // world if name == SINGLE else tokens) / step_time, 1),
-                        "peak_rss_mb": max(rss),
-                        "peak_rss_mb_per_rank": rss,
-                        "model_state_bytes": max(r[name]["model_state_bytes"] for r in per_rank),
-                        "comm_bytes": per_rank[0][name]["comm_bytes"],
-                        "comm_source": {"tessera": "CommMeter", SINGLE: None}.get(name, "formula"),
-                        "final_loss": round(sum(r[name]["final_loss"] for r in ranks) / len(ranks), 5),
-                        "ratio_vs_peer": None,
-                    }
-                )
-                if "breakdown" in per_rank[0][name]:
-                    pair[-1] |= {k: per_rank[0][name][k] for k in ("breakdown", "breakdown_trace")}
-            ours, peer = pair[:2]
-            for rec in pair:
-                if rec["system"].startswith("tessera") and rec["system"] != ZERO2:
-                    rec["ratio_vs_peer"] = round(peer["step_time_s"] / rec["step_time_s"], 3)
-            zero2 = next((r for r in pair if r["system"] == ZERO2), None)
-            for rec in pair:
-                if zero2 is not None and rec["system"].startswith("tessera") and rec is not zero2:
-                    rec["ratio_vs_zero2"] = round(zero2["step_time_s"] / rec["step_time_s"], 3)
-            ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
-            ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
-            records += pair
+            if "breakdown" in per_rank[0][name]:
+                pair[-1] |= {k: per_rank[0][name][k] for k in ("breakdown", "breakdown_trace")}
+        ours, peer = pair[:2]
+        for rec in pair:
+            if rec["system"].startswith("tessera") and rec["system"] != ZERO2:
+                rec["ratio_vs_peer"] = round(peer["step_time_s"] / rec["step_time_s"], 3)
+        zero2 = next((r for r in pair if r["system"] == ZERO2), None)
+        for rec in pair:
+            if zero2 is not None and rec["system"].startswith("tessera") and rec is not zero2:
+                rec["ratio_vs_zero2"] = round(zero2["step_time_s"] / rec["step_time_s"], 3)
+        ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
+        ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
+        records += pair
     single_tps = next((r["tokens_per_s"] for r in records if r["system"] == SINGLE), None)
     for rec in records:
         rec["scaling_vs_single"] = round(rec["tokens_per_s"] / single_tps, 3) if single_tps else None
