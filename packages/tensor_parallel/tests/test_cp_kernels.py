@@ -52,17 +52,17 @@ def test_fused_equals_unfused(
     q, dout, out = (torch.randn(batch, heads, rows, dim, generator=gen) for _ in range(3))
     k, v = (torch.randn(batch, heads, cols, dim, generator=gen) for _ in range(2))
     lse = torch.randn(batch, heads, rows, 1, generator=gen) + 3.0  # as if other keys added mass
-    mask = torch.ones(rows, rows, dtype=torch.bool).tril() if causal else None
+    mask = None  # causal: the triangle is implied
     scale = 1 / math.sqrt(dim)
     delta = (dout * out).sum(-1, keepdim=True)
-    assert kernels.use_fused(q, mask, causal)
+    assert kernels.use_fused(q, mask)
     fused = (
         *kernels.block_forward(q, k, v, mask, causal, scale),
         *kernels.block_backward(q, k, v, out, lse, dout, delta, mask, causal, scale),
     )
     with pytest.MonkeyPatch.context() as mp:
         _unfused(mp)
-        assert not kernels.use_fused(q, mask, causal)
+        assert not kernels.use_fused(q, mask)
         plain = (
             *kernels.block_forward(q, k, v, mask, causal, scale),
             *kernels.block_backward(q, k, v, out, lse, dout, delta, mask, causal, scale),
@@ -74,22 +74,50 @@ def test_fused_equals_unfused(
 def test_general_mask_takes_the_unfused_path() -> None:
     q = torch.zeros(1, 1, 3, 4)
     mask = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])
-    assert not kernels.use_fused(q, mask, False)
-    assert kernels.use_fused(q, None, False)
+    assert not kernels.use_fused(q, mask)
+    assert kernels.use_fused(q, None)
+
+
+def test_an_explicit_causal_mask_equals_the_causal_flag() -> None:
+    """The unfused path's general mask, set to the triangle, gives what ``causal`` gives."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=gen) for _ in range(3))
+    tri = torch.ones(5, 5, dtype=torch.bool).tril()
+    with pytest.MonkeyPatch.context() as mp:
+        _unfused(mp)
+        got = kernels.block_forward(q, k, v, tri, False, 0.5)
+    want = kernels.block_forward(q, k, v, None, True, 0.5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
 
 
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("sp", [2, 3, 4])
-def test_every_ring_block_is_unmasked_or_causal(layout: Layout, sp: int) -> None:
-    """Causal attention over both layouts: each block with work is full or exactly causal, and
-    the causal flag is set exactly on the masked ones (so every block takes the fused kernel)."""
+def test_every_ring_block_is_full_or_causal(layout: Layout, sp: int) -> None:
+    """Causal attention over both layouts: the block the ring works out from 1-D positions
+    (kept rows, columns, all pairs / causal triangle) equals the explicit (query x key)
+    comparison, and no block needs a general mask (so every one takes the fused kernel)."""
     local = 2 * 4
     positions = [local_positions(r, sp, local, layout) for r in range(sp)]
     for r in range(sp):
         for s in range(sp):
+            allowed = positions[s][None, :] <= positions[r][:, None]
             block = _Block.between(positions[r], positions[s])
             if block is None:
+                assert not bool(allowed.any()), (layout, sp, r, s)
                 continue
-            assert block.causal == (block.mask is not None), (layout, sp, r, s, block.mask)
-            if block.mask is not None:
-                assert torch.equal(block.mask, torch.ones_like(block.mask).tril())
+            rows = torch.arange(local) if block.rows is None else block.rows
+            cols = torch.arange(local) if block.cols is None else block.cols
+            assert torch.equal(rows, allowed.any(1).nonzero().squeeze(1)), (layout, sp, r, s)
+            assert torch.equal(cols, allowed.any(0).nonzero().squeeze(1)), (layout, sp, r, s)
+            kept = allowed[rows][:, cols]
+            implied = torch.ones_like(kept).tril() if block.causal else torch.ones_like(kept)
+            assert block.mask() is None, (layout, sp, r, s)
+            assert torch.equal(kept, implied), (layout, sp, r, s, kept)
+
+
+def test_a_general_block_keeps_its_mask() -> None:
+    """Positions that are neither all-allowed nor the triangle (not a layout the ring makes)."""
+    block = _Block.between(torch.tensor([1, 5]), torch.tensor([0, 2, 4]))
+    assert block is not None and not block.causal
+    assert torch.equal(block.mask(), torch.tensor([[True, False, False], [True, True, True]]))

@@ -52,31 +52,48 @@ def check_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Block:
-    """The part of one (queries x keys) block with work: rows, columns (None: all) and mask."""
+    """The part of one (queries x keys) block with work: the kept rows and columns (None: all)
+    and which of their pairs are allowed: all, the causal lower triangle, or a general mask."""
 
     rows: Tensor | None
     cols: Tensor | None
-    mask: Tensor | None  # allowed (row, col) pairs among those kept; None: all of them
-    causal: bool = False  # mask is exactly the lower triangle of a square block
+    q_pos: Tensor | None = None  # positions of the kept rows and columns when not all pairs
+    k_pos: Tensor | None = None  # are allowed (None: all are)
+    causal: bool = False  # the allowed pairs are exactly the lower triangle of a square block
 
     @staticmethod
     def between(q_pos: Tensor | None, k_pos: Tensor | None) -> _Block | None:
-        """Causal (key position <= query position) work between two sets of positions; None: none."""
+        """Causal (key position <= query position) work between two sets of positions; None:
+        none. From the 1-D positions alone: a row has work when its position reaches the
+        first key's, a column when the last query reaches it."""
         if q_pos is None or k_pos is None:
-            return _Block(None, None, None)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if not bool(allowed.any()):
+            return _Block(None, None)
+        rows = q_pos >= k_pos.min()
+        if not bool(rows.any()):
             return None
-        rows, cols = allowed.any(1), allowed.any(0)
-        kept = allowed[rows][:, cols]
-        mask = None if bool(kept.all()) else kept
-        causal = mask is not None and mask.shape[0] == mask.shape[1] and bool(torch.equal(mask, mask.tril()))
+        cols = k_pos <= q_pos.max()
+        q_kept, k_kept = q_pos[rows], k_pos[cols]
+        full = bool(q_kept.min() >= k_kept.max())
+        causal = (
+            not full
+            and q_kept.shape == k_kept.shape
+            and bool(torch.equal(q_kept, k_kept))
+            and bool((q_kept[1:] > q_kept[:-1]).all())
+        )
         return _Block(
             None if bool(rows.all()) else rows.nonzero().squeeze(1),
             None if bool(cols.all()) else cols.nonzero().squeeze(1),
-            mask,
+            None if full else q_kept,
+            None if full else k_kept,
             causal,
         )
+
+    def mask(self) -> Tensor | None:
+        """The allowed pairs among those kept when they are neither all nor the causal
+        triangle (``causal``); None otherwise."""
+        if self.q_pos is None or self.k_pos is None or self.causal:
+            return None
+        return self.k_pos[None, :] <= self.q_pos[:, None]
 
     @staticmethod
     def _take(x: Tensor, index: Tensor | None) -> Tensor:
@@ -119,14 +136,18 @@ class _Ring:
         self.positions = [
             local_positions(r, self.sp, n, layout, q.device) if causal else None for r in range(self.sp)
         ]
+        self._blocks: dict[int, _Block | None] = {}
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
         return (self.rank - step) % self.sp
 
     def block(self, step: int) -> _Block | None:
-        """The work between this rank's queries and the K/V block of ``step``; None: nothing."""
-        return _Block.between(self.positions[self.rank], self.positions[self.source(step)])
+        """The work between this rank's queries and the K/V block of ``step``; None: nothing
+        (worked out once per call: backward reuses forward's)."""
+        if step not in self._blocks:
+            self._blocks[step] = _Block.between(self.positions[self.rank], self.positions[self.source(step)])
+        return self._blocks[step]
 
     def expand(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         """K and V (fp32) of a stacked (2, batch, kv_heads, seq, dim) block, heads repeated for q."""
@@ -170,7 +191,7 @@ class _RingAttention(torch.autograd.Function):
             block = ring.block(step)
             if block is not None:  # only the rows and columns with work (zigzag: half the block)
                 (q_b,), (k_b, v_b) = block.rows_of(q32), block.cols_of(*ring.expand(kv))
-                o, s = block_forward(q_b, k_b, v_b, block.mask, block.causal, scale)
+                o, s = block_forward(q_b, k_b, v_b, block.mask(), block.causal, scale)
                 o, s = block.rows_to(o, q32.shape[2], 0.0), block.rows_to(s, q32.shape[2], -math.inf)
                 if out is None or lse is None:
                     out, lse = o, s
@@ -203,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
                 q_b, out_b, lse_b, dout_b, delta_b = block.rows_of(q32, out, lse, dout32, delta)
                 k_b, v_b = block.cols_of(*ring.expand(kv))
                 dq_b, dk_b, dv_b = block_backward(
-                    q_b, k_b, v_b, out_b, lse_b, dout_b, delta_b, block.mask, block.causal, ring.scale
+                    q_b, k_b, v_b, out_b, lse_b, dout_b, delta_b, block.mask(), block.causal, ring.scale
                 )
                 dq += block.rows_to(dq_b, n, 0.0)
                 grads = ring.fold(block.cols_to(dk_b, n), block.cols_to(dv_b, n))
