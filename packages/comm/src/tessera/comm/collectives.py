@@ -13,6 +13,11 @@ On a gloo group with cpu tensors, ``reduce_scatter`` and ``all_gather`` run Tess
 ring over p2p (``tessera.comm.gloo_ring``: half the traffic of torch's gloo reduce-scatter,
 which all-reduces a copy, and no extra copies), ordered per group; elsewhere they call
 torch's collectives.
+
+Waiting for a collective on CPU tensors first polls its completion for a bounded time,
+yielding the core between polls, then blocks (``tessera.comm.waiting``: a parked core is
+slow to wake on a virtual machine; ``TESSERA_POLL_WAIT_MS`` sets or turns off the poll).
+Point-to-point waits block: gloo's p2p works report completion only once waited on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import Tensor
 from tessera.comm import gloo_ring
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import WAIT, profiled, profiler_enabled
+from tessera.comm.waiting import poll_budget, poll_then_wait
 
 __all__ = [
     "Group",
@@ -68,14 +74,22 @@ class Waitable(Protocol):
 class Handle(Generic[T]):
     """An operation in flight; ``wait()`` blocks until it completes and returns its result."""
 
-    __slots__ = ("_done", "_finish", "_result", "_wait_name", "_works")
+    __slots__ = ("_done", "_finish", "_poll_s", "_result", "_wait_name", "_works")
 
-    def __init__(self, works: list[Waitable], finish: Callable[[], T], *, wait_name: str = WAIT) -> None:
+    def __init__(
+        self,
+        works: list[Waitable],
+        finish: Callable[[], T],
+        *,
+        wait_name: str = WAIT,
+        poll_s: float = 0.0,
+    ) -> None:
         self._works = works
         self._finish = finish
         self._done = False
         self._result: T | None = None
         self._wait_name = wait_name  # the profiler range of wait(): see tessera.comm.profiling
+        self._poll_s = poll_s  # how long wait() polls before it blocks: tessera.comm.waiting
 
     def wait(self) -> T:
         """Wait for completion (idempotent) and return the result."""
@@ -88,8 +102,7 @@ class Handle(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     def _complete(self) -> None:
-        for work in self._works:
-            work.wait()
+        poll_then_wait(self._works, self._poll_s)
         self._result = self._finish()
         self._done = True
 
@@ -161,7 +174,7 @@ def all_reduce_async(
             buffer.div_(n)
         return result
 
-    return Handle([work], finish)
+    return Handle([work], finish, poll_s=poll_budget(buffer.device))
 
 
 @profiled("tessera.comm.all_reduce")
@@ -183,7 +196,7 @@ def _ring(group: Group, fn: Callable[[], Tensor], async_op: bool) -> Handle[Tens
     if not async_op:
         return _done(gloo_ring.run(group, fn))
     future = gloo_ring.submit(group, fn)
-    return Handle([gloo_ring.FutureWork(future)], future.result)
+    return Handle([gloo_ring.FutureWork(future)], future.result, poll_s=poll_budget(torch.device("cpu")))
 
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
@@ -221,7 +234,7 @@ def _all_gather(x: Tensor, group: Group, dim: int, out: Tensor | None, async_op:
 
         return _ring(group, ring, async_op)
     work = dist.all_gather_single(flat, src, group=group, async_op=True)
-    return Handle([work], finish)
+    return Handle([work], finish, poll_s=poll_budget(flat.device))
 
 
 @profiled("tessera.comm.all_gather_async")
@@ -271,9 +284,10 @@ def _reduce_scatter(
     src = torch.cat(chunks, 0) if dim != 0 else x.detach()
     record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
     work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
+    poll_s = poll_budget(out.device)
     if op == "avg":
-        return Handle([work], lambda: out.div_(n))
-    return Handle([work], lambda: out)
+        return Handle([work], lambda: out.div_(n), poll_s=poll_s)
+    return Handle([work], lambda: out, poll_s=poll_s)
 
 
 @profiled("tessera.comm.reduce_scatter_async")
@@ -311,10 +325,9 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
         return x.detach().clone(memory_format=torch.contiguous_format)
     src = torch.stack(x.detach().chunk(n, dim=scatter_dim), 0).contiguous()
     out = torch.empty_like(src)
-    record(
-        CommOp.ALL_TO_ALL, group_size=n, nbytes=src.nbytes, kept_bytes=src.nbytes // n, like=src
-    )
-    dist.all_to_all_single(out, src, group=group)
+    record(CommOp.ALL_TO_ALL, group_size=n, nbytes=src.nbytes, kept_bytes=src.nbytes // n, like=src)
+    work = dist.all_to_all_single(out, src, group=group, async_op=True)
+    poll_then_wait([work], poll_budget(src.device))
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
@@ -332,7 +345,7 @@ def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
     record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
     global_src = src if group is None else dist.get_global_rank(group, src)
     work = dist.broadcast(out, src=global_src, group=group, async_op=True)
-    return Handle([work], lambda: out)
+    return Handle([work], lambda: out, poll_s=poll_budget(out.device))
 
 
 @profiled("tessera.comm.broadcast")

@@ -81,6 +81,7 @@ def _worker_main(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # every rank on this host, as torchrun says
     trace_file = open(trace_path, "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=trace_file, all_threads=True)
     store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
