@@ -134,3 +134,12 @@ def test_workers_read_the_resolved_config(tmp_path: Path) -> None:
     path.write_text(json.dumps(config_to_dict(config)))
     assert load_config({"TESSERA_RESOLVED_CONFIG": str(path), "TESSERA_TRAIN_STEPS": "1"}).train.steps == 9
     assert load_config({"TESSERA_TRAIN_STEPS": "3"}).train.steps == 3
+
+
+@pytest.mark.parametrize("value", ["auto", "0", "5", "12.5"])
+def test_a_package_variable_is_no_config_field_but_is_checked(value: str) -> None:
+    """TESSERA_POLL_WAIT_MS (tessera.comm.waiting) passes the unknown-variable check when its
+    value parses, and is refused by name before spawning when it does not."""
+    assert resolve_config(None, [], env={"TESSERA_POLL_WAIT_MS": value}) == resolve_config(None, [], env={})
+    with pytest.raises(ConfigError, match="TESSERA_POLL_WAIT_MS='-3'"):
+        resolve_config(None, [], env={"TESSERA_POLL_WAIT_MS": "-3"})

@@ -123,6 +123,11 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "env unknown field": (["run", "job.py"], {"TESSERA_TRAIN_STPES": "3"}, ["train.stpes"]),
     "env text int": (["run", "job.py"], {"TESSERA_TRAIN_STEPS": "abc"}, ["train.steps", "abc"]),
     "env dp 0": (["run", "job.py"], {"TESSERA_PARALLEL_DP": "0"}, ["parallel.dp", "got 0"]),
+    "env poll wait": (
+        ["run", "job.py"],
+        {"TESSERA_POLL_WAIT_MS": "fast"},
+        ["TESSERA_POLL_WAIT_MS='fast'", "auto"],
+    ),
     "resume missing": (
         ["run", "--set", "train.resume={d}/ckpt", "job.py"],
         {},

@@ -27,11 +27,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # importable without torch: the launcher checks the variable before spawning
+    import torch
 
-__all__ = ["ENV", "poll_budget", "poll_then_wait"]
+__all__ = ["ENV", "budget_from_env", "poll_budget", "poll_then_wait"]
 
 ENV = "TESSERA_POLL_WAIT_MS"
 AUTO_BUDGET_S = 0.020
@@ -43,12 +44,10 @@ class _Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
-def poll_budget(device: torch.device, env: Mapping[str, str] | None = None) -> float:
-    """Seconds a wait for a collective on ``device`` polls before blocking (module docstring);
-    ValueError naming the variable when its value is neither ``auto`` nor a number >= 0."""
-    if device.type != "cpu":
-        return 0.0
-    env = os.environ if env is None else env
+def budget_from_env(env: Mapping[str, str]) -> float:
+    """Seconds a wait for a CPU collective polls before blocking under ``env`` (module
+    docstring); ValueError naming the variable when its value is neither ``auto`` nor a
+    number >= 0."""
     raw = env.get(ENV, "auto").strip()
     if raw == "auto":
         local = env.get("LOCAL_WORLD_SIZE", "")
@@ -62,6 +61,14 @@ def poll_budget(device: torch.device, env: Mapping[str, str] | None = None) -> f
     if not ms >= 0:
         raise ValueError(f"{ENV}={raw!r}: expected 'auto' or a number of milliseconds >= 0")
     return ms / 1000.0
+
+
+def poll_budget(device: torch.device, env: Mapping[str, str] | None = None) -> float:
+    """Seconds a wait for a collective on ``device`` polls before blocking: 0 off the CPU,
+    else `budget_from_env` of ``env`` (default ``os.environ``)."""
+    if device.type != "cpu":
+        return 0.0
+    return budget_from_env(os.environ if env is None else env)
 
 
 def poll_then_wait(works: Sequence[_Work], budget_s: float) -> None:

@@ -13,8 +13,9 @@ float or a bool is not an int; an int is accepted for a float), while environmen
 values are text parsed as the field's type. A tuple field (``zero.fractions``) is an array
 of numbers in TOML and comma-separated text (``0,0.5,0.5``) in the environment. Any
 ``TESSERA_*`` environment variable that is neither a field nor one of ``LAUNCHER_ENV`` (set
-by the launcher itself) is an error, so a misspelt ``TESSERA_PARALEL_DP=4`` cannot be
-silently ignored. The resolved config travels
+by the launcher itself) or ``PACKAGE_ENV`` (read by the packages below, such as
+``TESSERA_POLL_WAIT_MS`` of ``tessera.comm.waiting``, whose value is checked here) is an
+error, so a misspelt ``TESSERA_PARALEL_DP=4`` cannot be silently ignored. The resolved config travels
 to the workers of ``tessera run`` as a file named by ``TESSERA_RESOLVED_CONFIG``, so every
 rank sees exactly what was validated.
 """
@@ -29,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tessera.comm.waiting import ENV as POLL_WAIT_ENV
+from tessera.comm.waiting import budget_from_env
 from tessera.launcher.config import Config
 
 __all__ = [
@@ -55,6 +58,8 @@ RESTART_ENV = "TESSERA_RESTART_COUNT"  # which attempt of the job this is (0: th
 LAUNCHER_ENV = frozenset(
     {RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, RESTART_ENV, "TESSERA_PKG_TESTS"}
 )
+# TESSERA_* variables of the packages below, read where they act; checked here before spawning
+PACKAGE_ENV = frozenset({POLL_WAIT_ENV})
 _PREFIX = "TESSERA_"
 
 
@@ -139,6 +144,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     unknown = []
     for key, value in env.items():
         if not key.startswith(_PREFIX) or key in LAUNCHER_ENV:
+            continue
+        if key in PACKAGE_ENV:
+            try:
+                budget_from_env(env)
+            except ValueError as e:
+                raise ConfigError([f"environment: {e}"]) from e
             continue
         rest = key[len(_PREFIX) :].lower()
         for section in sections:
