@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tessera.launcher.config import Config
+from tessera.launcher.plan.calibrate import calibrate  # imports torch only when it runs
 from tessera.launcher.plan.cluster import PRESETS, calibrated_path, cluster_to_toml, resolve_cluster
 from tessera.launcher.plan.model import ModelShape
 from tessera.launcher.plan.report import summary, table, write_png, write_winner
@@ -49,8 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     """Run ``tessera plan``; exit code 0, or 2 for a mistake (said on stderr)."""
     if args.calibrate is not None:
-        from tessera.launcher.plan.calibrate import calibrate
-
         cluster = calibrate()
         out = Path(args.calibrate) if args.calibrate else calibrated_path()
         out.parent.mkdir(parents=True, exist_ok=True)
