@@ -129,7 +129,6 @@ def _bubble(
         result = runtime.step(x, targets)
         end = max(t.end for t in result.timeline)
         out.append((result.started, end, result.busy))
-    runtime.close()
     return out
 
 
@@ -275,7 +274,6 @@ def _gpt_pair(
             trace = f"{folder}/{ours}-vs-{theirs}-{system}-rank{rank}.json"
             b = profile_steps(step, prof_steps, trace, before=dist.barrier)
             out[system] = {"breakdown": b.as_record(), "breakdown_trace": trace}
-    runtime.close()
     return out
 
 

@@ -103,7 +103,6 @@ def _run_case(
         owners = runtime.schedule.stage_to_rank
         evaluated = forward_loss(runtime.stages, owners, idx, targets, loss_fn, group=None, device=idx.device)
         out[m].append(([], evaluated, {}))
-        runtime.close()
     return out
 
 

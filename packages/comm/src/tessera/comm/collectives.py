@@ -17,7 +17,8 @@ torch's collectives.
 Waiting for a collective on CPU tensors first polls its completion for a bounded time,
 yielding the core between polls, then blocks (``tessera.comm.waiting``: a parked core is
 slow to wake on a virtual machine; ``TESSERA_POLL_WAIT_MS`` sets or turns off the poll).
-Point-to-point waits block: gloo's p2p works report completion only once waited on.
+Point-to-point on CPU tensors runs over `tessera.comm.links`, whose works report
+completion as it happens, so its waits poll too.
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ class Handle(Generic[T]):
     def is_completed(self) -> bool:
         """Whether every underlying operation has finished (the result may still need wait()).
 
-        True once ``wait()`` has returned. Before that, a backend may report completion late:
-        gloo's p2p works only do when waited on, so ``batch_isend_irecv`` handles say False
-        until ``wait()``. The gloo ring collectives report truthfully as soon as they finish.
-        Poll it as a hint, never as the only way to learn that a transfer is done.
+        True once ``wait()`` has returned. Before that, a backend may report completion late
+        (torch's gloo p2p works only do when waited on; Tessera's CPU p2p avoids them). The
+        gloo rings and CPU p2p report truthfully as soon as they finish. Poll it as a hint,
+        never as the only way to learn that a transfer is done.
         """
         return self._done or all(w.is_completed() for w in self._works)
 

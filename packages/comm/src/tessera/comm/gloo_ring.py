@@ -1,4 +1,5 @@
-"""Ring reduce-scatter and all-gather over gloo point-to-point, run in order per group.
+"""Ring reduce-scatter and all-gather over gloo point-to-point (`tessera.comm.links`), run in
+order per group.
 
 Torch's gloo backend has no reduce-scatter: ``reduce_scatter_tensor`` clones the input,
 all-reduces the clone (twice a reduce-scatter's traffic) and copies out this rank's chunk,
@@ -24,6 +25,9 @@ never touches the group's collective queue. Each group has a *lane*: one worker 
 after another in call order, so every rank pairs its k-th ring with every peer's k-th. A
 blocking call waits for its lane to drain, then runs in the calling thread. Calls on one
 group must come from one thread (as for any collective).
+
+A blocking ring polls its exchanges (`tessera.comm.waiting`); a lane thread blocks in them,
+so that it never takes cycles from the caller's computation.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.comm import links
 from tessera.comm.profiling import COMM_PREFIX, annotate
+from tessera.comm.waiting import poll_budget, poll_then_wait
 
 __all__ = [
     "LANE_IDLE_S",
@@ -129,6 +135,7 @@ class _Lane:
             last.exception()  # waits; returns rather than raises the ring's error
 
     def _drain(self) -> None:
+        _lane_thread.active = True  # its exchanges block: polling would take the caller's core
         while True:
             with self._cond:
                 if not self._queue:
@@ -147,6 +154,7 @@ class _Lane:
             del fn, future
 
 
+_lane_thread = threading.local()
 _LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, _Lane] = weakref.WeakKeyDictionary()
 _LANES_LOCK = threading.Lock()
 
@@ -195,13 +203,9 @@ def run(group: dist.ProcessGroup | None, fn: Callable[[], T]) -> T:
 
 
 def _exchange(send: Tensor, to: int, recv: Tensor, frm: int, group: dist.ProcessGroup | None) -> None:
-    works = [
-        dist.isend(send, group=group, group_dst=to, tag=RING_TAG),
-        dist.irecv(recv, group=group, group_src=frm, tag=RING_TAG),
-    ]
-    for work in works:
-        assert work is not None, "this rank is not in the group"
-        work.wait()
+    works = [links.isend(send, to, group, RING_TAG), links.irecv(recv, frm, group, RING_TAG)]
+    on_lane = getattr(_lane_thread, "active", False)
+    poll_then_wait(works, 0.0 if on_lane else poll_budget(send.device))
 
 
 def ring_reduce_scatter(

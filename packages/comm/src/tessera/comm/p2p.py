@@ -2,6 +2,11 @@
 
 Peers are named by their rank *inside* ``group`` (``None``: the world). Torch's threaded
 test backend has no send/recv; use the gloo worker pool (tessera.comm.testing) to test p2p.
+
+CPU tensors on a gloo group travel over `tessera.comm.links` (private two-rank gloo groups):
+their handles report completion as soon as it happens, so ``wait()`` polls first
+(`tessera.comm.waiting`), and they were 1.7-2.4x faster than torch's gloo p2p. Elsewhere
+torch's ``batch_isend_irecv`` runs. Both match messages in post order per (pair, tag).
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.comm.collectives import Group, Handle, group_rank, group_size
+from tessera.comm import links
+from tessera.comm.collectives import Group, Handle, Waitable, group_rank, group_size
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import P2P_WAIT, profiled
+from tessera.comm.waiting import poll_budget
 
 __all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send"]
+
+_CPU = torch.device("cpu")
 
 
 def _global(peer: int, group: Group) -> int:
@@ -43,20 +52,24 @@ def batch_isend_irecv(
     only a receive of the same ``tag`` (gloo honours tags; NCCL ignores them). The tag
     ``tessera.comm.gloo_ring.RING_TAG`` is reserved for the gloo ring collectives.
     """
-    ops: list[dist.P2POp] = []
-    for tensor, peer in sends:
-        t = tensor.detach().contiguous()
-        record(CommOp.SEND, group_size=2, nbytes=t.nbytes, like=t)
-        ops.append(dist.P2POp(dist.isend, t, _global(peer, group), group, tag))
-    buffers: list[Tensor] = []
-    for buffer, peer in recvs:
+    outgoing = [(tensor.detach().contiguous(), peer) for tensor, peer in sends]
+    incoming = list(recvs)
+    for tensor, peer in outgoing:
+        _global(peer, group)  # checks the peer
+        record(CommOp.SEND, group_size=2, nbytes=tensor.nbytes, like=tensor)
+    for buffer, peer in incoming:
         if not buffer.is_contiguous():
             raise ValueError(f"receive buffer from peer {peer} must be contiguous")
+        _global(peer, group)
         record(CommOp.RECV, group_size=2, nbytes=buffer.nbytes, like=buffer)
-        ops.append(dist.P2POp(dist.irecv, buffer, _global(peer, group), group, tag))
-        buffers.append(buffer)
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return Handle(list(works), lambda: buffers, wait_name=P2P_WAIT)
+    buffers = [buffer for buffer, _ in incoming]
+    if links.applies([t for t, _ in outgoing] + buffers, group):
+        works: list[Waitable] = [links.isend(t, peer, group, tag) for t, peer in outgoing]
+        works += [links.irecv(b, peer, group, tag) for b, peer in incoming]
+        return Handle(works, lambda: buffers, wait_name=P2P_WAIT, poll_s=poll_budget(_CPU))
+    ops = [dist.P2POp(dist.isend, t, _global(peer, group), group, tag) for t, peer in outgoing]
+    ops += [dist.P2POp(dist.irecv, b, _global(peer, group), group, tag) for b, peer in incoming]
+    return Handle(list(dist.batch_isend_irecv(ops) if ops else []), lambda: buffers, wait_name=P2P_WAIT)
 
 
 def send(x: Tensor, peer: int, group: Group = None) -> None:

@@ -20,19 +20,18 @@ the default c10d store (its rank, the step and the error). Every wait looks at t
 few milliseconds; when it is set the wait raises `PipelineAborted`, so an error on one rank
 ends the step on every rank instead of hanging it.
 
-**Waiting.** gloo's p2p works report completion only from inside a blocking ``wait()``, so on
-the CPU each inbox (and the sends) has a `Waiter` thread that waits its handles in order
-while the main thread watches for an abort; the message order of an inbox is the order its
-tensors are needed in, so the thread never holds up a later message that is needed first.
-On an accelerator (NCCL) ``is_completed()`` reports progress without waiting, so `Pending`
-polls it instead (this path has not been run here: no GPU).
+**Waiting.** Every wait polls the transfer's ``is_completed()`` (tessera.comm's p2p handles
+report completion as it happens: over `tessera.comm.links` on the CPU, NCCL's events on a
+GPU) and looks at the abort key every few milliseconds. For the first
+`tessera.comm.waiting.poll_budget` seconds of a wait it yields the core between polls
+(a parked core is slow to wake on a virtual machine), then it sleeps between polls, at most
+half a millisecond at a time.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -44,14 +43,13 @@ from torch import Tensor
 
 from tessera.comm import Group, Handle, batch_isend_irecv
 from tessera.comm.profiling import P2P_WAIT, annotate
+from tessera.comm.waiting import poll_budget
 
 __all__ = [
     "HEADER_SIZE",
     "Inbox",
     "Message",
-    "Pending",
     "PipelineAborted",
-    "Waiter",
     "Watch",
     "decode_header",
     "encode_header",
@@ -59,6 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+Transfer = Handle[list[Tensor]]
 Message = tuple[str, int, int]
 """``("F" | "B", microbatch, sending stage)`` as `Action.message`, or ``("H", 0, stage)``: the
 shape header of the boundary ``stage -> stage + 1``."""
@@ -98,9 +97,10 @@ def decode_header(header: Tensor) -> Meta:
 class Watch:
     """Polled waits that notice another rank's failure; one per runtime."""
 
-    def __init__(self, group: Group, timeout_s: float) -> None:
+    def __init__(self, group: Group, timeout_s: float, device: torch.device) -> None:
         self.rank = dist.get_rank(group)
         self.timeout_s = timeout_s
+        self.poll_s = poll_budget(device)
         self.step = 0
         self._store: Any = None
         try:
@@ -134,85 +134,29 @@ class Watch:
             message = self._store.get(self.key).decode(errors="replace")
             raise PipelineAborted(f"pipeline step {self.step} aborted: {message}")
 
-    def wait(self, pending: Pending, what: str) -> list[Tensor]:
-        """Wait for ``pending`` while watching the abort key and the timeout."""
-        if pending.ready(0.0):
-            return pending.result()
+    def wait(self, transfer: Transfer, what: str) -> list[Tensor]:
+        """Wait for ``transfer`` while watching the abort key and the timeout."""
+        if transfer.is_completed():
+            return transfer.wait()
         with annotate(P2P_WAIT):  # the step breakdown's idle time: waiting on the peer
-            return self._wait(pending, what)
+            return self._wait(transfer, what)
 
-    def _wait(self, pending: Pending, what: str) -> list[Tensor]:
+    def _wait(self, transfer: Transfer, what: str) -> list[Tensor]:
         start = time.monotonic()
-        while not pending.ready(_CHECK_EVERY_S):
-            self.check()
-            if time.monotonic() - start > self.timeout_s:
-                raise TimeoutError(f"pipeline: waited {self.timeout_s:.0f} s for {what}")
-        return pending.result()
-
-
-class Pending:
-    """A p2p handle being waited for, by a `Waiter` thread or by polling ``is_completed()``."""
-
-    __slots__ = ("done", "error", "handle")
-
-    def __init__(self, handle: Handle[list[Tensor]], threaded: bool) -> None:
-        self.handle = handle
-        self.done = threading.Event() if threaded else None
-        self.error: BaseException | None = None
-
-    def ready(self, timeout: float) -> bool:
-        """Whether the handle has completed, waiting up to ``timeout`` seconds."""
-        if self.done is not None:
-            return self.done.wait(timeout)
-        deadline = time.monotonic() + timeout
-        delay = 2e-5
-        while not self.handle.is_completed():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_SLEEP_S)
-        return True
-
-    def result(self) -> list[Tensor]:
-        """The received buffers (raises the transfer's error); call once `ready`."""
-        if self.error is not None:
-            raise self.error
-        return self.handle.wait()
-
-
-class Waiter:
-    """A daemon thread that waits, in order, for the handles given to `track` (CPU, gloo)."""
-
-    def __init__(self, name: str, threaded: bool) -> None:
-        self.threaded = threaded
-        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
-        if threaded:
-            threading.Thread(target=self._loop, args=(self._queue,), name=name, daemon=True).start()
-
-    @staticmethod
-    def _loop(items: queue.SimpleQueue[Pending | None]) -> None:
-        while True:
-            item = items.get()
-            if item is None:
-                return
-            try:
-                item.handle.wait()
-            except BaseException as exc:
-                item.error = exc
-            assert item.done is not None
-            item.done.set()
-            del item  # hold no handle (and so no process-group work) while idle
-
-    def track(self, handle: Handle[list[Tensor]]) -> Pending:
-        """Start waiting for ``handle``."""
-        pending = Pending(handle, self.threaded)
-        if self.threaded:
-            self._queue.put(pending)
-        return pending
-
-    def close(self) -> None:
-        """Let the thread end once the handles it holds have completed."""
-        self._queue.put(None)
+        spin_until, check_at, delay = start + self.poll_s, start + _CHECK_EVERY_S, 2e-5
+        while not transfer.is_completed():
+            now = time.monotonic()
+            if now >= check_at:
+                self.check()
+                if now - start > self.timeout_s:
+                    raise TimeoutError(f"pipeline: waited {self.timeout_s:.0f} s for {what}")
+                check_at = now + _CHECK_EVERY_S
+            if now < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(delay)
+                delay = min(2 * delay, _MAX_SLEEP_S)
+        return transfer.wait()
 
 
 class Inbox:
@@ -233,7 +177,6 @@ class Inbox:
         self.group = group
         self.device = device
         self.watch = watch
-        self.waiter = Waiter(f"tessera-pipeline-recv-{peer}", threaded=device.type == "cpu")
         self.grad_meta = grad_meta
         self.depth = depth
         self.reset()
@@ -241,7 +184,7 @@ class Inbox:
     def reset(self) -> None:
         """Forget the previous step (its messages were all received)."""
         self._next = 0
-        self._in_flight: deque[tuple[Message, Pending]] = deque()
+        self._in_flight: deque[tuple[Message, Transfer]] = deque()
         self._arrived: dict[Message, Tensor] = {}
         self._shapes: dict[int, Meta] = {}
 
@@ -261,16 +204,15 @@ class Inbox:
         if meta is None:
             return False
         buffer = torch.empty(meta[0], dtype=meta[1], device=self.device)
-        handle = batch_isend_irecv([], [(buffer, self.peer)], self.group)
-        self._in_flight.append((msg, self.waiter.track(handle)))
+        self._in_flight.append((msg, batch_isend_irecv([], [(buffer, self.peer)], self.group)))
         self._next += 1
         return True
 
     def _land(self, block: bool) -> bool:
-        msg, pending = self._in_flight[0]
-        if not block and not pending.ready(0.0):
+        msg, transfer = self._in_flight[0]
+        if not block and not transfer.is_completed():
             return False
-        (tensor,) = self.watch.wait(pending, f"{msg} from rank {self.peer}")
+        (tensor,) = self.watch.wait(transfer, f"{msg} from rank {self.peer}")
         self._in_flight.popleft()
         if msg[0] == "H":
             self._shapes[msg[2]] = decode_header(tensor)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +46,7 @@ from torch.autograd.graph import Node
 
 from tessera.comm import Group, batch_isend_irecv, broadcast, default_device, group_rank, group_size
 from tessera.pipeline.actions import Action, ActionKind, Schedule
-from tessera.pipeline.channels import Inbox, Message, Pending, PipelineAborted, Waiter, Watch, encode_header
+from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
 from tessera.pipeline.partition import Partition
 from tessera.pipeline.simulate import TimedAction
 from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
@@ -60,11 +59,6 @@ logger = logging.getLogger(__name__)
 K = ActionKind
 LossFn = Callable[[Tensor, Tensor], Tensor]
 _Key = tuple[int, int]  # (microbatch, stage)
-
-
-def _close_all(waiters: list[Waiter]) -> None:
-    for waiter in waiters:
-        waiter.close()
 
 
 def _peer(a: Action) -> int:
@@ -151,21 +145,14 @@ class PipelineRuntime:
         self.actions = schedule.actions[self.rank]
         self._fused = self._fusable()
         logger.debug("rank %d: stages %s, B+W merged for %s", self.rank, mine, sorted(self._fused))
-        self.watch = Watch(group, timeout_s)
+        self.watch = Watch(group, timeout_s, self.device)
         self.inboxes = {
             peer: Inbox(peer, order, group, self.device, self.watch, self._grad_meta)
             for peer, order in self._incoming().items()
         }
-        self._send_waiter = Waiter("tessera-pipeline-send", threaded=self.device.type == "cpu")
-        waiters = [self._send_waiter, *(inbox.waiter for inbox in self.inboxes.values())]
-        self._finalizer = weakref.finalize(self, _close_all, waiters)
         self._broken: str | None = None
         self._body: tuple[nn.Module, list[Tensor], list[Node]] | None = None
         self._reset()
-
-    def close(self) -> None:
-        """Stop the runtime's waiter threads (also done when it is garbage collected)."""
-        self._finalizer()
 
     # ------------------------------------------------------------------ setup
     def _incoming(self) -> dict[int, list[Message]]:
@@ -213,7 +200,7 @@ class PipelineRuntime:
         self._weight_grads: dict[_Key, tuple[WeightGrad, Tensor | None, Tensor | None]] = {}
         self._entries: dict[int, Tensor] = {}  # stage 0's first-block output per microbatch
         self._losses: dict[int, Tensor] = {}
-        self._sends: list[Pending] = []
+        self._sends: list[Transfer] = []
         self._headed: set[int] = set()
         self._timeline: list[TimedAction] = []
         self._mb_inputs: list[Tensor] = []
@@ -259,8 +246,11 @@ class PipelineRuntime:
                 self.watch.wait(sent, f"send {i} of {len(self._sends)}")
             for inbox in self.inboxes.values():
                 inbox.check_done()
-            losses = tuple(torch.stack([self._losses[i] for i in sorted(self._losses)]).tolist()) \
-                if self._losses else ()
+            losses = (
+                tuple(torch.stack([self._losses[i] for i in sorted(self._losses)]).tolist())
+                if self._losses
+                else ()
+            )
         except BaseException as exc:
             self._broken = str(self.watch.step)
             if not isinstance(exc, PipelineAborted):
@@ -278,8 +268,10 @@ class PipelineRuntime:
 
     def _split_batch(self, inputs: Tensor | None, targets: Tensor | None) -> None:
         m = self.schedule.num_microbatches
-        for stage, name, batch, out in ((0, "inputs", inputs, self._mb_inputs),
-                                        (self.last, "targets", targets, self._mb_targets)):
+        for stage, name, batch, out in (
+            (0, "inputs", inputs, self._mb_inputs),
+            (self.last, "targets", targets, self._mb_targets),
+        ):
             if stage not in self.stages:
                 continue
             if batch is None:
@@ -314,13 +306,12 @@ class PipelineRuntime:
 
     def _send(self, tensor: Tensor, a: Action) -> None:
         pending = []
-        for sent in self._sends:  # let finished sends go (result() raises their errors)
-            if sent.ready(0.0):
-                sent.result()
+        for sent in self._sends:  # let finished sends go (wait() raises their errors)
+            if sent.is_completed():
+                sent.wait()
             else:
                 pending.append(sent)
-        handle = batch_isend_irecv([(tensor, _peer(a))], [], self.group)
-        pending.append(self._send_waiter.track(handle))
+        pending.append(batch_isend_irecv([(tensor, _peer(a))], [], self.group))
         self._sends = pending
 
     def _forward(self, a: Action) -> None:
