@@ -1,6 +1,10 @@
 """Tier 2: the gloo ring reduce-scatter and all-gather against a single-process reference and
 against torch's own gloo collectives, with metering, ordering, aliasing and completion.
 
+Every test runs on both transports of CPU collectives among ranks of one host: the rings
+(``TESSERA_SHM=0``) and shared memory (``tessera.comm.shm``, the default there), which take
+the same lanes, so the same ordering and completion rules hold for both.
+
 Tolerances (``tol``): fp32 sums over at most 4 ranks agree to round-off (1e-6); bf16 partial
 sums are rounded once per step of the ring, so one bf16 rounding (2**-8) per summand.
 
@@ -37,6 +41,8 @@ from tessera.comm import (
     send,
 )
 from tessera.comm.testing.fixtures import PoolFactory
+
+TRANSPORTS = {"ring": {"TESSERA_SHM": "0"}, "shm": {"TESSERA_SHM": "1"}}
 
 Meter = list[tuple[CommOp, int, int, int]]
 _C10D_OPS = {
@@ -112,6 +118,7 @@ def _both(
     use_async=st.booleans(),
     use_out=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
+    transport=st.sampled_from(sorted(TRANSPORTS)),
 )
 def test_ring_matches_reference_and_torch(
     worker_pools: PoolFactory,
@@ -123,6 +130,7 @@ def test_ring_matches_reference_and_torch(
     use_async: bool,
     use_out: bool,
     seed: int,
+    transport: str,
 ) -> None:
     dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
     shape[dim] *= n
@@ -133,7 +141,8 @@ def test_ring_matches_reference_and_torch(
     total = reduce(stacked, 0)
     gathered = torch.cat([x.chunk(n, dim)[0] for x in xs], dim)
     nbytes = xs[0].nbytes
-    for rank, got in enumerate(worker_pools(n).run(_both, xs, dim, op, use_async, use_out)):
+    runs = worker_pools(n).run(_both, xs, dim, op, use_async, use_out, env=TRANSPORTS[transport])
+    for rank, got in enumerate(runs):
         rs, ag = got["rs"], got["ag"]
         assert isinstance(rs, Tensor) and isinstance(ag, Tensor)
         assert rs.dtype == dtype and ag.dtype == dtype and rs.is_contiguous()
@@ -175,10 +184,11 @@ def _ordered(rank: int, sizes: list[int]) -> list[Tensor]:
     return [*results, sync]
 
 
-def test_async_rings_stay_ordered_per_group(worker_pools: PoolFactory) -> None:
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_async_rings_stay_ordered_per_group(worker_pools: PoolFactory, transport: str) -> None:
     n = 3
     sizes = [1 << 14, 5, 1 << 12, 3, 1 << 16, 1]
-    per_rank = worker_pools(n).run(_ordered, sizes)
+    per_rank = worker_pools(n).run(_ordered, sizes, env=TRANSPORTS[transport])
     for rank, got in enumerate(per_rank):
         expected: list[Tensor] = []
         for i, size in enumerate(sizes):
@@ -207,8 +217,11 @@ def _subgroups(rank: int) -> tuple[Tensor, Tensor, bool]:
     return reduced, gathered, gloo_ring.applies(x, group)
 
 
-def test_rings_on_subgroups_use_group_ranks(worker_pools: PoolFactory) -> None:
-    for rank, (reduced, gathered, ring) in enumerate(worker_pools(4).run(_subgroups)):
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_rings_on_subgroups_use_group_ranks(worker_pools: PoolFactory, transport: str) -> None:
+    for rank, (reduced, gathered, ring) in enumerate(
+        worker_pools(4).run(_subgroups, env=TRANSPORTS[transport])
+    ):
         members = [0, 2] if rank % 2 == 0 else [1, 3]
         mean = sum(torch.arange(4.0) * (r + 1) for r in members) / 2
         assert ring
@@ -227,9 +240,11 @@ def _aliased(rank: int) -> tuple[Tensor, Tensor, bool, bool]:
     return rs, ag, rs.data_ptr() == x.chunk(n)[rank].data_ptr(), ag.data_ptr() == full.data_ptr()
 
 
-def test_outputs_may_alias_inputs(worker_pools: PoolFactory) -> None:
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_outputs_may_alias_inputs(worker_pools: PoolFactory, transport: str) -> None:
     n = 3
-    for rank, (rs, ag, rs_in_place, ag_in_place) in enumerate(worker_pools(n).run(_aliased)):
+    runs = worker_pools(n).run(_aliased, env=TRANSPORTS[transport])
+    for rank, (rs, ag, rs_in_place, ag_in_place) in enumerate(runs):
         total = sum(torch.arange(float(2 * n)) + r for r in range(n))
         assert torch.equal(rs, total.chunk(n)[rank]) and rs_in_place
         assert torch.equal(ag, torch.arange(float(n)).repeat_interleave(2)) and ag_in_place
@@ -256,8 +271,9 @@ def _completion(rank: int) -> tuple[list[bool], bool, list[Tensor]]:
     return early, _poll(handles), [h.wait() for h in handles]
 
 
-def test_ring_handles_report_completion_truthfully(worker_pools: PoolFactory) -> None:
-    (early0, done0, got0), (_, done1, got1) = worker_pools(2).run(_completion)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_ring_handles_report_completion_truthfully(worker_pools: PoolFactory, transport: str) -> None:
+    (early0, done0, got0), (_, done1, got1) = worker_pools(2).run(_completion, env=TRANSPORTS[transport])
     assert early0 == [False, False]  # rank 1 had not contributed yet
     assert done0 and done1  # completion shows without wait()
     xs = [torch.arange(4.0), torch.arange(4.0) + 10]

@@ -136,10 +136,15 @@ def test_workers_read_the_resolved_config(tmp_path: Path) -> None:
     assert load_config({"TESSERA_TRAIN_STEPS": "3"}).train.steps == 3
 
 
-@pytest.mark.parametrize("value", ["auto", "0", "5", "12.5"])
-def test_a_package_variable_is_no_config_field_but_is_checked(value: str) -> None:
-    """TESSERA_POLL_WAIT_MS (tessera.comm.waiting) passes the unknown-variable check when its
-    value parses, and is refused by name before spawning when it does not."""
-    assert resolve_config(None, [], env={"TESSERA_POLL_WAIT_MS": value}) == resolve_config(None, [], env={})
-    with pytest.raises(ConfigError, match="TESSERA_POLL_WAIT_MS='-3'"):
-        resolve_config(None, [], env={"TESSERA_POLL_WAIT_MS": "-3"})
+@pytest.mark.parametrize(
+    ("name", "good", "bad"),
+    [("TESSERA_POLL_WAIT_MS", v, "-3") for v in ("auto", "0", "5", "12.5")]
+    + [("TESSERA_SHM", v, "yes") for v in ("auto", "0", "1", "off", "ON")],
+)
+def test_a_package_variable_is_no_config_field_but_is_checked(name: str, good: str, bad: str) -> None:
+    """TESSERA_POLL_WAIT_MS (tessera.comm.waiting) and TESSERA_SHM (tessera.comm.shm) pass
+    the unknown-variable check when their values parse, and are refused by name before
+    spawning when they do not."""
+    assert resolve_config(None, [], env={name: good}) == resolve_config(None, [], env={})
+    with pytest.raises(ConfigError, match=f"{name}='{bad}'"):
+        resolve_config(None, [], env={name: bad})

@@ -128,6 +128,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
         {"TESSERA_POLL_WAIT_MS": "fast"},
         ["TESSERA_POLL_WAIT_MS='fast'", "auto"],
     ),
+    "env shm": (["run", "job.py"], {"TESSERA_SHM": "maybe"}, ["TESSERA_SHM='maybe'", "off"]),
     "resume missing": (
         ["run", "--set", "train.resume={d}/ckpt", "job.py"],
         {},

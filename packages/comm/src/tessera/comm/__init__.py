@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         broadcast_async,
         group_rank,
         group_size,
+        overlappable,
         reduce_scatter,
         reduce_scatter_async,
     )
@@ -132,6 +133,7 @@ __all__ = [
     "group_size",
     "lazy_exports",
     "measure_memory",
+    "overlappable",
     "recv",
     "reduce_from_region",
     "reduce_scatter",

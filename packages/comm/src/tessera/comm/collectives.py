@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.comm import gloo_ring
+from tessera.comm import gloo_ring, shm
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import WAIT, profiled, profiler_enabled
 from tessera.comm.waiting import poll_budget, poll_then_wait
@@ -48,6 +48,7 @@ __all__ = [
     "broadcast_async",
     "group_rank",
     "group_size",
+    "overlappable",
     "reduce_scatter",
     "reduce_scatter_async",
 ]
@@ -128,6 +129,15 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group)
 
 
+def overlappable(x: Tensor, group: Group) -> bool:
+    """Whether an ``*_async`` collective of tensors like ``x`` on ``group`` proceeds while the
+    caller computes. Not on one rank, nor where the ranks share memory (`tessera.comm.shm`:
+    the collective runs within the call, and faster than any overlap could hide), so code
+    that reorders work to overlap communication can keep its plain order there. On its
+    group's first call it may set up the shared memory, so call it on every rank alike."""
+    return group_size(group) > 1 and shm.applies(x, group) is None
+
+
 def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in _OPS:
         raise ValueError(f"reduce op must be one of {sorted(_OPS)}, got {op!r}")
@@ -150,15 +160,7 @@ def _done(result: T) -> Handle[T]:
     return Handle([], lambda: result)
 
 
-@profiled("tessera.comm.all_reduce_async")
-def all_reduce_async(
-    x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False
-) -> Handle[Tensor]:
-    """Start reducing ``x`` over the group: every rank gets the sum (avg, max, min); moves 2x x.
-
-    With ``inplace=True`` the result is written into ``x`` itself (which must be contiguous)
-    instead of a new tensor.
-    """
+def _all_reduce(x: Tensor, group: Group, op: ReduceOpName, inplace: bool, async_op: bool) -> Handle[Tensor]:
     red = _reduce_op(op)
     n = group_size(group)
     if inplace and not x.is_contiguous():
@@ -168,6 +170,14 @@ def all_reduce_async(
         return _done(result)
     buffer = result.detach()
     record(CommOp.ALL_REDUCE, group_size=n, nbytes=buffer.nbytes, like=buffer)
+    segment = shm.applies(buffer, group)
+    if segment is not None:
+
+        def reduce() -> Tensor:
+            shm.all_reduce(segment, buffer, op)
+            return result
+
+        return _on_lane(group, reduce, async_op)
     work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
 
     def finish() -> Tensor:
@@ -178,10 +188,22 @@ def all_reduce_async(
     return Handle([work], finish, poll_s=poll_budget(buffer.device))
 
 
+@profiled("tessera.comm.all_reduce_async")
+def all_reduce_async(
+    x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False
+) -> Handle[Tensor]:
+    """Start reducing ``x`` over the group: every rank gets the sum (avg, max, min); moves 2x x.
+
+    With ``inplace=True`` the result is written into ``x`` itself (which must be contiguous)
+    instead of a new tensor.
+    """
+    return _all_reduce(x, group, op, inplace, async_op=True)
+
+
 @profiled("tessera.comm.all_reduce")
 def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False) -> Tensor:
     """Reduce ``x`` over the group (sum by default) and return the result on every rank."""
-    return all_reduce_async(x, group, op, inplace=inplace).wait()
+    return _all_reduce(x, group, op, inplace, async_op=False).wait()
 
 
 def _check_out(out: Tensor, shape: tuple[int, ...], like: Tensor, what: str) -> None:
@@ -192,8 +214,9 @@ def _check_out(out: Tensor, shape: tuple[int, ...], like: Tensor, what: str) -> 
         )
 
 
-def _ring(group: Group, fn: Callable[[], Tensor], async_op: bool) -> Handle[Tensor]:
-    """Run a gloo ring after the group's earlier rings; a Handle that completes when it has."""
+def _on_lane(group: Group, fn: Callable[[], Tensor], async_op: bool) -> Handle[Tensor]:
+    """Run ``fn`` (a gloo ring or a shared-memory collective) after the group's earlier ones:
+    async on the group's lane thread, else in this thread; a Handle that completes when it has."""
     if not async_op:
         return _done(gloo_ring.run(group, fn))
     future = gloo_ring.submit(group, fn)
@@ -225,15 +248,19 @@ def _all_gather(x: Tensor, group: Group, dim: int, out: Tensor | None, async_op:
             return out if out is not None else flat
         return torch.cat(flat.view(n, *src.shape).unbind(0), dim=dim)
 
-    if gloo_ring.applies(src, group):
+    segment = shm.applies(src, group)
+    if segment is not None or gloo_ring.applies(src, group):
         if _shares_memory(src, flat):
             src = src.clone()
 
         def ring() -> Tensor:
-            gloo_ring.ring_all_gather(src, flat, group)
+            if segment is not None:
+                shm.all_gather(segment, src, flat)
+            else:
+                gloo_ring.ring_all_gather(src, flat, group)
             return finish()
 
-        return _ring(group, ring, async_op)
+        return _on_lane(group, ring, async_op)
     work = dist.all_gather_single(flat, src, group=group, async_op=True)
     return Handle([work], finish, poll_s=poll_budget(flat.device))
 
@@ -269,19 +296,23 @@ def _reduce_scatter(
         return _done(out.copy_(result) if out is not None else result)
     if out is None:
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
-    if gloo_ring.applies(x, group):
+    segment = shm.applies(x, group)
+    if segment is not None or gloo_ring.applies(x, group):
         record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=x.nbytes, like=x)
         result = out
-        # the ring receives into its output while it still reads the input: keep them apart
+        # the output is written while the input is still read: keep them apart
         dest = torch.empty_like(out) if _shares_memory(out, x) else out.detach()
 
         def ring() -> Tensor:
-            gloo_ring.ring_reduce_scatter(chunks, dest, group, op)
+            if segment is not None:
+                shm.reduce_scatter(segment, chunks, dest, op)
+            else:
+                gloo_ring.ring_reduce_scatter(chunks, dest, group, op)
             if dest is not result:
                 result.detach().copy_(dest)
             return result
 
-        return _ring(group, ring, async_op)
+        return _on_lane(group, ring, async_op)
     src = torch.cat(chunks, 0) if dim != 0 else x.detach()
     record(CommOp.REDUCE_SCATTER, group_size=n, nbytes=src.nbytes, like=src)
     work = dist.reduce_scatter_single(out, src.contiguous(), op=red, group=group, async_op=True)
@@ -332,10 +363,7 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
-@profiled("tessera.comm.broadcast_async")
-def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
-    """Start sending the group rank ``src``'s ``x`` to every rank (shapes and dtypes must
-    agree); ``wait()`` gives a new tensor holding it. Moves ``x`` (sent by the root)."""
+def _broadcast(x: Tensor, src: int, group: Group, async_op: bool) -> Handle[Tensor]:
     n = group_size(group)
     if not 0 <= src < n:
         raise ValueError(f"broadcast source {src} is outside the group of {n} ranks")
@@ -344,12 +372,27 @@ def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
         return _done(out)
     me = group_rank(group)
     record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
+    segment = shm.applies(out, group)
+    if segment is not None:
+
+        def copy() -> Tensor:
+            shm.broadcast(segment, out, src)
+            return out
+
+        return _on_lane(group, copy, async_op)
     global_src = src if group is None else dist.get_global_rank(group, src)
     work = dist.broadcast(out, src=global_src, group=group, async_op=True)
     return Handle([work], lambda: out, poll_s=poll_budget(out.device))
 
 
+@profiled("tessera.comm.broadcast_async")
+def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
+    """Start sending the group rank ``src``'s ``x`` to every rank (shapes and dtypes must
+    agree); ``wait()`` gives a new tensor holding it. Moves ``x`` (sent by the root)."""
+    return _broadcast(x, src, group, async_op=True)
+
+
 @profiled("tessera.comm.broadcast")
 def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
     """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""
-    return broadcast_async(x, src, group).wait()
+    return _broadcast(x, src, group, async_op=False).wait()

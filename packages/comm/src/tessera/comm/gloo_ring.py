@@ -54,6 +54,7 @@ __all__ = [
     "RING_TAG",
     "FutureWork",
     "applies",
+    "on_lane",
     "ring_all_gather",
     "ring_reduce_scatter",
     "run",
@@ -155,6 +156,13 @@ class _Lane:
 
 
 _lane_thread = threading.local()
+
+
+def on_lane() -> bool:
+    """Whether this thread is a lane's (its waits should block, not poll: see `run`)."""
+    return bool(getattr(_lane_thread, "active", False))
+
+
 _LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, _Lane] = weakref.WeakKeyDictionary()
 _LANES_LOCK = threading.Lock()
 
@@ -197,15 +205,16 @@ def submit(group: dist.ProcessGroup | None, fn: Callable[[], T]) -> Future[T]:
 
 
 def run(group: dist.ProcessGroup | None, fn: Callable[[], T]) -> T:
-    """Run ``fn`` in this thread once every ring submitted on ``group`` has finished."""
+    """Run ``fn`` in this thread (without autograd recording) once every ring submitted on
+    ``group`` has finished."""
     _lane(group).wait_idle()
-    return _in_callers_modes(fn)()
+    with torch.no_grad():
+        return fn()
 
 
 def _exchange(send: Tensor, to: int, recv: Tensor, frm: int, group: dist.ProcessGroup | None) -> None:
     works = [links.isend(send, to, group, RING_TAG), links.irecv(recv, frm, group, RING_TAG)]
-    on_lane = getattr(_lane_thread, "active", False)
-    poll_then_wait(works, 0.0 if on_lane else poll_budget(send.device))
+    poll_then_wait(works, 0.0 if on_lane() else poll_budget(send.device))
 
 
 def ring_reduce_scatter(

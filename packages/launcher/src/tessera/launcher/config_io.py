@@ -14,7 +14,8 @@ values are text parsed as the field's type. A tuple field (``zero.fractions``) i
 of numbers in TOML and comma-separated text (``0,0.5,0.5``) in the environment. Any
 ``TESSERA_*`` environment variable that is neither a field nor one of ``LAUNCHER_ENV`` (set
 by the launcher itself) or ``PACKAGE_ENV`` (read by the packages below, such as
-``TESSERA_POLL_WAIT_MS`` of ``tessera.comm.waiting``, whose value is checked here) is an
+``TESSERA_POLL_WAIT_MS`` of ``tessera.comm.waiting`` and ``TESSERA_SHM`` of
+``tessera.comm.shm``, whose values are checked here) is an
 error, so a misspelt ``TESSERA_PARALEL_DP=4`` cannot be silently ignored. The resolved config travels
 to the workers of ``tessera run`` as a file named by ``TESSERA_RESOLVED_CONFIG``, so every
 rank sees exactly what was validated.
@@ -26,10 +27,11 @@ import dataclasses
 import json
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tessera.comm import shm_env
 from tessera.comm.waiting import ENV as POLL_WAIT_ENV
 from tessera.comm.waiting import budget_from_env
 from tessera.launcher.config import Config
@@ -59,7 +61,11 @@ LAUNCHER_ENV = frozenset(
     {RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, RESTART_ENV, "TESSERA_PKG_TESTS"}
 )
 # TESSERA_* variables of the packages below, read where they act; checked here before spawning
-PACKAGE_ENV = frozenset({POLL_WAIT_ENV})
+# (each checker raises ValueError naming the variable)
+PACKAGE_ENV: Mapping[str, Callable[[Mapping[str, str]], object]] = {
+    POLL_WAIT_ENV: budget_from_env,
+    shm_env.ENV: shm_env.enabled_from_env,
+}
 _PREFIX = "TESSERA_"
 
 
@@ -147,7 +153,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
             continue
         if key in PACKAGE_ENV:
             try:
-                budget_from_env(env)
+                PACKAGE_ENV[key](env)
             except ValueError as e:
                 raise ConfigError([f"environment: {e}"]) from e
             continue

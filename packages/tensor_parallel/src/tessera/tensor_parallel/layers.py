@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, split_along
+from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, overlappable, split_along
 from tessera.tensor_parallel.heads import block_shard_range
 from tessera.tensor_parallel.init import linear_weights
 from tessera.tensor_parallel.overlap import Region, Slot, overlaps, summed_linear
@@ -345,7 +345,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_along(x, -1, self.group)
-        if self.chunks > 1 and not self.sequence_parallel and self.tp > 1:
+        if self.chunks > 1 and not self.sequence_parallel and overlappable(x, self.group):
             y = summed_linear(x, self.weight, self.group, self.chunks)
             return y if self.bias is None else y + self.bias
         y = exit_tp_region(  # the partial product is a temporary: summed in place
@@ -379,8 +379,10 @@ def enter_region_of(
     overlaps the weight gradients of those layers (``overlap``); call ``end_region(layers)``
     once they have run forward. ``private`` as for ``enter_tp_region``, on the plain path (the
     overlapped one reduces in place whenever those layers read the input: see ``Region``). A
-    layer with ``overlap`` off (``set_overlap``) keeps the plain entry for the whole region."""
-    plain = group_size(group) == 1 or not layers
+    layer with ``overlap`` off (``set_overlap``) keeps the plain entry for the whole region,
+    and so does a group whose collectives run within the call (``overlappable``: ranks that
+    share memory), where there is nothing to overlap."""
+    plain = not layers or not overlappable(x, group)  # nothing to gain where comm is synchronous
     if plain or not all(layer.overlap for layer in layers) or not overlaps(x):
         return enter_tp_region(
             x, group, sequence_parallel=sequence_parallel, seq_dim=seq_dim, private=private

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
@@ -97,7 +97,9 @@ def _worker_main(
         task = pickle.loads(message)
         if task is None:
             break
-        module, path, qualname, args = task
+        module, path, qualname, args, env = task
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         try:
             result = _resolve(module, path, qualname)(rank, *args)
             payload = pickle.dumps(("ok", result))
@@ -110,6 +112,12 @@ def _worker_main(
             except Exception:
                 blob = None
             payload = pickle.dumps(("err", (blob, f"{type(exc).__name__}: {exc}", tb)))
+        finally:  # the process serves later calls: leave its environment as it was
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         conn.send_bytes(payload)
     dist.destroy_process_group()
 
@@ -190,8 +198,17 @@ class WorkerPool:
         self.close()
 
     # ------------------------------------------------------------------ running
-    def run(self, fn: Callable[..., R], *args: Any, timeout: float | None = None) -> list[R]:
-        """Call ``fn(rank, *args)`` on every rank; return the results in rank order."""
+    def run(
+        self,
+        fn: Callable[..., R],
+        *args: Any,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> list[R]:
+        """Call ``fn(rank, *args)`` on every rank; return the results in rank order.
+
+        ``env``: environment variables set in every worker for this call only.
+        """
         if not self._procs:
             self._start()
         module = fn.__module__
@@ -199,7 +216,7 @@ class WorkerPool:
             path: str | None = inspect.getfile(fn)
         except TypeError:
             path = None
-        message = pickle.dumps((module, path, fn.__qualname__, args))
+        message = pickle.dumps((module, path, fn.__qualname__, args, dict(env or {})))
         for conn in self._conns:
             conn.send_bytes(message)
         return self._collect(self.timeout if timeout is None else timeout, what=fn.__qualname__)
