@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from tessera.comm import all_gather, all_reduce, broadcast, reduce_scatter, shm
+from tessera.comm import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter, shm
 from tessera.comm.shm_env import ENV, enabled_from_env
 from tessera.comm.testing import RankFailure, WorkerPool
 from tessera.comm.testing.fixtures import PoolFactory
@@ -59,6 +59,7 @@ def _pieces(rank: int, xs: list[Tensor], op: str, slots_bytes: int) -> dict[str,
         "all_gather": all_gather(x, group),
         "reduce_scatter": reduce_scatter(torch.cat([x] * n), group, op=op),  # type: ignore[arg-type]
         "broadcast": broadcast(x, n - 1, group),
+        "all_to_all": all_to_all(torch.stack([x * (j + 1) for j in range(n)]), group),
     }
 
 
@@ -95,6 +96,7 @@ def test_collectives_in_many_pieces_equal_the_reference(
             "all_gather": torch.cat(xs),
             "reduce_scatter": total,
             "broadcast": xs[n - 1],
+            "all_to_all": torch.stack([xs[q] * (rank + 1) for q in range(n)]),
         }
         for name, want in checks.items():
             have = got[name]

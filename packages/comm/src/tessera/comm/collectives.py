@@ -358,8 +358,17 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
     src = torch.stack(x.detach().chunk(n, dim=scatter_dim), 0).contiguous()
     out = torch.empty_like(src)
     record(CommOp.ALL_TO_ALL, group_size=n, nbytes=src.nbytes, kept_bytes=src.nbytes // n, like=src)
-    work = dist.all_to_all_single(out, src, group=group, async_op=True)
-    poll_then_wait([work], poll_budget(src.device))
+    segment = shm.applies(src, group)
+    if segment is not None:
+
+        def exchange() -> Tensor:
+            shm.all_to_all(segment, src, out)
+            return out
+
+        _on_lane(group, exchange, async_op=False)
+    else:
+        work = dist.all_to_all_single(out, src, group=group, async_op=True)
+        poll_then_wait([work], poll_budget(src.device))
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 

@@ -21,7 +21,10 @@ it), so the segment is used on x86-64 Linux only.
 Collectives run where gloo's rings would (`tessera.comm.gloo_ring`): a blocking one in the
 caller's thread, an async one on its group's lane thread, in call order. A waiting caller
 polls the counters, yielding the core for the first `tessera.comm.waiting.poll_budget`
-seconds and sleeping between polls after that; a lane thread sleeps between polls at once. Every
+seconds; after that (and on a lane thread at once) it sleeps in the kernel on the *bell* of
+a rank it waits for (a 32-bit word each rank bumps after every counter it sets, and wakes
+the word's sleepers: a futex on the shared page), so a host with more ranks than cores
+wakes a rank when its peer arrives rather than when a timer fires. Every
 50 ms it checks that its peers' processes are alive (a dead peer raises at once, naming it)
 and the group's timeout.
 
@@ -34,6 +37,7 @@ it unlinks it. If any rank cannot, the group keeps gloo. ``TESSERA_SHM=0`` turns
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -57,7 +61,18 @@ from tessera.comm.gloo_ring import on_lane
 from tessera.comm.shm_env import enabled_from_env
 from tessera.comm.waiting import poll_budget
 
-__all__ = ["SLOTS_BYTES", "Segment", "all_gather", "all_reduce", "applies", "broadcast", "reduce_scatter"]
+__all__ = [
+    "SLOTS_BYTES",
+    "SUPPORTED",
+    "Segment",
+    "SegmentError",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "applies",
+    "broadcast",
+    "reduce_scatter",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +80,8 @@ SLOTS_BYTES = 8 << 20
 """Bytes of slots per segment (both parities, every rank): slots of 2 MiB on 2 ranks."""
 _LINE = 64  # bytes: one counter per cache line
 _CHECK_S = 0.05  # how often a wait checks its peers and the timeout
-_MAX_SLEEP_S = 0.0002
+_SYS_FUTEX = 202  # x86-64's futex system call
+_FUTEX_WAIT, _FUTEX_WAKE, _WAKE_ALL = 0, 1, 2**31 - 1  # shared (not private): across processes
 _SHM_DIR = Path("/dev/shm")
 _CPU = torch.device("cpu")
 _COMBINE: dict[str, Callable[..., Tensor]] = {
@@ -74,6 +90,33 @@ _COMBINE: dict[str, Callable[..., Tensor]] = {
     "max": torch.maximum,
     "min": torch.minimum,
 }
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _timespec(seconds: float) -> _Timespec:
+    seconds = max(seconds, 1e-6)
+    return _Timespec(int(seconds), int((seconds % 1) * 1e9))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _futex(address: int, op: int, value: int, timeout: _Timespec | None) -> None:
+    """FUTEX_WAIT (sleep while the word at ``address`` equals ``value``, at most ``timeout``)
+    or FUTEX_WAKE (wake up to ``value`` sleepers) on a word of shared memory."""
+    _libc.syscall(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(address),
+        ctypes.c_int(op),
+        ctypes.c_int(value),
+        None if timeout is None else ctypes.byref(timeout),
+        None,
+        ctypes.c_int(0),
+    )
 
 
 class SegmentError(RuntimeError):
@@ -91,6 +134,10 @@ class Segment:
         self.slot_bytes = (SLOTS_BYTES // (2 * n)) // _LINE * _LINE
         counters = np.frombuffer(buf, dtype=np.int64, count=header // 8).reshape(2, n, _LINE // 8)
         self.arrive, self.leave = counters[0, :, 0], counters[1, :, 0]
+        # each rank's bell: a 32-bit word on its arrive line, bumped after each counter change
+        self.bells = counters.view(np.int32).reshape(2, n, _LINE // 4)[0, :, 2]
+        base = counters.ctypes.data
+        self._bell_addresses = [base + q * _LINE + 8 for q in range(n)]
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=header, count=2 * n * self.slot_bytes)
         self.slots = data.view(2, n, self.slot_bytes)
         self._buf = buf
@@ -125,28 +172,41 @@ class Segment:
     def arrived(self, what: str) -> None:
         """Announce this rank's slot and wait until every rank has announced theirs."""
         self.arrive[self.me] = self.seq
+        self._ring()
         self._wait(self.arrive, self.seq, what)
 
     def leave_op(self) -> None:
         """Say this rank no longer reads the slots of the current operation."""
         self.leave[self.me] = self.seq
+        self._ring()
+
+    def _ring(self) -> None:
+        """Bump this rank's bell (after the counter it announces) and wake its waiters."""
+        self.bells[self.me] += 1
+        _futex(self._bell_addresses[self.me], _FUTEX_WAKE, _WAKE_ALL, None)
 
     def _wait(self, row: np.ndarray, target: int, what: str) -> None:
         if min(row.tolist()) >= target:
             return
         start = time.monotonic()
         budget = 0.0 if on_lane() else poll_budget(_CPU)  # a lane thread leaves the core to its caller
-        spin_until, check_at, delay = start + budget, start + _CHECK_S, 2e-5
-        while min(row.tolist()) < target:
+        spin_until, check_at = start + budget, start + _CHECK_S
+        while True:
+            behind = next((q for q, v in enumerate(row.tolist()) if v < target), None)
+            if behind is None:
+                return
             now = time.monotonic()
             if now >= check_at:
                 self._check(row, target, what, now - start)
                 check_at = now + _CHECK_S
             if now < spin_until:
                 os.sched_yield()
-            else:
-                time.sleep(delay)
-                delay = min(2 * delay, _MAX_SLEEP_S)
+                continue
+            # sleep until the rank behind rings its bell (or the next check): read the bell,
+            # then its counter; a ring after the read makes the kernel return at once
+            bell = int(self.bells[behind])
+            if row[behind] < target:
+                _futex(self._bell_addresses[behind], _FUTEX_WAIT, bell, _timespec(check_at - now))
 
     def _check(self, row: np.ndarray, target: int, what: str, waited_s: float) -> None:
         behind = [q for q in range(self.n) if row[q] < target]
@@ -199,7 +259,8 @@ def _timeout_s(pg: dist.ProcessGroup) -> float:
     return (timeout if isinstance(timeout, timedelta) else dist.default_pg_timeout).total_seconds()
 
 
-_SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and _SHM_DIR.is_dir()
+# where shared-memory collectives can run: x86's store order, Linux's /dev/shm
+SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and _SHM_DIR.is_dir()
 
 
 def _create(size: int) -> str:
@@ -263,7 +324,7 @@ def applies(x: Tensor, group: dist.ProcessGroup | None) -> Segment | None:
     CPU tensors on gloo groups whose ranks share an x86-64 Linux host, unless ``TESSERA_SHM``
     is off. Collective on the group's first call (every rank decides alike). The functions
     below take detached tensors (they record no autograd graph)."""
-    if x.device.type != "cpu" or x.numel() == 0 or not _SUPPORTED or not enabled_from_env(os.environ):
+    if x.device.type != "cpu" or x.numel() == 0 or not SUPPORTED or not enabled_from_env(os.environ):
         return None
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None, "torch.distributed is not initialised"
@@ -351,4 +412,20 @@ def broadcast(seg: Segment, buffer: Tensor, src: int) -> None:
         seg.arrived("broadcast")
         if seg.me != src:
             piece.copy_(seg.slot(parity, src, buffer.dtype)[:k])
+        seg.leave_op()
+
+
+def all_to_all(seg: Segment, src: Tensor, out: Tensor) -> None:
+    """Send ``src[j]`` (``src``: contiguous, one row per rank) to rank j; ``out[j]`` (same
+    shape) receives rank j's row for this rank."""
+    n, me = seg.n, seg.me
+    rows, dst = src.view(n, -1), out.view(n, -1)
+    total, per = rows.shape[1], seg.capacity(src.dtype) // n
+    for start in range(0, total, per):
+        k = min(per, total - start)
+        parity = seg.begin("all_to_all")
+        seg.slot(parity, me, src.dtype)[: n * k].view(n, k).copy_(rows[:, start : start + k])
+        seg.arrived("all_to_all")
+        for q in range(n):
+            dst[q, start : start + k].copy_(seg.slot(parity, q, src.dtype)[me * k : (me + 1) * k])
         seg.leave_op()

@@ -5,13 +5,22 @@ Times, in this process with one thread per rank as the launcher's workers run
 size (a short profile of the model itself), fitted to the planner's own compute model
 ``t = FLOPs / rate + operators * overhead`` (two sizes, two unknowns: the sustained FLOP/s
 of one rank and the fixed cost per operator); a large copy (memory bandwidth); and, between
-two gloo processes over loopback, all-reduces of a small and a large tensor, fitted to the
-alpha-beta model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``), and a
-small all-reduce among twice as many processes as cores, for the wait each message adds per
-rank beyond the cores (``wait_s``: a peer must be scheduled before it answers); and
-all-to-alls (``tessera.comm.all_to_all``, what Ulysses runs) of the same two sizes on two
-processes, fitted to ``a2a_latency + bytes / 2 / a2a_bandwidth`` (gloo's all-to-all costs
-about an all-reduce of the same buffer, not the half the ring form says). The
+two gloo processes on this host, Tessera's own collectives as a job runs them:
+
+- all-reduces (``tessera.comm.all_reduce``, in place: shared memory here, `tessera.comm.shm`)
+  of a small and a large tensor, fitted to the alpha-beta model (a 2-rank all-reduce takes
+  ``2 latency + bytes / bandwidth``): the link inside the node;
+- the same with shared memory off (gloo over loopback sockets): the link between nodes, for
+  want of a second host (a real network is slower);
+- point-to-point messages (``tessera.comm.batch_isend_irecv``: over `tessera.comm.links`)
+  of the same two sizes, one way and back, fitted to ``p2p_latency + bytes /
+  p2p_bandwidth`` a way (pipeline hops and ring attention);
+- a small all-reduce among twice as many processes as cores, each computing a little
+  between all-reduces as a step does (the all-reduce's cost: the time the pair takes less
+  the compute alone), for the wait each message adds per rank beyond the cores (``wait_s``:
+  a peer must be scheduled before it answers);
+- all-to-alls (``tessera.comm.all_to_all``, what Ulysses runs) of the two sizes, fitted to
+  ``a2a_latency + bytes / 2 / a2a_bandwidth`` (half the buffer leaves). The
 medium profile runs again with bf16 parameters for the bf16 rate (``flops``; CPUs with
 AVX512-BF16 or AMX run it faster than fp32). The node's FLOP/s are one rank's fp32 rate
 times the cores (ranks beyond the cores share them).
@@ -49,23 +58,52 @@ def _collective_worker(
     import torch
     import torch.distributed as dist
 
-    from tessera.comm import all_to_all
+    from tessera.comm import all_reduce, all_to_all, batch_isend_irecv
 
     torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun says: waits poll as in a job
+    if op == "gloo_all_reduce":
+        os.environ["TESSERA_SHM"] = "0"
     store = dist.FileStore(path, world)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         result = []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
+            peer = (rank + 1) % world
 
-            def reduce(x: torch.Tensor = x) -> None:
+            def run(x: torch.Tensor = x, peer: int = peer) -> None:
                 if op == "all_to_all":
                     all_to_all(x.view(world, -1))
+                elif op == "p2p":  # rank 0 sends, rank 1 returns it: two messages
+                    first, second = (x, torch.empty_like(x)) if rank == 0 else (torch.empty_like(x), x)
+                    if rank == 0:
+                        batch_isend_irecv([(first, peer)], []).wait()
+                        batch_isend_irecv([], [(second, peer)]).wait()
+                    else:
+                        batch_isend_irecv([], [(first, peer)]).wait()
+                        batch_isend_irecv([(first, peer)], []).wait()
                 else:
-                    dist.all_reduce(x)
+                    all_reduce(x, inplace=True)
 
-            result.append(_median(reduce, 20 if nbytes == LARGE else 200))
+            run()  # the first call sets the transport up
+            if op == "crowded":  # computing between all-reduces, as a step does: the extra
+                a = torch.randn(96, 96)  # time an all-reduce adds to the same compute
+
+                def compute(a: torch.Tensor = a) -> None:
+                    for _ in range(8):
+                        a @ a
+
+                def both() -> None:
+                    compute()
+                    run()
+
+                dist.barrier()
+                alone = _median(compute, 100)
+                dist.barrier()
+                result.append(max(_median(both, 100) - alone, 0.0))
+                continue
+            result.append(_median(run, 20 if nbytes == LARGE else 200))
         if rank == 0:
             out.put(result)
     finally:
@@ -73,8 +111,9 @@ def _collective_worker(
 
 
 def _all_reduce_times(world: int, sizes: tuple[int, ...], op: str = "all_reduce") -> list[float]:
-    """Median seconds of gloo all-reduces (or ``op="all_to_all"``: tessera all-to-alls) of
-    ``sizes`` bytes among ``world`` processes here."""
+    """Median seconds of Tessera's in-place all-reduces (``op="gloo_all_reduce"``: with shared
+    memory off; ``"all_to_all"``: all-to-alls; ``"p2p"``: a message there and back) of
+    ``sizes`` bytes among ``world`` gloo processes here."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -101,16 +140,23 @@ def _all_to_all() -> tuple[float, float]:
     return max(small - SMALL / 2 / bandwidth, 1e-7), bandwidth
 
 
+def _fit(op: str, passes: int) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of ``op`` on two processes, from a call of the small and of
+    the large size, each taking ``2 latency + passes * bytes / bandwidth``: an all-reduce
+    (``passes`` 1, the alpha-beta model's 2-rank form) or a message there and back (2)."""
+    small, large = _all_reduce_times(2, (SMALL, LARGE), op=op)
+    bandwidth = passes * (LARGE - SMALL) / max(large - small, 1e-9)
+    return max((small - passes * SMALL / bandwidth) / 2, 1e-7), bandwidth
+
+
 def _link(cores: int) -> tuple[float, float, float]:
-    """(latency s, bandwidth B/s, wait s) of loopback gloo: two processes fit the alpha-beta
-    model (a 2-rank ring all-reduce takes ``2 latency + bytes / bandwidth``); then ``2 cores``
-    processes, twice as many as the cores, time a small all-reduce (``2 (n - 1)`` ring steps),
-    whose steps each wait ``wait`` more per rank beyond the cores (``cores`` of them)."""
-    small, large = _all_reduce_times(2, (SMALL, LARGE))
-    bandwidth = (LARGE - SMALL) / max(large - small, 1e-9)
-    latency = max((small - SMALL / bandwidth) / 2, 1e-7)
+    """(latency s, bandwidth B/s, wait s) of Tessera's all-reduce here (`_fit`); then ``2
+    cores`` processes, twice as many as the cores, time a small all-reduce, whose ``2 (n-1)``
+    steps (a ring's count, kept as the model's unit) each wait ``wait`` more per rank beyond
+    the cores (``cores`` of them)."""
+    latency, bandwidth = _fit("all_reduce", 1)
     n = 2 * cores
-    (crowded,) = _all_reduce_times(n, (SMALL,))
+    (crowded,) = _all_reduce_times(n, (SMALL,), op="crowded")
     per_step = crowded / (2 * (n - 1))
     wait = max(per_step - latency - SMALL / n / bandwidth, 0.0) / cores
     return latency, bandwidth, wait
@@ -144,6 +190,8 @@ def calibrate() -> Cluster:
     """Measure this machine (a few seconds; spawns two gloo processes) as a `Cluster`."""
     import torch
 
+    from tessera.comm import shm
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -163,6 +211,8 @@ def calibrate() -> Cluster:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     latency, bandwidth, wait = _link(cores)
+    inter_latency, inter_bandwidth = _fit("gloo_all_reduce", 1)
+    p2p_latency, p2p_bandwidth = _fit("p2p", 2)
     a2a_latency, a2a_bandwidth = _all_to_all()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = PRESETS["cpu"]
@@ -177,8 +227,11 @@ def calibrate() -> Cluster:
         node_flops=flops * cores,
         intra_bandwidth=bandwidth,
         intra_latency=latency,
-        inter_bandwidth=bandwidth,
-        inter_latency=latency,
+        inter_bandwidth=inter_bandwidth,
+        inter_latency=inter_latency,
+        p2p_latency=p2p_latency,
+        p2p_bandwidth=p2p_bandwidth,
+        shm_slots_bytes=float(shm.SLOTS_BYTES) if shm.SUPPORTED else 0.0,
         op_overhead_s=op,
         memory_bandwidth=memory_bw,
         host_bandwidth=memory_bw,

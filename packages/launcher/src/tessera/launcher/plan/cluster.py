@@ -20,6 +20,14 @@ a2a_bandwidth`` (plus the wait above per message) instead of the link's ring for
 host gloo's ``all_to_all_single`` (with tessera's stack and concatenation around it) costs
 about what an all-reduce of the same buffer costs, 2-3x the ring form; ``--calibrate`` times
 it on two processes. 0 (the GPU presets): the link's ring form.
+``p2p_latency`` / ``p2p_bandwidth``: when ``p2p_bandwidth`` > 0, one point-to-point message
+(a pipeline hop, a ring-attention step) inside a node takes ``p2p_latency + n /
+p2p_bandwidth`` instead of the link's terms: on a CPU host the collectives go through shared
+memory (`tessera.comm.shm`) while messages travel over gloo (`tessera.comm.links`), about
+ten times slower for small ones.
+``shm_slots_bytes``: when > 0, the collectives of every group of ranks on one node go through
+a shared-memory segment with that many bytes of slots (`tessera.comm.shm.SLOTS_BYTES`), which
+each rank maps (`MemoryEstimate.shared`); 0 on GPUs.
 ``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
 whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
 the node * flops_fp32))`` of its peak at any precision, and the same share of the link's
@@ -80,6 +88,9 @@ class Cluster:
     wait_s: float = 0.0  # per message, per rank beyond the cores (a peer must be scheduled first)
     a2a_latency: float = 0.0  # a measured all-to-all per message (with a2a_bandwidth > 0)
     a2a_bandwidth: float = 0.0  # bytes/s of a measured all-to-all; 0: the link's ring form
+    p2p_latency: float = 0.0  # a measured point-to-point message (with p2p_bandwidth > 0)
+    p2p_bandwidth: float = 0.0  # bytes/s of a measured message; 0: the link's own terms
+    shm_slots_bytes: float = 0.0  # > 0: each group's collectives use a shared-memory segment
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -203,15 +214,27 @@ PRESETS: dict[str, Cluster] = {
         flops_fp32=7.5e10,
         efficiency=1.0,
         node_flops=1.5e11,
-        intra_bandwidth=0.87e9,
-        intra_latency=235e-6,
-        inter_bandwidth=0.87e9,
-        inter_latency=235e-6,
+        # Links: three `tessera plan --calibrate` runs after Tessera's CPU collectives moved to
+        # shared memory (2026-12-01, third session; rounded between the runs that agreed):
+        # all-reduce in shared memory 16-22 us and 5.4-5.9 GB/s (one run 1.8 GB/s)
+        intra_bandwidth=5.5e9,
+        intra_latency=20e-6,
+        # the same all-reduce over gloo's loopback sockets (what a group across hosts uses;
+        # a real network is slower): 0.25-0.29 ms, 0.81-0.98 GB/s (one fit failed)
+        inter_bandwidth=0.9e9,
+        inter_latency=250e-6,
         op_overhead_s=7.0e-6,
-        wait_s=2.7e-4,  # a small all-reduce over 4 gloo processes on the 2 cores, beyond 2
-        # tessera.comm.all_to_all on 2 gloo processes: 0.38 ms at 256 B, about 6 ms at 4 MiB
-        a2a_latency=3.8e-4,
-        a2a_bandwidth=0.34e9,
+        # a small all-reduce over 4 processes on the 2 cores, each computing between them,
+        # beyond what 2 processes take: two runs of the final calibration, 37 us
+        wait_s=3.7e-5,
+        # tessera.comm.all_to_all on 2 processes (shared memory, with the stack and concat
+        # around it): 60-130 us, 0.23-0.93 GB/s (large all-to-alls vary with page faults)
+        a2a_latency=1.1e-4,
+        a2a_bandwidth=0.5e9,
+        # a message over tessera.comm.links (gloo): 0.20-0.25 ms, 2.4-3.1 GB/s
+        p2p_latency=2.0e-4,
+        p2p_bandwidth=2.7e9,
+        shm_slots_bytes=8 * 2**20,  # tessera.comm.shm.SLOTS_BYTES
         memory_bandwidth=25e9,
         host_bandwidth=25e9,
         host_memory_bandwidth=25e9,

@@ -35,6 +35,7 @@ from tessera.launcher.plan.memory import (
     MemoryEstimate,
     activation_bytes,
     model_state_bytes,
+    shm_segment_bytes,
 )
 from tessera.launcher.plan.model import ModelShape, TPShape
 from tessera.launcher.plan.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
@@ -103,10 +104,19 @@ class Estimate:
 def _link(cluster: Cluster, span: int, world: int) -> Link:
     per_node = cluster.ranks_per_node(world)
     latency, bandwidth = cluster.link(span, per_node)
-    if cluster.a2a_bandwidth <= 0:
-        return Link(latency, bandwidth)
-    a2a_latency = cluster.a2a_latency + cluster.crowd_wait(per_node)
-    return Link(latency, bandwidth, a2a_latency, cluster.a2a_bandwidth * cluster.core_share(per_node))
+    wait, share = cluster.crowd_wait(per_node), cluster.core_share(per_node)
+    measured: dict[str, float] = {}
+    if cluster.a2a_bandwidth > 0:
+        measured |= {
+            "a2a_latency": cluster.a2a_latency + wait,
+            "a2a_bandwidth": cluster.a2a_bandwidth * share,
+        }
+    if cluster.p2p_bandwidth > 0 and span <= max(cluster.devices_per_node, per_node):
+        measured |= {
+            "p2p_latency": cluster.p2p_latency + wait,
+            "p2p_bandwidth": cluster.p2p_bandwidth * share,
+        }
+    return Link(latency, bandwidth, **measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +138,7 @@ class Shape:
     scales: tuple[float, ...]  # each stage's work over the heaviest stage's (pipelines)
     backward_extra: float  # transient of the widest layer's backward (SUMMA's partials)
     kept_per_layer: float  # output gradients one layer keeps from B to W per microbatch (zero-bubble)
+    message: float = 0.0  # bytes of one microbatch's layer input, whole (the tensor groups' largest)
 
     @property
     def bound(self) -> float:
@@ -233,6 +244,7 @@ def shape_of(
         kept_per_layer=kept_gradients(
             model, rows, precision, p.tp, p.sequence_parallel or p.tp_mode != "1d", p.sp
         ),
+        message=rows * model.seq * model.hidden * c,
     )
 
 
@@ -316,6 +328,7 @@ def estimate(
     tp_copies = float(sum(model.block_params(tp_shape)) - model.unsplit_params(tp_shape))
     n = p.dp * p.sp
     state_of: dict[tuple[int, int, int, int], tuple[float, ...]] = {}
+    psi_f_of: dict[tuple[int, int, int, int], float] = {}
     worst: MemoryEstimate | None = None
     worst_psi = 0
     most_state = 0.0
@@ -354,11 +367,13 @@ def estimate(
                 serial_total, psi_f, precision=precision, n=n, stage=z.stage, tp_share=tp_copies
             )
             state_of[key] = (*state, buffers, scratch, build)
+            psi_f_of[key] = psi_f
         params, grads, states, host, buffers, scratch, build = state_of[key]
         layers_held = max(k[0] for k in share.kinds)
         kept = held[rank] * layers_held * shape.kept_per_layer if split_backward else 0.0
         activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra + kept
-        mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, build)
+        shared = _shared(p, cluster, c * (share.largest if z.stage == 3 else psi_f_of[key]), shape.message)
+        mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, build, shared)
         most_state = max(most_state, mem.model_state)
         if worst is None or mem.device > worst.device:
             worst, worst_psi = mem, share.psi
@@ -367,6 +382,22 @@ def estimate(
     time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)
     bubble = (makespan - busy) / makespan if makespan else 0.0
     return Estimate(worst, time, worst_psi, bubble, most_state)
+
+
+def _shared(p: ParallelConfig, cluster: Cluster, flat: float, activation: float) -> float:
+    """Resident bytes of the shared-memory segments one rank maps (`shm_segment_bytes`): the
+    data-parallel group's, whose largest message is a flat buffer of ``flat`` bytes, and the
+    tensor and context groups', whose largest is a layer's ``activation`` (1D tp: one
+    group; 2D and 2.5D: rows, columns (and depth); 3D: three)."""
+    slots = cluster.shm_slots_bytes
+    groups = [(p.dp * p.sp, flat), (p.sp, activation)]
+    if p.tp_mode == "1d":
+        groups.append((p.tp, activation))
+    else:
+        q = round((p.tp // p.tp_depth) ** 0.5) if p.tp_mode != "3d" else round(p.tp ** (1 / 3))
+        sides = [q, q, p.tp_depth] if p.tp_mode == "2.5d" else [q, q] if p.tp_mode == "2d" else [q, q, q]
+        groups += [(n, activation) for n in sides]
+    return sum(shm_segment_bytes(n, message, slots) for n, message in groups)
 
 
 def _data_comm(stage: int, n: int, nbytes: float, link: Link, f: float, bw: float, m: int) -> float:

@@ -8,7 +8,10 @@ pays ``2 log2 n`` latencies and about twice the bytes over the bandwidth; an all
 whichever is faster, as NCCL picks by size. An all-to-all follows the ring phase's form over
 the link, unless the link carries its own measured all-to-all terms (``a2a_latency``,
 ``a2a_bandwidth``: gloo's ``all_to_all_single`` on a CPU host costs about as much as an
-all-reduce of the same buffer, not half of one; `Cluster` documents the measurement).
+all-reduce of the same buffer, not half of one; `Cluster` documents the measurement), and a
+message follows its own measured terms where the link has them (``p2p_latency``,
+``p2p_bandwidth``: on a CPU host messages travel over gloo while collectives go through
+shared memory).
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ class Link:
     bandwidth: float
     a2a_latency: float = 0.0  # > 0 with a2a_bandwidth: a measured all-to-all (else the ring form)
     a2a_bandwidth: float = 0.0
+    p2p_latency: float = 0.0  # > 0 with p2p_bandwidth: a measured message (else the link's terms)
+    p2p_bandwidth: float = 0.0
 
     def p2p(self, nbytes: float) -> float:
-        """One message between two ranks."""
+        """One message between two ranks (over the measured message terms when the link has them)."""
+        if self.p2p_bandwidth > 0:
+            return self.p2p_latency + nbytes / self.p2p_bandwidth
         return self.latency + nbytes / self.bandwidth
 
     def ring_phase(self, nbytes: float, n: int) -> float:

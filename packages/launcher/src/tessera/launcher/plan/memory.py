@@ -66,6 +66,7 @@ class MemoryEstimate:
     buffers: float
     scratch: float = 0.0  # transient once the activations are freed (`plan.transient`)
     build: float = 0.0  # resident while boost() builds the engine (host, before training)
+    shared: float = 0.0  # the groups' shared-memory segments (host, CPU clusters)
 
     @property
     def model_state(self) -> float:
@@ -82,8 +83,9 @@ class MemoryEstimate:
     @property
     def resident(self) -> float:
         """The process's peak where host and device are one memory (a CPU run): the device's
-        bytes plus the host's share, or the build, whichever is more."""
-        return max(self.device + self.host, self.build)
+        bytes plus the host's share and the shared-memory segments, or the build, whichever
+        is more."""
+        return max(self.device + self.host + self.shared, self.build)
 
 
 def model_state_bytes(
@@ -151,3 +153,17 @@ def activation_bytes(
     embed = sbh * (c + masks) / split_stream
     head = 2 * sbh * c / split_stream + logits
     return [embed, *([layer] * (model.layers if layers is None else layers)), head]
+
+
+SHM_LINE = 64  # bytes of one counter of a shared-memory segment (tessera.comm.shm)
+
+
+def shm_segment_bytes(n: int, message: float, slots: float) -> float:
+    """Resident bytes on one rank of a group's shared-memory segment (`tessera.comm.shm`,
+    ``slots`` bytes of slots; 0 where collectives do not use one): its counters and, of its
+    ``2 n`` slots (two parities, every rank's, all of them read), the pages the group's
+    largest per-rank message touches. Every rank maps the whole segment, so each counts
+    these pages, though the host holds them once."""
+    if n < 2 or slots <= 0:
+        return 0.0
+    return 2 * n * SHM_LINE + 2 * n * min(slots / (2 * n), message)
