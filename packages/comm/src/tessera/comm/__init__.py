@@ -51,7 +51,7 @@ if TYPE_CHECKING:
         reduce_scatter_along,
         split_along,
     )
-    from tessera.comm.p2p import batch_isend_irecv, recv, ring_shift, ring_shift_async, send
+    from tessera.comm.p2p import batch_isend_irecv, recv, ring_shift, ring_shift_async, send, share_memory
 
 # the submodules that need torch: the names of __all__ not imported above come from them
 _LAZY = ("collectives", "memory", "mesh", "meters", "ops", "p2p")
@@ -142,6 +142,7 @@ __all__ = [
     "ring_shift",
     "ring_shift_async",
     "send",
+    "share_memory",
     "split_along",
     "storage_bytes",
 ]

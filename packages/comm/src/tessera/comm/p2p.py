@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.comm import links
+from tessera.comm import links, shm_p2p
 from tessera.comm.collectives import Group, Handle, Waitable, group_rank, group_size
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import P2P_WAIT, profiled
+from tessera.comm.shm_p2p import share_memory
 from tessera.comm.waiting import poll_budget
 
-__all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send"]
+__all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send", "share_memory"]
 
 _CPU = torch.device("cpu")
 
@@ -63,7 +64,12 @@ def batch_isend_irecv(
         _global(peer, group)
         record(CommOp.RECV, group_size=2, nbytes=buffer.nbytes, like=buffer)
     buffers = [buffer for buffer, _ in incoming]
-    if links.applies([t for t, _ in outgoing] + buffers, group):
+    tensors = [t for t, _ in outgoing] + buffers
+    if shm_p2p.applies(tensors, group):
+        shared: list[Waitable] = [shm_p2p.isend(t, peer, group, tag) for t, peer in outgoing]
+        shared += [shm_p2p.irecv(b, peer, group, tag) for b, peer in incoming]
+        return Handle(shared, lambda: buffers, wait_name=P2P_WAIT)
+    if links.applies(tensors, group):
         works: list[Waitable] = [links.isend(t, peer, group, tag) for t, peer in outgoing]
         works += [links.irecv(b, peer, group, tag) for b, peer in incoming]
         return Handle(works, lambda: buffers, wait_name=P2P_WAIT, poll_s=poll_budget(_CPU))

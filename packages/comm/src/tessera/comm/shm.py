@@ -71,6 +71,7 @@ __all__ = [
     "all_to_all",
     "applies",
     "broadcast",
+    "known_local",
     "reduce_scatter",
 ]
 
@@ -317,6 +318,12 @@ def _setup(pg: dist.ProcessGroup) -> Segment | None:
         return None
     assert buf is not None
     return Segment(buf, n, me, [int(pid) for _, pid in peers], _timeout_s(pg))
+
+
+def known_local(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` has a segment already (its ranks share a host; nothing is set up)."""
+    with _LOCK:
+        return _SEGMENTS.get(pg) is not None
 
 
 def applies(x: Tensor, group: dist.ProcessGroup | None) -> Segment | None:

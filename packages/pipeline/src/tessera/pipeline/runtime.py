@@ -44,7 +44,15 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node
 
-from tessera.comm import Group, batch_isend_irecv, broadcast, default_device, group_rank, group_size
+from tessera.comm import (
+    Group,
+    batch_isend_irecv,
+    broadcast,
+    default_device,
+    group_rank,
+    group_size,
+    share_memory,
+)
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
 from tessera.pipeline.partition import Partition
@@ -146,6 +154,8 @@ class PipelineRuntime:
         self._fused = self._fusable()
         logger.debug("rank %d: stages %s, B+W merged for %s", self.rank, mine, sorted(self._fused))
         self.watch = Watch(group, timeout_s, self.device)
+        if self.device.type == "cpu" and group_size(group) > 1:
+            share_memory(group)  # collective: messages between ranks of one host use shared memory
         self.inboxes = {
             peer: Inbox(peer, order, group, self.device, self.watch, self._grad_meta)
             for peer, order in self._incoming().items()

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from tessera.comm import Group, Handle, group_rank, group_size, ring_shift_async
+from tessera.comm import Group, Handle, group_rank, group_size, ring_shift_async, share_memory
 from tessera.tensor_parallel.context.kernels import block_backward, block_forward
 from tessera.tensor_parallel.context.layout import Layout, local_positions
 
@@ -131,6 +131,8 @@ class _Ring:
     ) -> None:
         self.group, self.scale = group, scale
         self.sp, self.rank = group_size(group), group_rank(group)
+        if self.sp > 1:
+            share_memory(group)  # collective once: the ring's messages then go through shared memory
         self.groups = q.shape[1] // k.shape[1]
         n = q.shape[2]
         self.positions = [
