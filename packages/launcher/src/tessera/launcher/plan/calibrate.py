@@ -12,8 +12,8 @@ two gloo processes on this host, Tessera's own collectives as a job runs them:
   ``2 latency + bytes / bandwidth``): the link inside the node;
 - the same with shared memory off (gloo over loopback sockets): the link between nodes, for
   want of a second host (a real network is slower);
-- point-to-point messages (``tessera.comm.batch_isend_irecv``: over `tessera.comm.links`)
-  of the same two sizes, one way and back, fitted to ``p2p_latency + bytes /
+- point-to-point messages (``tessera.comm.batch_isend_irecv``: shared-memory FIFOs here,
+  `tessera.comm.shm_p2p`) of the same two sizes, one way and back, fitted to ``p2p_latency + bytes /
   p2p_bandwidth`` a way (pipeline hops and ring attention);
 - a small all-reduce among twice as many processes as cores, each computing a little
   between all-reduces as a step does (the all-reduce's cost: the time the pair takes less
@@ -58,7 +58,7 @@ def _collective_worker(
     import torch
     import torch.distributed as dist
 
-    from tessera.comm import all_reduce, all_to_all, batch_isend_irecv
+    from tessera.comm import all_reduce, all_to_all, batch_isend_irecv, share_memory
 
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun says: waits poll as in a job
@@ -67,6 +67,7 @@ def _collective_worker(
     store = dist.FileStore(path, world)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
+        share_memory(None)  # as the pipeline runtime does: messages take the host's shared memory
         result = []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
