@@ -22,9 +22,8 @@ about what an all-reduce of the same buffer costs, 2-3x the ring form; ``--calib
 it on two processes. 0 (the GPU presets): the link's ring form.
 ``p2p_latency`` / ``p2p_bandwidth``: when ``p2p_bandwidth`` > 0, one point-to-point message
 (a pipeline hop, a ring-attention step) inside a node takes ``p2p_latency + n /
-p2p_bandwidth`` instead of the link's terms: on a CPU host the collectives go through shared
-memory (`tessera.comm.shm`) while messages travel over gloo (`tessera.comm.links`), about
-ten times slower for small ones.
+p2p_bandwidth`` instead of the link's terms: on a CPU host a message goes through a
+shared-memory FIFO (`tessera.comm.shm_p2p`), whose latency is about twice an all-reduce's.
 ``shm_slots_bytes``: when > 0, the collectives of every group of ranks on one node go through
 a shared-memory segment with that many bytes of slots (`tessera.comm.shm.SLOTS_BYTES`), which
 each rank maps (`MemoryEstimate.shared`); 0 on GPUs.
@@ -214,26 +213,28 @@ PRESETS: dict[str, Cluster] = {
         flops_fp32=7.5e10,
         efficiency=1.0,
         node_flops=1.5e11,
-        # Links: three `tessera plan --calibrate` runs after Tessera's CPU collectives moved to
-        # shared memory (2026-12-01, third session; rounded between the runs that agreed):
-        # all-reduce in shared memory 16-22 us and 5.4-5.9 GB/s (one run 1.8 GB/s)
+        # Links: five `tessera plan --calibrate` runs after Tessera's CPU collectives and
+        # messages moved to shared memory (2026-12-01, third session; rounded between the
+        # runs that agreed): an all-reduce in shared memory 15-22 us and 5.4-6.0 GB/s (two
+        # runs 1.8-1.9 GB/s: the first after an idle spell)
         intra_bandwidth=5.5e9,
         intra_latency=20e-6,
         # the same all-reduce over gloo's loopback sockets (what a group across hosts uses;
-        # a real network is slower): 0.25-0.29 ms, 0.81-0.98 GB/s (one fit failed)
+        # a real network is slower): 0.12-0.29 ms, 0.76-1.7 GB/s (one fit failed)
         inter_bandwidth=0.9e9,
         inter_latency=250e-6,
         op_overhead_s=7.0e-6,
         # a small all-reduce over 4 processes on the 2 cores, each computing between them,
-        # beyond what 2 processes take: two runs of the final calibration, 37 us
+        # beyond what 2 processes take: 34-51 us
         wait_s=3.7e-5,
         # tessera.comm.all_to_all on 2 processes (shared memory, with the stack and concat
-        # around it): 60-130 us, 0.23-0.93 GB/s (large all-to-alls vary with page faults)
-        a2a_latency=1.1e-4,
-        a2a_bandwidth=0.5e9,
-        # a message over tessera.comm.links (gloo): 0.20-0.25 ms, 2.4-3.1 GB/s
-        p2p_latency=2.0e-4,
-        p2p_bandwidth=2.7e9,
+        # around it): 57-111 us, 1.5-1.7 GB/s
+        a2a_latency=8e-5,
+        a2a_bandwidth=1.6e9,
+        # a message through the shared-memory FIFOs (tessera.comm.shm_p2p): 37 us, 2.4-12.6
+        # GB/s (the large message's time varies with page faults; the low end kept)
+        p2p_latency=37e-6,
+        p2p_bandwidth=3e9,
         shm_slots_bytes=8 * 2**20,  # tessera.comm.shm.SLOTS_BYTES
         memory_bandwidth=25e9,
         host_bandwidth=25e9,
