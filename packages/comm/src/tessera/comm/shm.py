@@ -82,8 +82,8 @@ SLOTS_BYTES = 8 << 20
 _LINE = 64  # bytes: one counter per cache line
 _CHECK_S = 0.05  # how often a wait checks its peers and the timeout
 _SYS_FUTEX = 202  # x86-64's futex system call
-_FUTEX_WAIT, _FUTEX_WAKE, _WAKE_ALL = 0, 1, 2**31 - 1  # shared (not private): across processes
-_SHM_DIR = Path("/dev/shm")
+FUTEX_WAIT, FUTEX_WAKE, WAKE_ALL = 0, 1, 2**31 - 1  # shared (not private): across processes
+SHM_DIR = Path("/dev/shm")
 _CPU = torch.device("cpu")
 _COMBINE: dict[str, Callable[..., Tensor]] = {
     "sum": torch.add,
@@ -97,7 +97,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _timespec(seconds: float) -> _Timespec:
+def timespec(seconds: float) -> _Timespec:
     seconds = max(seconds, 1e-6)
     return _Timespec(int(seconds), int((seconds % 1) * 1e9))
 
@@ -106,7 +106,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def _futex(address: int, op: int, value: int, timeout: _Timespec | None) -> None:
+def futex(address: int, op: int, value: int, timeout: _Timespec | None) -> None:
     """FUTEX_WAIT (sleep while the word at ``address`` equals ``value``, at most ``timeout``)
     or FUTEX_WAKE (wake up to ``value`` sleepers) on a word of shared memory."""
     _libc.syscall(
@@ -184,7 +184,7 @@ class Segment:
     def _ring(self) -> None:
         """Bump this rank's bell (after the counter it announces) and wake its waiters."""
         self.bells[self.me] += 1
-        _futex(self._bell_addresses[self.me], _FUTEX_WAKE, _WAKE_ALL, None)
+        futex(self._bell_addresses[self.me], FUTEX_WAKE, WAKE_ALL, None)
 
     def _wait(self, row: np.ndarray, target: int, what: str) -> None:
         if min(row.tolist()) >= target:
@@ -207,12 +207,12 @@ class Segment:
             # then its counter; a ring after the read makes the kernel return at once
             bell = int(self.bells[behind])
             if row[behind] < target:
-                _futex(self._bell_addresses[behind], _FUTEX_WAIT, bell, _timespec(check_at - now))
+                futex(self._bell_addresses[behind], FUTEX_WAIT, bell, timespec(check_at - now))
 
     def _check(self, row: np.ndarray, target: int, what: str, waited_s: float) -> None:
         behind = [q for q in range(self.n) if row[q] < target]
         for q in behind:
-            if not _alive(self.pids[q]):
+            if not process_alive(self.pids[q]):
                 self.broken = f"group rank {q} (pid {self.pids[q]}) died during {what}"
                 raise SegmentError(self.broken)
         if waited_s > self.timeout_s:
@@ -220,7 +220,7 @@ class Segment:
             raise SegmentError(self.broken)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` runs: exists and is no zombie (a dead child its parent has not
     reaped yet still answers ``kill(pid, 0)``)."""
     try:
@@ -252,7 +252,7 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _timeout_s(pg: dist.ProcessGroup) -> float:
+def group_timeout_s(pg: dist.ProcessGroup) -> float:
     try:
         timeout = pg._get_backend(_CPU).options._timeout
     except (AttributeError, RuntimeError):
@@ -261,13 +261,13 @@ def _timeout_s(pg: dist.ProcessGroup) -> float:
 
 
 # where shared-memory collectives can run: x86's store order, Linux's /dev/shm
-SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and _SHM_DIR.is_dir()
+SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()
 
 
 def _create(size: int) -> str:
     """Create a zeroed segment file of ``size`` bytes and a token after them: "path token",
     or "path " (no token) when it cannot."""
-    path = _SHM_DIR / f"tessera-{os.getpid()}-{secrets.token_hex(8)}"
+    path = SHM_DIR / f"tessera-{os.getpid()}-{secrets.token_hex(8)}"
     token = secrets.token_bytes(16)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -317,7 +317,7 @@ def _setup(pg: dist.ProcessGroup) -> Segment | None:
     if not all(store.get(f"{key}/ok/{q}") == b"1" for q in range(n)):
         return None
     assert buf is not None
-    return Segment(buf, n, me, [int(pid) for _, pid in peers], _timeout_s(pg))
+    return Segment(buf, n, me, [int(pid) for _, pid in peers], group_timeout_s(pg))
 
 
 def known_local(pg: dist.ProcessGroup) -> bool:

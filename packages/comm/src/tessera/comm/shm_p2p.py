@@ -98,7 +98,7 @@ class _Direction:
             t.pos += n
             self.sent[0] = sent + 1  # after the piece and its length (x86 keeps stores in order)
             self.sent_bell[2] += 1
-            shm._futex(self.sent_bell_at, shm._FUTEX_WAKE, shm._WAKE_ALL, None)
+            shm.futex(self.sent_bell_at, shm.FUTEX_WAKE, shm.WAKE_ALL, None)
         return True
 
     def _pull(self, t: Transfer) -> bool:
@@ -118,7 +118,7 @@ class _Direction:
             t.pos += n
             self.done[0] = done + 1
             self.done_bell[2] += 1
-            shm._futex(self.done_bell_at, shm._FUTEX_WAKE, shm._WAKE_ALL, None)
+            shm.futex(self.done_bell_at, shm.FUTEX_WAKE, shm.WAKE_ALL, None)
         return True
 
 
@@ -166,14 +166,14 @@ class Transfer:
                     return True
                 others = len(_ACTIVE) > (d in _ACTIVE)
                 nap = min(check_at - now, 0.001) if others else check_at - now
-                shm._futex(bell_at, shm._FUTEX_WAIT, rung, shm._timespec(nap))
+                shm.futex(bell_at, shm.FUTEX_WAIT, rung, shm.timespec(nap))
             if self.is_completed():
                 return True
 
     def _check(self, waited_s: float) -> None:
         pid = int(self.direction.peer_pid[0])
         what = "send" if self.direction.producer else "receive"
-        if pid and not shm._alive(pid):
+        if pid and not shm.process_alive(pid):
             raise RuntimeError(f"shared-memory p2p: the peer (pid {pid}) died during a {what}")
         if waited_s > self.timeout_s:
             raise RuntimeError(f"shared-memory p2p: a {what} waited {waited_s:.0f} s")
@@ -227,7 +227,7 @@ def _pair(pg: dist.ProcessGroup, peer: int, tag: int) -> _Pair:
         k = _BUILT[name] = _BUILT.get(name, 0) + 1  # a group rebuilt under its name: a new file
         store = dist.distributed_c10d._get_default_store()
         job = store.compare_set("tessera/shm/job", "", secrets.token_hex(8)).decode()
-        path = str(shm._SHM_DIR / f"tessera-{job}-p2p-{pg.group_name}-{tag}-{lo}-{hi}-{k}")
+        path = str(shm.SHM_DIR / f"tessera-{job}-p2p-{pg.group_name}-{tag}-{lo}-{hi}-{k}")
         pair = pairs[(tag, lo, hi)] = _Pair(path, me == lo)
         if store.add(f"{path}/mapped", 1) == 2:
             os.unlink(path)  # both ranks map it; nothing is left behind
@@ -249,29 +249,23 @@ def applies(tensors: list[Tensor], group: dist.ProcessGroup | None) -> bool:
     return pg is not None and shm.known_local(pg)
 
 
-def _timeout_s(pg: dist.ProcessGroup) -> float:
-    return shm._timeout_s(pg)
+def _post(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int, send: bool) -> Transfer:
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed is not initialised"
+    pair = _pair(pg, peer, tag)
+    direction = pair.out if send else pair.into
+    transfer = Transfer(direction, tensor, shm.group_timeout_s(pg))
+    with direction.lock:
+        direction.queue.append(transfer)
+    direction.progress()
+    return transfer
 
 
 def isend(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int = 0) -> Transfer:
     """Post ``tensor`` (contiguous; not modified until the transfer completes) to ``peer``."""
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
-    out = _pair(pg, peer, tag).out
-    t = Transfer(out, tensor, _timeout_s(pg))
-    with out.lock:
-        out.queue.append(t)
-    out.progress()
-    return t
+    return _post(tensor, peer, group, tag, send=True)
 
 
 def irecv(buffer: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int = 0) -> Transfer:
     """Post a receive of ``peer``'s next message on this tag into ``buffer`` (contiguous)."""
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
-    into = _pair(pg, peer, tag).into
-    t = Transfer(into, buffer, _timeout_s(pg))
-    with into.lock:
-        into.queue.append(t)
-    into.progress()
-    return t
+    return _post(buffer, peer, group, tag, send=False)
