@@ -9,22 +9,23 @@ After an ``*_async`` call returns, the caller may drop its input: the call keeps
 it still reads. It must not modify the input, nor touch an ``out=`` buffer, before
 ``wait()``.
 
-On a gloo group with cpu tensors, ``reduce_scatter`` and ``all_gather`` run Tessera's own
-ring over p2p (``tessera.comm.gloo_ring``: half the traffic of torch's gloo reduce-scatter,
-which all-reduces a copy, and no extra copies), ordered per group; elsewhere they call
-torch's collectives.
+On CPU tensors of a gloo group whose ranks share a host, every collective here runs through
+shared memory (``tessera.comm.shm``). On other gloo groups ``reduce_scatter`` and
+``all_gather`` run Tessera's own ring over p2p (``tessera.comm.gloo_ring``: half the traffic
+of torch's gloo reduce-scatter, which all-reduces a copy, and no extra copies); both are
+ordered per group on its lane. Elsewhere torch's collectives run.
 
 Waiting for a collective on CPU tensors first polls its completion for a bounded time,
 yielding the core between polls, then blocks (``tessera.comm.waiting``: a parked core is
 slow to wake on a virtual machine; ``TESSERA_POLL_WAIT_MS`` sets or turns off the poll).
-Point-to-point on CPU tensors runs over `tessera.comm.links`, whose works report
-completion as it happens, so its waits poll too.
+Point-to-point on CPU tensors (`tessera.comm.p2p`) reports completion as it happens, so its
+waits poll too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -172,12 +173,7 @@ def _all_reduce(x: Tensor, group: Group, op: ReduceOpName, inplace: bool, async_
     record(CommOp.ALL_REDUCE, group_size=n, nbytes=buffer.nbytes, like=buffer)
     segment = shm.applies(buffer, group)
     if segment is not None:
-
-        def reduce() -> Tensor:
-            shm.all_reduce(segment, buffer, op)
-            return result
-
-        return _on_lane(group, reduce, async_op)
+        return _in_shared_memory(group, async_op, result, shm.all_reduce, segment, buffer, op)
     work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
 
     def finish() -> Tensor:
@@ -221,6 +217,19 @@ def _on_lane(group: Group, fn: Callable[[], Tensor], async_op: bool) -> Handle[T
         return _done(gloo_ring.run(group, fn))
     future = gloo_ring.submit(group, fn)
     return Handle([gloo_ring.FutureWork(future)], future.result, poll_s=poll_budget(torch.device("cpu")))
+
+
+def _in_shared_memory(
+    group: Group, async_op: bool, result: Tensor, fn: Callable[..., None], *args: Any
+) -> Handle[Tensor]:
+    """Run the shared-memory collective ``fn(*args)`` in order on the group's lane
+    (`_on_lane`); the handle gives ``result``, which ``fn`` fills."""
+
+    def run() -> Tensor:
+        fn(*args)
+        return result
+
+    return _on_lane(group, run, async_op)
 
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
@@ -360,12 +369,7 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
     record(CommOp.ALL_TO_ALL, group_size=n, nbytes=src.nbytes, kept_bytes=src.nbytes // n, like=src)
     segment = shm.applies(src, group)
     if segment is not None:
-
-        def exchange() -> Tensor:
-            shm.all_to_all(segment, src, out)
-            return out
-
-        _on_lane(group, exchange, async_op=False)
+        _in_shared_memory(group, False, out, shm.all_to_all, segment, src, out)
     else:
         work = dist.all_to_all_single(out, src, group=group, async_op=True)
         poll_then_wait([work], poll_budget(src.device))
@@ -383,12 +387,7 @@ def _broadcast(x: Tensor, src: int, group: Group, async_op: bool) -> Handle[Tens
     record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
     segment = shm.applies(out, group)
     if segment is not None:
-
-        def copy() -> Tensor:
-            shm.broadcast(segment, out, src)
-            return out
-
-        return _on_lane(group, copy, async_op)
+        return _in_shared_memory(group, async_op, out, shm.broadcast, segment, out, src)
     global_src = src if group is None else dist.get_global_rank(group, src)
     work = dist.broadcast(out, src=global_src, group=group, async_op=True)
     return Handle([work], lambda: out, poll_s=poll_budget(out.device))

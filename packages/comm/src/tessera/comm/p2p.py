@@ -3,10 +3,12 @@
 Peers are named by their rank *inside* ``group`` (``None``: the world). Torch's threaded
 test backend has no send/recv; use the gloo worker pool (tessera.comm.testing) to test p2p.
 
-CPU tensors on a gloo group travel over `tessera.comm.links` (private two-rank gloo groups):
-their handles report completion as soon as it happens, so ``wait()`` polls first
-(`tessera.comm.waiting`), and they were 1.7-2.4x faster than torch's gloo p2p. Elsewhere
-torch's ``batch_isend_irecv`` runs. Both match messages in post order per (pair, tag).
+CPU tensors on a gloo group travel through shared-memory FIFOs where the group's ranks are
+known to share a host (`tessera.comm.shm_p2p`: after a collective on the group or
+`share_memory(group)`), else over `tessera.comm.links` (private two-rank gloo groups, 1.7-
+2.4x faster than torch's gloo p2p). Their handles report completion as it happens, so
+``wait()`` polls first (`tessera.comm.waiting`). Elsewhere torch's ``batch_isend_irecv``
+runs. All match messages in post order per (pair, tag).
 """
 
 from __future__ import annotations

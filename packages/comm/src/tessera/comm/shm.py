@@ -72,6 +72,7 @@ __all__ = [
     "applies",
     "broadcast",
     "known_local",
+    "local_segment",
     "reduce_scatter",
 ]
 
@@ -326,12 +327,11 @@ def known_local(pg: dist.ProcessGroup) -> bool:
         return _SEGMENTS.get(pg) is not None
 
 
-def applies(x: Tensor, group: dist.ProcessGroup | None) -> Segment | None:
-    """The segment that serves a collective of ``x`` on ``group``, or None: only non-empty
-    CPU tensors on gloo groups whose ranks share an x86-64 Linux host, unless ``TESSERA_SHM``
-    is off. Collective on the group's first call (every rank decides alike). The functions
-    below take detached tensors (they record no autograd graph)."""
-    if x.device.type != "cpu" or x.numel() == 0 or not SUPPORTED or not enabled_from_env(os.environ):
+def local_segment(group: dist.ProcessGroup | None) -> Segment | None:
+    """The segment of ``group`` (set up on its first call, collectively: every rank decides
+    alike), or None: off (``TESSERA_SHM``), not x86-64 Linux, not gloo, one rank, or ranks on
+    more than one host."""
+    if not SUPPORTED or not enabled_from_env(os.environ):
         return None
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None, "torch.distributed is not initialised"
@@ -346,6 +346,15 @@ def applies(x: Tensor, group: dist.ProcessGroup | None) -> Segment | None:
     with _LOCK:
         _SEGMENTS[pg] = segment
     return segment
+
+
+def applies(x: Tensor, group: dist.ProcessGroup | None) -> Segment | None:
+    """The segment that serves a collective of ``x`` on ``group`` (`local_segment`), or None:
+    only non-empty CPU tensors. The functions below take detached tensors (they record no
+    autograd graph)."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return None
+    return local_segment(group)
 
 
 # -------------------------------------------------------------------- the collectives

@@ -20,7 +20,6 @@ them to map it unlinks it.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import secrets
@@ -40,8 +39,6 @@ from tessera.comm.shm_env import enabled_from_env
 from tessera.comm.waiting import poll_budget
 
 __all__ = ["SLOTS", "SLOT_BYTES", "Transfer", "applies", "irecv", "isend", "share_memory"]
-
-logger = logging.getLogger(__name__)
 
 SLOTS = 4
 SLOT_BYTES = 256 << 10
@@ -237,7 +234,7 @@ def _pair(pg: dist.ProcessGroup, peer: int, tag: int) -> _Pair:
 def share_memory(group: dist.ProcessGroup | None) -> bool:
     """Collective over ``group``: set up (once) what lets its ranks exchange through shared
     memory, and say whether they can (all on one host, see `tessera.comm.shm.applies`)."""
-    return shm.applies(torch.ones(1), group) is not None
+    return shm.local_segment(group) is not None
 
 
 def applies(tensors: list[Tensor], group: dist.ProcessGroup | None) -> bool:

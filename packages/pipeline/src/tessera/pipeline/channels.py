@@ -21,7 +21,8 @@ few milliseconds; when it is set the wait raises `PipelineAborted`, so an error 
 ends the step on every rank instead of hanging it.
 
 **Waiting.** Every wait polls the transfer's ``is_completed()`` (tessera.comm's p2p handles
-report completion as it happens: over `tessera.comm.links` on the CPU, NCCL's events on a
+report completion as it happens: on the CPU through shared memory between ranks of one host
+(the runtime calls ``share_memory``) or over gloo links between hosts; NCCL's events on a
 GPU) and looks at the abort key every few milliseconds. For the first
 `tessera.comm.waiting.poll_budget` seconds of a wait it yields the core between polls
 (a parked core is slow to wake on a virtual machine), then it sleeps between polls, at most

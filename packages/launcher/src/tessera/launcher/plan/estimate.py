@@ -24,6 +24,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from tessera.comm import Axis, Topology, TPMode
 from tessera.launcher.config import Config, ParallelConfig
 from tessera.launcher.plan.bubble import EXACT_LIMIT, pipeline_profile
 from tessera.launcher.plan.cluster import Cluster
@@ -387,16 +388,15 @@ def estimate(
 def _shared(p: ParallelConfig, cluster: Cluster, flat: float, activation: float) -> float:
     """Resident bytes of the shared-memory segments one rank maps (`shm_segment_bytes`): the
     data-parallel group's, whose largest message is a flat buffer of ``flat`` bytes, and the
-    tensor and context groups', whose largest is a layer's ``activation`` (1D tp: one
-    group; 2D and 2.5D: rows, columns (and depth); 3D: three)."""
+    context group's and each tensor-parallel group's (the mode's sub-axes: rows, columns,
+    depth...), whose largest is a layer's ``activation``."""
     slots = cluster.shm_slots_bytes
-    groups = [(p.dp * p.sp, flat), (p.sp, activation)]
-    if p.tp_mode == "1d":
-        groups.append((p.tp, activation))
-    else:
-        q = round((p.tp // p.tp_depth) ** 0.5) if p.tp_mode != "3d" else round(p.tp ** (1 / 3))
-        sides = [q, q, p.tp_depth] if p.tp_mode == "2.5d" else [q, q] if p.tp_mode == "2d" else [q, q, q]
-        groups += [(n, activation) for n in sides]
+    if slots <= 0:
+        return 0.0
+    mode = TPMode(p.tp_mode)
+    topo = Topology(tp=p.tp, sp=p.sp, tp_mode=mode, depth=p.tp_depth if mode is TPMode.TWO_P5_D else 1)
+    tensor = [a for a in topo.axes if a.value.startswith("tp_")] or [Axis.TP]
+    groups = [(p.dp * p.sp, flat), (p.sp, activation), *((topo.size(a), activation) for a in tensor)]
     return sum(shm_segment_bytes(n, message, slots) for n, message in groups)
 
 
