@@ -55,16 +55,20 @@ from tessera.comm.testing import WorkerPool
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import (
     SCHEDULES,
+    ActionKind,
     Costs,
     Layout,
     PipelineRuntime,
     Schedule,
     build_schedule,
+    fit_costs,
+    merge_splits,
     partition_by_params,
     schedule_spec,
     simulate,
     stage_modules,
     stage_to_rank,
+    unsplit,
 )
 
 
@@ -212,7 +216,8 @@ def _gpt_pair(
 ) -> dict[str, Any]:
     """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
     p = dist.get_world_size()
-    schedule = build_schedule(ours, p, m)
+    base, _, merge = ours.partition("+")
+    schedule = build_schedule(base, p, m)
     v = schedule.chunks_per_rank
     idx, targets = make_batch(cfg, m * mb, seed=1)
     probe = GPT(cfg, seed=0).blocks()
@@ -227,6 +232,9 @@ def _gpt_pair(
 
     # Tessera
     t_stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
+    merged: dict[str, Any] = {}
+    if merge:
+        schedule, merged = _measured_merge(schedule, t_stages, idx, targets)
     runtime = PipelineRuntime(schedule, t_stages, _ce)
     t_opt = torch.optim.SGD([q for s in t_stages.values() for q in s.parameters()], lr=lr)
     t_has = (0 in t_stages, last in t_stages)
@@ -268,13 +276,40 @@ def _gpt_pair(
             t1 = time.perf_counter()
             if i >= warmup:
                 times[system].append((t0, t1))
-    out: dict[str, Any] = {"times": times, "final": final}
+    out: dict[str, Any] = {"times": times, "final": final, **merged}
     if folder is not None:
         for system, step in order:
             trace = f"{folder}/{ours}-vs-{theirs}-{system}-rank{rank}.json"
             b = profile_steps(step, prof_steps, trace, before=dist.barrier)
             out[system] = {"breakdown": b.as_record(), "breakdown_trace": trace}
     return out
+
+
+def _measured_merge(
+    schedule: Schedule, stages: dict[int, nn.Module], idx: Tensor, targets: Tensor, steps: int = 3
+) -> tuple[Schedule, dict[str, Any]]:
+    """`merge_splits` of ``schedule`` under costs fit to this machine (`fit_costs`): ``steps``
+    steps of the schedule as built and as many unsplit, after one of each to warm up; the
+    gradients are dropped and no optimizer steps, so the weights stay those of the timed run."""
+    last = schedule.num_stages - 1
+    mine: list[Any] = []
+    for variant in (schedule, unsplit(schedule)):
+        runtime = PipelineRuntime(variant, stages, _ce)
+        for i in range(steps + 1):
+            result = runtime.step(idx if 0 in stages else None, targets if last in stages else None)
+            for module in stages.values():
+                module.zero_grad(set_to_none=True)
+            if i:
+                mine.append(result.timeline)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    costs = fit_costs([t for timelines in every for t in timelines], schedule.num_stages)
+    merged = merge_splits(schedule, costs)
+    kept = sum(a.kind is ActionKind.W for acts in merged.actions for a in acts)
+    total = sum(a.kind is ActionKind.W for acts in schedule.actions for a in acts)
+    fitted = {k: round(getattr(costs, k), 5) for k in ("f", "b", "w", "split")}
+    fitted["stage_scale"] = [round(x, 3) for x in costs.stage_scale]
+    return merged, {"splits_kept": f"{kept} of {total}", "fitted_costs_s": fitted}
 
 
 def bench_gpt(
@@ -286,9 +321,11 @@ def bench_gpt(
         ("1f1b", "Schedule1F1B"),
         ("zb-h1", "Schedule1F1B"),
         ("zb-h1", "ScheduleInterleavedZeroBubble"),
+        ("zb-h1+merge", "Schedule1F1B"),
         ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
         ("zbv", "ScheduleZBVZeroBubble"),
         ("zbv", "ScheduleInterleavedZeroBubble"),
+        ("zbv+merge", "ScheduleZBVZeroBubble"),
     ]
     tokens = m * mb * cfg.seq_len
     records = []
@@ -310,7 +347,7 @@ def bench_gpt(
             if only and ours not in only:
                 continue
             per_rank = pool.run(_gpt_pair, ours, theirs, cfg, m, mb, warmup, iters, lr, folder, prof_steps)
-            v = schedule_spec(ours).chunks()
+            v = schedule_spec(ours.partition("+")[0]).chunks()
             config = (
                 f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} p=2 v={v} m={m} "
                 f"mb={mb} sgd: tessera {ours} vs torch {theirs}"
@@ -339,6 +376,8 @@ def bench_gpt(
                         b / a for a, b in zip(steps["tessera"], steps["torch-pipelining"], strict=True)
                     ), 3) if system == "tessera" else None,
                     "speedup_vs_single": round(single["median"] / medians[system], 3),
+                    **{k: per_rank[0][k] for k in ("splits_kept", "fitted_costs_s")
+                       if system == "tessera" and k in per_rank[0]},
                     **{k: per_rank[0][system][k] for k in ("breakdown", "breakdown_trace")
                        if system in per_rank[0]},
                 })

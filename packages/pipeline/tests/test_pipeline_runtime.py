@@ -31,6 +31,7 @@ from tessera.pipeline import (
     PipelineRuntime,
     build_schedule,
     forward_loss,
+    merge_splits,
     partition_by_params,
     stage_modules,
 )
@@ -72,11 +73,13 @@ class Opaque(nn.Module):
 
 
 def _build(
-    rank: int, name: str, p: int, m: int, cfg: GPTConfig, opaque: bool = False
+    rank: int, name: str, p: int, m: int, cfg: GPTConfig, opaque: bool = False, merge: bool = False
 ) -> tuple[GPT, PipelineRuntime]:
     model = GPT(cfg, seed=0)
     blocks = model.blocks()
     schedule = build_schedule(name, p, m)
+    if merge:  # unit costs: some units stay split, the others run one BW (stage 0's too)
+        schedule = merge_splits(schedule)
     part = partition_by_params(blocks, schedule=schedule)
     stages = stage_modules(blocks, part, rank)
     if opaque:
@@ -88,12 +91,18 @@ Result = tuple[tuple[float, ...], float | None, dict[str, Tensor]]
 
 
 def _run_case(
-    rank: int, name: str, p: int, cfg: GPTConfig, batches: dict[int, tuple[Tensor, Tensor]], opaque: bool
+    rank: int,
+    name: str,
+    p: int,
+    cfg: GPTConfig,
+    batches: dict[int, tuple[Tensor, Tensor]],
+    opaque: bool,
+    merge: bool = False,
 ) -> dict[int, list[Result]]:
     """Per microbatch count, per step: (losses, mean loss, gradients by parameter name)."""
     out: dict[int, list[Result]] = {}
     for m, (idx, targets) in batches.items():
-        model, runtime = _build(rank, name, p, m, cfg, opaque)
+        model, runtime = _build(rank, name, p, m, cfg, opaque, merge)
         out[m] = []
         for step in range(2):  # a second step on the same runtime, after zeroing the gradients
             model.zero_grad(set_to_none=True)
@@ -116,10 +125,12 @@ def serial(cfg: GPTConfig, idx: Tensor, targets: Tensor, m: int) -> tuple[list[f
     return losses, grads
 
 
-def check_case(worker_pools: PoolFactory, p: int, name: str, ms: list[int], opaque: bool) -> None:
+def check_case(
+    worker_pools: PoolFactory, p: int, name: str, ms: list[int], opaque: bool, merge: bool = False
+) -> None:
     cfg = config(name, p)
     batches = {m: make_batch(cfg, MB_SIZE * m, seed=m) for m in ms}
-    per_rank = worker_pools(p).run(_run_case, name, p, cfg, batches, opaque)
+    per_rank = worker_pools(p).run(_run_case, name, p, cfg, batches, opaque, merge)
     last_rank = SCHEDULES[name].stage_to_rank(p)[-1]
     for m, (idx, targets) in batches.items():
         want_losses, want_grads = serial(cfg, idx, targets, m)
@@ -153,6 +164,18 @@ def test_runtime_equals_serial(worker_pools: PoolFactory, p: int, name: str) -> 
 def test_runtime_equals_serial_with_opaque_stages(worker_pools: PoolFactory, name: str) -> None:
     """Stage 0 not an nn.Sequential: its B computes nothing and its W the whole backward."""
     check_case(worker_pools, 2, name, [4], opaque=True)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_runtime_equals_serial_with_merged_splits(worker_pools: PoolFactory, p: int, name: str) -> None:
+    """`merge_splits` schedules mix BW and B/W units, stage 0 included (whose nn.Sequential
+    is cut after its first block only where its W really runs apart)."""
+    m = 2 * p
+    schedule = build_schedule(name, p, m)
+    kinds = {a.kind.value for acts in merge_splits(schedule).actions for a in acts}
+    assert {"BW", "B", "W"} <= kinds, f"{name} p={p} m={m}: the merge left {kinds}"
+    check_case(worker_pools, p, name, [m], opaque=False, merge=True)
 
 
 def _wrong_stages(rank: int) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tessera.comm import lazy_exports
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.layout import Layout, stage_to_rank
+from tessera.pipeline.merge import fit_costs, merge_splits, unsplit
 from tessera.pipeline.partition import (
     Balance,
     Partition,
@@ -61,9 +62,11 @@ __all__ = [
     "TimedAction",
     "build_schedule",
     "chrome_trace",
+    "fit_costs",
     "forward_loss",
     "gpipe",
     "interleaved_1f1b",
+    "merge_splits",
     "one_f_one_b",
     "partition_by_cost",
     "partition_by_params",
@@ -74,6 +77,7 @@ __all__ = [
     "stage_modules",
     "stage_to_rank",
     "timeline_png",
+    "unsplit",
     "validate",
     "zbv",
     "zero_bubble_h1",

@@ -91,7 +91,9 @@ class StepResult:
     ``losses``: the (unscaled) loss of every microbatch, on the rank holding the last stage
     (empty elsewhere); ``loss``: their mean (the serial batch loss), on that rank or, with
     ``broadcast_loss=True``, on every rank. ``timeline``: this rank's compute actions with
-    start and end times; ``started``/``finished``: the step's own start and end.
+    start and end times, as they ran (a B whose W directly follows it ran one full backward:
+    it shows as a BW, and the W not at all; `fit_costs` reads timelines);
+    ``started``/``finished``: the step's own start and end.
     """
 
     losses: tuple[float, ...]
@@ -152,6 +154,8 @@ class PipelineRuntime:
         self.last = schedule.num_stages - 1
         self.actions = schedule.actions[self.rank]
         self._fused = self._fusable()
+        # units whose W really runs apart from their B (a schedule may mix them with BW units)
+        self._deferred = {(a.microbatch, a.stage) for a in self.actions if a.kind is K.W} - self._fused
         logger.debug("rank %d: stages %s, B+W merged for %s", self.rank, mine, sorted(self._fused))
         self.watch = Watch(group, timeout_s, self.device)
         if self.device.type == "cpu" and group_size(group) > 1:
@@ -310,7 +314,10 @@ class PipelineRuntime:
         else:
             start = time.perf_counter()
             {K.F: self._forward, K.BW: self._backward, K.B: self._backward, K.W: self._weights}[kind](a)
-            self._timeline.append(TimedAction(self.rank, a, start, time.perf_counter()))
+            if key not in self._fused:
+                self._timeline.append(TimedAction(self.rank, a, start, time.perf_counter()))
+            elif kind is K.B:  # the timeline shows what ran: one BW where the B is, no W
+                self._timeline.append(TimedAction(self.rank, Action(K.BW, *key), start, time.perf_counter()))
             for inbox in self.inboxes.values():
                 inbox.prefetch()
 
@@ -349,7 +356,7 @@ class PipelineRuntime:
         block's backward: the same gradients, with the work where the schedule expects it.
         """
         x, module = self._mb_inputs[mb], self.stages[0]
-        split = self.schedule.split_backward and (mb, 0) not in self._fused
+        split = (mb, 0) in self._deferred  # a BW, or a B its W directly follows, runs unsplit
         if not (split and isinstance(module, nn.Sequential) and len(module) > 1):
             out: Tensor = module(x)
             return out

@@ -3,7 +3,7 @@
 The timing model (the same p2p model `validate` proves progress under):
 
 - each rank runs its actions in list order, one at a time, from time 0;
-- F costs ``f``, B costs ``b``, W costs ``w``, BW (unsplit backward) costs ``b + w``;
+- F costs ``f``, B costs ``b``, W costs ``w + split``, BW (unsplit backward) costs ``b + w``;
 - a send costs its rank nothing and never waits; the tensor is available to the receiver
   ``p2p_latency`` after the send was issued;
 - a receive waits until its tensor is available; the waiting is idle time.
@@ -42,16 +42,21 @@ class Costs:
     """Durations of one action on one (microbatch, stage) unit, and the p2p latency.
 
     ``stage_scale``: per-stage multipliers of ``f``, ``b`` and ``w`` (stages of unequal
-    work, e.g. a pipeline's embedding and head stages); empty: every stage costs the same."""
+    work, e.g. a pipeline's embedding and head stages); empty: every stage costs the same.
+    ``split``: what a backward split into B and W costs beyond one unsplit BW, charged to
+    the W (the two halves re-read the output gradient, on a CPU from memory rather than
+    cache, and B keeps bookkeeping; `merge_splits` weighs it against the idle time a
+    deferred W fills)."""
 
     f: float = 1.0
     b: float = 1.0
     w: float = 1.0
     p2p_latency: float = 0.0
     stage_scale: tuple[float, ...] = ()
+    split: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "p2p_latency"):
+        for name in ("f", "b", "w", "p2p_latency", "split"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost {name}={value} must be finite and >= 0")
@@ -61,7 +66,7 @@ class Costs:
 
     def of(self, kind: ActionKind, stage: int = 0) -> float:
         """Duration of an action of ``kind`` on ``stage`` (p2p actions take no rank time)."""
-        base = {K.F: self.f, K.B: self.b, K.W: self.w, K.BW: self.b + self.w}.get(kind, 0.0)
+        base = {K.F: self.f, K.B: self.b, K.W: self.w + self.split, K.BW: self.b + self.w}.get(kind, 0.0)
         return base * self.stage_scale[stage] if self.stage_scale else base
 
 
@@ -126,21 +131,19 @@ def activation_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ..
     return tuple(in_flight_peaks), tuple(held_peaks)
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
-    """Validate ``schedule``, then time it under ``costs`` (default: F = B = W = 1, no latency)."""
-    costs = costs or Costs()
-    validate(schedule)
-    if costs.stage_scale and len(costs.stage_scale) != schedule.num_stages:
-        raise ValueError(
-            f"costs.stage_scale has {len(costs.stage_scale)} entries for {schedule.num_stages} stages"
-        )
+def timed(
+    schedule: Schedule, costs: Costs, rows: bool = True
+) -> tuple[float, tuple[float, ...], list[list[TimedAction]]]:
+    """``(makespan, busy per rank, timeline rows)`` of an already validated ``schedule``
+    (``rows=False``: no rows, for a caller that needs the makespan of many schedules)."""
     acts = schedule.actions
     p = schedule.num_ranks
     clock = [0.0] * p
     busy = [0.0] * p
     ptr = [0] * p
     sent_at: dict[tuple[str, int, int], float] = {}
-    rows: list[list[TimedAction]] = [[] for _ in range(p)]
+    timeline: list[list[TimedAction]] = [[] for _ in range(p)]
+    of = {(k, st): costs.of(k, st) for k in (K.F, K.B, K.W, K.BW) for st in range(schedule.num_stages)}
     moved = True
     while moved:
         moved = False
@@ -156,20 +159,32 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                     sent_at[a.message] = start
                     end = start
                 else:
-                    end = start + costs.of(a.kind, a.stage)
+                    end = start + of[a.kind, a.stage]
                     busy[r] += end - start
-                rows[r].append(TimedAction(r, a, start, end))
+                if rows:
+                    timeline[r].append(TimedAction(r, a, start, end))
                 clock[r] = end
                 ptr[r] += 1
                 moved = True
-    makespan = max(clock)
+    return max(clock), tuple(busy), timeline
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Validate ``schedule``, then time it under ``costs`` (default: F = B = W = 1, no latency)."""
+    costs = costs or Costs()
+    validate(schedule)
+    if costs.stage_scale and len(costs.stage_scale) != schedule.num_stages:
+        raise ValueError(
+            f"costs.stage_scale has {len(costs.stage_scale)} entries for {schedule.num_stages} stages"
+        )
+    makespan, busy, rows = timed(schedule, costs)
     bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
     peak_in_flight, peak_held = activation_peaks(schedule)
     return SimResult(
         schedule=schedule,
         costs=costs,
         makespan=makespan,
-        busy=tuple(busy),
+        busy=busy,
         bubble=bubble,
         peak_in_flight=peak_in_flight,
         peak_held=peak_held,

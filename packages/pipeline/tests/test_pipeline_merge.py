@@ -1,0 +1,107 @@
+"""`merge_splits`, `unsplit` and `fit_costs` (pure: schedules and the simulator, no processes).
+
+- merging never lengthens the simulated step under the costs it was given, and the result
+  is a valid schedule with the same stages;
+- a split that costs far more than any idle time it could fill is merged everywhere (the
+  result is `unsplit`'s), and a free split keeps zero-bubble's advantage over 1F1B;
+- `fit_costs` recovers the costs of simulated timelines exactly (up to fp64 round-off:
+  means of sums of the given durations; rel 1e-9).
+The runtime running merged (mixed BW and B/W) schedules equal to the serial model is tested
+in ``test_pipeline_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessera.pipeline import (
+    ActionKind,
+    Costs,
+    Schedule,
+    build_schedule,
+    fit_costs,
+    merge_splits,
+    simulate,
+    unsplit,
+    validate,
+)
+
+SPLIT = ["zb-h1", "zbv"]
+positive = st.floats(0.05, 4.0)
+
+
+@st.composite
+def costs(draw: st.DrawFn, stages: int) -> Costs:
+    raw = [draw(st.floats(0.3, 3.0)) for _ in range(stages)]
+    mean = sum(raw) / stages
+    return Costs(
+        f=draw(positive),
+        b=draw(positive),
+        w=draw(positive),
+        split=draw(st.floats(0.0, 2.0)),
+        stage_scale=tuple(x / mean for x in raw),  # mean 1, as `fit_costs` normalises
+    )
+
+
+def kinds(schedule: Schedule) -> list[ActionKind]:
+    return [a.kind for acts in schedule.actions for a in acts]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(SPLIT), p=st.integers(1, 4), m=st.integers(1, 10), data=st.data())
+def test_merging_never_lengthens_the_step(name: str, p: int, m: int, data: st.DataObject) -> None:
+    schedule = build_schedule(name, p, m)
+    c = data.draw(costs(schedule.num_stages))
+    merged = merge_splits(schedule, c)
+    validate(merged)
+    assert (merged.name, merged.stage_to_rank, merged.num_microbatches) == (
+        schedule.name,
+        schedule.stage_to_rank,
+        schedule.num_microbatches,
+    )
+    before, after = simulate(schedule, c).makespan, simulate(merged, c).makespan
+    assert after <= before * (1 + 1e-9), f"merged {after} > split {before} under {c}"
+    assert kinds(merged).count(ActionKind.W) <= kinds(schedule).count(ActionKind.W)
+
+
+@pytest.mark.parametrize("name", SPLIT)
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8)])
+def test_a_costly_split_is_merged_everywhere(name: str, p: int, m: int) -> None:
+    schedule = build_schedule(name, p, m)
+    merged = merge_splits(schedule, Costs(split=1e3))
+    assert merged == unsplit(schedule)
+    assert ActionKind.W not in kinds(merged) and ActionKind.B not in kinds(merged)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16)])
+def test_a_free_split_keeps_the_zero_bubble_advantage(p: int, m: int) -> None:
+    """Unit costs F = B = W = 1: ZB-H1's makespan ``3m + p - 1`` stays, below 1F1B's
+    ``3(m + p - 1)``; the merge removes splits that change nothing."""
+    unit = Costs()
+    schedule = build_schedule("zb-h1", p, m)
+    merged = merge_splits(schedule, unit)
+    assert simulate(merged, unit).makespan == 3 * m + p - 1
+    assert simulate(build_schedule("1f1b", p, m), unit).makespan == 3 * (m + p - 1)
+    kept = kinds(merged).count(ActionKind.W)
+    assert 0 < kept < p * m, f"{kept} of {p * m} splits kept"
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(SPLIT), p=st.integers(1, 4), m=st.integers(1, 6), data=st.data())
+def test_fit_costs_recovers_simulated_costs(name: str, p: int, m: int, data: st.DataObject) -> None:
+    schedule = build_schedule(name, p, m)
+    want = data.draw(costs(schedule.num_stages))
+    timelines = [*simulate(schedule, want).timeline, *simulate(unsplit(schedule), want).timeline]
+    got = fit_costs(timelines, schedule.num_stages)
+    for field in ("f", "b", "w", "split"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9, abs=1e-12), field
+    assert got.stage_scale == pytest.approx(want.stage_scale, rel=1e-9)
+
+
+def test_fit_costs_names_a_stage_without_a_backward() -> None:
+    schedule = build_schedule("1f1b", 2, 2)
+    forwards = [[t for t in row if t.action.kind is ActionKind.F] for row in simulate(schedule).timeline]
+    with pytest.raises(ValueError, match="stage 0"):
+        fit_costs(forwards, 2)
