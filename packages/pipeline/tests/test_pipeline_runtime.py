@@ -303,3 +303,42 @@ def test_a_rank_failing_after_its_peers_finished_the_step(worker_pools: PoolFact
 def test_the_error_reaches_the_caller_of_the_pool(worker_pools: PoolFactory) -> None:
     with pytest.raises(Exception, match="boom"):
         worker_pools(2).run(_failing_step, "1f1b", 2, 3, 1, 1, False)
+
+
+def _tuned_steps(rank: int, name: str, p: int, m: int, cfg: GPTConfig, idx: Tensor, targets: Tensor) -> Any:
+    model = GPT(cfg, seed=0)
+    blocks = model.blocks()
+    built = build_schedule(name, p, m)
+    stages = stage_modules(blocks, partition_by_params(blocks, schedule=built), rank)
+    runtime = PipelineRuntime(built, stages, loss_fn, tune_splits=1)
+    steps = []
+    for _ in range(5):  # 2 steps as built, 2 unsplit, then merged
+        model.zero_grad(set_to_none=True)
+        result = runtime.step(idx, targets, broadcast_loss=True)
+        grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+        ran = {t.action.kind.value for t in result.timeline}
+        steps.append((result.loss, grads, ran))
+    costs = runtime.measured_costs
+    assert costs is not None, "tuning did not finish"
+    assert runtime.schedule == merge_splits(built, costs), "not the merge of the measured costs"
+    return steps
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_tuned_splits_train_as_the_serial_model(worker_pools: PoolFactory, name: str) -> None:
+    """`tune_splits`: the steps that measure (split, then unsplit) and the merged ones after
+    them all equal the serial model; the unsplit steps ran BW only."""
+    p, m = 2, 4
+    cfg = config(name, p)
+    idx, targets = make_batch(cfg, MB_SIZE * m, seed=3)
+    per_rank = worker_pools(p).run(_tuned_steps, name, p, m, cfg, idx, targets)
+    want_losses, want_grads = serial(cfg, idx, targets, m)
+    for step in range(5):
+        got: dict[str, Tensor] = {}
+        for rank_steps in per_rank:
+            loss, grads, _ = rank_steps[step]
+            assert loss == pytest.approx(sum(want_losses) / m, rel=1e-5), step
+            got.update(grads)
+        torch.testing.assert_close(got, want_grads, **TOL, msg=lambda s, step=step: f"step {step}: {s}")
+    for rank_steps in per_rank:
+        assert rank_steps[2][2] <= {"F", "BW"} and rank_steps[3][2] <= {"F", "BW"}, "unsplit steps split"

@@ -204,7 +204,8 @@ def boost(
     if pp > 1:
         blocks = pipeline_blocks(model, spec)  # again: tensor parallelism replaced modules
         schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
-        partition = partition_by_params(blocks, schedule=schedule)
+        # several stages per rank: then balance what each rank holds, not only each stage
+        partition = partition_by_params(blocks, schedule=schedule, balance_ranks=schedule.chunks_per_rank > 1)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
         module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
         stage_to_rank = schedule.stage_to_rank
@@ -246,7 +247,9 @@ def boost(
     )
     runtime = None
     if pp > 1:
-        runtime = PipelineRuntime(schedule, stages, goal.loss, group=pp_group, device=mesh.device)
+        runtime = PipelineRuntime(
+            schedule, stages, goal.loss, group=pp_group, device=mesh.device, tune_splits=p.tune_splits
+        )
     scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
     log.info(
         "boosted: %s, zero stage %d, %s; this rank holds %d parameters",

@@ -33,6 +33,9 @@ class ParallelConfig:
     (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks).
+    ``tune_splits``: a split-backward schedule (zb-h1, zbv) times its first steps split and
+    unsplit, this many each after a warm-up, then keeps a split only where the simulated
+    step under the measured costs gains (`tessera.pipeline.merge_splits`); 0: every split.
     ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
     the world it launches (``tessera.launcher.plan.auto``) before anything spawns, planned
     for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
@@ -52,6 +55,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 4
     virtual_stages: int = 1
+    tune_splits: int = 2
     auto: bool = False
     cluster: str = ""
 
@@ -300,6 +304,7 @@ class Config:
                             "max_skipped_steps",
                             "max_restarts",
                             "chunk_numel",
+                            "tune_splits",
                         )
                         else 1
                     )

@@ -56,8 +56,9 @@ from tessera.comm import (
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
 from tessera.pipeline.partition import Partition
-from tessera.pipeline.simulate import TimedAction
+from tessera.pipeline.simulate import Costs, TimedAction
 from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
+from tessera.pipeline.tune import SplitTuner
 from tessera.pipeline.validate import validate
 
 __all__ = ["LossFn", "PipelineAborted", "PipelineRuntime", "StepResult", "stage_modules"]
@@ -116,6 +117,9 @@ class PipelineRuntime:
     stages are floating point. ``loss_fn(output, targets)`` of the last stage returns a
     scalar, mean-reduced over the microbatch. Construction does not communicate, but every
     rank must build the runtimes of a group in the same order (their abort keys are counted).
+    ``tune_splits`` > 0 with a split-backward schedule: its first steps time the schedule
+    split and unsplit, ``tune_splits`` each after a warm-up, then it runs `merge_splits` under
+    the costs measured (`tessera.pipeline.tune`; ``measured_costs`` holds them afterwards).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class PipelineRuntime:
         group: Group = None,
         device: torch.device | None = None,
         timeout_s: float = 1800.0,
+        tune_splits: int = 0,
     ) -> None:
         validate(schedule)
         self.schedule = schedule
@@ -144,31 +149,55 @@ class PipelineRuntime:
             )
         self.stages = dict(stages)
         self.loss_fn = loss_fn
-        self._seed = 1.0 / schedule.num_microbatches  # d(step loss)/d(microbatch loss), times the loss scale
         self.params: dict[int, list[Tensor]] = {
             s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()
         }
-        self._nodes = {s: grad_nodes(ps) for s, ps in self.params.items()} if schedule.split_backward else {}
         first = next((p for ps in self.params.values() for p in ps), None)
         self.device = device or (first.device if first is not None else default_device())
-        self.last = schedule.num_stages - 1
-        self.actions = schedule.actions[self.rank]
-        self._fused = self._fusable()
-        # units whose W really runs apart from their B (a schedule may mix them with BW units)
-        self._deferred = {(a.microbatch, a.stage) for a in self.actions if a.kind is K.W} - self._fused
-        logger.debug("rank %d: stages %s, B+W merged for %s", self.rank, mine, sorted(self._fused))
         self.watch = Watch(group, timeout_s, self.device)
         if self.device.type == "cpu" and group_size(group) > 1:
             share_memory(group)  # collective: messages between ranks of one host use shared memory
-        self.inboxes = {
-            peer: Inbox(peer, order, group, self.device, self.watch, self._grad_meta)
-            for peer, order in self._incoming().items()
-        }
+        self._nodes: dict[int, list[Node]] = {}
+        self._adopt(schedule)
+        self._tuner = SplitTuner(schedule, tune_splits) if tune_splits and schedule.split_backward else None
+        self.measured_costs: Costs | None = None
         self._broken: str | None = None
         self._body: tuple[nn.Module, list[Tensor], list[Node]] | None = None
         self._reset()
 
     # ------------------------------------------------------------------ setup
+    def _adopt(self, schedule: Schedule) -> None:
+        """Take ``schedule``'s order of actions and messages (for the next step on)."""
+        self.schedule = schedule
+        self._seed = 1.0 / schedule.num_microbatches  # d(step loss)/d(microbatch loss), times the loss scale
+        if schedule.split_backward and not self._nodes:
+            self._nodes = {s: grad_nodes(ps) for s, ps in self.params.items()}
+        self.last = schedule.num_stages - 1
+        self.actions = schedule.actions[self.rank]
+        self._fused = self._fusable()
+        # units whose W really runs apart from their B (a schedule may mix them with BW units)
+        self._deferred = {(a.microbatch, a.stage) for a in self.actions if a.kind is K.W} - self._fused
+        logger.debug("rank %d: %s, B+W merged for %s", self.rank, schedule.name, sorted(self._fused))
+        self.inboxes = {
+            peer: Inbox(peer, order, self.group, self.device, self.watch, self._grad_meta)
+            for peer, order in self._incoming().items()
+        }
+
+    def reschedule(self, schedule: Schedule) -> None:
+        """Run the next steps by ``schedule``: the same stages on the same ranks and the same
+        number of microbatches, in another order (e.g. `merge_splits` of the current one).
+        Between steps, on every rank of the group; ValueError naming what differs."""
+        validate(schedule)
+        old = self.schedule
+        for what in ("num_ranks", "num_microbatches", "stage_to_rank"):
+            if getattr(schedule, what) != getattr(old, what):
+                raise ValueError(
+                    f"reschedule: {schedule.name} has {what}={getattr(schedule, what)}, the runtime's "
+                    f"{old.name} {getattr(old, what)}"
+                )
+        self._adopt(schedule)
+        self._reset()
+
     def _incoming(self) -> dict[int, list[Message]]:
         """Per peer, the messages it sends this rank in its own order, headers included."""
         incoming: dict[int, list[Message]] = {}
@@ -247,6 +276,14 @@ class PipelineRuntime:
                 f"pipeline step {self._broken} was aborted and may have left messages in flight; "
                 "build a new process group (and runtime) before stepping again"
             )
+        if self._tuner is not None:  # may reschedule; the step after the last measured one gathers
+            planned = self._tuner.next_schedule(self.group)
+            if planned is not self.schedule:
+                self._adopt(planned)
+                self._reset()
+            if self._tuner.done:
+                self.measured_costs = self._tuner.costs
+                self._tuner = None
         self.watch.step += 1
         self._seed = loss_scale / self.schedule.num_microbatches
         started = time.perf_counter()
@@ -273,6 +310,8 @@ class PipelineRuntime:
         finally:
             timeline = tuple(self._timeline)
             self._reset()
+        if self._tuner is not None:
+            self._tuner.record(timeline)
         loss = math.fsum(losses) / len(losses) if losses else None
         if broadcast_loss:
             owner = self.schedule.stage_to_rank[self.last]

@@ -44,7 +44,7 @@ class Cut:
 def cut_of(model: ModelShape, shape: TPShape, pp: int, schedule: str, v: int) -> Cut:
     """Cut ``[embed, *layers, head]`` as ``boost()`` does: ``partition_by_params`` over this
     tensor-parallel rank's parameter counts, stages placed by the schedule's spec (schedules
-    that place their stages alike share one cut)."""
+    that place their stages alike share one cut), ranks balanced when they hold several."""
     return _cut(model, shape, pp, _placement(schedule, pp, v) if pp > 1 else (0,))
 
 
@@ -55,7 +55,8 @@ def _placement(schedule: str, pp: int, v: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=1 << 14)
 def _cut(model: ModelShape, shape: TPShape, pp: int, placement: tuple[int, ...]) -> Cut:
-    part = partition_by_params(model.block_params(shape), placement)
+    # several stages per rank: boost balances what each rank holds too
+    part = partition_by_params(model.block_params(shape), placement, balance_ranks=len(placement) > pp)
     serial = model.block_params()
     last = model.layers + 1
 
