@@ -21,6 +21,12 @@
    median of the ratios of back-to-back steps (steadier on a shared machine).
    ``final_loss`` is the mean microbatch loss of the last step; both sides must agree
    (``loss_match``). A "token" is one sequence position.
+   ``zb-h1+merge`` and ``zbv+merge`` are those schedules after `merge_splits` under costs
+   measured here first (`fit_costs` of three steps split and three unsplit, after a warm-up
+   each, gradients dropped; the line's ``splits_kept`` and ``fitted_costs_s`` say what came
+   out). The last four pairs put each zero-bubble schedule, as built and merged, beside
+   Tessera's own 1F1B (system ``tessera-1f1b``), step for step: the goal that zero-bubble
+   is at least as fast as 1F1B.
    A ``torch-single`` line (system) runs the same GPT in plain PyTorch in one process (rank
    0, one thread, rank 1 idle at a barrier): the same work as one pipeline step, the whole
    batch of m x mb sequences in one forward and backward (the mean loss over equal
@@ -216,12 +222,10 @@ def _gpt_pair(
 ) -> dict[str, Any]:
     """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
     p = dist.get_world_size()
-    base, _, merge = ours.partition("+")
-    schedule = build_schedule(base, p, m)
-    v = schedule.chunks_per_rank
     idx, targets = make_batch(cfg, m * mb, seed=1)
+    tessera_step, part, merged = _tessera_side(ours, cfg, m, idx, targets, lr)
+    v = part.num_stages // p
     probe = GPT(cfg, seed=0).blocks()
-    part = partition_by_params(probe, schedule=schedule, balance_ranks=True)
     if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
         torch_part = partition_by_params(  # torch's loop layout
             probe, stage_to_rank(Layout.LOOP, p, v), balance_ranks=True
@@ -229,21 +233,12 @@ def _gpt_pair(
     else:
         torch_part = part
     last = part.num_stages - 1
-
-    # Tessera
-    t_stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
-    merged: dict[str, Any] = {}
-    if merge:
-        schedule, merged = _measured_merge(schedule, t_stages, idx, targets)
-    runtime = PipelineRuntime(schedule, t_stages, _ce)
-    t_opt = torch.optim.SGD([q for s in t_stages.values() for q in s.parameters()], lr=lr)
-    t_has = (0 in t_stages, last in t_stages)
-
-    def tessera_step() -> float | None:
-        t_opt.zero_grad(set_to_none=True)
-        result = runtime.step(idx if t_has[0] else None, targets if t_has[1] else None)
-        t_opt.step()
-        return result.loss
+    own = theirs.removeprefix("tessera:")
+    peer = f"tessera-{own}" if own != theirs else "torch-pipelining"
+    extra = {**merged, "peer": peer}
+    if own != theirs:  # Tessera's own schedule as the peer (zero-bubble against 1F1B)
+        steps = {"tessera": tessera_step, peer: _tessera_side(own, cfg, m, idx, targets, lr)[0]}
+        return _alternate(rank, ours, theirs, steps, warmup, iters, folder, prof_steps, extra)
 
     # torch.distributed.pipelining
     p_mods = stage_modules(GPT(cfg, seed=0).blocks(), torch_part, rank)
@@ -264,7 +259,41 @@ def _gpt_pair(
         p_opt.step()
         return float(torch.stack(losses).detach().mean()) if losses else None
 
-    steps: dict[str, Callable[[], float | None]] = {"tessera": tessera_step, "torch-pipelining": torch_step}
+    steps = {"tessera": tessera_step, "torch-pipelining": torch_step}
+    return _alternate(rank, ours, theirs, steps, warmup, iters, folder, prof_steps, extra)
+
+
+def _tessera_side(
+    name: str, cfg: GPTConfig, m: int, idx: Tensor, targets: Tensor, lr: float
+) -> tuple[Callable[[], float | None], Any, dict[str, Any]]:
+    """One Tessera step (zero grads, pipeline step, SGD) of schedule ``name`` (``+merge``:
+    `_measured_merge` of it), its partition, and what the merge measured."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    base, _, merge = name.partition("+")
+    schedule = build_schedule(base, p, m)
+    part = partition_by_params(GPT(cfg, seed=0).blocks(), schedule=schedule, balance_ranks=True)
+    stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
+    merged: dict[str, Any] = {}
+    if merge:
+        schedule, merged = _measured_merge(schedule, stages, idx, targets)
+    runtime = PipelineRuntime(schedule, stages, _ce)
+    opt = torch.optim.SGD([q for s in stages.values() for q in s.parameters()], lr=lr)
+    first, last = 0 in stages, part.num_stages - 1 in stages
+
+    def step() -> float | None:
+        opt.zero_grad(set_to_none=True)
+        result = runtime.step(idx if first else None, targets if last else None)
+        opt.step()
+        return result.loss
+
+    return step, part, merged
+
+
+def _alternate(
+    rank: int, ours: str, theirs: str, steps: dict[str, Callable[[], float | None]], warmup: int, iters: int,
+    folder: str | None, prof_steps: int, extra: dict[str, Any],
+) -> dict[str, Any]:
+    """Alternate the systems' steps (ABBA), each from a barrier; then profile each if asked."""
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
     final: dict[str, float | None] = {}
     order = list(steps.items())
@@ -276,10 +305,10 @@ def _gpt_pair(
             t1 = time.perf_counter()
             if i >= warmup:
                 times[system].append((t0, t1))
-    out: dict[str, Any] = {"times": times, "final": final, **merged}
+    out: dict[str, Any] = {"times": times, "final": final, **extra}
     if folder is not None:
         for system, step in order:
-            trace = f"{folder}/{ours}-vs-{theirs}-{system}-rank{rank}.json"
+            trace = f"{folder}/{ours}-vs-{theirs.replace(':', '-')}-{system}-rank{rank}.json"
             b = profile_steps(step, prof_steps, trace, before=dist.barrier)
             out[system] = {"breakdown": b.as_record(), "breakdown_trace": trace}
     return out
@@ -326,6 +355,11 @@ def bench_gpt(
         ("zbv", "ScheduleZBVZeroBubble"),
         ("zbv", "ScheduleInterleavedZeroBubble"),
         ("zbv+merge", "ScheduleZBVZeroBubble"),
+        # the zero-bubble goal: at least as fast as Tessera's own 1F1B, step for step
+        ("zb-h1", "tessera:1f1b"),
+        ("zb-h1+merge", "tessera:1f1b"),
+        ("zbv", "tessera:1f1b"),
+        ("zbv+merge", "tessera:1f1b"),
     ]
     tokens = m * mb * cfg.seq_len
     records = []
@@ -350,17 +384,18 @@ def bench_gpt(
             v = schedule_spec(ours.partition("+")[0]).chunks()
             config = (
                 f"gpt L{cfg.n_layers} d{cfg.d_model} seq{cfg.seq_len} vocab{cfg.vocab_size} p=2 v={v} m={m} "
-                f"mb={mb} sgd: tessera {ours} vs torch {theirs}"
+                f"mb={mb} sgd: tessera {ours} vs {theirs if ':' in theirs else 'torch ' + theirs}"
             )
+            peer = per_rank[0]["peer"]
             medians, finals, steps = {}, {}, {}
-            for system in ("tessera", "torch-pipelining"):
+            for system in ("tessera", peer):
                 spans = zip(*(r["times"][system] for r in per_rank), strict=True)
                 steps[system] = [max(t1 for _, t1 in step) - min(t0 for t0, _ in step) for step in spans]
                 medians[system] = statistics.median(steps[system])
                 finals[system] = next(f for r in per_rank if (f := r["final"][system]) is not None)
-            gap = abs(finals["tessera"] - finals["torch-pipelining"])
+            gap = abs(finals["tessera"] - finals[peer])
             match = gap <= 1e-4 * max(1.0, abs(finals["tessera"]))
-            for system in ("tessera", "torch-pipelining"):
+            for system in ("tessera", peer):
                 records.append({
                     "bench": "pipeline",
                     "system": system,
@@ -368,12 +403,12 @@ def bench_gpt(
                     "step_time_s": round(medians[system], 4),
                     "tokens_per_s": round(tokens / medians[system], 1),
                     "final_loss": round(finals[system], 6),
-                    "ratio_vs_peer": round(medians["torch-pipelining"] / medians["tessera"], 3)
+                    "ratio_vs_peer": round(medians[peer] / medians["tessera"], 3)
                     if system == "tessera" else None,
                     "loss_match": match if system == "tessera" else None,
                     # back-to-back steps of the two systems see the same load: their ratio's median
                     "ratio_paired_median": round(statistics.median(
-                        b / a for a, b in zip(steps["tessera"], steps["torch-pipelining"], strict=True)
+                        b / a for a, b in zip(steps["tessera"], steps[peer], strict=True)
                     ), 3) if system == "tessera" else None,
                     "speedup_vs_single": round(single["median"] / medians[system], 3),
                     **{k: per_rank[0][k] for k in ("splits_kept", "fitted_costs_s")
