@@ -61,6 +61,7 @@ from tessera.launcher import boost
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate, load_cluster, search
 from tessera.models import GPT, GPTConfig, make_batch
+from tessera.pipeline import build_schedule
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
 BATCH = 16
@@ -113,6 +114,10 @@ def _train(rank: int, config: Config, warmup: int, iters: int) -> dict[str, Any]
 
 
 def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
+    p = config.parallel
+    split = p.pp > 1 and build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages).split_backward
+    if iters and split and p.tune_splits:
+        warmup += 2 * (p.tune_splits + 1)  # time the schedule the runtime settles on (merge_splits)
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]

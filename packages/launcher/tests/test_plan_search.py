@@ -28,7 +28,7 @@ from tessera.launcher.plan import (
 )
 from tessera.launcher.plan.auto import auto_config
 from tessera.launcher.plan.bubble import EXACT_LIMIT, pipeline_profile
-from tessera.pipeline import Costs, build_schedule, simulate
+from tessera.pipeline import Costs, build_schedule, simulate, unsplit
 
 SMALL = Config(
     model=ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2),
@@ -232,3 +232,43 @@ def test_stage_scales_time_each_stage_by_its_work(name: str, p: int, m: int, sca
     same = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0, stage_scale=(1.5,) * p)).makespan
     assert same == pytest.approx(1.5 * flat)
     assert min(scales) * flat - 1e-9 <= got.makespan <= max(scales) * flat + 1e-9
+
+
+@pytest.mark.parametrize(("name", "p", "v"), [("zb-h1", 4, None), ("zbv", 2, 2)])
+@pytest.mark.parametrize("m", [8, 80])  # exact, and past EXACT_LIMIT (the lean replay's steady runs)
+def test_split_costs_and_unsplit_forms_match_the_simulator(name: str, p: int, v: int | None, m: int) -> None:
+    """A split backward's extra (`Costs.split`) and the `unsplit` form time as the pipeline's
+    own simulator does, through both of the planner's paths (same makespan to 1e-9)."""
+    chunks, costs = v or 1, Costs(f=1.0, b=1.0, w=1.0, split=0.3)
+    schedule = build_schedule(name, p, m, v)
+    for whole, form in ((False, schedule), (True, unsplit(schedule))):
+        got = pipeline_profile(name, p, m, chunks, 1.0, 1.0, 0.0, split=0.3, whole=whole)
+        want = simulate(form, costs)
+        assert got.makespan == pytest.approx(want.makespan, rel=1e-9), (whole, got.extrapolated)
+    plain = pipeline_profile(name, p, m, chunks, 1.0, 1.0, 0.0)
+    assert pipeline_profile(name, p, m, chunks, 1.0, 1.0, 0.0, split=0.3).makespan > plain.makespan
+
+
+def test_a_costly_split_slows_zero_bubble_and_tuning_caps_it() -> None:
+    """``Cluster.split_overhead``: zero-bubble predicts slower with it; with ``tune_splits``
+    (the runtime keeps only the splits that pay) never slower than the schedule unsplit,
+    which for ZB-H1 is 1F1B's order: so never slower than 1F1B."""
+    config = dataclasses.replace(
+        SMALL,
+        model=dataclasses.replace(SMALL.model, n_layers=6),
+        parallel=ParallelConfig(pp=2, microbatches=8, schedule="zb-h1", tune_splits=0),
+        data=DataConfig(batch_size=16),
+    )
+    model = ModelShape.from_config(config)
+    free, costly = PRESETS["cpu"], dataclasses.replace(PRESETS["cpu"], split_overhead=0.5)
+    zero = dataclasses.replace(free, split_overhead=0.0)
+
+    def step(cfg: Config, cluster: Cluster) -> float:
+        return estimate(cfg, model, cluster).time.total
+
+    tuned = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tune_splits=2))
+    one_f = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, schedule="1f1b"))
+    assert step(config, zero) < step(one_f, zero), "a free split: zero-bubble beats 1F1B"
+    assert step(config, costly) > step(config, zero)
+    assert step(tuned, costly) <= step(config, costly)
+    assert step(tuned, costly) == pytest.approx(step(one_f, costly), rel=1e-9)

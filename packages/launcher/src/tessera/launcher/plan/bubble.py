@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.pipeline import ActionKind, Costs, build_schedule, schedule_spec, simulate
+from tessera.pipeline import ActionKind, Costs, Schedule, build_schedule, schedule_spec, simulate, unsplit
 from tessera.pipeline.simulate import activation_peaks
 
 __all__ = ["EXACT_LIMIT", "PipelineProfile", "pipeline_profile"]
@@ -48,12 +48,18 @@ class PipelineProfile:
         return 1.0 - self.busy / self.makespan if self.makespan > 0 else 0.0
 
 
-def _simulate(name: str, p: int, m: int, v: int, costs: Costs) -> PipelineProfile:
+def _build(name: str, p: int, m: int, v: int, whole: bool) -> Schedule:
+    """The registry's schedule, or its `unsplit` form (every backward one BW) when ``whole``."""
+    schedule = build_schedule(name, p, m, v)
+    return unsplit(schedule) if whole else schedule
+
+
+def _simulate(name: str, p: int, m: int, v: int, costs: Costs, whole: bool = False) -> PipelineProfile:
     if p * m * schedule_spec(name).chunks(v) * 3 > EXACT_LIMIT:  # long: the lean replay
-        compiled = _compiled(name, p, m, v)
+        compiled = _compiled(name, p, m, v, whole)
         makespan, busy = _replay(compiled, costs)
         return PipelineProfile(makespan, busy, compiled.peak_held, split_backward=compiled.split)
-    schedule = build_schedule(name, p, m, v)
+    schedule = _build(name, p, m, v, whole)
     split = any(a.kind == ActionKind.W for actions in schedule.actions for a in actions)
     result = simulate(schedule, costs)
     return PipelineProfile(
@@ -75,10 +81,10 @@ class _Compiled:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(name: str, p: int, m: int, v: int) -> _Compiled:
-    """The registry's schedule reduced for `_replay` (kept for a few schedules: a search
-    rarely times the same long schedule twice, and each takes a few MiB)."""
-    schedule = build_schedule(name, p, m, v)
+def _compiled(name: str, p: int, m: int, v: int, whole: bool = False) -> _Compiled:
+    """The registry's schedule (``whole``: unsplit) reduced for `_replay` (kept for a few
+    schedules: a search rarely times the same long schedule twice, and each takes a few MiB)."""
+    schedule = _build(name, p, m, v, whole)
     kinds = {K.F: 0, K.B: 1, K.W: 2, K.BW: 3}
     p2p = {K.SEND_F: (1, 0, 0), K.RECV_F: (2, -1, 0), K.SEND_B: (1, 0, 1), K.RECV_B: (2, 1, 1)}
     stages = schedule.num_stages
@@ -107,7 +113,7 @@ def _replay(schedule: _Compiled, costs: Costs) -> tuple[float, float]:
     pipeline's tests; a rank left waiting for a message is still an error here). Long
     pipelines spend most of ``simulate``'s time on those two."""
     latency, scale = costs.p2p_latency, costs.stage_scale
-    cost_of = (costs.f, costs.b, costs.w, costs.b + costs.w)
+    cost_of = (costs.f, costs.b, costs.w + costs.split, costs.b + costs.w)
     rows = schedule.rows
     p = len(rows)
     sent_at: dict[int, float] = {}
@@ -154,33 +160,44 @@ def _small_counts(name: str, p: int, v: int) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=4096)
 def _steady(
-    name: str, p: int, v: int, costs: Costs
+    name: str, p: int, v: int, costs: Costs, whole: bool = False
 ) -> tuple[int, PipelineProfile, int, PipelineProfile] | None:
     small = _small_counts(name, p, v)
     if small is None:
         return None
     m1, m2 = small
-    return m1, _simulate(name, p, m1, v, costs), m2, _simulate(name, p, m2, v, costs)
+    return m1, _simulate(name, p, m1, v, costs, whole), m2, _simulate(name, p, m2, v, costs, whole)
 
 
 @functools.lru_cache(maxsize=8192)
 def pipeline_profile(
-    name: str, p: int, m: int, v: int, b: float, w: float, latency: float, scale: tuple[float, ...] = ()
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    b: float,
+    w: float,
+    latency: float,
+    scale: tuple[float, ...] = (),
+    split: float = 0.0,
+    whole: bool = False,
 ) -> PipelineProfile:
     """The schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v`` chunks per rank,
-    timed with a forward of 1, backward-for-input ``b``, backward-for-weight ``w`` and a p2p
-    latency of ``latency`` (all in forwards), each stage's actions scaled by ``scale`` (its
-    work against the heaviest stage's; empty: all equal) when simulated exactly; beyond
-    ``EXACT_LIMIT`` actions every stage costs the heaviest's."""
+    timed with a forward of 1, backward-for-input ``b``, backward-for-weight ``w``, a split
+    backward's extra ``split`` (`Costs.split`) and a p2p latency of ``latency`` (all in
+    forwards), each stage's actions scaled by ``scale`` (its work against the heaviest
+    stage's; empty: all equal) when simulated exactly; beyond ``EXACT_LIMIT`` actions every
+    stage costs the heaviest's. ``whole``: the schedule's `unsplit` form."""
     chunks = schedule_spec(name).chunks(v)
     if p * m * chunks * 3 <= EXACT_LIMIT:
-        return _simulate(name, p, m, v, Costs(f=1.0, b=b, w=w, p2p_latency=latency, stage_scale=scale))
+        costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency, stage_scale=scale, split=split)
+        return _simulate(name, p, m, v, costs, whole)
     # Long pipelines: every stage at the heaviest one's cost, so that the two extrapolation
     # runs are shared by every cut of the same schedule (``estimate.shape_of`` agrees).
-    costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency)
-    steady = _steady(name, p, v, costs)
+    costs = Costs(f=1.0, b=b, w=w, p2p_latency=latency, split=split)
+    steady = _steady(name, p, v, costs, whole)
     if steady is None or m < steady[0]:
-        return _simulate(name, p, m, v, costs)
+        return _simulate(name, p, m, v, costs, whole)
     m1, a, m2, z = steady
     k = (m - m1) / (m2 - m1)
     busy = a.busy + k * (z.busy - a.busy)

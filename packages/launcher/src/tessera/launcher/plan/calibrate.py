@@ -20,7 +20,9 @@ two gloo processes on this host, Tessera's own collectives as a job runs them:
   the compute alone), for the wait each message adds per rank beyond the cores (``wait_s``:
   a peer must be scheduled before it answers);
 - all-to-alls (``tessera.comm.all_to_all``, what Ulysses runs) of the two sizes, fitted to
-  ``a2a_latency + bytes / 2 / a2a_bandwidth`` (half the buffer leaves). The
+  ``a2a_latency + bytes / 2 / a2a_bandwidth`` (half the buffer leaves);
+- in this process, a pipeline stage's backward split into B and W (zero-bubble) against one
+  full backward (``split_overhead``, the fraction the split adds). The
 medium profile runs again with bf16 parameters for the bf16 rate (``flops``; CPUs with
 AVX512-BF16 or AMX run it faster than fp32). The node's FLOP/s are one rank's fp32 rate
 times the cores (ranks beyond the cores share them).
@@ -187,6 +189,44 @@ def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) 
     return seconds, flops, 3.0 * (layers * OPS_LAYER + 2 * OPS_EDGE)
 
 
+def _split_overhead(layers: int = 3, hidden: int = 128, seq: int = 64, rows: int = 4) -> float:
+    """What a zero-bubble split backward (B, then W: `tessera.pipeline.split_backward`) costs
+    beyond one full backward, as a fraction of it: a pipeline stage of ``layers`` blocks of
+    the reference GPT and its head, from an input that needs a gradient (medians)."""
+    import torch
+
+    from tessera.models import GPT, GPTConfig, make_batch
+    from tessera.pipeline.split_backward import backward_input, grad_nodes
+
+    cfg = GPTConfig(vocab_size=512, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
+    blocks = GPT(cfg, seed=0).blocks()
+    embed, stage = blocks[0], torch.nn.Sequential(*blocks[1:])
+    idx, targets = make_batch(cfg, rows, seed=0)
+    params = [q for q in stage.parameters() if q.requires_grad]
+    nodes = grad_nodes(params)
+
+    def loss() -> tuple[torch.Tensor, torch.Tensor]:
+        x = embed(idx).detach().requires_grad_()
+        logits = stage(x)
+        return x, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def timed(split: bool) -> float:
+        x, out = loss()
+        t0 = time.perf_counter()
+        if split:
+            _, weights = backward_input(out, None, x, params, nodes)
+            weights.run()
+        else:
+            out.backward()  # type: ignore[no-untyped-call]
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm up both
+        timed(True), timed(False)
+    whole = statistics.median(timed(False) for _ in range(15))
+    split = statistics.median(timed(True) for _ in range(15))
+    return max(split / whole - 1.0, 0.0)
+
+
 def calibrate() -> Cluster:
     """Measure this machine (a few seconds; spawns two gloo processes) as a `Cluster`."""
     import torch
@@ -208,6 +248,7 @@ def calibrate() -> Cluster:
         flops_bf16 = f3 / max(t3 - o3 * op, 0.1 * t3)
         big = torch.empty(16 * 2**20 // 4)
         memory_bw = 2 * big.numel() * 4 / _median(lambda: big.clone(), 20)  # read + write
+        split_overhead = _split_overhead()
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
@@ -241,4 +282,5 @@ def calibrate() -> Cluster:
         wait_s=wait,
         a2a_latency=a2a_latency,
         a2a_bandwidth=a2a_bandwidth,
+        split_overhead=split_overhead,
     )

@@ -90,6 +90,7 @@ class Cluster:
     p2p_latency: float = 0.0  # a measured point-to-point message (with p2p_bandwidth > 0)
     p2p_bandwidth: float = 0.0  # bytes/s of a measured message; 0: the link's own terms
     shm_slots_bytes: float = 0.0  # > 0: each group's collectives use a shared-memory segment
+    split_overhead: float = 0.0  # a backward split into B and W (zero-bubble) costs this fraction more
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -236,6 +237,10 @@ PRESETS: dict[str, Cluster] = {
         p2p_latency=37e-6,
         p2p_bandwidth=3e9,
         shm_slots_bytes=8 * 2**20,  # tessera.comm.shm.SLOTS_BYTES
+        # a split backward (B + W) over one full backward of three GPT blocks and the head:
+        # 0.16-0.27 from `tessera plan --calibrate`'s probe, 0.19-0.20 from the costs the
+        # pipeline bench fitted to its steps (2026-12-01, fifth session)
+        split_overhead=0.2,
         memory_bandwidth=25e9,
         host_bandwidth=25e9,
         host_memory_bandwidth=25e9,

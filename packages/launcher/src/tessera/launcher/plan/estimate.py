@@ -140,6 +140,7 @@ class Shape:
     backward_extra: float  # transient of the widest layer's backward (SUMMA's partials)
     kept_per_layer: float  # output gradients one layer keeps from B to W per microbatch (zero-bubble)
     message: float = 0.0  # bytes of one microbatch's layer input, whole (the tensor groups' largest)
+    split: float = 0.0  # a split backward's extra over the backward (Cluster.split_overhead)
 
     @property
     def bound(self) -> float:
@@ -246,20 +247,34 @@ def shape_of(
             model, rows, precision, p.tp, p.sequence_parallel or p.tp_mode != "1d", p.sp
         ),
         message=rows * model.seq * model.hidden * c,
+        split=cluster.split_overhead,
     )
 
 
 def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float, ...], bool]:
     """(busy, makespan, peak held units per rank, whether W runs apart from B) of the
     pipeline, from the simulator; ratios to the forward are rounded to 0.1 so that
-    near-identical pipelines share one simulation."""
+    near-identical pipelines share one simulation.
+
+    A split backward costs ``shape.split`` of the backward more (`Costs.split`). With
+    ``tune_splits`` the runtime merges the splits that do not pay (`merge_splits`); the
+    estimate takes the faster of the schedule as built and its `unsplit` form, which the
+    merge is never slower than (a bound: the merge may find better still). Memory is the
+    schedule's as built: the runtime's first steps run it."""
     if p.pp == 1:
         return shape.busy, shape.busy, (1.0,), False
     ratio = round(shape.bw / 2 / shape.f, 1)
     hop = round(shape.hop / shape.f, 1)
-    prof = pipeline_profile(p.schedule, p.pp, p.microbatches, shape.chunks, ratio, ratio, hop, shape.scales)
-    scale = shape.busy / prof.busy  # the simulated busy time in seconds, exactly
-    return shape.busy, prof.makespan * scale, prof.peak_held, prof.split_backward
+    args = (p.schedule, p.pp, p.microbatches, shape.chunks, ratio, ratio, hop, shape.scales)
+    built = pipeline_profile(*args)
+    scale = shape.busy / built.busy  # the simulated busy time in seconds, exactly (no split cost)
+    makespan = built.makespan
+    if built.split_backward and shape.split > 0:
+        makespan = pipeline_profile(*args, split=round(shape.split * 2 * ratio, 2)).makespan
+        if p.tune_splits > 0:
+            makespan = min(makespan, pipeline_profile(*args, whole=True).makespan)
+    # memory: the schedule as built (the runtime's first steps run it, tuning or not)
+    return shape.busy, makespan * scale, built.peak_held, built.split_backward
 
 
 def one_reduction(p: ParallelConfig) -> bool:
