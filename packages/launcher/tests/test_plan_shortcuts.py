@@ -1,5 +1,6 @@
-"""The search's shortcuts against what they stand for: the lean replay of a long pipeline
-gives exactly ``tessera.pipeline.simulate``'s makespan, busy time and held activations, and a
+"""The search's shortcuts against what they stand for: a long pipeline timed without
+validation or rows (`timed`), in its built or `unsplit` form, gives exactly
+``tessera.pipeline.simulate``'s makespan, busy time and held activations, and a
 tensor-parallel shape the search refuses whole holds no configuration the launcher accepts.
 Pure (no processes)."""
 
@@ -11,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ZeroConfig
-from tessera.launcher.plan.bubble import _compiled, _replay
+from tessera.launcher.plan.bubble import _long
 from tessera.launcher.plan.search import _parallel_variants, _schedules, _tp_shapes, _Validator, divisors
-from tessera.pipeline import SCHEDULES, Costs, build_schedule, schedule_spec, simulate
+from tessera.pipeline import SCHEDULES, Costs, build_schedule, schedule_spec, simulate, unsplit
+from tessera.pipeline.simulate import timed
 
 costs_st = st.builds(
     Costs,
@@ -21,6 +23,7 @@ costs_st = st.builds(
     b=st.floats(0.3, 3.0),
     w=st.floats(0.0, 2.0),
     p2p_latency=st.floats(0.0, 2.0),
+    split=st.sampled_from([0.0, 0.4]),
 )
 
 
@@ -32,28 +35,30 @@ costs_st = st.builds(
     v=st.integers(1, 3),
     costs=costs_st,
     scaled=st.booleans(),
+    whole=st.booleans(),
     data=st.data(),
 )
-def test_replay_is_the_simulator_exactly(
-    name: str, p: int, m: int, v: int, costs: Costs, scaled: bool, data: st.DataObject
+def test_the_long_path_is_the_simulator_exactly(
+    name: str, p: int, m: int, v: int, costs: Costs, scaled: bool, whole: bool, data: st.DataObject
 ) -> None:
-    """Same floating-point operations in the same order: equal to the last bit (``==``), for
-    every registered schedule the registry accepts, with and without per-stage scales."""
+    """The same timing model, equal to the last bit (``==``), for every registered schedule
+    the registry accepts (or its unsplit form), with and without per-stage scales."""
     spec = schedule_spec(name)
     chunks = spec.default_chunks if spec.fixed_chunks else max(v, spec.min_chunks or 1)
     if spec.check(p, m, chunks):
         return  # the schedule refuses this shape; nothing to time
     schedule = build_schedule(name, p, m, chunks)
+    schedule = unsplit(schedule) if whole else schedule
     if scaled:
         n = schedule.num_stages
         scale = data.draw(st.lists(st.floats(0.1, 2.0), min_size=n, max_size=n))
         costs = dataclasses.replace(costs, stage_scale=tuple(scale))
     want = simulate(schedule, costs)
-    compiled = _compiled(name, p, m, chunks)
-    makespan, busy = _replay(compiled, costs)
-    assert makespan == want.makespan
-    assert busy == max(want.busy)
-    assert compiled.peak_held == tuple(float(x) for x in want.peak_held)
+    long, peaks = _long(name, p, m, chunks, whole)
+    assert long == schedule
+    makespan, busy, rows = timed(long, costs, rows=False)
+    assert makespan == want.makespan and busy == want.busy and rows == [[] for _ in range(p)]
+    assert peaks == tuple(float(x) for x in want.peak_held)
 
 
 @settings(max_examples=25, deadline=None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.validate import validate
 
-__all__ = ["Costs", "SimResult", "TimedAction", "activation_peaks", "simulate"]
+__all__ = ["Costs", "SimResult", "TimedAction", "activation_peaks", "simulate", "timed"]
 
 K = ActionKind
 
@@ -134,8 +134,10 @@ def activation_peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ..
 def timed(
     schedule: Schedule, costs: Costs, rows: bool = True
 ) -> tuple[float, tuple[float, ...], list[list[TimedAction]]]:
-    """``(makespan, busy per rank, timeline rows)`` of an already validated ``schedule``
-    (``rows=False``: no rows, for a caller that needs the makespan of many schedules)."""
+    """``(makespan, busy per rank, timeline rows)`` of ``schedule`` under ``costs``, without
+    validating it first (`simulate` does; `merge_splits` and the planner time many schedules
+    built valid) or, with ``rows=False``, the per-action rows. A rank left waiting for a
+    message never sent raises ValueError."""
     acts = schedule.actions
     p = schedule.num_ranks
     clock = [0.0] * p
@@ -166,6 +168,9 @@ def timed(
                 clock[r] = end
                 ptr[r] += 1
                 moved = True
+    stuck = [r for r in range(p) if ptr[r] < len(acts[r])]
+    if stuck:  # only an unvalidated schedule gets here
+        raise ValueError(f"schedule {schedule.name} deadlocks: ranks {stuck} wait for messages never sent")
     return max(clock), tuple(busy), timeline
 
 

@@ -11,10 +11,9 @@ smallest microbatch counts ``2p <= m1``, ``m1 + p <= m2`` that the schedule acce
 linearly in ``m`` (one pair of simulations serves every larger ``m``):
 every registered schedule reaches its steady state by ``m = 2p`` (checked for p = 2, 4, 8), after
 which each extra microbatch adds the same time and the same (often zero) activations.
-Those long runs are timed by `_replay`, the simulator's timing model in the same
-floating-point operations (identical figures, tested) without the per-action timeline and
-the second validation of a schedule the registry built, which took most of the search's
-time at a thousand GPUs.
+Those long runs are timed by the simulator's own timing model (`tessera.pipeline.simulate.
+timed`) without the per-action timeline and without validating again a schedule the
+registry built, which took most of the search's time at a thousand GPUs.
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.pipeline import ActionKind, Costs, Schedule, build_schedule, schedule_spec, simulate, unsplit
-from tessera.pipeline.simulate import activation_peaks
+from tessera.pipeline import Costs, Schedule, build_schedule, schedule_spec, simulate, unsplit
+from tessera.pipeline.simulate import activation_peaks, timed
 
 __all__ = ["EXACT_LIMIT", "PipelineProfile", "pipeline_profile"]
 
-K = ActionKind
 
 EXACT_LIMIT = 600  # compute actions simulated exactly; beyond: two smaller runs, extrapolated
 
@@ -55,96 +53,26 @@ def _build(name: str, p: int, m: int, v: int, whole: bool) -> Schedule:
 
 
 def _simulate(name: str, p: int, m: int, v: int, costs: Costs, whole: bool = False) -> PipelineProfile:
-    if p * m * schedule_spec(name).chunks(v) * 3 > EXACT_LIMIT:  # long: the lean replay
-        compiled = _compiled(name, p, m, v, whole)
-        makespan, busy = _replay(compiled, costs)
-        return PipelineProfile(makespan, busy, compiled.peak_held, split_backward=compiled.split)
+    if p * m * schedule_spec(name).chunks(v) * 3 > EXACT_LIMIT:  # long: timed without validation
+        schedule, peaks = _long(name, p, m, v, whole)
+        makespan, busy, _ = timed(schedule, costs, rows=False)
+        return PipelineProfile(makespan, max(busy), peaks, split_backward=schedule.split_backward)
     schedule = _build(name, p, m, v, whole)
-    split = any(a.kind == ActionKind.W for actions in schedule.actions for a in actions)
     result = simulate(schedule, costs)
     return PipelineProfile(
-        result.makespan, max(result.busy), tuple(float(x) for x in result.peak_held), split_backward=split
+        result.makespan,
+        max(result.busy),
+        tuple(float(x) for x in result.peak_held),
+        split_backward=schedule.split_backward,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Compiled:
-    """A built schedule reduced to what its timing needs: each rank's actions as ``(code,
-    key, kind)``: a compute (code 0) keys its stage and ``kind`` indexes (F, B, W, BW); a
-    send (1) or a receive (2) keys its message, ``2 (microbatch S + sending stage) +
-    (0 forward, 1 backward)``."""
-
-    name: str
-    rows: tuple[tuple[tuple[int, int, int], ...], ...]
-    peak_held: tuple[float, ...]
-    split: bool
-
-
 @functools.lru_cache(maxsize=8)
-def _compiled(name: str, p: int, m: int, v: int, whole: bool = False) -> _Compiled:
-    """The registry's schedule (``whole``: unsplit) reduced for `_replay` (kept for a few
+def _long(name: str, p: int, m: int, v: int, whole: bool) -> tuple[Schedule, tuple[float, ...]]:
+    """A long schedule the registry built, and each rank's peak held units (kept for a few
     schedules: a search rarely times the same long schedule twice, and each takes a few MiB)."""
     schedule = _build(name, p, m, v, whole)
-    kinds = {K.F: 0, K.B: 1, K.W: 2, K.BW: 3}
-    p2p = {K.SEND_F: (1, 0, 0), K.RECV_F: (2, -1, 0), K.SEND_B: (1, 0, 1), K.RECV_B: (2, 1, 1)}
-    stages = schedule.num_stages
-    rows = []
-    shared: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-    for actions in schedule.actions:
-        row = []
-        for a in actions:
-            if a.kind in kinds:
-                entry = (0, a.stage, kinds[a.kind])
-                row.append(shared.setdefault(entry, entry))
-            else:
-                code, offset, backward = p2p[a.kind]
-                row.append((code, 2 * (a.microbatch * stages + a.stage + offset) + backward, 0))
-        rows.append(tuple(row))
-    split = any(a.kind == ActionKind.W for actions in schedule.actions for a in actions)
-    peaks = tuple(float(x) for x in activation_peaks(schedule)[1])
-    return _Compiled(f"{name} (p={p}, m={m}, v={v})", tuple(rows), peaks, split)
-
-
-def _replay(schedule: _Compiled, costs: Costs) -> tuple[float, float]:
-    """(makespan, the busiest rank's compute) of ``schedule`` under ``costs``: the timing
-    model of ``tessera.pipeline.simulate``, step for step and in the same floating-point
-    operations (so the figures are identical), without its per-action timeline and without
-    validating again a schedule the registry built (its builders are validated by the
-    pipeline's tests; a rank left waiting for a message is still an error here). Long
-    pipelines spend most of ``simulate``'s time on those two."""
-    latency, scale = costs.p2p_latency, costs.stage_scale
-    cost_of = (costs.f, costs.b, costs.w + costs.split, costs.b + costs.w)
-    rows = schedule.rows
-    p = len(rows)
-    sent_at: dict[int, float] = {}
-    clock, busy, ptr = [0.0] * p, [0.0] * p, [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            row, i, n, start = rows[r], ptr[r], len(rows[r]), clock[r]
-            while i < n:
-                code, key, kind = row[i]
-                if code == 2:
-                    if key not in sent_at:
-                        break
-                    end = max(start, sent_at[key] + latency)
-                elif code == 1:
-                    sent_at[key] = start
-                    end = start
-                else:
-                    cost = cost_of[kind]
-                    end = start + (cost * scale[key] if scale else cost)
-                    busy[r] += end - start
-                start = end
-                i += 1
-            if i != ptr[r]:
-                moved = True
-            ptr[r], clock[r] = i, start
-    stuck = [r for r in range(p) if ptr[r] < len(rows[r])]
-    if stuck:
-        raise ValueError(f"schedule {schedule.name} deadlocks: ranks {stuck} wait for messages never sent")
-    return max(clock), max(busy)
+    return schedule, tuple(float(x) for x in activation_peaks(schedule)[1])
 
 
 def _small_counts(name: str, p: int, v: int) -> tuple[int, int] | None:
