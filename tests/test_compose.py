@@ -227,6 +227,24 @@ def test_multi_dimensional_tp_follows_twenty_serial_steps(
     _check(results, _serial("sgd", steps=20), "sgd")
 
 
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(pp=2, microbatches=4, schedule="zb-h1", tune_splits=1),
+        ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2, tune_splits=1),
+    ],
+    ids=["zb-h1", "zbv"],
+)
+def test_zero_bubble_tuning_follows_the_serial_run(
+    worker_pools: PoolFactory, parallel: ParallelConfig
+) -> None:
+    """``tune_splits=1``: two steps as built, two unsplit, then `merge_splits` under the costs
+    measured; 7 SGD steps against serial (the bounds of the module docstring)."""
+    config = _config(parallel, 1, "sgd")
+    results = worker_pools(config.world_size).run(_parallel, config, "sgd", 7, timeout=180)
+    _check(results, _serial("sgd", steps=7), "sgd")
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_the_weight_bounds_hold_serial_against_serial(kind: str) -> None:
     """The bounds above accept the serial run summed in another order (two microbatches)."""

@@ -23,7 +23,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from tessera.comm import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter, shm
+from tessera.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    share_memory,
+    shm,
+    shm_p2p,
+)
 from tessera.comm.shm_env import ENV, enabled_from_env
 from tessera.comm.testing import RankFailure, WorkerPool
 from tessera.comm.testing.fixtures import PoolFactory
@@ -139,6 +148,24 @@ def test_segments_leave_no_file_behind(worker_pools: PoolFactory) -> None:
 def test_off_keeps_gloo(worker_pools: PoolFactory) -> None:
     got = worker_pools(2).run(_leftovers, env={ENV: "0"})
     assert [on for on, _ in got] == [False, False]
+
+
+def _sends_to_a_deaf_peer(rank: int) -> list[str]:
+    """Rank 0 sends on a tag rank 1 never uses: only rank 0 maps that pair's file."""
+    share_memory(None)
+    before = set(Path("/dev/shm").glob("tessera-*"))
+    if rank == 0:
+        shm_p2p.isend(torch.ones(4), 1, None, tag=7)
+    return sorted(str(p) for p in set(Path("/dev/shm").glob("tessera-*")) - before)
+
+
+def test_a_pair_file_its_peer_never_mapped_goes_at_exit() -> None:
+    """Real processes: the file stays while rank 0 lives (rank 1 might still map it) and is
+    gone once rank 0 exits."""
+    with WorkerPool(2, timeout=120.0) as pool:
+        made = pool.run(_sends_to_a_deaf_peer)[0]
+        assert len(made) == 1 and Path(made[0]).exists(), made
+    assert not Path(made[0]).exists(), f"{made[0]} left behind"
 
 
 def _dies(rank: int, report: str) -> None:

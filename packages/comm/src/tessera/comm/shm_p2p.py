@@ -15,12 +15,15 @@ Messages of one (pair, tag) arrive in post order, as with torch's p2p.
 
 Both ranks create the pair's file (same name: a job token from the store, the group, the tag
 and the pair) the first time they use it, without waiting for each other, and the second of
-them to map it unlinks it.
+them to map it unlinks it. A file whose peer never mapped it (a program that sends to a rank
+that never receives) is unlinked when its process exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import multiprocessing.util
 import os
 import secrets
 import threading
@@ -199,6 +202,7 @@ class _Pair:
 _PAIRS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, int, int], _Pair]]
 _PAIRS = weakref.WeakKeyDictionary()
 _BUILT: dict[tuple[str, int, int, int], int] = {}
+_FIRST: set[str] = set()  # pair files this process mapped first: the peer unlinks them when it maps
 _LOCK = threading.Lock()
 
 
@@ -207,6 +211,14 @@ def _forget() -> None:  # a forked child has none of its parent's pairs
     _LOCK = threading.Lock()
     _PAIRS.clear()
     _BUILT.clear()
+    _FIRST.clear()
+
+
+def _unlink_unmapped() -> None:
+    """At exit: the files of pairs whose peer never mapped them (else already gone)."""
+    for path in _FIRST:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -228,6 +240,10 @@ def _pair(pg: dist.ProcessGroup, peer: int, tag: int) -> _Pair:
         pair = pairs[(tag, lo, hi)] = _Pair(path, me == lo)
         if store.add(f"{path}/mapped", 1) == 2:
             os.unlink(path)  # both ranks map it; nothing is left behind
+        else:
+            if not _FIRST:  # at exit, also of a multiprocessing worker (which skips atexit)
+                multiprocessing.util.Finalize(None, _unlink_unmapped, exitpriority=0)
+            _FIRST.add(path)
         return pair
 
 
