@@ -221,7 +221,8 @@ def _split_overhead(layers: int = 3, hidden: int = 128, seq: int = 64, rows: int
         return time.perf_counter() - t0
 
     for _ in range(3):  # warm up both
-        timed(True), timed(False)
+        timed(True)
+        timed(False)
     whole = statistics.median(timed(False) for _ in range(15))
     split = statistics.median(timed(True) for _ in range(15))
     return max(split / whole - 1.0, 0.0)

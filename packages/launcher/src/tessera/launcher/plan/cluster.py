@@ -24,6 +24,10 @@ it on two processes. 0 (the GPU presets): the link's ring form.
 (a pipeline hop, a ring-attention step) inside a node takes ``p2p_latency + n /
 p2p_bandwidth`` instead of the link's terms: on a CPU host a message goes through a
 shared-memory FIFO (`tessera.comm.shm_p2p`), whose latency is about twice an all-reduce's.
+``split_overhead``: what a zero-bubble schedule's backward split into B and W costs beyond
+one full backward, as a fraction of it (`tessera.pipeline.Costs.split`; ``--calibrate``
+times a pipeline stage of the reference GPT both ways); 0 on the GPU presets, not measured
+there.
 ``shm_slots_bytes``: when > 0, the collectives of every group of ranks on one node go through
 a shared-memory segment with that many bytes of slots (`tessera.comm.shm.SLOTS_BYTES`), which
 each rank maps (`MemoryEstimate.shared`); 0 on GPUs.
