@@ -117,7 +117,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     p = config.parallel
     split = p.pp > 1 and build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages).split_backward
     if iters and split and p.tune_splits:
-        warmup += 2 * (p.tune_splits + 1)  # time the schedule the runtime settles on (merge_splits)
+        warmup += 3 * (p.tune_splits + 1)  # time the form the runtime settles on (pipeline.tune)
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]

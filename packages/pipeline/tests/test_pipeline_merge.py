@@ -6,6 +6,7 @@
   result is `unsplit`'s), and a free split keeps zero-bubble's advantage over 1F1B;
 - `fit_costs` recovers the costs of simulated timelines exactly (up to fp64 round-off:
   means of sums of the given durations; rel 1e-9).
+- the runtime's tuner keeps the form whose slowest rank was fastest (median over steps).
 The runtime running merged (mixed BW and B/W) schedules equal to the serial model is tested
 in ``test_pipeline_runtime.py``.
 """
@@ -105,3 +106,21 @@ def test_fit_costs_names_a_stage_without_a_backward() -> None:
     forwards = [[t for t in row if t.action.kind is ActionKind.F] for row in simulate(schedule).timeline]
     with pytest.raises(ValueError, match="stage 0"):
         fit_costs(forwards, 2)
+
+
+def test_the_tuner_keeps_the_form_whose_slowest_rank_was_fastest() -> None:
+    """`SplitTuner`'s choice: per step the slowest rank's time, then the median over steps."""
+    from tessera.pipeline.tune import SplitTuner
+
+    built = build_schedule("zb-h1", 2, 4)
+    tuner = SplitTuner(built, steps=2)
+    tuner.costs = Costs()
+    merged = merge_splits(built)
+    tuner._forms.append(("merged", merged))
+    per_rank = [
+        {"as built": [1.0, 1.2], "unsplit": [0.9, 0.9], "merged": [0.8, 2.0]},
+        {"as built": [1.1, 1.0], "unsplit": [1.3, 0.95], "merged": [0.85, 0.7]},
+    ]  # slowest per step: as built 1.1, 1.2; unsplit 1.3, 0.95; merged 0.85, 2.0
+    assert tuner._choose(per_rank) == unsplit(built) and tuner.done
+    per_rank[0]["merged"] = [0.8, 0.9]  # merged now 0.85, 0.9
+    assert tuner._choose(per_rank) == merged

@@ -118,8 +118,9 @@ class PipelineRuntime:
     scalar, mean-reduced over the microbatch. Construction does not communicate, but every
     rank must build the runtimes of a group in the same order (their abort keys are counted).
     ``tune_splits`` > 0 with a split-backward schedule: its first steps time the schedule
-    split and unsplit, ``tune_splits`` each after a warm-up, then it runs `merge_splits` under
-    the costs measured (`tessera.pipeline.tune`; ``measured_costs`` holds them afterwards).
+    split and unsplit, ``tune_splits`` each after a warm-up, then `merge_splits` under the
+    costs measured, and it keeps the fastest of the three (`tessera.pipeline.tune`;
+    ``measured_costs`` holds the costs afterwards).
     """
 
     def __init__(
@@ -311,7 +312,7 @@ class PipelineRuntime:
             timeline = tuple(self._timeline)
             self._reset()
         if self._tuner is not None:
-            self._tuner.record(timeline)
+            self._tuner.record(timeline, time.perf_counter() - started)
         loss = math.fsum(losses) / len(losses) if losses else None
         if broadcast_loss:
             owner = self.schedule.stage_to_rank[self.last]

@@ -257,10 +257,11 @@ def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float
     near-identical pipelines share one simulation.
 
     A split backward costs ``shape.split`` of the backward more (`Costs.split`). With
-    ``tune_splits`` the runtime merges the splits that do not pay (`merge_splits`); the
-    estimate takes the faster of the schedule as built and its `unsplit` form, which the
-    merge is never slower than (a bound: the merge may find better still). Memory is the
-    schedule's as built: the runtime's first steps run it."""
+    ``tune_splits`` the runtime keeps the fastest measured of the schedule as built, its
+    `unsplit` form and `merge_splits` of it; the estimate takes the faster of the first two
+    (a bound: the merge, when kept, was faster still). Memory is the schedule's as built:
+    the runtime's first steps run it.
+    """
     if p.pp == 1:
         return shape.busy, shape.busy, (1.0,), False
     ratio = round(shape.bw / 2 / shape.f, 1)
