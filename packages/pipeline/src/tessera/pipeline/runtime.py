@@ -120,7 +120,9 @@ class PipelineRuntime:
     ``tune_splits`` > 0 with a split-backward schedule: its first steps time the schedule
     split and unsplit, ``tune_splits`` each after a warm-up, then `merge_splits` under the
     costs measured, and it keeps the fastest of the three (`tessera.pipeline.tune`;
-    ``measured_costs`` holds the costs afterwards).
+    ``measured_costs`` holds the costs afterwards). Every rank of ``tune_group`` (default:
+    the whole job) decides together, at the same steps: a job of several pipelines whose
+    ranks meet in other collectives (tensor-parallel peers of a stage) must run one order.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class PipelineRuntime:
         device: torch.device | None = None,
         timeout_s: float = 1800.0,
         tune_splits: int = 0,
+        tune_group: Group = None,
     ) -> None:
         validate(schedule)
         self.schedule = schedule
@@ -161,6 +164,7 @@ class PipelineRuntime:
         self._nodes: dict[int, list[Node]] = {}
         self._adopt(schedule)
         self._tuner = SplitTuner(schedule, tune_splits) if tune_splits and schedule.split_backward else None
+        self._tune_group = tune_group
         self.measured_costs: Costs | None = None
         self._broken: str | None = None
         self._body: tuple[nn.Module, list[Tensor], list[Node]] | None = None
@@ -278,7 +282,7 @@ class PipelineRuntime:
                 "build a new process group (and runtime) before stepping again"
             )
         if self._tuner is not None:  # may reschedule; the step after the last measured one gathers
-            planned = self._tuner.next_schedule(self.group)
+            planned = self._tuner.next_schedule(self._tune_group)
             if planned is not self.schedule:
                 self._adopt(planned)
                 self._reset()

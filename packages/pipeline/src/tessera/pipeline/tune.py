@@ -11,7 +11,10 @@ later step, whichever of the three forms took the least time (per step the slowe
 time, the median over the measured steps). A merge that changes nothing is not run again.
 
 All of these steps compute the same gradients (one backward, or its two halves), so training
-goes on while it measures. Every rank decides the same from the same gathered figures.
+goes on while it measures. The figures are gathered over the runtime's ``tune_group`` (the
+whole job by default), so every rank decides the same: the pipelines of one job must run
+one order where their ranks also meet in other collectives (the tensor-parallel peers of a
+stage sit in different pipeline groups, and run B's and W's collectives in schedule order).
 """
 
 from __future__ import annotations
