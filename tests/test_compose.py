@@ -228,21 +228,22 @@ def test_multi_dimensional_tp_follows_twenty_serial_steps(
 
 
 @pytest.mark.parametrize(
-    "parallel",
+    ("parallel", "zero"),
     [
-        ParallelConfig(pp=2, microbatches=4, schedule="zb-h1", tune_splits=1),
-        ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2, tune_splits=1),
-        ParallelConfig(pp=2, tp=2, microbatches=4, schedule="zb-h1", tune_splits=1),
+        (ParallelConfig(pp=2, microbatches=4, schedule="zb-h1", tune_splits=1), 1),
+        (ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2, tune_splits=1), 1),
+        (ParallelConfig(pp=2, tp=2, microbatches=4, schedule="zb-h1", tune_splits=1), 1),
+        (ParallelConfig(dp=2, pp=2, microbatches=2, schedule="zb-h1", tune_splits=1), 3),
     ],
-    ids=["zb-h1", "zbv", "tp2-zb-h1"],
+    ids=["zb-h1", "zbv", "tp2-zb-h1", "dp2-zb-h1-zero3"],
 )
 def test_zero_bubble_tuning_follows_the_serial_run(
-    worker_pools: PoolFactory, parallel: ParallelConfig
+    worker_pools: PoolFactory, parallel: ParallelConfig, zero: int
 ) -> None:
     """``tune_splits=1``: two steps as built, two unsplit, two merged, then the fastest; 7 SGD
     steps against serial (the bounds of the module docstring). With tp=2 the two pipelines
     (one per tensor-parallel rank) must pick the same form: their stages' collectives meet."""
-    config = _config(parallel, 1, "sgd")
+    config = _config(parallel, zero, "sgd")
     results = worker_pools(config.world_size).run(_parallel, config, "sgd", 7, timeout=180)
     _check(results, _serial("sgd", steps=7), "sgd")
 
