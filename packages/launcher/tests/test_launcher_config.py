@@ -148,3 +148,17 @@ def test_a_package_variable_is_no_config_field_but_is_checked(name: str, good: s
     assert resolve_config(None, [], env={name: good}) == resolve_config(None, [], env={})
     with pytest.raises(ConfigError, match=f"{name}='{bad}'"):
         resolve_config(None, [], env={name: bad})
+
+
+def test_split_tuning_does_not_shape_a_checkpoint() -> None:
+    """``parallel.tune_splits`` orders the halves of each backward, not what is saved: a resume
+    may change it, and a checkpoint written before the field existed still matches."""
+    from tessera.launcher.checkpoint import _differences, _fingerprint
+
+    base = Config(parallel=ParallelConfig(pp=2, schedule="zb-h1"))
+    other = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tune_splits=0))
+    assert _differences(_fingerprint(base), _fingerprint(other)) == []
+    older = _fingerprint(base)
+    assert "tune_splits" not in older["parallel"]
+    changed = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, schedule="1f1b"))
+    assert _differences(older, _fingerprint(changed)) == ["parallel.schedule: saved 'zb-h1', now '1f1b'"]

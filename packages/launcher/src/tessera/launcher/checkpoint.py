@@ -79,9 +79,10 @@ class Checkpointable(Boosted, Protocol):
 
 # ---------------------------------------------------------------------------- pure parts
 # Fields that choose where or how the state lives but not what it is: a resume may change them
-# (a chunked run's checkpoint loads unchunked, under another disk directory or budget).
+# (a chunked run's checkpoint loads unchunked, under another disk directory or budget; the
+# split tuning only orders the halves of each backward).
 _PLACEMENT_ONLY = {
-    "parallel": ("auto", "cluster"),
+    "parallel": ("auto", "cluster", "tune_splits"),
     "zero": ("host_budget_mb", "device_budget_mb", "disk_dir", "policy", "fractions", "chunk_numel"),
 }
 
