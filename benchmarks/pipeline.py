@@ -61,7 +61,6 @@ from tessera.comm.testing import WorkerPool
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import (
     SCHEDULES,
-    ActionKind,
     Costs,
     Layout,
     PipelineRuntime,
@@ -334,8 +333,7 @@ def _measured_merge(
     dist.all_gather_object(every, mine)
     costs = fit_costs([t for timelines in every for t in timelines], schedule.num_stages)
     merged = merge_splits(schedule, costs)
-    kept = sum(a.kind is ActionKind.W for acts in merged.actions for a in acts)
-    total = sum(a.kind is ActionKind.W for acts in schedule.actions for a in acts)
+    kept, total = len(merged.split_units()), len(schedule.split_units())
     fitted = {k: round(getattr(costs, k), 5) for k in ("f", "b", "w", "split")}
     fitted["stage_scale"] = [round(x, 3) for x in costs.stage_scale]
     return merged, {"splits_kept": f"{kept} of {total}", "fitted_costs_s": fitted}

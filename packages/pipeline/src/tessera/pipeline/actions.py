@@ -148,6 +148,11 @@ class Schedule:
         """True when the backward is split into B (input grad) and W (weight grad)."""
         return any(a.kind is ActionKind.W for acts in self.actions for a in acts)
 
+    def split_units(self) -> frozenset[tuple[int, int]]:
+        """The (microbatch, stage) units whose backward is split (they have a W)."""
+        w = ActionKind.W
+        return frozenset((a.microbatch, a.stage) for acts in self.actions for a in acts if a.kind is w)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages held by ``rank``, in model order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)

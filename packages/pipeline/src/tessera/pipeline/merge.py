@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 
 from tessera.pipeline._build import with_p2p
 from tessera.pipeline.actions import Action, ActionKind, Schedule
@@ -48,7 +48,7 @@ def merge_splits(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     The p2p actions are placed again by the standard lowering (each receive right before the
     compute that needs it, each send right after the compute that produces it)."""
     costs = costs or Costs()
-    left = sorted(_split_units(schedule))
+    left = sorted(schedule.split_units())
     merged: set[_Unit] = set()
     best = simulate(schedule, costs).makespan  # validates the schedule and the costs once
     result = schedule
@@ -68,14 +68,10 @@ def merge_splits(schedule: Schedule, costs: Costs | None = None) -> Schedule:
 def unsplit(schedule: Schedule) -> Schedule:
     """``schedule`` with every split backward run as one BW at the place of its B (e.g. to
     time the unsplit backward of each stage for `fit_costs`)."""
-    return _with_merged(schedule, _split_units(schedule))
+    return _with_merged(schedule, schedule.split_units())
 
 
-def _split_units(schedule: Schedule) -> set[_Unit]:
-    return {(a.microbatch, a.stage) for acts in schedule.actions for a in acts if a.kind is K.W}
-
-
-def _with_merged(schedule: Schedule, units: set[_Unit]) -> Schedule:
+def _with_merged(schedule: Schedule, units: Set[_Unit]) -> Schedule:
     compute = []
     for rank in range(schedule.num_ranks):
         order = []

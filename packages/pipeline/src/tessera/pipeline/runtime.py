@@ -181,7 +181,7 @@ class PipelineRuntime:
         self.actions = schedule.actions[self.rank]
         self._fused = self._fusable()
         # units whose W really runs apart from their B (a schedule may mix them with BW units)
-        self._deferred = {(a.microbatch, a.stage) for a in self.actions if a.kind is K.W} - self._fused
+        self._deferred = schedule.split_units() - self._fused
         logger.debug("rank %d: %s, B+W merged for %s", self.rank, schedule.name, sorted(self._fused))
         self.inboxes = {
             peer: Inbox(peer, order, self.group, self.device, self.watch, self._grad_meta)
@@ -284,8 +284,7 @@ class PipelineRuntime:
         if self._tuner is not None:  # may reschedule; the step after the last measured one gathers
             planned = self._tuner.next_schedule(self._tune_group)
             if planned is not self.schedule:
-                self._adopt(planned)
-                self._reset()
+                self.reschedule(planned)
             if self._tuner.done:
                 self.measured_costs = self._tuner.costs
                 self._tuner = None

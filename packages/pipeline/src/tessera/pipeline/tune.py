@@ -27,17 +27,13 @@ from typing import Any
 import torch.distributed as dist
 
 from tessera.comm import Group, group_size
-from tessera.pipeline.actions import ActionKind, Schedule
+from tessera.pipeline.actions import Schedule
 from tessera.pipeline.merge import fit_costs, merge_splits, unsplit
 from tessera.pipeline.simulate import Costs, TimedAction
 
 __all__ = ["SplitTuner"]
 
 logger = logging.getLogger(__name__)
-
-
-def _splits(schedule: Schedule) -> int:
-    return sum(a.kind is ActionKind.W for acts in schedule.actions for a in acts)
 
 
 class SplitTuner:
@@ -105,7 +101,7 @@ class SplitTuner:
             costs.split * 1e3,
             ", ".join(f"{form} {t * 1e3:.1f} ms" for form, t in times.items()),
             name,
-            _splits(self.chosen),
-            _splits(self.built),
+            len(self.chosen.split_units()),
+            len(self.built.split_units()),
         )
         return self.chosen
