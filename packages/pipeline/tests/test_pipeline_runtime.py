@@ -16,6 +16,7 @@ unmatched p2p messages in the pool's process group, so they restart (close) thei
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from tessera.pipeline import (
     SCHEDULES,
     PipelineAborted,
     PipelineRuntime,
+    TimedAction,
     build_schedule,
     forward_loss,
     merge_splits,
@@ -108,12 +110,25 @@ def _run_case(
         for step in range(2):  # a second step on the same runtime, after zeroing the gradients
             model.zero_grad(set_to_none=True)
             result = runtime.step(idx, targets, broadcast_loss=step == 1)
+            _check_timeline(runtime, result.timeline)
             grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
             out[m].append((result.losses, result.loss, grads))
         owners = runtime.schedule.stage_to_rank
         evaluated = forward_loss(runtime.stages, owners, idx, targets, loss_fn, group=None, device=idx.device)
         out[m].append(([], evaluated, {}))
     return out
+
+
+def _check_timeline(runtime: PipelineRuntime, timeline: tuple[TimedAction, ...]) -> None:
+    """The timeline shows every unit of this rank once: its F, and one BW (unsplit, or a B
+    the runtime fused with its W) or a B and a W."""
+    ran: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for t in timeline:
+        ran[(t.action.microbatch, t.action.stage)].append(t.action.kind.value)
+    units = {(a.microbatch, a.stage) for a in runtime.schedule.actions[runtime.rank] if a.is_compute}
+    assert set(ran) == units, f"rank {runtime.rank}: timeline units {sorted(ran)}, schedule {sorted(units)}"
+    odd = {u: k for u, k in ran.items() if sorted(k) not in (["BW", "F"], ["B", "F", "W"])}
+    assert not odd, f"rank {runtime.rank} of {runtime.schedule.name}: units shown as {odd}"
 
 
 def serial(cfg: GPTConfig, idx: Tensor, targets: Tensor, m: int) -> tuple[list[float], dict[str, Tensor]]:
@@ -319,10 +334,11 @@ def _tuned_steps(rank: int, name: str, p: int, m: int, cfg: GPTConfig, idx: Tens
         grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
         ran = {t.action.kind.value for t in result.timeline}
         steps.append((result.loss, grads, ran))
-    costs = runtime.measured_costs
-    assert costs is not None, "tuning did not finish"
-    forms = (built, unsplit(built), merge_splits(built, costs))
-    assert runtime.schedule in forms, "not one of the measured forms"
+    tuning = runtime.split_tuning
+    assert tuning is not None and tuning.costs is not None, "tuning did not finish"
+    forms = {"as built": built, "unsplit": unsplit(built), "merged": merge_splits(built, tuning.costs)}
+    assert runtime.schedule == forms[tuning.form], f"runs {runtime.schedule}, kept {tuning.form}"
+    assert set(tuning.step_seconds) <= set(forms) and tuning.form in tuning.step_seconds
     return steps
 
 

@@ -28,7 +28,7 @@ from tessera.pipeline.partition import (
 from tessera.pipeline.registry import SCHEDULES, build_schedule, register_schedule, schedule_spec
 from tessera.pipeline.render import chrome_trace, timeline_png
 from tessera.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b
-from tessera.pipeline.simulate import Costs, SimResult, TimedAction, simulate
+from tessera.pipeline.simulate import Costs, SimResult, TimedAction, replay, simulate
 from tessera.pipeline.spec import ScheduleSpec
 from tessera.pipeline.validate import P2PModel, validate
 from tessera.pipeline.zero_bubble import zbv, zero_bubble_h1
@@ -72,6 +72,7 @@ __all__ = [
     "partition_by_params",
     "partition_by_profile",
     "register_schedule",
+    "replay",
     "schedule_spec",
     "simulate",
     "stage_modules",

@@ -56,7 +56,7 @@ from tessera.comm import (
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
 from tessera.pipeline.partition import Partition
-from tessera.pipeline.simulate import Costs, TimedAction
+from tessera.pipeline.simulate import TimedAction
 from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
 from tessera.pipeline.tune import SplitTuner
 from tessera.pipeline.validate import validate
@@ -120,9 +120,10 @@ class PipelineRuntime:
     ``tune_splits`` > 0 with a split-backward schedule: its first steps time the schedule
     split and unsplit, ``tune_splits`` each after a warm-up, then `merge_splits` under the
     costs measured, and it keeps the fastest of the three (`tessera.pipeline.tune`;
-    ``measured_costs`` holds the costs afterwards). Every rank of ``tune_group`` (default:
-    the whole job) decides together, at the same steps: a job of several pipelines whose
-    ranks meet in other collectives (tensor-parallel peers of a stage) must run one order.
+    ``split_tuning`` holds the finished `SplitTuner`: costs, step times, the form kept).
+    Every rank of ``tune_group`` (default: the whole job) decides together, at the same
+    steps: a job of several pipelines whose ranks meet in other collectives
+    (tensor-parallel peers of a stage) must run one order.
     """
 
     def __init__(
@@ -165,7 +166,7 @@ class PipelineRuntime:
         self._adopt(schedule)
         self._tuner = SplitTuner(schedule, tune_splits) if tune_splits and schedule.split_backward else None
         self._tune_group = tune_group
-        self.measured_costs: Costs | None = None
+        self.split_tuning: SplitTuner | None = None  # the tuner, once it has chosen
         self._broken: str | None = None
         self._body: tuple[nn.Module, list[Tensor], list[Node]] | None = None
         self._reset()
@@ -286,8 +287,7 @@ class PipelineRuntime:
             if planned is not self.schedule:
                 self.reschedule(planned)
             if self._tuner.done:
-                self.measured_costs = self._tuner.costs
-                self._tuner = None
+                self.split_tuning, self._tuner = self._tuner, None
         self.watch.step += 1
         self._seed = loss_scale / self.schedule.num_microbatches
         started = time.perf_counter()
@@ -357,9 +357,10 @@ class PipelineRuntime:
         else:
             start = time.perf_counter()
             {K.F: self._forward, K.BW: self._backward, K.B: self._backward, K.W: self._weights}[kind](a)
-            if key not in self._fused:
+            fused = key in self._fused and kind in (K.B, K.W)  # the timeline shows what ran:
+            if not fused:  # one BW where a fused B is, no W
                 self._timeline.append(TimedAction(self.rank, a, start, time.perf_counter()))
-            elif kind is K.B:  # the timeline shows what ran: one BW where the B is, no W
+            elif kind is K.B:
                 self._timeline.append(TimedAction(self.rank, Action(K.BW, *key), start, time.perf_counter()))
             for inbox in self.inboxes.values():
                 inbox.prefetch()

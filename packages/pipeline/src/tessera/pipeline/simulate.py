@@ -12,6 +12,11 @@ Bubble of rank ``r`` is ``(makespan - busy_r) / makespan`` where ``busy_r`` is t
 compute time and ``makespan`` the end of the last action on any rank. The fraction does not
 depend on the time unit, so only the ratios between ``f``, ``b``, ``w`` and the latency matter.
 
+`replay` runs the same model with the compute times one measured step took on each action
+and no message latency: the critical path of that step, a lower bound for any runtime of
+the schedule with those computations (what a measured step lost to messages, waits and
+the runtime's own work is its time minus this).
+
 Activations are counted in (microbatch, stage) units, i.e. per chunk for multi-chunk
 schedules, by walking each rank's list in order (memory only changes at that rank's own
 actions, so timing does not matter):
@@ -27,12 +32,13 @@ actions, so timing does not matter):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.validate import validate
 
-__all__ = ["Costs", "SimResult", "TimedAction", "activation_peaks", "simulate", "timed"]
+__all__ = ["Costs", "SimResult", "TimedAction", "activation_peaks", "replay", "simulate", "timed"]
 
 K = ActionKind
 
@@ -138,6 +144,50 @@ def timed(
     validating it first (`simulate` does; `merge_splits` and the planner time many schedules
     built valid) or, with ``rows=False``, the per-action rows. A rank left waiting for a
     message never sent raises ValueError."""
+    of = {(k, st): costs.of(k, st) for k in (K.F, K.B, K.W, K.BW) for st in range(schedule.num_stages)}
+    durations = [[of.get((a.kind, a.stage), 0.0) for a in row] for row in schedule.actions]
+    return _clock(schedule, durations, costs.p2p_latency, rows)
+
+
+def replay(schedule: Schedule, timelines: Sequence[Sequence[TimedAction]]) -> float:
+    """The step ``schedule`` would take with the compute durations of ``timelines`` (one
+    measured step: every rank's `StepResult.timeline`) and instant messages: the length of
+    its critical path, what no runtime of this schedule can beat with these computations.
+
+    A unit the runtime ran as one BW where the schedule has B and W (the timeline shows
+    that BW and no W) takes the BW's time at the B. ValueError if a compute action of the
+    schedule has no measured time."""
+    measured: dict[tuple[ActionKind, int, int], float] = {}
+    for row in timelines:
+        for t in row:
+            if t.action.is_compute:
+                measured[(t.action.kind, t.action.microbatch, t.action.stage)] = t.end - t.start
+    durations: list[list[float]] = []
+    for acts in schedule.actions:
+        out = []
+        for a in acts:
+            if not a.is_compute:
+                out.append(0.0)
+                continue
+            unit = (a.microbatch, a.stage)
+            seconds = measured.get((a.kind, *unit))
+            if seconds is None and (K.BW, *unit) in measured and a.kind in (K.B, K.W):
+                seconds = measured[(K.BW, *unit)] if a.kind is K.B else 0.0
+            if seconds is None:
+                raise ValueError(
+                    f"the timelines have no time for {a.kind.name} of microbatch {a.microbatch}, "
+                    f"stage {a.stage} of schedule {schedule.name}"
+                )
+            out.append(seconds)
+        durations.append(out)
+    return _clock(schedule, durations, 0.0, rows=False)[0]
+
+
+def _clock(
+    schedule: Schedule, durations: Sequence[Sequence[float]], latency: float, rows: bool
+) -> tuple[float, tuple[float, ...], list[list[TimedAction]]]:
+    """Run every rank's actions in order, each compute taking its ``durations`` entry and
+    each message ``latency`` from its send (the module docstring's model)."""
     acts = schedule.actions
     p = schedule.num_ranks
     clock = [0.0] * p
@@ -145,23 +195,23 @@ def timed(
     ptr = [0] * p
     sent_at: dict[tuple[str, int, int], float] = {}
     timeline: list[list[TimedAction]] = [[] for _ in range(p)]
-    of = {(k, st): costs.of(k, st) for k in (K.F, K.B, K.W, K.BW) for st in range(schedule.num_stages)}
     moved = True
     while moved:
         moved = False
         for r in range(p):
-            while ptr[r] < len(acts[r]):
-                a = acts[r][ptr[r]]
+            row, cost = acts[r], durations[r]
+            while ptr[r] < len(row):
+                a = row[ptr[r]]
                 start = clock[r]
                 if a.kind in (K.RECV_F, K.RECV_B):
                     if a.message not in sent_at:
                         break
-                    end = max(start, sent_at[a.message] + costs.p2p_latency)
+                    end = max(start, sent_at[a.message] + latency)
                 elif a.kind in (K.SEND_F, K.SEND_B):
                     sent_at[a.message] = start
                     end = start
                 else:
-                    end = start + of[a.kind, a.stage]
+                    end = start + cost[ptr[r]]
                     busy[r] += end - start
                 if rows:
                     timeline[r].append(TimedAction(r, a, start, end))

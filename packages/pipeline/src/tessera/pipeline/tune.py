@@ -37,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class SplitTuner:
-    """Which form of the schedule each tuning step runs, what they measured, and the choice."""
+    """Which form of the schedule each tuning step runs, what they measured, and the choice.
+
+    Once ``done``: ``costs`` (fitted), ``step_seconds`` (each form's median step, its slowest
+    rank per step), ``form`` (the name of the one kept: "as built", "unsplit" or "merged")
+    and ``chosen`` (that schedule)."""
 
     def __init__(self, schedule: Schedule, steps: int) -> None:
         if steps < 1:
@@ -51,6 +55,8 @@ class SplitTuner:
         self.done = False
         self.costs: Costs | None = None
         self.chosen: Schedule = schedule
+        self.form = "as built"
+        self.step_seconds: dict[str, float] = {}
 
     def next_schedule(self, group: Group) -> Schedule:
         """The schedule of the next step. Where a form's steps end, this gathers what they
@@ -88,6 +94,7 @@ class SplitTuner:
             for name, _ in self._forms
         }
         name, self.chosen = min(self._forms, key=lambda item: times[item[0]])
+        self.form, self.step_seconds = name, times
         self.done = True
         costs = self.costs
         assert costs is not None
