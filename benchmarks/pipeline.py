@@ -21,12 +21,18 @@
    median of the ratios of back-to-back steps (steadier on a shared machine).
    ``final_loss`` is the mean microbatch loss of the last step; both sides must agree
    (``loss_match``). A "token" is one sequence position.
-   ``zb-h1+merge`` and ``zbv+merge`` are those schedules after `merge_splits` under costs
-   measured here first (`fit_costs` of three steps split and three unsplit, after a warm-up
-   each, gradients dropped; the line's ``splits_kept`` and ``fitted_costs_s`` say what came
-   out). The last four pairs put each zero-bubble schedule, as built and merged, beside
-   Tessera's own 1F1B (system ``tessera-1f1b``), step for step: the goal that zero-bubble
-   is at least as fast as 1F1B.
+   ``zb-h1+tune`` and ``zbv+tune`` run those schedules as `boost()` does, with
+   ``tune_splits=2``: the runtime times the schedule as built, unsplit and merged
+   (`merge_splits` under the costs it fitted) and keeps the fastest; its tuning steps run
+   before the timed ones, gradients dropped (the line's ``tuned_form``, ``tuning_step_s``,
+   ``splits_kept`` and ``fitted_costs_s`` say what it measured and kept). The last four
+   pairs put each zero-bubble schedule, as built and tuned, beside Tessera's own 1F1B
+   (system ``tessera-1f1b``), step for step: the goal that zero-bubble is at least as fast
+   as 1F1B. ``ideal_step_s`` is the median over the timed steps of `replay`: the schedule
+   timed with the compute durations each step measured and instant messages, the critical
+   path no runtime of that schedule can beat with those computations; ``vs_ideal`` is the
+   median step over it (torch's line: over the ideal of Tessera's same schedule, the same
+   modules on the same partition).
    A ``torch-single`` line (system) runs the same GPT in plain PyTorch in one process (rank
    0, one thread, rank 1 idle at a barrier): the same work as one pipeline step, the whole
    batch of m x mb sequences in one forward and backward (the mean loss over equal
@@ -47,6 +53,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -65,16 +72,16 @@ from tessera.pipeline import (
     Layout,
     PipelineRuntime,
     Schedule,
+    TimedAction,
     build_schedule,
-    fit_costs,
-    merge_splits,
     partition_by_params,
+    replay,
     schedule_spec,
     simulate,
     stage_modules,
     stage_to_rank,
-    unsplit,
 )
+from tessera.pipeline.tune import SplitTuner
 
 
 # ---------------------------------------------------------------------------- 1. bubble
@@ -222,7 +229,8 @@ def _gpt_pair(
     """Alternate Tessera and torch steps (each: zero grads, forward/backward, SGD)."""
     p = dist.get_world_size()
     idx, targets = make_batch(cfg, m * mb, seed=1)
-    tessera_step, part, merged = _tessera_side(ours, cfg, m, idx, targets, lr)
+    side = _tessera_side(ours, cfg, m, idx, targets, lr)
+    part = side.part
     v = part.num_stages // p
     probe = GPT(cfg, seed=0).blocks()
     if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
@@ -231,19 +239,30 @@ def _gpt_pair(
         )
     else:
         torch_part = part
-    last = part.num_stages - 1
     own = theirs.removeprefix("tessera:")
     peer = f"tessera-{own}" if own != theirs else "torch-pipelining"
-    extra = {**merged, "peer": peer}
+    sides = {"tessera": side}
     if own != theirs:  # Tessera's own schedule as the peer (zero-bubble against 1F1B)
-        steps = {"tessera": tessera_step, peer: _tessera_side(own, cfg, m, idx, targets, lr)[0]}
-        return _alternate(rank, ours, theirs, steps, warmup, iters, folder, prof_steps, extra)
+        sides[peer] = _tessera_side(own, cfg, m, idx, targets, lr)
+        steps = {system: s.step for system, s in sides.items()}
+    else:  # torch.distributed.pipelining
+        theirs_step = _torch_step(theirs, cfg, torch_part, m, idx, targets, lr)
+        steps = {"tessera": side.step, "torch-pipelining": theirs_step}
+    extra = {**side.extra, "peer": peer}
+    out = _alternate(rank, ours, theirs, steps, warmup, iters, folder, prof_steps, extra)
+    out["ideal"] = {system: _ideal(s, warmup, iters) for system, s in sides.items()}
+    return out
 
-    # torch.distributed.pipelining
-    p_mods = stage_modules(GPT(cfg, seed=0).blocks(), torch_part, rank)
+
+def _torch_step(
+    name: str, cfg: GPTConfig, part: Any, m: int, idx: Tensor, targets: Tensor, lr: float
+) -> Callable[[], float | None]:
+    """One step of torch.distributed.pipelining's schedule ``name`` on ``part``."""
+    rank, last = dist.get_rank(), part.num_stages - 1
+    p_mods = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
     cpu = torch.device("cpu")
-    p_stages = [tpp.PipelineStage(mod, s, torch_part.num_stages, cpu) for s, mod in p_mods.items()]
-    schedule = _torch_schedule(theirs, p_stages, m)
+    p_stages = [tpp.PipelineStage(mod, s, part.num_stages, cpu) for s, mod in p_mods.items()]
+    schedule = _torch_schedule(name, p_stages, m)
     p_opt = torch.optim.SGD([q for s in p_mods.values() for q in s.parameters()], lr=lr)
     p_has = (0 in p_mods, last in p_mods)
 
@@ -258,34 +277,76 @@ def _gpt_pair(
         p_opt.step()
         return float(torch.stack(losses).detach().mean()) if losses else None
 
-    steps = {"tessera": tessera_step, "torch-pipelining": torch_step}
-    return _alternate(rank, ours, theirs, steps, warmup, iters, folder, prof_steps, extra)
+    return torch_step
 
 
-def _tessera_side(
-    name: str, cfg: GPTConfig, m: int, idx: Tensor, targets: Tensor, lr: float
-) -> tuple[Callable[[], float | None], Any, dict[str, Any]]:
-    """One Tessera step (zero grads, pipeline step, SGD) of schedule ``name`` (``+merge``:
-    `_measured_merge` of it), its partition, and what the merge measured."""
+@dataclass
+class _Side:
+    """One Tessera system of a pair: its step (zero grads, pipeline step, SGD), partition,
+    runtime, the timelines of every step it ran, and what its tuning measured."""
+
+    step: Callable[[], float | None]
+    part: Any
+    runtime: PipelineRuntime
+    timelines: list[tuple[TimedAction, ...]]
+    extra: dict[str, Any]
+
+
+def _tessera_side(name: str, cfg: GPTConfig, m: int, idx: Tensor, targets: Tensor, lr: float) -> _Side:
+    """Schedule ``name`` on Tessera's runtime; ``+tune``: with ``tune_splits=2`` as `boost()`
+    runs it, its tuning steps (gradients dropped, no optimizer step, so the weights stay
+    those both systems start from) run first."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    base, _, merge = name.partition("+")
+    base, _, tune = name.partition("+")
     schedule = build_schedule(base, p, m)
     part = partition_by_params(GPT(cfg, seed=0).blocks(), schedule=schedule, balance_ranks=True)
     stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
-    merged: dict[str, Any] = {}
-    if merge:
-        schedule, merged = _measured_merge(schedule, stages, idx, targets)
-    runtime = PipelineRuntime(schedule, stages, _ce)
-    opt = torch.optim.SGD([q for s in stages.values() for q in s.parameters()], lr=lr)
+    runtime = PipelineRuntime(schedule, stages, _ce, tune_splits=2 if tune else 0)
     first, last = 0 in stages, part.num_stages - 1 in stages
+    extra: dict[str, Any] = {}
+    if tune:
+        while runtime.split_tuning is None:
+            runtime.step(idx if first else None, targets if last else None)
+            for module in stages.values():
+                module.zero_grad(set_to_none=True)
+        extra = _tuned(runtime.split_tuning, schedule)
+    opt = torch.optim.SGD([q for s in stages.values() for q in s.parameters()], lr=lr)
+    timelines: list[tuple[TimedAction, ...]] = []
 
     def step() -> float | None:
         opt.zero_grad(set_to_none=True)
         result = runtime.step(idx if first else None, targets if last else None)
         opt.step()
+        timelines.append(result.timeline)
         return result.loss
 
-    return step, part, merged
+    return _Side(step, part, runtime, timelines, extra)
+
+
+_TUNED = ("tuned_form", "tuning_step_s", "splits_kept", "fitted_costs_s")
+
+
+def _tuned(tuning: SplitTuner, built: Schedule) -> dict[str, Any]:
+    """What `tune_splits` measured and kept, for the bench's line."""
+    costs = tuning.costs
+    assert costs is not None
+    fitted = {k: round(getattr(costs, k), 5) for k in ("f", "b", "w", "split")}
+    fitted["stage_scale"] = [round(x, 3) for x in costs.stage_scale]
+    return {
+        "tuned_form": tuning.form,
+        "tuning_step_s": {form: round(t, 4) for form, t in tuning.step_seconds.items()},
+        "splits_kept": f"{len(tuning.chosen.split_units())} of {len(built.split_units())}",
+        "fitted_costs_s": fitted,
+    }
+
+
+def _ideal(side: _Side, first: int, count: int) -> float:
+    """The median over steps ``first`` .. ``first + count - 1`` of the side's `replay`: each
+    step's critical path with its own compute times and instant messages (collective)."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, side.timelines[first : first + count])
+    steps = zip(*every, strict=True)
+    return statistics.median(replay(side.runtime.schedule, rows) for rows in steps)
 
 
 def _alternate(
@@ -313,32 +374,6 @@ def _alternate(
     return out
 
 
-def _measured_merge(
-    schedule: Schedule, stages: dict[int, nn.Module], idx: Tensor, targets: Tensor, steps: int = 3
-) -> tuple[Schedule, dict[str, Any]]:
-    """`merge_splits` of ``schedule`` under costs fit to this machine (`fit_costs`): ``steps``
-    steps of the schedule as built and as many unsplit, after one of each to warm up; the
-    gradients are dropped and no optimizer steps, so the weights stay those of the timed run."""
-    last = schedule.num_stages - 1
-    mine: list[Any] = []
-    for variant in (schedule, unsplit(schedule)):
-        runtime = PipelineRuntime(variant, stages, _ce)
-        for i in range(steps + 1):
-            result = runtime.step(idx if 0 in stages else None, targets if last in stages else None)
-            for module in stages.values():
-                module.zero_grad(set_to_none=True)
-            if i:
-                mine.append(result.timeline)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    costs = fit_costs([t for timelines in every for t in timelines], schedule.num_stages)
-    merged = merge_splits(schedule, costs)
-    kept, total = len(merged.split_units()), len(schedule.split_units())
-    fitted = {k: round(getattr(costs, k), 5) for k in ("f", "b", "w", "split")}
-    fitted["stage_scale"] = [round(x, 3) for x in costs.stage_scale]
-    return merged, {"splits_kept": f"{kept} of {total}", "fitted_costs_s": fitted}
-
-
 def bench_gpt(
     cfg: GPTConfig, m: int, mb: int, warmup: int, iters: int, lr: float, only: list[str],
     folder: str | None = None, prof_steps: int = 3,
@@ -348,16 +383,16 @@ def bench_gpt(
         ("1f1b", "Schedule1F1B"),
         ("zb-h1", "Schedule1F1B"),
         ("zb-h1", "ScheduleInterleavedZeroBubble"),
-        ("zb-h1+merge", "Schedule1F1B"),
+        ("zb-h1+tune", "Schedule1F1B"),
         ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
         ("zbv", "ScheduleZBVZeroBubble"),
         ("zbv", "ScheduleInterleavedZeroBubble"),
-        ("zbv+merge", "ScheduleZBVZeroBubble"),
+        ("zbv+tune", "ScheduleZBVZeroBubble"),
         # the zero-bubble goal: at least as fast as Tessera's own 1F1B, step for step
         ("zb-h1", "tessera:1f1b"),
-        ("zb-h1+merge", "tessera:1f1b"),
+        ("zb-h1+tune", "tessera:1f1b"),
         ("zbv", "tessera:1f1b"),
-        ("zbv+merge", "tessera:1f1b"),
+        ("zbv+tune", "tessera:1f1b"),
     ]
     tokens = m * mb * cfg.seq_len
     records = []
@@ -409,12 +444,20 @@ def bench_gpt(
                         b / a for a, b in zip(steps["tessera"], steps[peer], strict=True)
                     ), 3) if system == "tessera" else None,
                     "speedup_vs_single": round(single["median"] / medians[system], 3),
-                    **{k: per_rank[0][k] for k in ("splits_kept", "fitted_costs_s")
-                       if system == "tessera" and k in per_rank[0]},
+                    **_vs_ideal(per_rank[0]["ideal"], system, medians[system]),
+                    **{k: per_rank[0][k] for k in _TUNED if system == "tessera" and k in per_rank[0]},
                     **{k: per_rank[0][system][k] for k in ("breakdown", "breakdown_trace")
                        if system in per_rank[0]},
                 })
     return records
+
+
+def _vs_ideal(ideal: dict[str, float], system: str, median: float) -> dict[str, Any]:
+    """A Tessera line's ideal step (`replay` of its timed steps: their critical path with
+    instant messages) and the median step over it; torch's line against the ideal of
+    Tessera's same schedule (the same modules on the same partition)."""
+    seconds = ideal.get(system, ideal["tessera"])
+    return {"ideal_step_s": round(seconds, 4), "vs_ideal": round(median / seconds, 3)}
 
 
 def _write_breakdown(records: list[dict[str, Any]], folder: str) -> None:
