@@ -12,8 +12,9 @@
    torch.distributed.pipelining (system "torch-pipelining": Schedule1F1B,
    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and also ScheduleGPipe and
    ScheduleZBVZeroBubble) on the same partition by parameters (torch's interleaved schedules
-   get the loop layout, ZBV the V layout; ``balance_ranks=True``: with two stages per rank,
-   stage balancing alone gives ZBV's rank 1 four of the six layers), initial weights, data
+   get the loop layout, ZBV the V layout; balanced per rank, `partition_by_params`'
+   default: with two stages per rank, stage balancing alone gives ZBV's rank 1 four of the
+   six layers), initial weights, data
    and SGD steps (zero grads, forward/backward, step). The two systems alternate steps
    (ABBA) so that both see the same machine load; a step's time runs from the barrier
    before it to the last rank's end.
@@ -28,11 +29,13 @@
    ``splits_kept`` and ``fitted_costs_s`` say what it measured and kept). The last four
    pairs put each zero-bubble schedule, as built and tuned, beside Tessera's own 1F1B
    (system ``tessera-1f1b``), step for step: the goal that zero-bubble is at least as fast
-   as 1F1B. ``ideal_step_s`` is the median over the timed steps of `replay`: the schedule
-   timed with the compute durations each step measured and instant messages, the critical
-   path no runtime of that schedule can beat with those computations; ``vs_ideal`` is the
-   median step over it (torch's line: over the ideal of Tessera's same schedule, the same
-   modules on the same partition).
+   as 1F1B; a pair of 1F1B against itself before them shows how far two runtimes of one
+   schedule differ in such a pair. ``ideal_step_s`` is the median over the timed steps of
+   `replay`: the schedule timed with the compute durations each step measured and instant
+   messages, the critical path no runtime of that schedule can beat with those
+   computations; ``vs_ideal`` is the median step over it (the step also zeroes the
+   gradients and takes the SGD step, which the ideal leaves out; torch's line: over the
+   ideal of Tessera's same schedule, the same modules on the same partition).
    A ``torch-single`` line (system) runs the same GPT in plain PyTorch in one process (rank
    0, one thread, rank 1 idle at a barrier): the same work as one pipeline step, the whole
    batch of m x mb sequences in one forward and backward (the mean loss over equal
@@ -234,9 +237,7 @@ def _gpt_pair(
     v = part.num_stages // p
     probe = GPT(cfg, seed=0).blocks()
     if theirs in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") and v > 1:
-        torch_part = partition_by_params(  # torch's loop layout
-            probe, stage_to_rank(Layout.LOOP, p, v), balance_ranks=True
-        )
+        torch_part = partition_by_params(probe, stage_to_rank(Layout.LOOP, p, v))  # torch's loop layout
     else:
         torch_part = part
     own = theirs.removeprefix("tessera:")
@@ -299,7 +300,7 @@ def _tessera_side(name: str, cfg: GPTConfig, m: int, idx: Tensor, targets: Tenso
     rank, p = dist.get_rank(), dist.get_world_size()
     base, _, tune = name.partition("+")
     schedule = build_schedule(base, p, m)
-    part = partition_by_params(GPT(cfg, seed=0).blocks(), schedule=schedule, balance_ranks=True)
+    part = partition_by_params(GPT(cfg, seed=0).blocks(), schedule=schedule)
     stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
     runtime = PipelineRuntime(schedule, stages, _ce, tune_splits=2 if tune else 0)
     first, last = 0 in stages, part.num_stages - 1 in stages
@@ -388,7 +389,9 @@ def bench_gpt(
         ("zbv", "ScheduleZBVZeroBubble"),
         ("zbv", "ScheduleInterleavedZeroBubble"),
         ("zbv+tune", "ScheduleZBVZeroBubble"),
-        # the zero-bubble goal: at least as fast as Tessera's own 1F1B, step for step
+        # the zero-bubble goal: at least as fast as Tessera's own 1F1B, step for step; first
+        # 1F1B against itself, the noise floor of such a pair (two runtimes, one schedule)
+        ("1f1b", "tessera:1f1b"),
         ("zb-h1", "tessera:1f1b"),
         ("zb-h1+tune", "tessera:1f1b"),
         ("zbv", "tessera:1f1b"),

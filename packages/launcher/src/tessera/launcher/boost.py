@@ -205,7 +205,7 @@ def boost(
         blocks = pipeline_blocks(model, spec)  # again: tensor parallelism replaced modules
         schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
         # several stages per rank: then balance what each rank holds, not only each stage
-        partition = partition_by_params(blocks, schedule=schedule, balance_ranks=schedule.chunks_per_rank > 1)
+        partition = partition_by_params(blocks, schedule=schedule)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
         module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
         stage_to_rank = schedule.stage_to_rank

@@ -142,16 +142,17 @@ def partition_by_cost(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
-    balance_ranks: bool = False,
+    balance_ranks: bool = True,
 ) -> Partition:
     """Split blocks with the given non-negative ``costs`` into balanced contiguous stages.
 
     The stages and their ranks are ``schedule.stage_to_rank`` or, without a schedule,
     ``placement`` (stage ``s`` on rank ``placement[s]``); give exactly one. Minimises the
     maximum virtual-stage cost over all contiguous splits into that many non-empty stages
-    (exact). ``balance_ranks``: with several stages per rank, then move stage boundaries
-    while that lowers the largest *rank* cost (never worse than the stage-balanced split; a
-    local optimum, see ``_balance_ranks``).
+    (exact). ``balance_ranks`` (default): with several stages per rank, then move stage
+    boundaries while that lowers the largest *rank* cost (never worse than the
+    stage-balanced split; a local optimum, see ``_balance_ranks``); with one stage per rank
+    it changes nothing. ``balance_ranks=False``: the stage-balanced split alone.
     """
     return _partition(costs, _stage_ranks(placement, schedule), Balance.COST, balance_ranks)
 
@@ -161,7 +162,7 @@ def partition_by_profile(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
-    balance_ranks: bool = False,
+    balance_ranks: bool = True,
 ) -> Partition:
     """Like `partition_by_cost`, with measured seconds per block (forward + backward)."""
     return _partition(seconds, _stage_ranks(placement, schedule), Balance.PROFILE, balance_ranks)
@@ -172,7 +173,7 @@ def partition_by_params(
     placement: Sequence[int] | None = None,
     *,
     schedule: Schedule | None = None,
-    balance_ranks: bool = False,
+    balance_ranks: bool = True,
 ) -> Partition:
     """Balance stages by parameter count: ``blocks`` are modules, or their counts as ints.
 
@@ -220,7 +221,7 @@ def _check_placement(ranks: tuple[int, ...]) -> None:
 
 
 def _partition(
-    costs: Sequence[float], ranks: tuple[int, ...], balance: Balance, balance_ranks: bool = False
+    costs: Sequence[float], ranks: tuple[int, ...], balance: Balance, balance_ranks: bool
 ) -> Partition:
     _check_placement(ranks)
     values = tuple(float(c) for c in costs)

@@ -55,8 +55,7 @@ def _placement(schedule: str, pp: int, v: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=1 << 14)
 def _cut(model: ModelShape, shape: TPShape, pp: int, placement: tuple[int, ...]) -> Cut:
-    # several stages per rank: boost balances what each rank holds too
-    part = partition_by_params(model.block_params(shape), placement, balance_ranks=len(placement) > pp)
+    part = partition_by_params(model.block_params(shape), placement)
     serial = model.block_params()
     last = model.layers + 1
 
