@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ZeroConfig
 from tessera.launcher.plan.bubble import _long
 from tessera.launcher.plan.search import _parallel_variants, _schedules, _tp_shapes, _Validator, divisors
-from tessera.pipeline import SCHEDULES, Costs, build_schedule, schedule_spec, simulate, unsplit
+from tessera.pipeline import SCHEDULES, Costs, build_schedule, fuse_adjacent, schedule_spec, simulate, unsplit
 from tessera.pipeline.simulate import timed
 
 costs_st = st.builds(
@@ -42,13 +42,14 @@ def test_the_long_path_is_the_simulator_exactly(
     name: str, p: int, m: int, v: int, costs: Costs, scaled: bool, whole: bool, data: st.DataObject
 ) -> None:
     """The same timing model, equal to the last bit (``==``), for every registered schedule
-    the registry accepts (or its unsplit form), with and without per-stage scales."""
+    the registry accepts as the runtime runs it (or its unsplit form), with and without
+    per-stage scales."""
     spec = schedule_spec(name)
     chunks = spec.default_chunks if spec.fixed_chunks else max(v, spec.min_chunks or 1)
     if spec.check(p, m, chunks):
         return  # the schedule refuses this shape; nothing to time
     schedule = build_schedule(name, p, m, chunks)
-    schedule = unsplit(schedule) if whole else schedule
+    schedule = unsplit(schedule) if whole else fuse_adjacent(schedule)
     if scaled:
         n = schedule.num_stages
         scale = data.draw(st.lists(st.floats(0.1, 2.0), min_size=n, max_size=n))

@@ -6,7 +6,10 @@
   result is `unsplit`'s), and a free split keeps zero-bubble's advantage over 1F1B;
 - `fit_costs` recovers the costs of simulated timelines exactly (up to fp64 round-off:
   means of sums of the given durations; rel 1e-9).
-- the runtime's tuner keeps the form whose slowest rank was fastest (median over steps).
+- the runtime's tuner keeps the form whose slowest rank was fastest (median over steps);
+- `fuse_adjacent` (what the runtime runs) fuses exactly the units whose W is the next
+  computation after their B with nothing sent in between, keeps every message where it
+  was, and never lengthens the step (the same step when the split is free).
 The runtime running merged (mixed BW and B/W) schedules equal to the serial model is tested
 in ``test_pipeline_runtime.py``.
 """
@@ -23,6 +26,7 @@ from tessera.pipeline import (
     Schedule,
     build_schedule,
     fit_costs,
+    fuse_adjacent,
     merge_splits,
     simulate,
     unsplit,
@@ -124,3 +128,33 @@ def test_the_tuner_keeps_the_form_whose_slowest_rank_was_fastest() -> None:
     assert tuner._choose(per_rank) == unsplit(built) and tuner.done
     per_rank[0]["merged"] = [0.8, 0.9]  # merged now 0.85, 0.9
     assert tuner._choose(per_rank) == merged
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(SPLIT), p=st.integers(1, 4), m=st.integers(1, 10), data=st.data())
+def test_fuse_adjacent_fuses_only_splits_that_free_nothing(
+    name: str, p: int, m: int, data: st.DataObject
+) -> None:
+    built = build_schedule(name, p, m)
+    fused = fuse_adjacent(built)
+    validate(fused)
+    assert fuse_adjacent(fused) == fused
+    for rank, acts in enumerate(built.actions):
+        p2p = [a for a in acts if not a.is_compute]
+        assert [a for a in fused.actions[rank] if not a.is_compute] == p2p, f"rank {rank} moved messages"
+        want = set()
+        for i, a in enumerate(acts):
+            if a.kind is ActionKind.B:
+                after = acts[i + 1 :]
+                nxt = next(b for b in after if b.is_compute)
+                unit = (a.microbatch, a.stage)
+                between = after[: after.index(nxt)]
+                sent = any(b.kind is ActionKind.SEND_B and (b.microbatch, b.stage) == unit for b in between)
+                if nxt.kind is ActionKind.W and (nxt.microbatch, nxt.stage) == unit and not sent:
+                    want.add(unit)
+        got = {(a.microbatch, a.stage) for a in fused.actions[rank] if a.kind is ActionKind.BW}
+        assert got == want, f"rank {rank}: fused {sorted(got)}, want {sorted(want)}"
+    cost = data.draw(costs(built.num_stages))
+    free = Costs(cost.f, cost.b, cost.w, 0.0, cost.stage_scale, 0.0)
+    assert simulate(fused, free).makespan == pytest.approx(simulate(built, free).makespan, rel=1e-9)
+    assert simulate(fused, cost).makespan <= simulate(built, cost).makespan * (1 + 1e-9)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tessera.comm import lazy_exports
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.layout import Layout, stage_to_rank
-from tessera.pipeline.merge import fit_costs, merge_splits, unsplit
+from tessera.pipeline.merge import fit_costs, fuse_adjacent, merge_splits, unsplit
 from tessera.pipeline.partition import (
     Balance,
     Partition,
@@ -64,6 +64,7 @@ __all__ = [
     "chrome_trace",
     "fit_costs",
     "forward_loss",
+    "fuse_adjacent",
     "gpipe",
     "interleaved_1f1b",
     "merge_splits",

@@ -26,6 +26,7 @@ the step once per candidate unit and pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import defaultdict
@@ -35,7 +36,7 @@ from tessera.pipeline._build import with_p2p
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.simulate import Costs, TimedAction, simulate, timed
 
-__all__ = ["fit_costs", "merge_splits", "unsplit"]
+__all__ = ["fit_costs", "fuse_adjacent", "merge_splits", "unsplit"]
 
 K = ActionKind
 _Unit = tuple[int, int]  # (microbatch, stage)
@@ -63,6 +64,35 @@ def merge_splits(schedule: Schedule, costs: Costs | None = None) -> Schedule:
                 left.remove(unit)
                 best, result, changed = makespan, candidate, True
     return result
+
+
+def fuse_adjacent(schedule: Schedule) -> Schedule:
+    """``schedule`` with every B whose own W comes next among its rank's computations, with no
+    send of its input gradient in between, run as one BW at the B (that W dropped): such a
+    split frees no time for anything else and sends nothing earlier, so it only costs. The
+    p2p actions stay where they are. What `PipelineRuntime` runs."""
+    fused: list[tuple[Action, ...]] = []
+    for acts in schedule.actions:
+        adjacent: set[_Unit] = set()
+        for i, a in enumerate(acts):
+            if a.kind is not K.B:
+                continue
+            unit = (a.microbatch, a.stage)
+            for b in acts[i + 1 :]:
+                if b.kind is K.SEND_B and (b.microbatch, b.stage) == unit:
+                    break
+                if b.is_compute:
+                    if b.kind is K.W and (b.microbatch, b.stage) == unit:
+                        adjacent.add(unit)
+                    break
+        row = []
+        for a in acts:
+            if (a.microbatch, a.stage) not in adjacent or a.kind not in (K.B, K.W):
+                row.append(a)
+            elif a.kind is K.B:
+                row.append(Action(K.BW, a.microbatch, a.stage))
+        fused.append(tuple(row))
+    return dataclasses.replace(schedule, actions=tuple(fused))
 
 
 def unsplit(schedule: Schedule) -> Schedule:

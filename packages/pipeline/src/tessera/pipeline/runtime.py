@@ -8,8 +8,8 @@ own virtual stages, then calls `PipelineRuntime.step` once per batch. A step:
 2. runs this rank's actions in order. F runs the stage; on the last stage it also computes
    ``loss_fn(output, targets_mb)``. BW is one full backward. B computes only the input
    gradient and W the weight gradients later (`tessera.pipeline.split_backward`); a W that
-   directly follows its own B with nothing sent in between is merged into one full backward,
-   and an `nn.Sequential` first stage keeps its first block (the embedding) out of B so
+   directly follows its own B with nothing sent in between is merged into one full backward
+   (`fuse_adjacent`), and an `nn.Sequential` first stage keeps its first block (the embedding) out of B so
    that its B and W cost what the schedule assumes (`PipelineRuntime._first_forward`).
    Sends are non-blocking and awaited at the end of the step; a receive is waited for right
    before the compute that needs it (the schedule places it there), as `validate` assumes.
@@ -55,6 +55,7 @@ from tessera.comm import (
 )
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
+from tessera.pipeline.merge import fuse_adjacent
 from tessera.pipeline.partition import Partition
 from tessera.pipeline.simulate import TimedAction
 from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
@@ -179,11 +180,12 @@ class PipelineRuntime:
         if schedule.split_backward and not self._nodes:
             self._nodes = {s: grad_nodes(ps) for s, ps in self.params.items()}
         self.last = schedule.num_stages - 1
-        self.actions = schedule.actions[self.rank]
-        self._fused = self._fusable()
+        running = fuse_adjacent(schedule)  # a B its W directly follows runs as one BW
+        self.actions = running.actions[self.rank]
         # units whose W really runs apart from their B (a schedule may mix them with BW units)
-        self._deferred = schedule.split_units() - self._fused
-        logger.debug("rank %d: %s, B+W merged for %s", self.rank, schedule.name, sorted(self._fused))
+        self._deferred = running.split_units()
+        logger.debug("rank %d: %s, B+W fused for %s", self.rank, schedule.name,
+                     sorted(schedule.split_units() - self._deferred))
         self.inboxes = {
             peer: Inbox(peer, order, self.group, self.device, self.watch, self._grad_meta)
             for peer, order in self._incoming().items()
@@ -218,26 +220,6 @@ class PipelineRuntime:
                     order.append(("H", 0, a.stage))
                 order.append(a.message)
         return incoming
-
-    def _fusable(self) -> frozenset[_Key]:
-        """Units whose W directly follows their B with nothing sent in between.
-
-        Splitting their backward gains nothing (no other compute runs between B and W and no
-        rank receives the input gradient earlier), so B runs one full backward and W nothing.
-        """
-        fused = set()
-        acts = self.actions
-        for i, a in enumerate(acts):
-            if a.kind is not K.B:
-                continue
-            for b in acts[i + 1 :]:
-                if b.kind is K.SEND_B and (b.microbatch, b.stage) == (a.microbatch, a.stage):
-                    break
-                if b.is_compute:
-                    if b.kind is K.W and (b.microbatch, b.stage) == (a.microbatch, a.stage):
-                        fused.add((a.microbatch, a.stage))
-                    break
-        return frozenset(fused)
 
     def _reset(self) -> None:
         self._inputs: dict[_Key, Tensor] = {}  # stage input (a leaf) per (microbatch, stage)
@@ -357,11 +339,7 @@ class PipelineRuntime:
         else:
             start = time.perf_counter()
             {K.F: self._forward, K.BW: self._backward, K.B: self._backward, K.W: self._weights}[kind](a)
-            fused = key in self._fused and kind in (K.B, K.W)  # the timeline shows what ran:
-            if not fused:  # one BW where a fused B is, no W
-                self._timeline.append(TimedAction(self.rank, a, start, time.perf_counter()))
-            elif kind is K.B:
-                self._timeline.append(TimedAction(self.rank, Action(K.BW, *key), start, time.perf_counter()))
+            self._timeline.append(TimedAction(self.rank, a, start, time.perf_counter()))
             for inbox in self.inboxes.values():
                 inbox.prefetch()
 
@@ -400,7 +378,7 @@ class PipelineRuntime:
         block's backward: the same gradients, with the work where the schedule expects it.
         """
         x, module = self._mb_inputs[mb], self.stages[0]
-        split = (mb, 0) in self._deferred  # a BW, or a B its W directly follows, runs unsplit
+        split = (mb, 0) in self._deferred  # a BW (a fused B and W too) runs unsplit
         if not (split and isinstance(module, nn.Sequential) and len(module) > 1):
             out: Tensor = module(x)
             return out
@@ -423,7 +401,7 @@ class PipelineRuntime:
         entry = self._entries.pop(a.microbatch, None) if a.stage == 0 else None
         if entry is not None:  # B and W of stage 0 leave out its first block
             params, nodes = self._body_params()
-        if a.kind is K.BW or key in self._fused:
+        if a.kind is K.BW:
             torch.autograd.backward(out, grad)
             dx = x.grad if x is not None else None
         else:
@@ -448,8 +426,6 @@ class PipelineRuntime:
         return self._body[1], self._body[2]
 
     def _weights(self, a: Action) -> None:
-        if (a.microbatch, a.stage) in self._fused:
-            return  # B ran the full backward
         weights, entry, d_entry = self._weight_grads.pop((a.microbatch, a.stage))
         weights.run()
         if entry is not None and entry.requires_grad:  # stage 0's first block (see _first_forward)

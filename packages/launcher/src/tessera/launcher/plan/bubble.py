@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.pipeline import Costs, Schedule, build_schedule, schedule_spec, simulate, unsplit
+from tessera.pipeline import Costs, Schedule, build_schedule, fuse_adjacent, schedule_spec, simulate, unsplit
 from tessera.pipeline.simulate import activation_peaks, timed
 
 __all__ = ["EXACT_LIMIT", "PipelineProfile", "pipeline_profile"]
@@ -47,9 +47,10 @@ class PipelineProfile:
 
 
 def _build(name: str, p: int, m: int, v: int, whole: bool) -> Schedule:
-    """The registry's schedule, or its `unsplit` form (every backward one BW) when ``whole``."""
+    """The registry's schedule as the runtime runs it (`fuse_adjacent`: a B its W directly
+    follows is one BW), or its `unsplit` form (every backward one BW) when ``whole``."""
     schedule = build_schedule(name, p, m, v)
-    return unsplit(schedule) if whole else schedule
+    return unsplit(schedule) if whole else fuse_adjacent(schedule)
 
 
 def _simulate(name: str, p: int, m: int, v: int, costs: Costs, whole: bool = False) -> PipelineProfile:
