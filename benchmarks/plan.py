@@ -62,6 +62,7 @@ from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelCon
 from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate, load_cluster, search
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import build_schedule
+from tessera.pipeline.tune import tuning_steps
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
 BATCH = 16
@@ -117,7 +118,7 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     p = config.parallel
     split = p.pp > 1 and build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages).split_backward
     if iters and split and p.tune_splits:
-        warmup += 3 * (p.tune_splits + 1)  # time the form the runtime settles on (pipeline.tune)
+        warmup += tuning_steps(p.tune_splits)  # time the form the runtime settles on
     m = config.model
     cfg = GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     batches = [make_batch(cfg, config.data.batch_size, seed=i) for i in range(warmup + iters)]

@@ -6,7 +6,8 @@
   result is `unsplit`'s), and a free split keeps zero-bubble's advantage over 1F1B;
 - `fit_costs` recovers the costs of simulated timelines exactly (up to fp64 round-off:
   means of sums of the given durations; rel 1e-9).
-- the runtime's tuner keeps the form whose slowest rank was fastest (median over steps);
+- the runtime's tuner runs its forms in pairs of steps and keeps the one faster in the
+  median pair (on a fake one-rank group);
 - `fuse_adjacent` (what the runtime runs) fuses exactly the units whose W is the next
   computation after their B with nothing sent in between, keeps every message where it
   was, and never lengthens the step (the same step when the split is free).
@@ -15,6 +16,8 @@ in ``test_pipeline_runtime.py``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -112,22 +115,62 @@ def test_fit_costs_names_a_stage_without_a_backward() -> None:
         fit_costs(forwards, 2)
 
 
-def test_the_tuner_keeps_the_form_whose_slowest_rank_was_fastest() -> None:
-    """`SplitTuner`'s choice: per step the slowest rank's time, then the median over steps."""
+def _drive(tuner: Any, base: dict[str, float], costs: Costs, drift: float = 0.02) -> list[str]:
+    """Step ``tuner`` as the runtime does, on a one-rank group: each step takes its form's
+    ``base`` seconds times a drift that grows every step; timelines from the simulator."""
+    ran: list[str] = []
+    while not tuner.done:
+        schedule = tuner.next_schedule(None)
+        if tuner.done:
+            break
+        names = {id(s): n for n, s in tuner.forms.items()}
+        form = names[id(schedule)]
+        ran.append(form)
+        timeline = [t for row in simulate(schedule, costs).timeline for t in row]
+        tuner.record(timeline, base[form] * (1 + drift * len(ran)))
+    return ran
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SplitTuner`'s gather on a group of one rank: every rank's figures are this rank's."""
+    from tessera.pipeline import tune
+
+    monkeypatch.setattr(tune, "group_size", lambda group: 1)
+    monkeypatch.setattr(tune.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(0, obj))
+
+
+BENCH_COSTS = Costs(f=5.9e-3, b=6.2e-3, w=3.9e-3, split=1.9e-3, stage_scale=(0.89, 1.11))
+
+
+def test_the_tuner_runs_its_forms_in_pairs_and_keeps_the_faster(one_rank: None) -> None:
+    """Warm-ups, then as built / unsplit in pairs; the merge (new under these costs) against
+    the better of the two, in pairs; the steps slow down by 2% each, which a comparison of
+    blocks of steps would read as the later form being slower."""
+    from tessera.pipeline.tune import SplitTuner, tuning_steps
+
+    built = build_schedule("zb-h1", 2, 8)
+    assert merge_splits(built, BENCH_COSTS) not in (built, unsplit(built)), "the merge must be new here"
+    tuner = SplitTuner(built, steps=2)
+    ran = _drive(tuner, {"as built": 1.0, "unsplit": 0.97, "merged": 0.95}, BENCH_COSTS)
+    B, U, M = "as built", "unsplit", "merged"
+    assert ran == [B, U, B, U, B, U, M, M, U, M, U]
+    assert len(ran) == tuning_steps(2)
+    assert tuner.form == M and tuner.chosen == merge_splits(built, BENCH_COSTS)
+    assert set(tuner.step_seconds) == {B, U, M}
+
+
+def test_the_tuner_chooses_after_the_first_pairs_when_the_merge_is_not_new(one_rank: None) -> None:
+    """A split that costs more than any idle time merges everywhere: the merge is `unsplit`,
+    so the faster of the first two is kept without more steps."""
     from tessera.pipeline.tune import SplitTuner
 
     built = build_schedule("zb-h1", 2, 4)
-    tuner = SplitTuner(built, steps=2)
-    tuner.costs = Costs()
-    merged = merge_splits(built)
-    tuner._forms.append(("merged", merged))
-    per_rank = [
-        {"as built": [1.0, 1.2], "unsplit": [0.9, 0.9], "merged": [0.8, 2.0]},
-        {"as built": [1.1, 1.0], "unsplit": [1.3, 0.95], "merged": [0.85, 0.7]},
-    ]  # slowest per step: as built 1.1, 1.2; unsplit 1.3, 0.95; merged 0.85, 2.0
-    assert tuner._choose(per_rank) == unsplit(built) and tuner.done
-    per_rank[0]["merged"] = [0.8, 0.9]  # merged now 0.85, 0.9
-    assert tuner._choose(per_rank) == merged
+    costly = Costs(f=1.0, b=1.0, w=1.0, split=5.0)
+    tuner = SplitTuner(built, steps=3)
+    ran = _drive(tuner, {"as built": 0.9, "unsplit": 1.0}, costly, drift=0.0)
+    assert ran == ["as built", "unsplit"] * 4
+    assert tuner.form == "as built" and tuner.chosen == built
 
 
 @settings(max_examples=60, deadline=None)

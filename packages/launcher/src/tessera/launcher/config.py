@@ -34,9 +34,10 @@ class ParallelConfig:
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks).
     ``tune_splits``: a split-backward schedule (zb-h1, zbv) times its first steps split and
-    unsplit, this many each after a warm-up, then a merge that keeps a split only where the
-    simulated step under the measured costs gains (`tessera.pipeline.merge_splits`), and
-    runs the fastest of the three from then on (`tessera.pipeline.tune`); 0: every split.
+    unsplit, this many pairs of steps after a warm-up, then a merge that keeps a split only
+    where the simulated step under the measured costs gains (`tessera.pipeline.merge_splits`)
+    against the better of the two, and runs the faster from then on
+    (`tessera.pipeline.tune`); 0: every split.
     ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
     the world it launches (``tessera.launcher.plan.auto``) before anything spawns, planned
     for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
