@@ -241,8 +241,9 @@ def test_zero_bubble_tuning_follows_the_serial_run(
     worker_pools: PoolFactory, parallel: ParallelConfig, zero: int
 ) -> None:
     """``tune_splits=1``: as built and unsplit in pairs, the merge against the better, then
-    the faster (`tuning_steps(1)` = 7 steps at most); 8 SGD steps against serial (the bounds of the module docstring). With tp=2 the two pipelines
-    (one per tensor-parallel rank) must pick the same form: their stages' collectives meet."""
+    the faster (`tuning_steps(1)` = 7 steps at most); 8 SGD steps against serial (the bounds
+    of the module docstring). With tp=2 the two pipelines (one per tensor-parallel rank)
+    must pick the same form: their stages' collectives meet."""
     config = _config(parallel, zero, "sgd")
     results = worker_pools(config.world_size).run(_parallel, config, "sgd", 8, timeout=180)
     _check(results, _serial("sgd", steps=8), "sgd")
