@@ -34,8 +34,10 @@
    `replay`: the schedule timed with the compute durations each step measured and instant
    messages, the critical path no runtime of that schedule can beat with those
    computations; ``vs_ideal`` is the median step over it (the step also zeroes the
-   gradients and takes the SGD step, which the ideal leaves out; torch's line: over the
-   ideal of Tessera's same schedule, the same modules on the same partition).
+   gradients and takes the SGD step, which the ideal leaves out). A torch line of the same
+   schedule (GPipe, 1F1B, interleaved 1F1B, ZBV as built; the last two may order their
+   actions a little differently) has the ideal of Tessera's side: the same modules on the
+   same partition.
    A ``torch-single`` line (system) runs the same GPT in plain PyTorch in one process (rank
    0, one thread, rank 1 idle at a barrier): the same work as one pipeline step, the whole
    batch of m x mb sequences in one forward and backward (the mean loss over equal
@@ -447,7 +449,7 @@ def bench_gpt(
                         b / a for a, b in zip(steps["tessera"], steps[peer], strict=True)
                     ), 3) if system == "tessera" else None,
                     "speedup_vs_single": round(single["median"] / medians[system], 3),
-                    **_vs_ideal(per_rank[0]["ideal"], system, medians[system]),
+                    **_vs_ideal(per_rank[0]["ideal"], system, medians[system], ours, theirs),
                     **{k: per_rank[0][k] for k in _TUNED if system == "tessera" and k in per_rank[0]},
                     **{k: per_rank[0][system][k] for k in ("breakdown", "breakdown_trace")
                        if system in per_rank[0]},
@@ -455,11 +457,22 @@ def bench_gpt(
     return records
 
 
-def _vs_ideal(ideal: dict[str, float], system: str, median: float) -> dict[str, Any]:
+# Tessera's schedules and torch's of the same name: torch's line gets Tessera's ideal
+_SAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+         "zbv": "ScheduleZBVZeroBubble"}
+
+
+def _vs_ideal(ideal: dict[str, float], system: str, median: float, ours: str, theirs: str) -> dict[str, Any]:
     """A Tessera line's ideal step (`replay` of its timed steps: their critical path with
     instant messages) and the median step over it; torch's line against the ideal of
-    Tessera's same schedule (the same modules on the same partition)."""
-    seconds = ideal.get(system, ideal["tessera"])
+    Tessera's schedule where torch runs the same one (the same modules on the same
+    partition), else nothing."""
+    if system in ideal:
+        seconds = ideal[system]
+    elif _SAME.get(ours) == theirs:
+        seconds = ideal["tessera"]
+    else:
+        return {}
     return {"ideal_step_s": round(seconds, 4), "vs_ideal": round(median / seconds, 3)}
 
 
