@@ -9,8 +9,9 @@ own virtual stages, then calls `PipelineRuntime.step` once per batch. A step:
    ``loss_fn(output, targets_mb)``. BW is one full backward. B computes only the input
    gradient and W the weight gradients later (`tessera.pipeline.split_backward`); a W that
    directly follows its own B with nothing sent in between is merged into one full backward
-   (`fuse_adjacent`), and an `nn.Sequential` first stage keeps its first block (the embedding) out of B so
-   that its B and W cost what the schedule assumes (`PipelineRuntime._first_forward`).
+   (`fuse_adjacent`), and an `nn.Sequential` first stage keeps its first block (the
+   embedding) out of B so that its B and W cost what the schedule assumes
+   (`PipelineRuntime._first_forward`).
    Sends are non-blocking and awaited at the end of the step; a receive is waited for right
    before the compute that needs it (the schedule places it there), as `validate` assumes.
    Activation shapes are agreed once per step by a header (`tessera.pipeline.channels`);
@@ -119,9 +120,10 @@ class PipelineRuntime:
     scalar, mean-reduced over the microbatch. Construction does not communicate, but every
     rank must build the runtimes of a group in the same order (their abort keys are counted).
     ``tune_splits`` > 0 with a split-backward schedule: its first steps time the schedule
-    split and unsplit, ``tune_splits`` each after a warm-up, then `merge_splits` under the
-    costs measured, and it keeps the fastest of the three (`tessera.pipeline.tune`;
-    ``split_tuning`` holds the finished `SplitTuner`: costs, step times, the form kept).
+    split and unsplit in ``tune_splits`` pairs of steps after a warm-up, then `merge_splits`
+    under the costs measured against the better of the two, and it keeps the faster
+    (`tessera.pipeline.tune`; ``split_tuning`` holds the finished `SplitTuner`: costs, step
+    times, the form kept).
     Every rank of ``tune_group`` (default: the whole job) decides together, at the same
     steps: a job of several pipelines whose ranks meet in other collectives
     (tensor-parallel peers of a stage) must run one order.
