@@ -75,6 +75,7 @@ from tessera.pipeline import (
     SCHEDULES,
     Costs,
     Layout,
+    Partition,
     PipelineRuntime,
     Schedule,
     TimedAction,
@@ -289,7 +290,7 @@ class _Side:
     runtime, the timelines of every step it ran, and what its tuning measured."""
 
     step: Callable[[], float | None]
-    part: Any
+    part: Partition
     runtime: PipelineRuntime
     timelines: list[tuple[TimedAction, ...]]
     extra: dict[str, Any]
@@ -304,6 +305,8 @@ def _tessera_side(name: str, cfg: GPTConfig, m: int, idx: Tensor, targets: Tenso
     schedule = build_schedule(base, p, m)
     part = partition_by_params(GPT(cfg, seed=0).blocks(), schedule=schedule)
     stages = stage_modules(GPT(cfg, seed=0).blocks(), part, rank)
+    if tune and not schedule.split_backward:
+        raise ValueError(f"{name}: only a split-backward schedule has splits to tune")
     runtime = PipelineRuntime(schedule, stages, _ce, tune_splits=2 if tune else 0)
     first, last = 0 in stages, part.num_stages - 1 in stages
     extra: dict[str, Any] = {}

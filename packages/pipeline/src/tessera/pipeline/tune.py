@@ -9,8 +9,9 @@ changes) favours neither side of a comparison:
 2. every rank gathers the timelines and step times over the group, fits the costs
    (`fit_costs`: F, B, W and BW per stage, and what the split adds) and builds `merge_splits`
    of the schedule under them. The model behind the merge leaves out what the timelines do
-   not show (message latency, waits), so a merge that differs from both runs one warm-up
-   step and ``n`` pairs of its own: merged, then the better of the first two;
+   not show (message latency, waits), so a merge that runs differently from both (compared
+   as `fuse_adjacent` of each, what the runtime runs) gets one warm-up step and ``n``
+   pairs of its own: merged, then the better of the first two;
 3. the form kept for every later step is the one faster in the median pair (per step the
    slowest rank's time; the ratio within each pair; the median of the ratios).
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from tessera.comm import Group, group_size
 from tessera.pipeline.actions import Schedule
-from tessera.pipeline.merge import fit_costs, merge_splits, unsplit
+from tessera.pipeline.merge import fit_costs, fuse_adjacent, merge_splits, unsplit
 from tessera.pipeline.simulate import Costs, TimedAction
 
 __all__ = ["SplitTuner", "tuning_steps"]
@@ -119,11 +120,12 @@ class SplitTuner:
 
     def _after_first(self) -> Schedule:
         """Build the merge under the fitted costs; measure it against the better form so far
-        if it is new, else choose now."""
+        if it runs differently from both (the runtime runs `fuse_adjacent` of each), else
+        choose now."""
         assert self.costs is not None
         best = self._faster(BUILT, UNSPLIT)
         merged = merge_splits(self.built, self.costs)
-        if merged in self.forms.values():
+        if fuse_adjacent(merged) in [fuse_adjacent(form) for form in self.forms.values()]:
             return self._finish(best)
         self.forms[MERGED], self._rival = merged, best
         self._plan = self._pairs(MERGED, best, warm=(MERGED,))
