@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPT2ish", "Llamaish", "ForeignConfig", "Rotary"]
+__all__ = ["ForeignConfig", "GPT2ish", "Llamaish", "Rotary"]
 
 
 @dataclass(frozen=True, slots=True)

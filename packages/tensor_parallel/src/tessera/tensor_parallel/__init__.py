@@ -30,7 +30,8 @@ from tessera.tensor_parallel.heads import HeadLayout, HeadShardSpec, head_layout
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
-from tessera.tensor_parallel.parallelize import parallelize, shard_of, shard_specs
+from tessera.tensor_parallel.coverage import Coverage, tp_gradient_problems
+from tessera.tensor_parallel.parallelize import coverage, parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
 from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN, parallel_gpt_loss
@@ -113,6 +114,7 @@ __all__ = [
     "BaseStyle",
     "ColumnParallelLinear",
     "ContextParallelAttention",
+    "Coverage",
     "Cube3D",
     "CubeShardSpec",
     "DepthShardSpec",
@@ -152,6 +154,7 @@ __all__ = [
     "bind_2d",
     "bind_2p5d",
     "context_parallel_loss",
+    "coverage",
     "context_parallelize",
     "cross_entropy_2d",
     "cross_entropy_2p5d",
@@ -177,6 +180,7 @@ __all__ = [
     "set_overlap",
     "shard_of",
     "shard_specs",
+    "tp_gradient_problems",
     "split_batch",
     "style_named",
     "sync_context_parallel_grads",

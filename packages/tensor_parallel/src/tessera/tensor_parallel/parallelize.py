@@ -16,19 +16,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, Mesh
+from tessera.comm import Group, Mesh, TPMode
+from tessera.tensor_parallel.coverage import Coverage, cover
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, PlanLike, resolve_plan, unplanned_dropouts
 from tessera.tensor_parallel.rng import DropoutRNG
+from tessera.tensor_parallel.sequence import mark_sequence_parallel
 from tessera.tensor_parallel.style import ApplyContext
 
-__all__ = ["parallelize", "shard_of", "shard_specs"]
+__all__ = ["coverage", "parallelize", "shard_of", "shard_specs"]
 
 log = logging.getLogger(__name__)
 
 _SPECS_ATTRIBUTE = "_tessera_shard_specs"
+_COVERAGE_ATTRIBUTE = "_tessera_coverage"
 
 
 def _split(a: Assignment | None, module: nn.Module, pname: str) -> ShardSpec | None:
@@ -121,10 +124,14 @@ def parallelize(
     Modules are replaced in place by parallel ones holding this rank's slice of their own
     weights (tied weights stay tied), so build the optimizer afterwards. With
     ``sequence_parallel`` the residual stream between sublayers holds this rank's slice of
-    the sequence (dim ``seq_dim`` of the activations) and ``sync_sequence_parallel_grads``
-    must run after each backward. Dropout streams come from ``rng``, or a DropoutRNG seeded
-    ``seed`` for this tp rank. Raises ValueError (nothing changed, nothing communicated) if
-    the plan does not fit the model or tp; see ``resolve_plan``. ``shard_specs(model)`` then
+    the sequence (dim ``seq_dim`` of the activations). Every parameter kept whole whose
+    gradient is a partial sum per rank (``coverage``: norms in the sequence-parallel stream,
+    anything inside a tp region, every whole parameter in 2D/2.5D/3D) is tagged, whether or
+    not the plan names it; ``sync_sequence_parallel_grads`` sums exactly those and must run
+    after each backward when ``coverage(model).partial`` is not empty. Dropout streams come
+    from ``rng``, or a DropoutRNG seeded ``seed`` for this tp rank. Raises ValueError
+    (nothing changed, nothing communicated) if the plan does not fit the model or tp; see
+    ``resolve_plan``. ``shard_specs(model)`` then
     says how each split parameter maps to its shards.
     """
     tp = mesh.size(axis)
@@ -137,11 +144,24 @@ def parallelize(
     if rng is None:
         rng = DropoutRNG(seed, mesh.coordinate(axis), device=mesh.device)
     specs = _record_specs(model, assignments)
+    nd = axis == "tp" and mesh.topology.tp_mode is not TPMode.ONE_D
+    covered = cover(model, assignments, sequence_parallel=sequence_parallel, every_element_once=nd)
     converter = _Converter(model, mesh.group(axis), tp, sequence_parallel, seq_dim, rng, mesh)
     with torch.no_grad():
         for a in assignments:
             converter.apply(a)
+    named = dict(model.named_parameters())
+    for name in covered.partial:
+        mark_sequence_parallel(named[name])
+    if covered.undeclared:
+        log.warning(
+            "parallelize: %d whole parameters the plan does not name get partial gradients, summed "
+            "over tp after each backward (sync_sequence_parallel_grads): %s",
+            len(covered.undeclared),
+            covered.describe_undeclared(),
+        )
     setattr(model, _SPECS_ATTRIBUTE, specs)
+    setattr(model, _COVERAGE_ATTRIBUTE, covered)
     log.info(
         "parallelize: %d modules of %s over tp=%d (sequence_parallel=%s)",
         len(assignments),
@@ -171,3 +191,13 @@ def shard_specs(model: nn.Module) -> Mapping[str, ShardSpec]:
     rank. Empty for a model ``parallelize`` has not converted."""
     specs: dict[str, ShardSpec] = getattr(model, _SPECS_ATTRIBUTE, {})
     return dict(specs)
+
+
+def coverage(model: nn.Module) -> Coverage:
+    """How ``parallelize`` accounted for every parameter of ``model`` (``coverage.Coverage``:
+    split, whole with a complete gradient, whole with a partial one); ValueError for a model
+    ``parallelize`` has not converted."""
+    covered = getattr(model, _COVERAGE_ATTRIBUTE, None)
+    if not isinstance(covered, Coverage):
+        raise ValueError(f"{type(model).__name__} was not converted by parallelize: no coverage")
+    return covered

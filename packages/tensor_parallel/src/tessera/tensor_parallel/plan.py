@@ -135,7 +135,9 @@ def resolve_plan(
         if style.role is Role.REGION and isinstance(style, RefinesInner):  # e.g. attention's K/V under GQA
             nested = {n[len(name) + 1 :]: (modules[n], chosen[n][0]) for n in chosen if _is_within(n, name)}
             for child, refined in style.refine_inner(modules[name], nested, name=name, tp=tp).items():
-                chosen[f"{name}.{child}"] = (refined, chosen[f"{name}.{child}"][1])
+                key = f"{name}.{child}" if child else name  # "" refines the region itself
+                chosen[key] = (refined, chosen[key][1])
+            style = chosen[name][0]
         outer = [r for r in regions if _is_within(name, r)]
         if style.role is Role.REGION and outer:
             raise ValueError(

@@ -203,7 +203,10 @@ class SequenceNorm(BaseStyle):
 
 @dataclass(frozen=True, slots=True)
 class SequenceSplit(BaseStyle):
-    """Under SP, keep this rank's slice of the module output's sequence."""
+    """Under SP, keep this rank's slice of the module output's sequence (the module itself
+    computes on every rank what the serial one does: its gradient is complete)."""
+
+    grad_complete: bool = True
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         if not ctx.sequence_parallel:
@@ -230,10 +233,14 @@ class RegionStyle(BaseStyle):
 
     role: Role = Role.REGION
     attention: bool = False
+    kv_heads: int | None = None  # set by ``refine_inner`` when the projections' widths tell
+    head_dim: int | None = None
 
     def layout(self, module: nn.Module, *, name: str) -> HeadLayout:
         """The attention module's heads; ValueError when it does not say."""
         layout = head_layout(module, where=f"{name} ({self.name})")
+        if layout is not None and self.kv_heads is not None:
+            return HeadLayout(layout.heads, self.kv_heads, self.head_dim or layout.head_dim)
         if layout is None:
             raise ValueError(
                 f"{name} ({self.name}): cannot tell the head count of {module_kind(module)}: give it an int "
@@ -257,19 +264,27 @@ class RegionStyle(BaseStyle):
         self, module: nn.Module, inner: Mapping[str, tuple[nn.Module, TPStyle]], *, name: str, tp: int
     ) -> dict[str, TPStyle]:
         """Under grouped-query attention, the colwise layers inside whose width is the KV heads'
-        (the K and V projections) split by whole KV heads, replicated when fewer than tp."""
+        (the K and V projections) split by whole KV heads, replicated when fewer than tp. Where
+        the module names no KV head count, the projections' widths tell it (``kv_widths``);
+        the refined attention style itself is returned under the key ``""``."""
         if not self.attention:
             return {}
         where = f"{name} ({self.name})"
         layout = self.layout(module, name=name)
+        out = dict[str, TPStyle]()
         if not layout.grouped:
-            return {}
+            inferred = kv_widths(layout, inner)
+            if inferred is None:
+                return {}
+            inferred.check(tp, where=where)
+            layout = inferred
+            out[""] = replace(self, kv_heads=layout.kv_heads, head_dim=layout.head_dim)
         if layout.head_dim is None:
             raise ValueError(
                 f"{where}: grouped-query attention (heads={layout.heads}, kv_heads={layout.kv_heads}) "
                 "needs the head width: give the module an int head_dim"
             )
-        kv_width, out = layout.kv_heads * layout.head_dim, dict[str, TPStyle]()
+        kv_width = layout.kv_heads * layout.head_dim
         for child, (sub, style) in inner.items():
             if style.role is not Role.ENTER or not is_dense(sub):
                 continue
@@ -357,6 +372,26 @@ def _region_hooks(ctx: ApplyContext, where: str, *, fork_split: bool) -> tuple[_
             rng.exit()
 
     return pre, post
+
+
+def kv_widths(layout: HeadLayout, inner: Mapping[str, tuple[nn.Module, TPStyle]]) -> HeadLayout | None:
+    """Grouped-query attention read from the projections when the module's attributes do not
+    say: of the plain colwise layers inside, the widest is the queries' (``heads`` x head_dim)
+    and all the narrower ones share one width, a whole number of heads (the K and V
+    projections); None when the widths do not tell that story."""
+    widths = {
+        int(dense_weights(sub)[0].shape[0])
+        for sub, style in inner.values()
+        if style.role is Role.ENTER and is_dense(sub) and isinstance(style, Colwise) and style.sections == 1
+    }
+    if len(widths) != 2:
+        return None
+    kv_width, q_width = sorted(widths)
+    head_dim = layout.head_dim or q_width // layout.heads
+    if head_dim < 1 or head_dim * layout.heads != q_width or kv_width % head_dim:
+        return None
+    kv = kv_width // head_dim
+    return HeadLayout(layout.heads, kv, head_dim) if layout.heads % kv == 0 else None
 
 
 def _ints(module: nn.Module, attrs: tuple[str, ...]) -> list[tuple[str, int]]:
