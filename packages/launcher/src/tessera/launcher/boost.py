@@ -174,12 +174,7 @@ def boost(
             sequence_parallel=p.sequence_parallel,
             seed=config.train.seed,
         )
-    if sp > 1:
-        if spec.attention_cores is None:
-            raise ValueError(
-                f"context parallelism (parallel.sp={sp}) needs the names of {type(model).__name__}'s "
-                "attention cores: pass ModelSpec(attention_cores=..., positions=...)"
-            )
+    if sp > 1:  # no cores named: its F.scaled_dot_product_attention calls are found and routed
         context_parallelize(
             model,
             mesh.group("sp"),

@@ -71,8 +71,10 @@ class ModelSpec:
     the mean loss of this rank's batch; None trains the exact cross-entropy of the mode
     (vocab-parallel logits under 1D tensor parallelism). ``output``: the logits in what the
     model returns. ``attention_cores`` / ``positions``: for context parallelism (sp), the
-    plan-style names of the attention cores (called on q, k, v) and of the learned position
-    embedding (see ``tessera.tensor_parallel.context_parallelize``).
+    plan-style names of the attention cores (called on q, k, v; None: the model's
+    ``F.scaled_dot_product_attention`` calls are found and routed) and of the modules indexed
+    by position (learned embeddings, rotary modules; comma-separated; rotary modules are also
+    found by class), see ``tessera.tensor_parallel.context_parallelize``.
     """
 
     plans: Mapping[str, PlanLike] = field(default_factory=dict)

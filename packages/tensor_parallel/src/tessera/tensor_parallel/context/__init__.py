@@ -1,9 +1,10 @@
 """Context (sequence) parallelism over the ``sp`` axis: ring and Ulysses attention.
 
 ``layout`` (which positions a rank holds: contiguous or zigzag), ``ring`` and ``ulysses``
-(the attention cores), ``parallelize`` (``context_parallelize``: swap a model's attention
-cores and offset its positions) and ``training`` (batch slices, the exact global loss,
-gradient sums over ``sp``).
+(the attention cores), ``parallelize`` (``context_parallelize``: swap a model's named
+attention cores; ``route_attention``: route its SDPA calls, found without names, through
+``intercept``), ``positions`` (positions modules follow the sequence shards) and
+``training`` (batch slices, the exact global loss, gradient sums over ``sp``).
 """
 
 from tessera.tensor_parallel.context.layout import (
@@ -14,7 +15,13 @@ from tessera.tensor_parallel.context.layout import (
     split_sequence,
     unsplit_sequence,
 )
-from tessera.tensor_parallel.context.parallelize import ContextParallelAttention, Mode, context_parallelize
+from tessera.tensor_parallel.context.parallelize import (
+    ContextParallelAttention,
+    Mode,
+    context_parallelize,
+    route_attention,
+)
+from tessera.tensor_parallel.context.positions import find_positions, follow_positions
 from tessera.tensor_parallel.context.ring import ring_attention
 from tessera.tensor_parallel.context.training import (
     context_parallel_loss,
@@ -31,9 +38,12 @@ __all__ = [
     "chunks_of",
     "context_parallel_loss",
     "context_parallelize",
+    "find_positions",
+    "follow_positions",
     "local_positions",
     "rank_positions",
     "ring_attention",
+    "route_attention",
     "split_batch",
     "split_sequence",
     "sync_context_parallel_grads",

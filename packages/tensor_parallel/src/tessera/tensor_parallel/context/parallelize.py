@@ -1,28 +1,34 @@
-"""Make a model context-parallel in place: swap its attention cores, offset its positions.
+"""Make a model context-parallel in place: route its attention, make its positions follow.
 
-A model qualifies when its attention calls a parameter-free core module on (batch, heads,
-seq, head_dim) q, k, v (the reference GPT's ``layers.*.attn.core``), and its learned
-position embedding is a module called with the position ids of the local sequence
-(``embed.pos``). ``context_parallelize`` replaces each core by a ``ContextParallelAttention``
-(ring or Ulysses) and makes the position module look up this rank's global positions. The
-weights are untouched; everything else in the model works per token and needs no change.
+Two ways to find attention. By name (``context_parallelize`` with ``cores``): each
+parameter-free core module called on (batch, heads, seq, head_dim) q, k, v (the reference
+GPT's ``layers.*.attn.core``) is replaced by a ``ContextParallelAttention``. Without names
+(``route_attention``, or ``cores=None``): every ``F.scaled_dot_product_attention`` call made
+while the model runs goes to ring or Ulysses attention (``intercept``), which serves models
+that call SDPA inline and Hugging Face models on their ``sdpa`` attention. Either way the
+positions modules (``positions``) look up this rank's global positions. The weights are
+untouched; everything else in the model works per token and needs no change.
 """
 
 from __future__ import annotations
 
+import logging
 from enum import StrEnum
-from functools import partial
-from typing import Any
 
 from torch import Tensor, nn
 
-from tessera.comm import Group, group_rank, group_size
-from tessera.tensor_parallel.context.layout import Layout, local_positions
+from tessera.comm import Group, group_size
+from tessera.tensor_parallel.context.intercept import AttentionRoute, route_modules
+from tessera.tensor_parallel.context.layout import Layout
+from tessera.tensor_parallel.context.positions import find_positions, follow_positions, guard_embeddings
 from tessera.tensor_parallel.context.ring import ring_attention
 from tessera.tensor_parallel.context.ulysses import check_ulysses, ulysses_attention
 from tessera.tensor_parallel.plan import match_pattern
 
-__all__ = ["ContextParallelAttention", "Mode", "context_parallelize"]
+__all__ = ["ContextParallelAttention", "Mode", "context_parallelize", "route_attention"]
+
+_LOG = logging.getLogger(__name__)
+_ROUTED = "_tessera_context_route"
 
 
 class Mode(StrEnum):
@@ -56,15 +62,6 @@ class ContextParallelAttention(nn.Module):
         return f"mode={self.mode.value}, layout={self.layout.value}, causal={self.causal}"
 
 
-def _offset_positions(
-    module: nn.Module, args: tuple[Any, ...], *, sp: int, rank: int, layout: Layout
-) -> tuple[Any, ...]:
-    """Forward pre-hook: position ids ``0..local_len-1`` become this rank's global positions."""
-    ids: Tensor = args[0]
-    table = local_positions(rank, sp, ids.shape[-1], layout, ids.device)
-    return (table[ids], *args[1:])
-
-
 def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     found = [(n, m) for n, m in model.named_modules() if n and match_pattern(pattern, n)]
     if not found:
@@ -91,7 +88,7 @@ def context_parallelize(
     *,
     mode: Mode | str = Mode.RING,
     layout: Layout | str = Layout.CONTIGUOUS,
-    cores: str = "layers.*.attn.core",
+    cores: str | None = "layers.*.attn.core",
     positions: str | None = "embed.pos",
     heads: int | None = None,
 ) -> nn.Module:
@@ -99,15 +96,18 @@ def context_parallelize(
 
     Each module matching ``cores`` (plan-style dotted pattern) is replaced by a
     ``ContextParallelAttention`` with its ``causal`` flag (default True) and ``scale`` (if
-    any); the module matching ``positions`` (None: none) gets a forward pre-hook mapping
-    local position ids to this rank's global positions. ``heads``, when given, is checked
+    any); ``cores=None`` finds attention without names instead (``route_attention``). The
+    modules matching ``positions`` (comma-separated patterns; None: none) follow the
+    sequence shards (``positions.follow_positions``). ``heads``, when given, is checked
     against ``sp`` for Ulysses up front (the cores check the shapes they see anyway).
     Everything is checked before the model changes; returns the model. Feed it this rank's
     slice of each batch (``split_batch``), reduce the loss with ``context_parallel_loss``
     and sum the gradients over ``group`` (``sync_context_parallel_grads``).
     """
+    if cores is None:
+        return route_attention(model, group, mode=mode, layout=layout, positions=positions, heads=heads)
     mode, layout = Mode(mode), Layout(layout)
-    sp, rank = group_size(group), group_rank(group)
+    sp = group_size(group)
     found = _matching(model, cores)
     for name, core in found:
         _check_core(name, core, mode, sp, heads)
@@ -123,6 +123,70 @@ def context_parallelize(
             scale=getattr(core, "scale", None),
         )
         setattr(parent, child, cp)
-    for _, module in position_modules:
-        module.register_forward_pre_hook(partial(_offset_positions, sp=sp, rank=rank, layout=layout))
+    follow_positions(position_modules, group, layout)
+    return model
+
+
+def _hf_sdpa(model: nn.Module) -> None:
+    """Hugging Face models attend through ``config._attn_implementation``: ``sdpa`` calls
+    SDPA (routed); ``eager`` (the same arithmetic) is switched to it; others are refused."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    for config in configs.values():
+        impl = getattr(config, "_attn_implementation", "sdpa")
+        if impl in (None, "eager"):
+            config._attn_implementation = "sdpa"
+            _LOG.info("context parallelism: %s attention switched from eager to sdpa", type(model).__name__)
+        elif impl != "sdpa":
+            raise ValueError(
+                f"context parallelism routes SDPA attention; {type(model).__name__} uses "
+                f"attn_implementation={impl!r}: load it with attn_implementation='sdpa'"
+            )
+
+
+def _routed_some(route: AttentionRoute) -> None:
+    if route.calls == 0:
+        raise ValueError(
+            "context parallelism found no attention: the model's forward called no "
+            "torch.nn.functional.scaled_dot_product_attention (an eager or custom attention "
+            "cannot be split; call SDPA, or name parameter-free cores with cores=...)"
+        )
+
+
+def route_attention(
+    model: nn.Module,
+    group: Group,
+    *,
+    mode: Mode | str = Mode.RING,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    positions: str | None = None,
+    heads: int | None = None,
+) -> nn.Module:
+    """Make ``model`` context-parallel without naming its attention; returns it.
+
+    Every ``F.scaled_dot_product_attention`` call during the model's forward (any module,
+    any depth, also when recomputed by activation checkpointing) runs as ring or Ulysses
+    attention (``mode``) over ``group`` on the sequence cut by ``layout`` (``intercept``);
+    a forward that made no such call raises ValueError. The modules matching ``positions``
+    (comma-separated patterns) and the autodetected ones (rotary modules, Hugging Face
+    learned position embeddings) follow the sequence shards; an unhooked embedding called
+    with ``arange`` raises (``positions``). ``heads`` is checked against ``sp`` for Ulysses
+    up front. Hooks only: the modules and weights are unchanged. Training as for
+    ``context_parallelize``.
+    """
+    mode, layout = Mode(mode), Layout(layout)
+    if getattr(model, _ROUTED, None) is not None:
+        raise ValueError(f"{type(model).__name__} is already context-parallel")
+    if mode is Mode.ULYSSES and heads is not None:
+        check_ulysses(heads, heads, group_size(group))
+    position_modules = find_positions(model, positions)
+    _hf_sdpa(model)
+    route = AttentionRoute(group, mode.value, layout)
+    follow_positions(position_modules, group, layout)
+    guard_embeddings(model, position_modules)
+    route_modules(model, route, check=_routed_some)
+    setattr(model, _ROUTED, route)
+    _LOG.info(
+        "context parallelism (%s, %s) routes the SDPA of %s; positions: %s",
+        mode.value, layout.value, type(model).__name__, [n for n, _ in position_modules] or "none",
+    )  # fmt: skip
     return model
