@@ -1,0 +1,163 @@
+"""Tier 1: one plan of roles serves 2D, 2.5D and 3D for models that are not the reference GPT.
+
+``tessera.models.foreign.Llamaish`` (RMSNorm with its weight called ``scale``, rotary inside
+attention, SwiGLU, grouped-query attention with 2 KV heads of 4) and ``GPT2ish`` (LayerNorm,
+biases, a fused q|k|v Linear, learned positions ``wpe``, the head tied to ``wte``), each with
+one role plan written here (their module names match no built-in plan), translated by
+``plan_for_mode`` to 2D (q=2, tp=4), 2.5D (q=2, d=2, tp=8) and 3D (q=2, tp=8) on threaded
+ranks, trained a few SGD steps against the serial model: the loss of every step, every
+first-step gradient (split ones gathered by the recorded shard specs, whole ones after
+``sync_sequence_parallel_grads``) and the final weights.
+
+Tolerances (fp32): losses ``rtol=1e-5``; gradients ``rtol=1e-4``, ``atol=1e-5`` times the
+largest serial gradient of that parameter (floored at 1e-2); weights ``rtol=1e-5``,
+``atol=1e-6``. The parallel model adds the same products in another order (SUMMA / 3D partial
+sums over the grid's lines, per-row norm statistics, reduce-scattered weight gradients) through
+two layers and the loss: a few ulps per layer, far below what a lost or doubled contribution
+would show (the size of a gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm import Mesh, Topology, all_gather
+from tessera.comm.testing import run_threaded
+from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
+from tessera.tensor_parallel import Plan, parallelize, shard_specs, sync_sequence_parallel_grads
+from tessera.tensor_parallel.modes import plan_for_mode
+from tessera.tensor_parallel.testing import gpt_loss
+
+CFG = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=64, max_len=16)
+BATCH, SEQ, STEPS, LR = 4, 8, 3, 0.5
+
+LLAMAISH_ROLES = Plan.of(
+    {
+        "tok_embeddings": "vocab",
+        "layers.*.attn_norm": "norm",
+        "layers.*.attn": "attention",
+        "layers.*.attn.wq": "colwise",
+        "layers.*.attn.wk": "colwise",
+        "layers.*.attn.wv": "colwise",
+        "layers.*.attn.wo": "rowwise",
+        "layers.*.ffn_norm": "norm",
+        "layers.*.ffn": "region",
+        "layers.*.ffn.w1": "colwise",
+        "layers.*.ffn.w3": "colwise",
+        "layers.*.ffn.w2": "rowwise",
+        "norm": "norm",
+        "output": "head",
+    },
+    name="llamaish",
+)
+GPT2ISH_ROLES = Plan.of(
+    {
+        "wte": "vocab",
+        "wpe": "embedding",
+        "h.*.norm1": "norm",
+        "h.*.mix": "attention",
+        "h.*.mix.qkv": "colwise_qkv",
+        "h.*.mix.proj": "rowwise",
+        "h.*.norm2": "norm",
+        "h.*.mlp": "region",
+        "h.*.mlp.fc": "colwise",
+        "h.*.mlp.proj": "rowwise",
+        "ln": "norm",
+        "head": "head",
+    },
+    name="gpt2ish",
+)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Plan]] = {
+    "llamaish": (lambda: Llamaish(CFG, seed=0), LLAMAISH_ROLES),
+    "gpt2ish": (lambda: GPT2ish(CFG, seed=0), GPT2ISH_ROLES),
+}
+MODES = {
+    "2d": dict(tp=4, tp_mode="2d"),
+    "2.5d": dict(tp=8, tp_mode="2.5d", depth=2),
+    "3d": dict(tp=8, tp_mode="3d"),
+}
+
+Curve = tuple[list[float], dict[str, Tensor], dict[str, Tensor]]
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _serial(make: Callable[[], nn.Module]) -> Curve:
+    model, (idx, targets) = make(), _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+        torch.autograd.backward(loss)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _gathered(model: nn.Module, tensors: dict[str, Tensor], mesh: Mesh) -> dict[str, Tensor]:
+    specs, group, tp = shard_specs(model), mesh.group("tp"), mesh.size("tp")
+    out = {}
+    for n, t in tensors.items():
+        spec = specs.get(n)
+        if spec is None:
+            out[n] = t
+        else:
+            out[n] = spec.unshard(all_gather(t.contiguous(), group, spec.local_dim).chunk(tp, spec.local_dim))
+    return out
+
+
+def _parallel(rank: int, model_name: str, mode: str) -> Curve:
+    make, roles = MODELS[model_name]
+    topology = Topology(**MODES[mode])  # type: ignore[arg-type]
+    mesh = Mesh(topology)
+    model = make()
+    model = parallelize(
+        model, plan=plan_for_mode(roles, topology.tp_mode, model, depth=topology.depth), mesh=mesh
+    )
+    idx, targets = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = gpt_loss(model, idx, targets, mesh)
+        torch.autograd.backward(loss)
+        sync_sequence_parallel_grads(model, mesh.group("tp"))
+        if step == 0:
+            grads = _gathered(
+                model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, mesh
+            )
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, _gathered(model, {n: p.detach() for n, p in model.named_parameters()}, mesh)
+
+
+def _compare(serial: Curve, ranks: list[Curve]) -> None:
+    losses, grads, weights = serial
+    for got_losses, got_grads, got_weights in ranks:
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=0.0)
+        assert set(got_grads) == set(grads)
+        for n, want in grads.items():
+            scale = max(want.abs().max().item(), 1e-2)
+            torch.testing.assert_close(got_grads[n], want, rtol=1e-4, atol=1e-5 * scale)
+        for n, want in weights.items():
+            torch.testing.assert_close(got_weights[n], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_role_plan_follows_serial(model_name: str, mode: str) -> None:
+    out: list[Any] = run_threaded(MODES[mode]["tp"], _parallel, model_name, mode)  # type: ignore[arg-type]
+    _compare(_serial(MODELS[model_name][0]), out)
