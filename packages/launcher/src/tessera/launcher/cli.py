@@ -56,6 +56,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_verify_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare the first step with a serial step of the same model; refuse to train on a "
+        "mismatch (= --set train.verify=true; boost() reads it)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Train PyTorch models across processes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-m", dest="module", help="run a module instead of a script")
     _add_config_args(run)
+    _add_verify_arg(run)
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -90,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="the main job: a character-level GPT on the Python standard library")
     _add_config_args(train)
+    _add_verify_arg(train)
     train.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
     )
@@ -282,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "max_restarts", None) is not None:
         args.sets.append(f"train.max_restarts={args.max_restarts}")
+    if getattr(args, "verify", False):
+        args.sets.append("train.verify=true")
     try:
         config = resolve_config(args.config, args.sets)
     except ConfigError as exc:

@@ -197,6 +197,7 @@ class TrainConfig:
     max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
     max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
     activation_checkpointing: bool = False  # recompute each layer's forward in backward
+    verify: bool = False  # compare the first step with a serial one; refuse on a mismatch
 
 
 @dataclass(frozen=True, slots=True)

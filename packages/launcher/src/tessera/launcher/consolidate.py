@@ -21,7 +21,7 @@ from tessera.comm.files import atomic_write
 from tessera.launcher.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
-__all__ = ["consolidate", "local_full_parameters", "unshard"]
+__all__ = ["consolidate", "local_full_gradients", "local_full_parameters", "unshard"]
 
 
 def unshard(
@@ -55,6 +55,24 @@ def local_full_parameters(engine: Boosted) -> dict[str, Tensor]:
             )
             for p in engine.module.parameters()
         }
+
+
+def local_full_gradients(engine: Boosted) -> dict[str, Tensor]:
+    """The full fp32 gradients of this rank's pipeline stages by serial name, as the optimizer
+    is about to step them (summed over tp and pipeline copies, averaged over dp, unscaled,
+    clipped): call it from an optimizer step pre-hook, on every rank. Collective: ZeRO's
+    all-gathers over dp (``ZeroOptimizer.full_gradients``), then the tp shards joined as each
+    parameter's ``ShardSpec`` says (``unshard``), in serial-name order on every rank."""
+    placement = engine.placement
+    local = dict(engine.module.named_parameters())
+    grads = {placement.names[local[n]]: g for n, g in engine.zero.full_gradients().items()}
+    tp, group, device = engine.mesh.size("tp"), engine.mesh.group("tp"), engine.mesh.device
+    shapes, specs = placement.full_shapes, placement.shard_specs
+    out = {}
+    for name in sorted(grads):  # (ZeRO hands host copies; the tp all-gather runs on the mesh's device)
+        full = unshard(grads[name].to(device), specs.get(name), shapes[name], tp, group)
+        out[name] = full.to("cpu", torch.float32)
+    return out
 
 
 def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:

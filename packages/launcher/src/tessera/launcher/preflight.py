@@ -15,7 +15,7 @@ from tessera.launcher.config import Config
 from tessera.launcher.corpus import load_corpus
 from tessera.launcher.generations import MANIFEST, resolve_generation
 
-__all__ = ["committed_checkpoint", "preflight"]
+__all__ = ["committed_checkpoint", "preflight", "verify_problems"]
 
 
 def committed_checkpoint(path: str | Path) -> Path | None:
@@ -42,6 +42,24 @@ def _writable_dir(field: str, value: str) -> list[str]:
     return []
 
 
+def verify_problems(config: Config, *, main_job: bool) -> list[str]:
+    """Why ``train.verify`` cannot compare a step of ``config``'s job with a serial one, one line
+    each (``tessera.launcher.verify`` also refuses a model with dropout; ``main_job``: the main
+    job's model dropout is ``model.dropout``)."""
+    errors = []
+    if config.zero.chunked:
+        errors.append(
+            "train.verify with the chunk memory manager (zero.*budget_mb, zero.disk_dir): it steps "
+            "chunk by chunk; verify without it"
+        )
+    if main_job and config.model.dropout > 0:
+        errors.append(
+            f"train.verify with model.dropout={config.model.dropout}: the random streams differ between "
+            "the serial and the parallel model; verify with model.dropout=0"
+        )
+    return errors
+
+
 def preflight(config: Config, *, main_job: bool) -> list[str]:
     """Every mistake the disk shows before a job of ``config`` spawns, one line each.
 
@@ -49,6 +67,8 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
     ``model.vocab_size`` against its alphabet.
     """
     errors = _writable_dir("train.run_dir", config.train.run_dir)
+    if config.train.verify:
+        errors += verify_problems(config, main_job=main_job)
     if config.zero.disk_dir:
         errors += _writable_dir("zero.disk_dir", config.zero.disk_dir)
     resume = config.train.resume
