@@ -25,6 +25,7 @@ from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, Zer
 from tessera.launcher.engine import Engine
 from tessera.launcher.spec import logits_of
 from tessera.launcher.verify import Verifier, compare_gradients, tolerance
+from tessera.models import GPT, GPTConfig
 from tessera.models.foreign import ForeignConfig, Llamaish
 from tessera.tensor_parallel import Plan, Style
 from tessera.tensor_parallel.style import ApplyContext, register_style
@@ -134,6 +135,39 @@ def test_verify_passes_a_correct_plan(
         assert all("skipped" in s for s in skipped) and len(skipped) <= 1  # fp16 may overflow first
         assert f"{precision}, rtol {tolerance(precision):.2g}" in line and " s" in line.split("cost")[1]
         print(line)
+
+
+def _train_gpt(rank: int, parallel: ParallelConfig) -> list[str]:
+    """One verified step of the reference GPT (its registered spec: 2D plan, attention cores)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("tessera.launcher.verify")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2), seed=0)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=0.1), _config(parallel, 1), verify=True)
+    try:
+        engine.train_step(*_batch(0))
+    finally:
+        logger.removeHandler(handler)
+        engine.mesh.close()
+    return lines
+
+
+GPT_MODES = {
+    "2d-tp4": ParallelConfig(tp=4, tp_mode="2d"),
+    "ring-zigzag-sp2": ParallelConfig(sp=2, sp_mode="ring", sp_layout="zigzag"),
+    "ulysses-sp2": ParallelConfig(sp=2, sp_mode="ulysses"),
+}
+
+
+@pytest.mark.parametrize("parallel", GPT_MODES.values(), ids=list(GPT_MODES))
+def test_verify_passes_the_reference_gpt_in_other_modes(
+    worker_pools: PoolFactory, parallel: ParallelConfig
+) -> None:
+    for lines in worker_pools(parallel.tp * parallel.sp).run(_train_gpt, parallel, timeout=180):
+        assert len(lines) == 1 and "equals the serial one" in lines[0]
 
 
 def test_verify_refuses_a_lost_reduction_and_names_the_parameter(worker_pools: PoolFactory) -> None:
