@@ -200,6 +200,7 @@ def _parallel(rank: int, name: str, config: Config) -> Run:
 
 CASES = [
     (ParallelConfig(tp=2), 0),
+    (ParallelConfig(tp=2, sequence_parallel=True), 0),  # the plans name no norm: found and summed
     (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
     (ParallelConfig(dp=2), 3),
     (ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1),
@@ -208,7 +209,7 @@ CASES = [
 
 def _id(c: Any) -> str:
     if isinstance(c, ParallelConfig):
-        return f"dp{c.dp}-pp{c.pp}-tp{c.tp}"
+        return f"dp{c.dp}-pp{c.pp}-tp{c.tp}" + ("-sp" if c.sequence_parallel else "")
     return f"zero{c}" if isinstance(c, int) else str(c)
 
 
@@ -307,3 +308,71 @@ def test_hf_llama_exports_hf_names_and_imports_under_another_topology(
     importer = _config(ParallelConfig(dp=2, tp=2), 3)
     for got in worker_pools(4).run(_import_and_eval, importer, path, timeout=180):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- degrees of this model
+LLAMAISH_PLAN = Plan.of(
+    {
+        "tok_embeddings": Style.VOCAB,
+        "layers.*.attn": Style.ATTENTION,
+        "layers.*.attn.wq": Style.COLWISE,
+        "layers.*.attn.wk": Style.COLWISE,
+        "layers.*.attn.wv": Style.COLWISE,
+        "layers.*.attn.wo": Style.ROWWISE,
+        "layers.*.ffn": Style.REGION,
+        "layers.*.ffn.w1": Style.COLWISE,
+        "layers.*.ffn.w3": Style.COLWISE,
+        "layers.*.ffn.w2": Style.ROWWISE,
+        "output": Style.COLWISE,
+    },
+    name="llamaish",
+)  # names no norm: under sequence parallelism parallelize finds and sums them
+
+
+def _llamaish(kv: int) -> nn.Module:
+    from tessera.models import ForeignConfig, Llamaish
+
+    return Llamaish(ForeignConfig(vocab=VOCAB, dim=64, heads=8, kv_heads=kv, hidden=64))
+
+
+def _llamaish_serial(kv: int) -> Run:
+    model = _llamaish(kv)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = _batch(step)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _llamaish_parallel(rank: int, kv: int, config: Config) -> Run:
+    model = _llamaish(kv)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    engine = boost(model, opt, config, plan=LLAMAISH_PLAN)
+    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize(("tp", "kv", "sp"), [(8, 2, False), (4, 1, True)], ids=["tp8-kv2", "tp4-kv1-sp"])
+def test_degrees_are_checked_against_the_boosted_model_not_the_config(
+    worker_pools: PoolFactory, tp: int, kv: int, sp: bool
+) -> None:
+    """8 query heads at tp=8 (the config's [model] section, the main job's GPT, has 4, which
+    tp=8 would not split): accepted, KV heads replicated over tp, and equal to serial."""
+    config = _config(ParallelConfig(tp=tp, sequence_parallel=sp), 0)
+    assert config.validate(model=False) == []
+    if tp == 8:
+        assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
+    results = worker_pools(tp).run(_llamaish_parallel, kv, config, timeout=180)
+    losses, weights = _llamaish_serial(kv)
+    merged: dict[str, Tensor] = {}
+    for curve, part in results:
+        assert curve == pytest.approx(losses, rel=1e-5)
+        merged.update(part)
+    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)

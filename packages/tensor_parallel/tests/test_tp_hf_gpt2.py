@@ -86,13 +86,3 @@ def test_hf_gpt2_parallel_equals_serial(n: int) -> None:
             except AssertionError as error:
                 error.add_note(f"in the gradient of {name}")  # keeps torch's report of the mismatch
                 raise
-
-
-def test_hf_gpt2_refuses_sequence_parallelism() -> None:
-    with pytest.raises(ValueError, match="plan 'hf-gpt2' does not support sequence parallelism"):
-        run_threaded(
-            2,
-            lambda rank: parallelize(
-                _model(), plan=GPT2_PLAN, mesh=Mesh(Topology(tp=2)), sequence_parallel=True
-            ),
-        )

@@ -145,11 +145,6 @@ def test_parallelize_refuses_kv_heads_on_every_rank_without_communicating() -> N
         assert calls == 0 and unchanged
 
 
-def test_hf_llama_refuses_sequence_parallelism() -> None:
-    with pytest.raises(ValueError, match="plan 'hf-llama' does not support sequence parallelism"):
-        resolve_plan(_model(2), LLAMA_PLAN, tp=2, sequence_parallel=True)
-
-
 def test_importing_the_plans_does_not_import_transformers() -> None:
     code = "import sys, tessera.tensor_parallel as t; t.LLAMA_PLAN; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

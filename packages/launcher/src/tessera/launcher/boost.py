@@ -38,6 +38,7 @@ from tessera.launcher.spec import (
     pipeline_blocks,
     tied_blocks,
 )
+from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ChunkConfig, ZeroOptimizer
@@ -139,6 +140,7 @@ def boost(
     plan: PlanLike | None = None,
     example: Tensor | None = None,
     scheduler_fn: Any = None,
+    verify: bool | None = None,
 ) -> Engine:
     """Compose dp x pp x tp x sp x ZeRO for any ``model`` per ``config``; collective over the
     default process group.
@@ -148,9 +150,11 @@ def boost(
     ``plan``: the tensor-parallel plan, overriding the spec's. ``example``: a batch of
     inputs; with pipelining, the blocks are first checked to reproduce ``model(example)``.
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
-    rebuilt optimizer (none by default).
+    rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
+    of the same model and refuse to train on a mismatch (None: ``train.verify``; see
+    ``tessera.launcher.verify``).
     """
-    errors = config.validate()
+    errors = config.validate(model=False)  # [model] is the main job's; this model is checked itself
     if errors:
         raise ValueError("; ".join(errors))
     p = config.parallel
@@ -162,14 +166,23 @@ def boost(
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
     spec = spec if spec is not None else model_spec(model)
+    verify = config.train.verify if verify is None else verify
+    verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
     if pp > 1:  # checked on the serial model, before anything changes it
         serial_blocks = pipeline_blocks(model, spec)
+        if len(serial_blocks) < pp * p.virtual_stages:
+            raise ValueError(
+                f"{type(model).__name__} has {len(serial_blocks)} pipeline blocks, fewer than parallel.pp * "
+                f"parallel.virtual_stages = {pp} * {p.virtual_stages}"
+            )
         if example is not None:
             check_blocks(model, serial_blocks, example, spec.output)
     if tp > 1:
         parallelize(
             model,
-            plan=plan if plan is not None else spec.plan(topology.tp_mode, model),
+            plan=(spec if plan is None else ModelSpec(roles=plan)).plan(
+                topology.tp_mode, model, depth=topology.depth
+            ),
             mesh=mesh,
             sequence_parallel=p.sequence_parallel,
             seed=config.train.seed,
@@ -265,4 +278,5 @@ def boost(
         placement=placement,
         tied=[(name, param, id(param) in local_ids) for name, param in tied],
         max_skipped_steps=config.train.max_skipped_steps,
+        verifier=verifier,
     )

@@ -236,9 +236,10 @@ class Config:
         line = {"2d": "tp_row", "2.5d": "tp_row", "3d": "tp_input"}.get(self.parallel.tp_mode, "tp")
         return topology.size(line)
 
-    def _check_modes(self) -> list[str]:
-        """The tensor-parallel mode and context parallelism against the degrees and the model."""
-        p, m, errors = self.parallel, self.model, []
+    def _check_modes(self, *, model: bool = True) -> list[str]:
+        """The tensor-parallel mode and context parallelism against the degrees and (``model``)
+        the ``[model]`` section."""
+        p, errors = self.parallel, list[str]()
         if p.tp_mode not in ("1d", "2d", "2.5d", "3d"):
             errors.append(f"parallel.tp_mode={p.tp_mode!r} is not one of 1d, 2d, 2.5d, 3d")
             return errors
@@ -262,10 +263,22 @@ class Config:
                 )
         if p.sp == 1:
             return errors
+        errors += self._check_context_modes()
+        if model:
+            errors += self._check_context_model()
+        return errors
+
+    def _check_context_modes(self) -> list[str]:
+        p, errors = self.parallel, []
         if p.sp_mode not in ("ring", "ulysses"):
             errors.append(f"parallel.sp_mode={p.sp_mode!r} is not one of ring, ulysses")
         if p.sp_layout not in ("contiguous", "zigzag"):
             errors.append(f"parallel.sp_layout={p.sp_layout!r} is not one of contiguous, zigzag")
+        return errors
+
+    def _check_context_model(self) -> list[str]:
+        """Context parallelism against the ``[model]`` section (the main job's model)."""
+        p, m, errors = self.parallel, self.model, []
         chunks = p.sp * (2 if p.sp_layout == "zigzag" else 1) * (p.tp if p.sequence_parallel else 1)
         if m.seq_len % chunks:
             errors.append(
@@ -281,8 +294,48 @@ class Config:
             errors.append(f"model.dropout={m.dropout}: context parallel attention has no dropout; use 0")
         return errors
 
-    def validate(self) -> list[str]:
-        """Every mistake in the configuration, one line each (empty when it can run)."""
+    def _check_model(self) -> list[str]:
+        """The degrees against the ``[model]`` section (the main job's model)."""
+        p, m, errors = self.parallel, self.model, list[str]()
+
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                errors.append(message)
+
+        blocks = m.n_layers + 2
+        need(
+            blocks >= p.pp * p.virtual_stages,
+            f"model.n_layers={m.n_layers} gives {blocks} blocks (with embedding and head), fewer than "
+            f"parallel.pp * parallel.virtual_stages = {p.pp} * {p.virtual_stages}",
+        )
+        need(
+            m.d_model % m.n_heads == 0,
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
+        )
+        split = p.tp if p.tp_mode == "1d" else self.grid_side()  # how many ways heads and widths split
+        need(
+            m.n_heads % split == 0,
+            f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",
+        )
+        need(
+            (m.mlp_ratio * m.d_model) % split == 0,
+            f"model.mlp_ratio * model.d_model = {m.mlp_ratio * m.d_model} does not split {split} ways "
+            f"(parallel.tp={p.tp})",
+        )
+        if p.sequence_parallel:
+            need(
+                m.seq_len % p.tp == 0,
+                f"model.seq_len={m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)",
+            )
+        need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+        return errors
+
+    def validate(self, *, model: bool = True) -> list[str]:
+        """Every mistake in the configuration, one line each (empty when it can run).
+
+        ``model=False`` leaves out the checks of the degrees against the ``[model]`` section,
+        which describes only the main job's model: ``boost()`` checks them against the model
+        it is given instead (its plan, heads, widths, vocabulary and blocks)."""
         errors: list[str] = []
         p, m = self.parallel, self.model
 
@@ -316,7 +369,7 @@ class Config:
                     need(math.isfinite(value), f"{name}={value} must be a finite number")
         if errors:  # the checks below divide by these numbers
             return errors
-        errors += self._check_modes()
+        errors += self._check_modes(model=model)
         need(
             p.schedule in SCHEDULES,
             f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
@@ -324,32 +377,8 @@ class Config:
         if p.schedule in SCHEDULES:
             rules = schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages)
             errors += [f"parallel (pp={p.pp}, microbatches={p.microbatches}): {line}" for line in rules]
-        blocks = m.n_layers + 2
-        need(
-            blocks >= p.pp * p.virtual_stages,
-            f"model.n_layers={m.n_layers} gives {blocks} blocks (with embedding and head), fewer than "
-            f"parallel.pp * parallel.virtual_stages = {p.pp} * {p.virtual_stages}",
-        )
-        need(
-            m.d_model % m.n_heads == 0,
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
-        )
-        split = p.tp if p.tp_mode == "1d" else self.grid_side()  # how many ways heads and widths split
-        need(
-            m.n_heads % split == 0,
-            f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",
-        )
-        need(
-            (m.mlp_ratio * m.d_model) % split == 0,
-            f"model.mlp_ratio * model.d_model = {m.mlp_ratio * m.d_model} does not split {split} ways "
-            f"(parallel.tp={p.tp})",
-        )
-        if p.sequence_parallel:
-            need(
-                m.seq_len % p.tp == 0,
-                f"model.seq_len={m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)",
-            )
-        need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+        if model:
+            errors += self._check_model()
         per_step = p.dp * p.microbatches
         need(
             self.data.batch_size % per_step == 0,

@@ -29,8 +29,13 @@ from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
 from tessera.launcher.spec import logits_of
+from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, forward_loss
-from tessera.tensor_parallel import sync_sequence_parallel_grads
+from tessera.tensor_parallel import (
+    sequence_parallel_params,
+    sync_sequence_parallel_grads,
+    tp_gradient_problems,
+)
 from tessera.zero import ZeroOptimizer
 
 __all__ = ["Diverged", "Engine", "Inputs", "StepOutput"]
@@ -71,6 +76,7 @@ class Engine:
         output: Callable[[Any], Tensor] = logits_of,
         tied: Sequence[tuple[str, nn.Parameter, bool]] = (),
         max_skipped_steps: int = 20,
+        verifier: Verifier | None = None,
     ) -> None:
         self.config = config
         self.mesh = mesh
@@ -85,7 +91,12 @@ class Engine:
         self.step = 0
         self.max_skipped_steps = max_skipped_steps
         self.skipped_in_a_row = 0
+        self.verifier = verifier  # boost(verify=True): the first step is compared with a serial one
         self.tp, self.dp, self.pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
+        # whole parameters whose gradients are partial sums over tp (parallelize's coverage):
+        # summed after every backward; the first step also proves the rule (``_prove_coverage``)
+        self.partial_over_tp = bool(sequence_parallel_params(module))
+        self.coverage_proved = mesh.size("tp") == 1
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -126,10 +137,12 @@ class Engine:
         with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
         self.module.train()
         x, y = self._local_batch(inputs, targets)
-        sequence_parallel = self.config.parallel.sequence_parallel
-        # a pipeline runs many backwards in its schedule's order, and sequence-parallel norm
-        # gradients are summed over tp first: both reduce once, at the step, in every stage
-        one_reduction = self.runtime is not None or sequence_parallel
+        if self.verifier is not None:
+            self.verifier.serial_step(self, inputs, targets)
+        # a pipeline runs many backwards in its schedule's order, and partial gradients (norms
+        # in the sequence-parallel stream, ...) are summed over tp first: both reduce once, at
+        # the step, in every stage
+        one_reduction = self.runtime is not None or self.partial_over_tp or not self.coverage_proved
         with self.zero.accumulating() if one_reduction else contextlib.nullcontext():
             if self.runtime is not None:
                 assert isinstance(x, Tensor)  # _local_batch refuses keyword inputs with pp
@@ -145,9 +158,14 @@ class Engine:
                 self._sum_tied_gradients()
             else:
                 local_loss = self._accumulate(x, y)
-            if sequence_parallel:
+            if not self.coverage_proved:
+                self._prove_coverage()
+            if self.partial_over_tp:
                 sync_sequence_parallel_grads(self.module, self.tp)
-        stepped = self.zero.step()
+        with self.verifier.comparing(self, local_loss) if self.verifier else contextlib.nullcontext():
+            stepped = self.zero.step()
+        if self.verifier is not None and self.verifier.done:
+            self.verifier = None  # the serial copy is dropped
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scheduler is not None:
             self.scheduler.step()
@@ -158,6 +176,23 @@ class Engine:
         out = StepOutput(float(loss_t[0]), self.zero.last_grad_norm, lr, not stepped)
         self._watch_divergence(out)
         return out
+
+    def _prove_coverage(self) -> None:
+        """On the first backward, before partial gradients are summed: every whole parameter's
+        gradient is complete (the same on every tp rank) or tagged partial, never otherwise;
+        a ValueError on every rank naming the parameters if not (no weight has changed yet)."""
+        split = self.placement.shard_specs
+        named = {self.placement.names[p]: p for p in self.module.parameters()}
+        whole = {n: p for n, p in named.items() if n not in split}
+        problems = tp_gradient_problems(whole, self.tp)
+        error = None
+        if problems:
+            error = ValueError(
+                f"the tensor-parallel plan leaves gradients wrong ({len(problems)} parameters); "
+                "nothing was updated: " + "; ".join(problems[:8])
+            )
+        raise_together(error, None, "checking the tensor-parallel gradients", self.mesh.device)
+        self.coverage_proved = True
 
     def _sum_tied_gradients(self) -> None:
         """A weight tied across pipeline ranks (embedding and LM head) gets each holder's

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from torch import Tensor, nn
 
+from tessera.comm import gather_along
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.heads import (
     GROUP_ATTRIBUTES,
@@ -41,10 +42,13 @@ __all__ = [
     "DropoutStyle",
     "RegionStyle",
     "Rowwise",
+    "SequenceEnd",
     "SequenceNorm",
     "SequenceSplit",
+    "SequenceStart",
     "Style",
     "Vocab",
+    "Whole",
     "attention_heads",
     "module_input",
 ]
@@ -221,6 +225,69 @@ class SequenceSplit(BaseStyle):
             return scatter_to_sequence(output, group, seq_dim=seq_dim)
 
         module.register_forward_hook(hook)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """``inner`` applied as without sequence parallelism: the module sees whole activations
+    even under SP, so its kept-whole parameters have complete gradients. For what runs before
+    ``sequence_start`` or after ``sequence_end`` in models whose own code reads the sequence
+    length between layers (Hugging Face derives positions and masks from the embedding's
+    output, GPT-2 reshapes after its final norm)."""
+
+    name: str
+    inner: TPStyle
+    grad_complete: bool = True
+
+    @property
+    def role(self) -> Role:
+        """The inner style's."""
+        return self.inner.role
+
+    def check(self, module: nn.Module, *, name: str, tp: int) -> None:
+        self.inner.check(module, name=name, tp=tp)
+
+    def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
+        return self.inner.apply(module, replace(ctx, sequence_parallel=False))
+
+    def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
+        return self.inner.shard_spec(module, param)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceEnd(SequenceNorm):
+    """A norm (``sequence_norm``) whose output, under SP, is gathered to the whole sequence on
+    every rank (backward: this rank's slice of the gradient): the final norm of a model that
+    reshapes by the whole sequence after it; the LM head after it is then ``colwise_whole``."""
+
+    def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
+        SequenceNorm.apply(self, module, ctx)
+        if ctx.sequence_parallel:
+            group, seq_dim = ctx.group, ctx.seq_dim
+            module.register_forward_hook(lambda m, a, out: gather_along(out, seq_dim, group))
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceStart(BaseStyle):
+    """Under SP, the module's input (``module_input``) is split to this rank's slice of the
+    sequence: the first decoder layer of a model whose embedding output stays whole
+    (``vocab_whole``), so the model's own positions and masks see the whole sequence. What
+    runs before it is whole on every rank (``replicate``, ``dropout_whole``)."""
+
+    def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
+        if not ctx.sequence_parallel:
+            return None
+        where, group, seq_dim = f"{ctx.name} ({self.name})", ctx.group, ctx.seq_dim
+
+        def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            at = module_input(args, kwargs, where=where)
+            x = args[0] if isinstance(at, int) else kwargs[at]
+            x = scatter_to_sequence(x, group, seq_dim=seq_dim)
+            return ((x, *args[1:]), kwargs) if isinstance(at, int) else (args, {**kwargs, at: x})
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
         return None
 
 
@@ -417,3 +484,9 @@ class Style:
     SEQUENCE_SPLIT: Final = register_style(SequenceSplit("sequence_split"))
     DROPOUT: Final = register_style(DropoutStyle("dropout"))
     DROPOUT_SPLIT: Final = register_style(DropoutStyle("dropout_split", split=True))
+    SEQUENCE_START: Final = register_style(SequenceStart("sequence_start"))
+    SEQUENCE_END: Final = register_style(SequenceEnd("sequence_end"))
+    VOCAB_WHOLE: Final = register_style(Whole("vocab_whole", inner=VOCAB))
+    COLWISE_WHOLE: Final = register_style(Whole("colwise_whole", inner=COLWISE))
+    DROPOUT_WHOLE: Final = register_style(Whole("dropout_whole", inner=DROPOUT))
+    EMBEDDING_WHOLE: Final = register_style(Whole("embedding_whole", inner=SequenceSplit("embedding")))
