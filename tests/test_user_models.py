@@ -201,6 +201,7 @@ def _parallel(rank: int, name: str, config: Config) -> Run:
 CASES = [
     (ParallelConfig(tp=2), 0),
     (ParallelConfig(tp=2, sequence_parallel=True), 0),  # the plans name no norm: found and summed
+    (ParallelConfig(pp=2, tp=2, microbatches=2, schedule="1f1b", sequence_parallel=True), 1),
     (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
     (ParallelConfig(dp=2), 3),
     (ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1),

@@ -4,7 +4,8 @@ Their forwards do more than chain their children: GPT-2 adds position embeddings
 token embeddings, Llama computes rotary embeddings and a causal mask once and hands them to
 every decoder layer. A pipeline stage receives only the hidden states, so each block here
 recomputes what its layer needs from the sequence it sees (positions ``0..seq-1``: training
-from the start of each sequence, no cache). The blocks hold the model's own submodules, so
+from the start of each sequence, no cache; Llama's from the sequence its attention sees,
+whole under sequence parallelism). The blocks hold the model's own submodules, so
 parameter names and values stay the model's. Importing this module does not import
 transformers; building the Llama blocks does.
 """
@@ -17,6 +18,9 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["gpt2_blocks", "llama_blocks"]
+
+
+_HOOK = "_tessera_positions_hook"
 
 
 def _positions(h: Tensor) -> Tensor:
@@ -62,18 +66,34 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _LlamaLayer(nn.Module):
-    """A Llama decoder layer with the rotary embeddings and causal mask of its sequence."""
+    """A Llama decoder layer with the rotary embeddings and causal mask of the sequence its
+    attention sees: computed in a pre-hook of ``self_attn`` from the hidden states it is
+    called with, which under sequence parallelism are the whole sequence (the layer's input,
+    a stage's activation, holds this rank's slice of it)."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any) -> None:
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
+        attention: Any = layer.self_attn
+        old = getattr(attention, _HOOK, None)
+        if old is not None:  # blocks built again (after tensor parallelism): this hook runs last
+            old.remove()
+        hook = attention.register_forward_pre_hook(self._positions_of_attention, with_kwargs=True)
+        setattr(attention, _HOOK, hook)
 
-    def forward(self, h: Tensor) -> Tensor:
+    def _positions_of_attention(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from transformers.masking_utils import create_causal_mask  # type: ignore[import-not-found,unused-ignore]
 
+        h = args[0] if args else kwargs["hidden_states"]
         pos = _positions(h)
         mask = create_causal_mask(self.config, h, None, None, position_ids=pos)
-        out = self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos))
+        extra = {"attention_mask": mask, "position_ids": pos, "position_embeddings": self.rotary(h, pos)}
+        return args, {**kwargs, **extra}
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = self.layer(h)
         return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
 
 
