@@ -4,12 +4,12 @@ While any module of a model made context-parallel by ``route_attention`` runs, a
 ``torch.overrides.TorchFunctionMode`` is active on that thread (modes are thread-local, so
 other threads and code outside the model's forward see plain SDPA). It hands every
 ``scaled_dot_product_attention`` call to ring or Ulysses attention over the ``sp`` group and
-passes every other torch function through unchanged. It is entered by a forward pre-hook on
-each module of the model when none of them is running on this thread (a depth count) and
-left by the matching forward hook, which runs even when the forward raises; so a layer
-recomputed by activation checkpointing in backward, or run alone as a pipeline stage, is
-routed too. Inside the mode's handler torch disables the mode, so the ring and Ulysses
-kernels (and anything they call) reach the original function.
+passes every other torch function through unchanged. Every module's ``forward`` is wrapped
+to enter it when none of the model's modules is running on this thread (a depth count) and
+leave it when that forward returns or raises; so a layer recomputed by activation
+checkpointing in backward, or run alone as a pipeline stage, is routed too. Inside the
+mode's handler torch disables the mode, so the ring and Ulysses kernels (and anything they
+call) reach the original function.
 
 A routed call may be causal (``is_causal=True``, or an ``attn_mask`` that is exactly the
 causal lower triangle of the local sequence, as Hugging Face builds it) or full (no mask),
@@ -20,6 +20,7 @@ lengths) raises ValueError naming what was passed, before the call communicates.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Collection
@@ -30,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from tessera.comm import Group, group_size
 from tessera.tensor_parallel.context.layout import Layout
@@ -187,33 +187,42 @@ def _leave(route: AttentionRoute) -> None:
 
 
 def route_modules(
-    model: nn.Module, route: AttentionRoute, *, check: Callable[[AttentionRoute], None] | None = None
-) -> list[RemovableHandle]:
-    """Hook every module of ``model`` so that its forward runs with ``route`` active.
+    model: nn.Module, route: AttentionRoute, *, check: Callable[[AttentionRoute], None]
+) -> None:
+    """Wrap the ``forward`` of every module of ``model`` so that it runs with ``route`` active.
 
-    ``check`` runs after each outermost forward of ``model`` itself (not of a submodule run
-    alone) that did not raise, with the route (e.g. to refuse a model that routed nothing).
-    Returns the hooks' handles (removing them all undoes the routing).
+    The forward itself is wrapped (not hooked): activation checkpointing that replaces a
+    layer's ``forward`` afterwards recomputes through the wrapper, so its SDPA calls are
+    routed in backward too (checkpointing applied before routing recomputes the unwrapped
+    forward of that layer: apply it after). ``check(route)`` runs after each outermost
+    forward of ``model`` itself that did not raise (e.g. to refuse a model that routed
+    nothing).
     """
-    handles: list[RemovableHandle] = []
-
-    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-        _enter(route)
-
-    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _leave(route)
-
-    def root_post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        outermost = not _STATE.stack or _STATE.stack[-1].route is not route
-        if outermost and check is not None:
-            check(route)
-
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post, always_call=True))
-    handles.append(model.register_forward_hook(root_post))
+        original = module.forward
+        if "forward" in vars(module):
+            _LOG.warning(
+                "%s.forward was replaced before context parallelism; if that is activation "
+                "checkpointing, apply it after, or its recomputed attention is not routed",
+                type(module).__name__,
+            )
+        root = module is model
+
+        @functools.wraps(original)
+        def forward(
+            *args: Any, _original: Callable[..., Any] = original, _root: bool = root, **kwargs: Any
+        ) -> Any:
+            _enter(route)
+            try:
+                out = _original(*args, **kwargs)
+            finally:
+                _leave(route)
+            if _root and not (_STATE.stack and _STATE.stack[-1].route is route):
+                check(route)
+            return out
+
+        module.forward = forward
     _LOG.debug(
         "attention of %s routed to %s over %d ranks",
         type(model).__name__, route.mode, group_size(route.group),
     )  # fmt: skip
-    return handles

@@ -14,8 +14,9 @@ sequence position; ``follow_positions`` hooks it in one of two ways, chosen per 
   is indexed at this rank's global positions along dim -2 (its sequence dim: (seq, dim),
   (batch, seq, dim), (batch, 1, seq, dim)).
 
-``find_positions`` autodetects modules that are safe to hook: a module whose class name says
-rotary (``Rotary``, ``RotaryEmbedding``, ``RoPE``), and the learned position embeddings of
+``find_positions`` autodetects modules that are safe to hook: a parameter-free leaf module
+whose class name says rotary (``Rotary``, ``RotaryEmbedding``, ``RoPE``; not an attention
+that applies rotary inside), and the learned position embeddings of
 Hugging Face models (``wpe``, ``position_embeddings``, ``embed_positions``).
 ``guard_embeddings`` catches the rest where it can: an ``nn.Embedding`` that is not hooked
 and is called with exactly ``arange(local_len)`` on every row is a position embedding left
@@ -60,7 +61,8 @@ def find_positions(model: nn.Module, patterns: str | None = None) -> list[tuple[
         found.update(hits)
     for name, module in named:
         hf_learned = isinstance(module, nn.Embedding) and name.rpartition(".")[2] in _HF_LEARNED
-        if _ROTARY.search(type(module).__name__) or (hf_learned and _is_hf(model)):
+        leaf = next(module.children(), None) is None and next(module.parameters(), None) is None
+        if (leaf and _ROTARY.search(type(module).__name__)) or (hf_learned and _is_hf(model)):
             found.setdefault(name, module)
     kept = sorted(found)
     return [(n, found[n]) for n in kept if not any(n.startswith(o + ".") for o in kept if o != n)]

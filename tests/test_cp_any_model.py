@@ -1,0 +1,142 @@
+"""Integration: context parallelism through boost() for a model that names nothing.
+
+``Llamaish`` (written outside Tessera: GQA with 2 of 4 KV heads, a rotary module inside each
+attention, ``F.scaled_dot_product_attention`` inline) goes through ``boost()`` with a
+``ModelSpec`` that names no attention cores and no positions: its SDPA calls are routed to
+ring attention and its rotary modules (found by class) follow the zigzag shards. At sp=2 and
+at sp2 x tp2 (a 1D plan of roles; each tp rank routes its 2 query heads and 1 KV head) it
+trains 3 SGD steps (momentum); so does Hugging Face Llama (its built-in spec, which names
+none either) at sp=2 under Ulysses and at pp2 x sp2 (its pipeline blocks call the rotary
+module with local positions, which follow the shards as in its own forward). Each run is
+compared with the same model trained serially (plain PyTorch: forward, mean cross-entropy,
+backward, SGD). Bounds as ``test_user_models``: losses
+rel 1e-5 (fp32, a mean over 128 token losses summed in another order), consolidated weights
+atol 1e-6 + rtol 1e-5 (SGD is linear in the gradient: round-off; rotary left on local
+positions moves the loss by ~3e-4 and gradients by > 1e-3, as measured in the tensor_parallel
+package's ``test_cp_route_gloo``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.models.foreign import ForeignConfig, Llamaish
+from tessera.tensor_parallel import Plan, Style
+
+CFG = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=48, max_len=16)
+SEQ, BATCH, STEPS, LR = 16, 8, 3, 0.5
+
+LLAMAISH_PLAN = Plan.of(
+    {
+        "tok_embeddings": Style.VOCAB,
+        "layers.*.attn": Style.ATTENTION,
+        "layers.*.attn.wq": Style.COLWISE,
+        "layers.*.attn.wk": Style.COLWISE,
+        "layers.*.attn.wv": Style.COLWISE,
+        "layers.*.attn.wo": Style.ROWWISE,
+        "layers.*.ffn": Style.REGION,
+        "layers.*.ffn.w1": Style.COLWISE,
+        "layers.*.ffn.w3": Style.COLWISE,
+        "layers.*.ffn.w2": Style.ROWWISE,
+        "output": Style.COLWISE,
+    },
+    name="llamaish",
+)
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _hf_llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=CFG.vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=CFG.vocab - 1,
+        eos_token_id=CFG.vocab - 1, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)  # type: ignore[no-any-return]
+
+
+def _build(name: str) -> nn.Module:
+    return Llamaish(CFG, seed=0) if name == "llamaish" else _hf_llama()
+
+
+def _logits(out: Any) -> Tensor:
+    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
+
+
+def _serial(name: str) -> tuple[list[float], dict[str, Tensor]]:
+    model = _build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = _batch(step)
+        loss = F.cross_entropy(_logits(model(ids)).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _config(parallel: ParallelConfig) -> Config:
+    c = Config(parallel=parallel, zero=ZeroConfig(stage=0), train=TrainConfig(precision="fp32"))
+    return dataclasses.replace(
+        c,
+        data=dataclasses.replace(c.data, batch_size=BATCH),
+        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),  # the serial run does not clip
+    )
+
+
+def _parallel(rank: int, name: str, config: Config) -> tuple[list[float], dict[str, Tensor]]:
+    model = _build(name)
+    # no attention_cores, no positions; HF Llama: its built-in spec (which names none either)
+    spec = ModelSpec(plans={"1d": LLAMAISH_PLAN}) if name == "llamaish" else None
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec)
+    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [
+        ("llamaish", ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1)),
+        ("llamaish", ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=1)),
+        ("hf-llama", ParallelConfig(sp=2, sp_mode="ulysses", microbatches=1)),
+        ("hf-llama", ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b")),
+    ],
+    ids=[
+        "llamaish-sp2-ring-zigzag",
+        "llamaish-sp2-tp2-ring-zigzag",
+        "hf-llama-sp2-ulysses",
+        "hf-llama-pp2-sp2-ring",
+    ],
+)
+def test_routed_attention_follows_the_serial_run(
+    worker_pools: PoolFactory, name: str, parallel: ParallelConfig
+) -> None:
+    if name.startswith("hf"):
+        pytest.importorskip("transformers", reason="transformers is not installed: HF Llama NOT tested")
+    config = _config(parallel)
+    assert config.validate() == []
+    results = worker_pools(config.world_size).run(_parallel, name, config, timeout=180)
+    losses, weights = _serial(name)
+    merged: dict[str, Tensor] = {}
+    for curve, part in results:
+        assert curve == pytest.approx(losses, rel=1e-5)
+        merged.update(part)
+    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
