@@ -19,6 +19,7 @@ would show (the size of a gradient).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +31,24 @@ from torch import Tensor, nn
 from tessera.comm import Mesh, Topology, all_gather
 from tessera.comm.testing import run_threaded
 from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
-from tessera.tensor_parallel import Plan, parallelize, shard_specs, sync_sequence_parallel_grads
+from tessera.tensor_parallel import (
+    GPT2_PLAN,
+    LLAMA_PLAN,
+    Cube3D,
+    Grid2D,
+    Grid2p5D,
+    Plan,
+    batch_block,
+    batch_block_2p5d,
+    cross_entropy_2d,
+    cross_entropy_2p5d,
+    cross_entropy_3d,
+    parallelize,
+    shard_specs,
+    sync_sequence_parallel_grads,
+)
 from tessera.tensor_parallel.modes import plan_for_mode
-from tessera.tensor_parallel.testing import gpt_loss
+from tessera.tensor_parallel.three_d import batch_block as batch_block_3d
 
 CFG = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=64, max_len=16)
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 0.5
@@ -73,10 +89,74 @@ GPT2ISH_ROLES = Plan.of(
     },
     name="gpt2ish",
 )
+
+
+def _seeded(model: nn.Module) -> nn.Module:
+    """``model`` with weights from a private generator (ranks are threads: the global one is
+    shared); norms near 1, biases and matrices small and nonzero."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and not name.endswith("bias"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _hf_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers missing: HF Llama NOT tested")
+    config = transformers.LlamaConfig(
+        vocab_size=CFG.vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    return _seeded(transformers.LlamaForCausalLM(config))
+
+
+def _hf_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers missing: HF GPT-2 NOT tested")
+    config = transformers.GPT2Config(
+        vocab_size=CFG.vocab, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return _seeded(transformers.GPT2LMHeadModel(config))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Plan]] = {
     "llamaish": (lambda: Llamaish(CFG, seed=0), LLAMAISH_ROLES),
     "gpt2ish": (lambda: GPT2ish(CFG, seed=0), GPT2ISH_ROLES),
+    "hf-llama": (_hf_llama, LLAMA_PLAN),
+    "hf-gpt2": (_hf_gpt2, GPT2_PLAN),
 }
+
+
+def _logits(model: nn.Module, idx: Tensor) -> Tensor:
+    if isinstance(model, Llamaish | GPT2ish):
+        return model(idx)  # type: ignore[no-any-return]
+    return model(idx, use_cache=False).logits  # type: ignore[no-any-return]
+
+
+def _loss(model: nn.Module, idx: Tensor, targets: Tensor, mesh: Mesh) -> Tensor:
+    """The global mean loss: this rank's batch block in, the mode's exact cross-entropy."""
+    mode = mesh.topology.tp_mode.value
+    if mode == "2d":
+        grid = Grid2D.from_mesh(mesh)
+        return cross_entropy_2d(_logits(model, batch_block(idx, grid)), batch_block(targets, grid), grid)
+    if mode == "2.5d":
+        tess = Grid2p5D.from_mesh(mesh)
+        logits = _logits(model, batch_block_2p5d(idx, tess))
+        return cross_entropy_2p5d(logits, batch_block_2p5d(targets, tess), tess)
+    cube = Cube3D.from_mesh(mesh)
+    logits = _logits(model, batch_block_3d(idx, cube))
+    return cross_entropy_3d(logits, batch_block_3d(targets, cube, branch=True), cube)
+
+
 MODES = {
     "2d": dict(tp=4, tp_mode="2d"),
     "2.5d": dict(tp=8, tp_mode="2.5d", depth=2),
@@ -98,7 +178,7 @@ def _serial(make: Callable[[], nn.Module]) -> Curve:
     losses, grads = [], {}
     for step in range(STEPS):
         opt.zero_grad()
-        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(_logits(model, idx).flatten(0, 1), targets.flatten())
         torch.autograd.backward(loss)
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -132,7 +212,7 @@ def _parallel(rank: int, model_name: str, mode: str) -> Curve:
     losses, grads = [], {}
     for step in range(STEPS):
         opt.zero_grad()
-        loss = gpt_loss(model, idx, targets, mesh)
+        loss = _loss(model, idx, targets, mesh)
         torch.autograd.backward(loss)
         sync_sequence_parallel_grads(model, mesh.group("tp"))
         if step == 0:
@@ -156,8 +236,38 @@ def _compare(serial: Curve, ranks: list[Curve]) -> None:
             torch.testing.assert_close(got_weights[n], want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize(
+    ("model_name", "mode"),
+    [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES] + [("hf-llama", "2d"), ("hf-gpt2", "2d")],
+)
 def test_role_plan_follows_serial(model_name: str, mode: str) -> None:
     out: list[Any] = run_threaded(MODES[mode]["tp"], _parallel, model_name, mode)  # type: ignore[arg-type]
     _compare(_serial(MODELS[model_name][0]), out)
+
+
+def test_refusals_name_the_entry_role_mode_and_numbers_before_anything_changes() -> None:
+    from tessera.tensor_parallel import resolve_plan
+
+    gqa = Llamaish(dataclasses.replace(CFG, kv_heads=1), seed=0)
+    before = {n: p.clone() for n, p in gqa.state_dict().items()}
+    with pytest.raises(ValueError, match=r"heads=4, kv_heads=1, q=2"):
+        resolve_plan(gqa, plan_for_mode(LLAMAISH_ROLES, "2d", gqa), tp=4)
+    assert all(torch.equal(before[n], p) for n, p in gqa.state_dict().items())
+    gathered = Plan.of({**LLAMAISH_ROLES.as_dict(), "output": "colwise_gather"})
+    with pytest.raises(ValueError, match=r"'output': role 'colwise_gather' cannot be served by tp mode 3d"):
+        plan_for_mode(gathered, "3d", gqa)
+
+
+def test_a_colwise_lm_head_is_read_as_head_and_keeps_its_tie() -> None:
+    model = GPT2ish(CFG, seed=0)
+    plan = plan_for_mode(Plan.of({**GPT2ISH_ROLES.as_dict(), "head": "colwise"}), "2d", model)
+    assert plan.as_dict()["head"].name == "2d_tied_head"
+    assert plan_for_mode(LLAMAISH_ROLES, "2d", Llamaish(CFG)).as_dict()["output"].name == "2d_head"
+
+
+def test_a_module_with_parameters_and_no_role_is_refused_in_nd() -> None:
+    model = Llamaish(CFG, seed=0)
+    plan = Plan.of({k: v for k, v in LLAMAISH_ROLES.as_dict().items() if not k.endswith("norm")})
+    with pytest.raises(ValueError, match=r"layers.0.attn_norm \(RMSNorm\) holds parameters but no"):
+        plan_for_mode(plan, "2d", model)
+    assert plan_for_mode(plan, "1d", model) is plan  # 1D: the roles are its styles

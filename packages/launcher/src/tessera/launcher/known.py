@@ -1,5 +1,6 @@
 """The `ModelSpec` of every model Tessera knows by class: the reference GPT, Hugging Face
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``. They use the same contract as a user's model;
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``, each with one plan of roles serving every
+tensor-parallel mode. They use the same contract as a user's model;
 ``boost()`` finds them with ``model_spec(model)``. Registered by dotted class name, so no
 model library is imported until a model of it is boosted.
 """
@@ -8,17 +9,17 @@ from __future__ import annotations
 
 from tessera.launcher.hf import gpt2_blocks, llama_blocks
 from tessera.launcher.spec import ModelSpec, register_model_spec
-from tessera.tensor_parallel import GPT2_PLAN, GPT_2D_PLAN, GPT_2P5D_PLAN, GPT_3D_PLAN, GPT_PLAN, LLAMA_PLAN
+from tessera.tensor_parallel import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN
 
 __all__ = ["GPT2_SPEC", "LLAMA_SPEC", "REFERENCE_GPT_SPEC"]
 
 REFERENCE_GPT_SPEC = ModelSpec(
-    plans={"1d": GPT_PLAN, "2d": GPT_2D_PLAN, "2.5d": GPT_2P5D_PLAN, "3d": GPT_3D_PLAN},
+    roles=GPT_PLAN,
     attention_cores="layers.*.attn.core",
     positions="embed.pos",
 )
-GPT2_SPEC = ModelSpec(plans={"1d": GPT2_PLAN}, blocks=gpt2_blocks)
-LLAMA_SPEC = ModelSpec(plans={"1d": LLAMA_PLAN}, blocks=llama_blocks)
+GPT2_SPEC = ModelSpec(roles=GPT2_PLAN, blocks=gpt2_blocks)
+LLAMA_SPEC = ModelSpec(roles=LLAMA_PLAN, blocks=llama_blocks)
 
 register_model_spec("tessera.models.gpt.GPT", REFERENCE_GPT_SPEC)
 register_model_spec("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", GPT2_SPEC)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tessera.comm import TPMode
 from tessera.tensor_parallel import PlanLike
+from tessera.tensor_parallel.modes import plan_for_mode
 
 __all__ = [
     "ModelSpec",
@@ -65,7 +66,9 @@ def logits_of(output: Any) -> Tensor:
 class ModelSpec:
     """How ``boost()`` drives a model (see the module docstring).
 
-    ``plans``: the tensor-parallel plan per mode (``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"``).
+    ``roles``: one plan of roles serving every tensor-parallel mode (``tessera.tensor_parallel.
+    modes.plan_for_mode`` translates it to the mode in use). ``plans``: a plan for one mode
+    (``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"``), taking precedence over ``roles`` there.
     ``blocks``: the pipeline blocks: a function ``model -> [block, ...]``, the dotted name of
     the layers' ``nn.ModuleList``, or None (found automatically). ``loss(logits, targets)``:
     the mean loss of this rank's batch; None trains the exact cross-entropy of the mode
@@ -78,22 +81,24 @@ class ModelSpec:
     """
 
     plans: Mapping[str, PlanLike] = field(default_factory=dict)
+    roles: PlanLike | None = None
     blocks: str | Callable[[nn.Module], Sequence[nn.Module]] | None = None
     loss: Loss | None = None
     output: Callable[[Any], Tensor] = logits_of
     attention_cores: str | None = None
     positions: str | None = None
 
-    def plan(self, mode: TPMode, model: nn.Module) -> PlanLike:
-        """The plan for tensor-parallel ``mode`` (ValueError naming the modes there are)."""
-        plan = self.plans.get(mode.value)
+    def plan(self, mode: TPMode, model: nn.Module, *, depth: int | None = None) -> PlanLike:
+        """The plan for tensor-parallel ``mode``: ``plans[mode]``, else ``roles`` translated to
+        the mode (for ``model``; ``depth``: 2.5D's); ValueError naming the modes there are."""
+        plan = self.plans.get(mode.value, self.roles)
         if plan is None:
             offered = ", ".join(sorted(self.plans)) or "none"
             raise ValueError(
                 f"no tensor-parallel plan for {type(model).__name__} in mode {mode.value} (plans: "
-                f"{offered}); pass boost(..., plan=...) or ModelSpec(plans={{'{mode.value}': plan}})"
+                f"{offered}); pass boost(..., plan=...) or ModelSpec(roles=plan)"
             )
-        return plan
+        return plan_for_mode(plan, mode, model, depth=depth)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

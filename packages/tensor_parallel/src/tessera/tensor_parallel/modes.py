@@ -19,6 +19,8 @@ In 2D / 2.5D / 3D:
 | ``attention`` | ``AttentionND``: unchanged on its local block (q divides heads and KV heads) |
 | ``region``, ``replicate`` | kept as they are |
 | ``dropout``, ``dropout_split`` | ``dropout_split`` (every activation element lives on one rank) |
+| ``*_whole``, ``sequence_end`` | as ``vocab``, ``embedding``, ``dropout``, ``head``; ``norm`` |
+| ``sequence_start`` | kept as it is |
 
 ``colwise_gather`` is refused; a style the table does not know is a ValueError naming the
 plan entry, the role and the mode, and so is a role its style then finds it cannot serve
@@ -30,7 +32,9 @@ layer whose out_features is the vocabulary of a ``vocab`` embedding is read as `
 1D plans that wrote their LM head ``colwise`` work in every mode; and a head whose weight is
 the ``vocab`` embedding's (tied) gets the tied classifier where the mode needs one (3D's
 classifier and vocab embedding already share one cut). Without the model a tied head is
-refused by ``parallelize`` (a tied parameter split two ways). ``depth`` binds 2.5D's depth so
+refused by ``parallelize`` (a tied parameter split two ways). Given the model, a module
+holding parameters that no entry names is refused (ValueError naming it): every activation
+is split in these modes, so an unplanned norm would normalise one block. ``depth`` binds 2.5D's depth so
 that every size is checked before anything changes.
 """
 
@@ -65,7 +69,8 @@ from tessera.tensor_parallel.two_p5_d.styles import Styles2p5D
 
 __all__ = ["ModeSpec", "mode_spec", "plan_for_mode", "register_mode", "registered_modes"]
 
-_HEAD_LIKE = ("head", "colwise")
+_HEAD_LIKE = ("head", "colwise", "colwise_whole")
+_VOCAB_LIKE = ("vocab", "vocab_whole")
 _REGION_LIKE = ("region", "attention")
 
 
@@ -90,6 +95,8 @@ class ModeSpec:
         if self.identity:
             return plan
         heads = self._heads(plan, model)
+        if model is not None:
+            self._check_covered(plan, model)
         entries: list[tuple[str, TPStyle]] = []
         for pattern, style in plan.entries:
             role = style.name
@@ -112,6 +119,20 @@ class ModeSpec:
             entries.append((pattern, new if depth is None else _with_depth(new, depth)))
         return Plan(tuple(entries), f"{plan.name}@{self.mode.value}", supports_sequence_parallel=False)
 
+    def _check_covered(self, plan: Plan, model: nn.Module) -> None:
+        """Every module owning parameters has a plan entry: in this mode each rank holds a
+        block of every activation, so an unplanned norm would normalise one block (wrong)."""
+        patterns = [p for p, _ in plan.entries]
+        for name, module in model.named_modules():
+            if any(True for _ in module.parameters(recurse=False)) and not any(
+                match_pattern(p, name) for p in patterns
+            ):
+                raise ValueError(
+                    f"{name or type(model).__name__} ({type(module).__qualname__}) holds parameters but no "
+                    f"plan entry names it: in tp mode {self.mode.value} every activation is split, so "
+                    "give it a role (a norm: 'norm'; a layer: 'colwise'/'rowwise'; kept whole: 'replicate')"
+                )
+
     def _heads(self, plan: Plan, model: nn.Module | None) -> dict[str, TPStyle]:
         """Plan entries that are the LM head, by pattern, with the head style each gets."""
         if model is None:
@@ -126,7 +147,7 @@ class ModeSpec:
         for pattern, style in plan.entries:
             for name in matched(pattern):
                 m = modules[name]
-                if style.name == "vocab" and isinstance(m, nn.Embedding):
+                if style.name in _VOCAB_LIKE and isinstance(m, nn.Embedding):
                     vocab[id(m.weight)] = m.num_embeddings
                 elif style.name in _REGION_LIKE:
                     regions.append(name)
@@ -225,6 +246,13 @@ def _nd(
         "replicate": Replicate(f"{m}_replicate", grad_complete=False),
         "dropout": Style.DROPOUT_SPLIT,
         "dropout_split": Style.DROPOUT_SPLIT,
+        # the 1D sequence-parallel boundaries of HF models: in nD the same roles as their plain twins
+        "vocab_whole": vocab,
+        "embedding_whole": embed,
+        "dropout_whole": Style.DROPOUT_SPLIT,
+        "sequence_start": KeepND(f"{m}_sequence_start"),
+        "sequence_end": norm,
+        "colwise_whole": DenseND(f"{m}_head", twin=classifier, geometry=geo),
     }
     refused = {
         "colwise_gather": f"its output is gathered whole, but {m} keeps every activation split; use colwise "
