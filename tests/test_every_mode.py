@@ -6,7 +6,8 @@ attention ``wq``/``wk``/``wv``/``wo`` calling ``F.scaled_dot_product_attention``
 biases. One plan of roles (below) serves 1D with and without Megatron SP, 2D, 2.5D and 3D;
 ring and Ulysses find its attention themselves; pipelines find its blocks. Each mode trains
 3 steps on the worker pool through ``boost()`` and is held to the same model trained
-serially (plain PyTorch).
+serially (plain PyTorch). ``GPT2ish`` (LayerNorm, biases, a fused q|k|v, learned positions
+added inline, the head tied to the token embedding) runs a subset with its own roles.
 
 Bounds: losses rel 1e-5 (a mean of token losses in fp32, summed in another order by the
 ranks); weights under SGD with momentum (linear in the gradient) rtol 1e-5, atol 1e-6, at
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.models import ForeignConfig, Llamaish
+from tessera.models import GPT2ish, ForeignConfig, Llamaish
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
@@ -53,7 +54,25 @@ ROLES = {  # what each module is; every mode turns it into its own layers
 }
 
 
+GPT2ISH_ROLES = {  # LayerNorm, biases, fused q|k|v, learned positions, head tied to wte
+    "wte": "vocab",
+    "wpe": "embedding",
+    "h.*.norm1": "norm",
+    "h.*.mix": "attention",
+    "h.*.mix.qkv": "colwise_qkv",
+    "h.*.mix.proj": "rowwise",
+    "h.*.norm2": "norm",
+    "h.*.mlp": "region",
+    "h.*.mlp.fc": "colwise",
+    "h.*.mlp.proj": "rowwise",
+    "ln": "norm",
+    "head": "head",
+}
+
+
 def _model(kv: int) -> nn.Module:
+    if kv == 0:  # GPT2ish
+        return GPT2ish(SIZES, seed=0)
     return Llamaish(dataclasses.replace(SIZES, kv_heads=kv), seed=0)
 
 
@@ -87,7 +106,8 @@ def _serial(kv: int, adamw: bool) -> Run:
 
 def _parallel(rank: int, kv: int, adamw: bool, config: Config) -> Run:
     model = _model(kv)
-    engine = boost(model, _optimizer(model, adamw), config, plan=ROLES if config.parallel.tp > 1 else None)
+    plan = GPT2ISH_ROLES if kv == 0 else ROLES  # context parallelism reads its positions from it
+    engine = boost(model, _optimizer(model, adamw), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()
     engine.mesh.close()
@@ -113,6 +133,11 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "2d": (P(tp=4, tp_mode="2d"), {}),
     "2.5d": (P(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=1), {}),
     "3d": (P(tp=8, tp_mode="3d", microbatches=1), {}),
+    "gpt2ish-tp2-megatron-sp": (P(tp=2, sequence_parallel=True), {"kv": 0}),
+    "gpt2ish-dp2-tp2-zero3": (P(dp=2, tp=2), {"kv": 0, "stage": 3}),
+    "gpt2ish-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"kv": 0}),
+    "gpt2ish-2d": (P(tp=4, tp_mode="2d"), {"kv": 0}),
+    "gpt2ish-3d": (P(tp=8, tp_mode="3d", microbatches=1), {"kv": 0}),
 }
 
 

@@ -40,7 +40,7 @@ from tessera.launcher.spec import (
 )
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
-from tessera.tensor_parallel import PlanLike, context_parallelize, parallelize, shard_specs
+from tessera.tensor_parallel import Plan, PlanLike, context_parallelize, parallelize, shard_specs
 from tessera.zero import ChunkConfig, ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
@@ -131,6 +131,19 @@ def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return {n: index[id(p)] for n, p in names.items()}
 
 
+_POSITION_ROLES = ("embedding", "embedding_whole", "sequence_split")
+
+
+def _position_roles(plan: PlanLike | None) -> str | None:
+    """The plan entries whose role is a learned position embedding, as context
+    parallelism's ``positions`` patterns (comma-separated); None when the plan names none."""
+    if plan is None:
+        return None
+    entries = plan.entries if isinstance(plan, Plan) else Plan.of(plan).entries
+    found = [pattern for pattern, style in entries if style.name in _POSITION_ROLES]
+    return ",".join(found) or None
+
+
 def boost(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -194,7 +207,7 @@ def boost(
             mode=p.sp_mode,
             layout=p.sp_layout,
             cores=spec.attention_cores,
-            positions=spec.positions,
+            positions=spec.positions or _position_roles(plan if plan is not None else spec.roles),
         )
     if config.train.activation_checkpointing:
         path = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)

@@ -34,7 +34,7 @@ __all__ = [
     "head_layout",
 ]
 
-HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "n_head")
+HEAD_ATTRIBUTES = ("num_heads", "n_heads", "num_attention_heads", "n_head", "heads")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
 GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups", "n_rep")  # query heads per KV head
 
