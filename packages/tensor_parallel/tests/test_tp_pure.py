@@ -19,7 +19,6 @@ from tessera.comm import CommMeter, Mesh, Topology
 from tessera.comm.testing import run_threaded
 from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import (
-    GPT2_PLAN,
     GPT_PLAN,
     DropoutRNG,
     Plan,
@@ -135,8 +134,9 @@ def test_bad_plans_are_value_errors_naming_module_and_numbers(
 
 
 def test_sequence_parallel_is_refused_for_a_plan_that_cannot_run_it() -> None:
-    with pytest.raises(ValueError, match="plan 'hf-gpt2' does not support sequence parallelism"):
-        resolve_plan(nn.Linear(2, 2), GPT2_PLAN, tp=2, sequence_parallel=True)
+    plan = Plan.of({"lin": "colwise"}, name="no-sp", supports_sequence_parallel=False)
+    with pytest.raises(ValueError, match="plan 'no-sp' does not support sequence parallelism"):
+        resolve_plan(nn.Linear(2, 2), plan, tp=2, sequence_parallel=True)
 
 
 def test_untied_split_of_a_tied_weight_is_refused() -> None:

@@ -25,12 +25,12 @@ from tessera.tensor_parallel.context import (
     sync_context_parallel_grads,
     ulysses_attention,
 )
+from tessera.tensor_parallel.coverage import Coverage, tp_gradient_problems
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.heads import HeadLayout, HeadShardSpec, head_layout
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
-from tessera.tensor_parallel.coverage import Coverage, tp_gradient_problems
 from tessera.tensor_parallel.parallelize import coverage, parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
@@ -154,8 +154,8 @@ __all__ = [
     "bind_2d",
     "bind_2p5d",
     "context_parallel_loss",
-    "coverage",
     "context_parallelize",
+    "coverage",
     "cross_entropy_2d",
     "cross_entropy_2p5d",
     "cross_entropy_3d",
@@ -180,11 +180,11 @@ __all__ = [
     "set_overlap",
     "shard_of",
     "shard_specs",
-    "tp_gradient_problems",
     "split_batch",
     "style_named",
     "sync_context_parallel_grads",
     "sync_sequence_parallel_grads",
+    "tp_gradient_problems",
     "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Group, Mesh, all_gather_along
-from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, KV_HEAD_ATTRIBUTES, head_layout
+from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, head_layout
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
@@ -53,8 +53,6 @@ __all__ = [
     "TiedHead2D",
     "fused_order",
 ]
-
-_PLAIN_HEADS = "heads"  # read (and set to this rank's) when head_layout finds no head count
 
 HiddenLine = Callable[[Mesh], tuple[int, Group, int]]
 """(q, the group along which the residual stream's hidden is split, this rank's index in it)."""
@@ -284,23 +282,21 @@ class AttentionND(BaseStyle):
         assert self.geometry is not None
         return dataclasses.replace(self, geometry=dataclasses.replace(self.geometry, depth=depth))
 
-    def _check(self, module: nn.Module, name: str, q: int) -> tuple[int, int, bool]:
+    def _check(self, module: nn.Module, name: str, q: int) -> tuple[int, int]:
         where = f"{name} ({self.name})"
         layout = head_layout(module, where=where)
-        heads, kv = (None, None) if layout is None else (layout.heads, layout.kv_heads)
-        plain = heads is None
-        if plain:  # a plain ``heads`` attribute (e.g. tessera.models.foreign.GPT2ish)
-            value = getattr(module, _PLAIN_HEADS, None)
-            heads = value if isinstance(value, int) and not isinstance(value, bool) else None
-            kv = heads
-        if heads is None or kv is None:
-            raise ValueError(f"{where}: cannot tell the head count of {module_kind(module)}")
+        if layout is None:
+            raise ValueError(
+                f"{where}: cannot tell the head count of {module_kind(module)}: give it an int "
+                f"attribute {' / '.join(HEAD_ATTRIBUTES)}"
+            )
+        heads, kv = layout.heads, layout.kv_heads
         if heads % q or kv % q:
             raise ValueError(
                 f"{where}: q must divide the query heads and the KV heads "
                 f"(heads={heads}, kv_heads={kv}, q={q})"
             )
-        return heads, kv, plain
+        return heads, kv
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         assert self.geometry is not None
@@ -311,8 +307,8 @@ class AttentionND(BaseStyle):
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert self.geometry is not None and ctx.mesh is not None
         q, _, _ = self.geometry.hidden(ctx.mesh)
-        heads, kv, plain = self._check(module, ctx.name, q)
-        for attr in (*PER_RANK_ATTRIBUTES, _PLAIN_HEADS) if plain else PER_RANK_ATTRIBUTES:
+        heads, kv = self._check(module, ctx.name, q)
+        for attr in PER_RANK_ATTRIBUTES:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, value // q)
