@@ -147,7 +147,7 @@ def tp_gradient_problems(
         elif tagged and spread <= rtol:
             problems.append(
                 f"{name}: its gradient would be summed over tp, but it is already the same on every "
-                "rank (complete): it acts on whole activations; give its module the plan entry "
-                "'replicate'"
+                "rank (complete): it acts on whole activations (e.g. after a region's exit); hold it "
+                "in a module of its own and give that module the plan entry 'replicate'"
             )
     return problems
