@@ -3,8 +3,9 @@
 ``Llamaish`` (written outside Tessera: GQA with 2 of 4 KV heads, a rotary module inside each
 attention, ``F.scaled_dot_product_attention`` inline) goes through ``boost()`` with a
 ``ModelSpec`` that names no attention cores and no positions: its SDPA calls are routed to
-ring attention and its rotary modules (found by class) follow the zigzag shards. At sp2 x tp2 (sp=2 alone is one of
-``test_every_mode``'s modes; a 1D plan of roles; each tp rank routes its 2 query heads and 1 KV head) it
+ring attention and its rotary modules (found by class) follow the zigzag shards. At sp2 x
+tp2 (sp=2 alone is one of ``test_every_mode``'s modes; a 1D plan of roles; each tp rank
+routes its 2 query heads and 1 KV head) it
 trains 3 SGD steps (momentum); so does Hugging Face Llama (its built-in spec, which names
 none either) at sp=2 under Ulysses and at pp2 x sp2 (its pipeline blocks call the rotary
 module with local positions, which follow the shards as in its own forward). Each run is

@@ -6,8 +6,10 @@ attention ``wq``/``wk``/``wv``/``wo`` calling ``F.scaled_dot_product_attention``
 biases. One plan of roles (below) serves 1D with and without Megatron SP, 2D, 2.5D and 3D;
 ring and Ulysses find its attention themselves; pipelines find its blocks. Each mode trains
 3 steps on the worker pool through ``boost()`` and is held to the same model trained
-serially (plain PyTorch). ``GPT2ish`` (LayerNorm, biases, a fused q|k|v, learned positions
-added inline, the head tied to the token embedding) runs a subset with its own roles.
+serially (plain PyTorch). One mode gives it 8 heads at tp=8, which the config's ``[model]``
+section (the main job's GPT, 4 heads) could not split: degrees are checked against the
+model. ``GPT2ish`` (LayerNorm, biases, a fused q|k|v, learned positions added inline, the
+head tied to the token embedding) runs a subset with its own roles.
 
 Bounds: losses rel 1e-5 (a mean of token losses in fp32, summed in another order by the
 ranks); weights under SGD with momentum (linear in the gradient) rtol 1e-5, atol 1e-6, at
@@ -70,10 +72,10 @@ GPT2ISH_ROLES = {  # LayerNorm, biases, fused q|k|v, learned positions, head tie
 }
 
 
-def _model(kv: int) -> nn.Module:
+def _model(kv: int, heads: int) -> nn.Module:
     if kv == 0:  # GPT2ish
         return GPT2ish(SIZES, seed=0)
-    return Llamaish(dataclasses.replace(SIZES, kv_heads=kv), seed=0)
+    return Llamaish(dataclasses.replace(SIZES, heads=heads, kv_heads=kv), seed=0)
 
 
 def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
@@ -90,8 +92,8 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 Run = tuple[list[float], dict[str, Tensor]]
 
 
-def _serial(kv: int, adamw: bool) -> Run:
-    model = _model(kv)
+def _serial(kv: int, heads: int, adamw: bool) -> Run:
+    model = _model(kv, heads)
     opt = _optimizer(model, adamw)
     losses = []
     for step in range(STEPS):
@@ -104,8 +106,8 @@ def _serial(kv: int, adamw: bool) -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, kv: int, adamw: bool, config: Config) -> Run:
-    model = _model(kv)
+def _parallel(rank: int, kv: int, heads: int, adamw: bool, config: Config) -> Run:
+    model = _model(kv, heads)
     plan = GPT2ISH_ROLES if kv == 0 else ROLES  # context parallelism reads its positions from it
     engine = boost(model, _optimizer(model, adamw), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
@@ -119,7 +121,8 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "tp2": (P(tp=2), {}),
     "tp2-megatron-sp": (P(tp=2, sequence_parallel=True), {}),
     "tp4-kv2-replicated": (P(tp=4), {}),
-    "tp4-kv1": (P(tp=4), {"kv": 1}),
+    "tp4-kv1-megatron-sp": (P(tp=4, sequence_parallel=True), {"kv": 1}),
+    "tp8-8heads": (P(tp=8, microbatches=1), {"heads": 8}),  # the config's [model] has 4 heads
     "pp2-1f1b": (P(pp=2, microbatches=2, schedule="1f1b"), {}),
     "pp2-interleaved": (P(pp=2, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2), {}),
     "pp2-zbv": (P(pp=2, microbatches=2, schedule="zbv", virtual_stages=2), {}),
@@ -146,7 +149,7 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
     worker_pools: PoolFactory, tmp_path: Path, mode: str
 ) -> None:
     parallel, extra = MODES[mode]
-    kv, adamw = int(extra.get("kv", 2)), bool(extra.get("adamw", False))
+    kv, heads, adamw = int(extra.get("kv", 2)), int(extra.get("heads", 4)), bool(extra.get("adamw", False))
     zero = ZeroConfig(stage=int(extra.get("stage", 0)))
     if extra.get("disk"):
         zero = dataclasses.replace(zero, disk_dir=str(tmp_path), host_budget_mb=0.5, chunk_numel=2048)
@@ -156,9 +159,11 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
         data=dataclasses.replace(base.data, batch_size=BATCH),
         optim=dataclasses.replace(base.optim, clip_grad_norm=0.0),  # the serial run does not clip
     )
-    assert config.validate(model=False) == []
-    results = worker_pools(config.world_size).run(_parallel, kv, adamw, config, timeout=240)
-    losses, weights = _serial(kv, adamw)
+    assert config.validate(model=False) == []  # the degrees are checked against the model given
+    if heads == 8:  # ... not against [model], the main job's GPT, which tp=8 would not split
+        assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
+    results = worker_pools(config.world_size).run(_parallel, kv, heads, adamw, config, timeout=240)
+    losses, weights = _serial(kv, heads, adamw)
     merged: dict[str, Tensor] = {}
     for curve, part in results:
         assert curve == pytest.approx(losses, rel=1e-5)
