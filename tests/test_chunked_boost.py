@@ -192,3 +192,32 @@ def test_a_chunked_run_resumes_and_reshards(worker_pools: PoolFactory, tmp_path:
     for config in others:
         for resumed in worker_pools(config.world_size).run(_resume_at_two, config, path, timeout=180):
             assert resumed == pytest.approx(straight[2:], rel=1e-5)
+
+
+def _train_then_close(rank: int, config: Config) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    before = groups()
+    with _engine(config) as engine:
+        engine.train_step(*make_batch(GPT_CFG, BATCH, seed=0))
+        during = groups()
+    return before, during, groups()
+
+
+def test_closing_an_engine_releases_its_groups_and_its_disk_chunks(
+    worker_pools: PoolFactory, tmp_path: Path
+) -> None:
+    """A long-lived process that boosts model after model must not keep the groups, threads
+    and chunk files of the ones it finished with: ``Engine.close`` (or ``with boost(...)``)."""
+    config = _config(
+        ParallelConfig(dp=2, tp=2), ZeroConfig(stage=2, disk_dir=str(tmp_path / "chunks"), chunk_numel=128)
+    )
+    for rank, (before, during, after) in enumerate(worker_pools(4).run(_train_then_close, config)):
+        assert during > before, f"rank {rank}: boost made no group"
+        assert after == before, f"rank {rank}: {after - before} groups outlived Engine.close()"
+    disk = tmp_path / "chunks"
+    left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file() or "chunks" in p.name)
+    assert disk.exists() and left == [], f"chunk files left behind: {left}"

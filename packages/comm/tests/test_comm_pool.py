@@ -176,3 +176,39 @@ def _tagged(rank: int) -> list[float]:
 
 def test_p2p_tags_match_sends_to_receives(worker_pools: PoolFactory) -> None:
     assert worker_pools(2).run(_tagged)[1] == [1.0, 2.0]
+
+
+def _live_groups(rank: int) -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _mesh_then_close(rank: int, kwargs: dict[str, object]) -> tuple[int, int, int]:
+    before = _live_groups(rank)
+    mesh = Mesh(Topology(**kwargs), combined=[("dp", "tp")])  # type: ignore[arg-type]
+    built = _live_groups(rank)
+    mesh.close()
+    mesh.close()  # twice is harmless
+    return before, built, _live_groups(rank)
+
+
+@pytest.mark.parametrize("kwargs", [{"dp": 2, "tp": 2}, {"pp": 2, "sp": 2}, {"tp": 4, "tp_mode": "2d"}])
+def test_closing_a_mesh_releases_every_group_it_made(
+    worker_pools: PoolFactory, kwargs: dict[str, object]
+) -> None:
+    for rank, (before, built, after) in enumerate(worker_pools(4).run(_mesh_then_close, kwargs)):
+        assert built > before, f"rank {rank}: the mesh made no group ({before} -> {built})"
+        assert after == before, f"rank {rank}: {after - before} of the mesh's groups outlived close()"
+
+
+def _leave_groups_behind(rank: int) -> int:
+    for _ in range(3):
+        dist.new_group([0, 1])
+    return _live_groups(rank)
+
+
+def test_the_pool_releases_the_groups_a_call_left_behind(worker_pools: PoolFactory) -> None:
+    pool = worker_pools(2)
+    baseline = pool.run(_live_groups)
+    held = pool.run(_leave_groups_behind)
+    assert all(h == b + 3 for h, b in zip(held, baseline, strict=True)), (baseline, held)
+    assert pool.run(_live_groups) == baseline  # gone before the next call

@@ -107,10 +107,16 @@ class Mesh:
         return self.topology.coordinate(self.rank, list(_as_tuple(_key(axes))))
 
     def close(self) -> None:
-        """Destroy the groups this mesh created (the DeviceMesh's stay with torch)."""
-        for group in self._owned:
-            dist.destroy_process_group(group)
+        """Destroy every group this mesh created, its DeviceMesh's included (never the default
+        group), so a long-lived process that builds mesh after mesh holds no stale groups.
+        The mesh is unusable afterwards; closing twice is harmless."""
+        live = dist.distributed_c10d._world.pg_map
+        mine = {id(g): g for g in [*self._groups.values(), *self._owned]}
+        for group in mine.values():
+            if group is not dist.group.WORLD and group in live:
+                dist.destroy_process_group(group)
         self._owned.clear()
+        self._groups.clear()
 
     def __enter__(self) -> Mesh:
         return self

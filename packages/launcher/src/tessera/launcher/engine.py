@@ -311,3 +311,17 @@ class Engine:
                 local = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
         out = all_reduce(torch.tensor([local], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
         return float(out[0])
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Release what ``boost`` created: the optimizer's chunk manager (thread, hooks, disk
+        directory) and every process group of the mesh. The default group stays (it is the
+        caller's); the engine is unusable afterwards. Closing twice is harmless."""
+        self.zero.close()
+        self.mesh.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

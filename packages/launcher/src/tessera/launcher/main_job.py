@@ -236,7 +236,7 @@ def main() -> None:
             run,
             text,
         )
-    engine.mesh.close()
+    engine.close()
     dist.destroy_process_group()
 
 

@@ -473,6 +473,15 @@ class ZeroOptimizer:
             flat.push_master()
         self._refresh_params()
 
+    def close(self) -> None:
+        """Release what this optimizer holds beyond tensors: the chunk manager's prefetch
+        thread, hooks and disk directory, and the spare buffers. Closing twice is harmless."""
+        if self._chunks is not None:
+            self._chunks.close()
+            self._chunks = None
+        if self._pool is not None:
+            self._pool.close()
+
     def __repr__(self) -> str:
         c = self.config
         return (

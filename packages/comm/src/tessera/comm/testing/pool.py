@@ -74,6 +74,25 @@ def _resolve(module: str, path: str | None, qualname: str) -> Callable[..., Any]
     return obj  # type: ignore[no-any-return]
 
 
+def _groups() -> list[Any]:
+    """Every process group this process holds now (the default one included)."""
+    import torch.distributed as dist
+
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _release_groups_since(before: list[Any]) -> None:
+    """Destroy the groups a task created. Gloo keeps threads (and some idle CPU) per group,
+    so groups left behind by thousands of examples would load the whole machine."""
+    import torch.distributed as dist
+
+    keep = {id(pg) for pg in before}
+    for pg in _groups():
+        if id(pg) not in keep:
+            with contextlib.suppress(Exception):  # a group a task already destroyed itself
+                dist.destroy_process_group(pg)
+
+
 def _worker_main(
     rank: int, world_size: int, store_path: str, trace_path: str, conn: Connection, pg_timeout_s: float
 ) -> None:
@@ -100,6 +119,7 @@ def _worker_main(
         module, path, qualname, args, env = task
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
+        groups = _groups()
         try:
             result = _resolve(module, path, qualname)(rank, *args)
             payload = pickle.dumps(("ok", result))
@@ -112,7 +132,8 @@ def _worker_main(
             except Exception:
                 blob = None
             payload = pickle.dumps(("err", (blob, f"{type(exc).__name__}: {exc}", tb)))
-        finally:  # the process serves later calls: leave its environment as it was
+        finally:  # the process serves later calls: leave its environment and groups as they were
+            _release_groups_since(groups)
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
