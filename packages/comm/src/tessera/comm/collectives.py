@@ -24,7 +24,8 @@ waits poll too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_async",
     "all_to_all",
+    "all_to_all_rows",
     "broadcast",
     "broadcast_async",
     "group_rank",
@@ -374,6 +376,48 @@ def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim:
         work = dist.all_to_all_single(out, src, group=group, async_op=True)
         poll_then_wait([work], poll_budget(src.device))
     return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+def _check_rows(rows: Sequence[int], n: int, what: str) -> list[int]:
+    rows = [int(r) for r in rows]
+    if len(rows) != n or min(rows, default=0) < 0:
+        raise ValueError(f"all_to_all_rows: {what} must be {n} counts >= 0 (one per rank), got {rows}")
+    return rows
+
+
+@profiled("tessera.comm.all_to_all_rows")
+def all_to_all_rows(x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], group: Group = None) -> Tensor:
+    """Send the next ``send_rows[j]`` rows of ``x`` (dim 0, in order) to rank j; return the
+    ``recv_rows[j]`` rows from each rank j concatenated in rank order (uneven all-to-all).
+
+    Every rank's ``recv_rows[j]`` must equal rank j's ``send_rows`` for it (exchange the
+    counts first, e.g. with `all_to_all`). Moves the input, less the rows a rank keeps.
+    Runs torch's ``all_to_all_single`` with splits (gloo's TCP even between processes that
+    share a host: the shared-memory segment has no uneven form).
+    """
+    n = group_size(group)
+    send, recv = _check_rows(send_rows, n, "send_rows"), _check_rows(recv_rows, n, "recv_rows")
+    if x.dim() == 0 or sum(send) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all_rows: send_rows {send} must sum to the rows of x (shape {tuple(x.shape)})"
+        )
+    src = x.detach().contiguous()
+    out = src.new_empty((sum(recv), *src.shape[1:]))
+    if n == 1:
+        return out.copy_(src)
+    row_bytes = math.prod(src.shape[1:]) * src.element_size()
+    me = group_rank(group)
+    record(
+        CommOp.ALL_TO_ALL,
+        group_size=n,
+        nbytes=src.nbytes,
+        kept_bytes=send[me] * row_bytes,
+        out_bytes=out.nbytes,
+        like=src,
+    )
+    work = dist.all_to_all_single(out, src, recv, send, group=group, async_op=True)
+    poll_then_wait([work], poll_budget(src.device))
+    return out
 
 
 def _broadcast(x: Tensor, src: int, group: Group, async_op: bool) -> Handle[Tensor]:
