@@ -4,6 +4,7 @@ the package imports nothing of Tessera (it sits below every other package)."""
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,13 @@ def test_make_batch_is_shifted_and_deterministic() -> None:
     again, _ = make_batch(GPTConfig(vocab_size=7, seq_len=5), 3, seed=1)
     assert idx.shape == targets.shape == (3, 5)
     assert torch.equal(idx[:, 1:], targets[:, :-1]) and torch.equal(idx, again)
+
+
+def test_the_initial_loss_is_near_log_vocab() -> None:
+    """Small initial weights: the untrained model guesses about uniformly over the vocabulary."""
+    cfg = GPTConfig(n_layers=3)
+    loss = GPT(cfg, seed=3).loss(*make_batch(cfg, 4, seed=0))
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5
 
 
 def test_a_bad_size_is_one_line() -> None:
