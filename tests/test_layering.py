@@ -1,6 +1,6 @@
 """Tier 0: the layering of the packages. Each imports only the Tessera packages below it
-(models and comm at the bottom, importing no other; tensor_parallel, pipeline and zero need
-only comm; the launcher all of them), in any module, including imports inside functions and under
+(models and comm at the bottom, importing no other; tensor_parallel, pipeline, zero and moe
+need only comm; the launcher all but moe), in any module, including imports inside functions and under
 TYPE_CHECKING; nobody imports the launcher."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ ALLOWED = {
     "tensor_parallel": {"comm"},
     "pipeline": {"comm"},
     "zero": {"comm"},
+    "moe": {"comm"},
     "launcher": {"models", "comm", "tensor_parallel", "pipeline", "zero"},
 }
 

@@ -386,7 +386,9 @@ def _check_rows(rows: Sequence[int], n: int, what: str) -> list[int]:
 
 
 @profiled("tessera.comm.all_to_all_rows")
-def all_to_all_rows(x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], group: Group = None) -> Tensor:
+def all_to_all_rows(
+    x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], group: Group = None
+) -> Tensor:
     """Send the next ``send_rows[j]`` rows of ``x`` (dim 0, in order) to rank j; return the
     ``recv_rows[j]`` rows from each rank j concatenated in rank order (uneven all-to-all).
 

@@ -1,0 +1,34 @@
+"""tessera.moe: mixture-of-experts layers with expert parallelism.
+
+`MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
+matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
+shared experts; with an ``ep_group`` (or `shard_experts`) its experts are split over the
+group's ranks and tokens travel to them by uneven all-to-all. Depends on torch and
+``tessera.comm`` only.
+"""
+
+from __future__ import annotations
+
+from tessera.moe.experts import Activation, Experts
+from tessera.moe.layer import MoE, MoEStats, shard_experts
+from tessera.moe.losses import load_balancing_loss, z_loss
+from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
+from tessera.moe.router import Routing, TopKRouter, route
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Activation",
+    "DispatchPlan",
+    "Experts",
+    "MoE",
+    "MoEStats",
+    "Routing",
+    "TopKRouter",
+    "capacity",
+    "load_balancing_loss",
+    "plan_dispatch",
+    "route",
+    "shard_experts",
+    "z_loss",
+]

@@ -1,0 +1,158 @@
+"""The mixture-of-experts layer, serial or expert-parallel, and `shard_experts`.
+
+One call routes each token to its ``top_k`` experts, drops assignments beyond the
+capacity (`tessera.moe.plan`), runs the kept rows through their experts (here, or on the
+ranks that own them: `tessera.moe.exchange`), and sums each token's expert outputs weighted
+by the router, plus the shared expert if there is one. A dropped assignment contributes
+zero: the caller's residual connection carries the token on.
+
+Under expert parallelism every rank holds its own tokens (as in data parallelism), the
+router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
+The capacity, the losses and the statistics are those of the rank's own tokens, so each
+rank computes exactly what the serial layer computes on that rank's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tessera.comm import group_rank, group_size
+from tessera.moe.exchange import combine, dispatch, plan_exchange
+from tessera.moe.experts import Activation, Experts
+from tessera.moe.init import SHARED_STREAM, expert_stream
+from tessera.moe.losses import load_balancing_loss, z_loss
+from tessera.moe.plan import capacity, plan_dispatch
+from tessera.moe.router import TopKRouter
+
+__all__ = ["MoE", "MoEStats", "shard_experts"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEStats:
+    """One call's routing on this rank: ``routed [E]`` assignments that chose each expert,
+    ``kept [E]`` of them kept under the capacity."""
+
+    routed: Tensor
+    kept: Tensor
+
+    @property
+    def tokens_per_expert(self) -> Tensor:
+        """Assignments routed to each expert (before capacity drops)."""
+        return self.routed
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The fraction of this call's assignments dropped for capacity (0 for no tokens)."""
+        total = int(self.routed.sum())
+        return (total - int(self.kept.sum())) / total if total else 0.0
+
+
+def _ep_split(experts: int, group: dist.ProcessGroup) -> tuple[int, int]:
+    """This rank's experts ``start, stop`` in ``group``; refuses an uneven split."""
+    ep = group_size(group)
+    if experts % ep:
+        raise ValueError(f"experts ({experts}) must be divisible by the ep group's size ({ep})")
+    local = experts // ep
+    start = group_rank(group) * local
+    return start, start + local
+
+
+class MoE(nn.Module):
+    """Top-k mixture of ``experts`` MLPs ``d_model -> hidden -> d_model`` over ``x [..., d_model]``.
+
+    ``capacity_factor``: each expert keeps at most ``ceil(factor * T * top_k / experts)``
+    assignments of a call's ``T`` tokens (on this rank), the first in token order; None keeps
+    all (drop-less). ``renormalize``: the ``top_k`` weights of a token sum to 1.
+    ``shared_hidden``: add an always-on MLP of that width. ``grouped=False`` runs the experts
+    one by one (the reference of the batched path). ``seed``: the initialisation
+    (`tessera.moe.init`; None draws one from torch's global generator). ``ep_group``: hold
+    only this rank's ``experts / ep`` experts and exchange tokens over the group (None:
+    serial); every rank must pass the same ``seed``.
+
+    After each forward: ``aux_loss`` (load balancing, `load_balancing_loss`), ``z_loss``
+    (router z-loss) and ``stats`` (`MoEStats`) describe that call on this rank.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        experts: int,
+        top_k: int = 2,
+        *,
+        activation: Activation = "swiglu",
+        capacity_factor: float | None = None,
+        renormalize: bool = True,
+        shared_hidden: int | None = None,
+        grouped: bool = True,
+        seed: int | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if experts < 1:
+            raise ValueError(f"experts must be >= 1, got {experts}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
+        capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
+        if ep_group is not None and seed is None:
+            raise ValueError("an ep_group needs an explicit seed: every ep rank must build the same router")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        start, stop = (0, experts) if ep_group is None else _ep_split(experts, ep_group)
+        self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.grouped, self.ep_group = grouped, ep_group
+        self.first_expert = start
+        self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed)
+        self.experts = Experts(
+            d_model, hidden, activation, seed=seed, streams=[expert_stream(e) for e in range(start, stop)]
+        )
+        self.shared = (
+            None
+            if shared_hidden is None
+            else Experts(d_model, shared_hidden, activation, seed=seed, streams=[SHARED_STREAM])
+        )
+        self.aux_loss: Tensor = torch.zeros(())
+        self.z_loss: Tensor = torch.zeros(())
+        self.stats = MoEStats(torch.zeros(experts, dtype=torch.long), torch.zeros(experts, dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = x.shape[-1]
+        tokens = x.reshape(-1, d)
+        routing = self.router(tokens)
+        cap = capacity(tokens.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(routing.choices, self.num_experts, cap)
+        rows = tokens.index_select(0, plan.token)
+        if self.ep_group is None or group_size(self.ep_group) == 1:
+            out_rows = self.experts(rows, plan.kept, grouped=self.grouped)
+        else:
+            ex = plan_exchange(plan.kept, self.ep_group)
+            local = self.experts(dispatch(rows, ex, self.ep_group), ex.local_counts, grouped=self.grouped)
+            out_rows = combine(local, ex, self.ep_group)
+        weights = routing.weights.reshape(-1).index_select(0, plan.assignment).to(out_rows.dtype)
+        out = tokens.new_zeros(tokens.shape).index_add(0, plan.token, out_rows * weights[:, None])
+        if self.shared is not None:
+            out = out + self.shared.expert(0, tokens)
+        self.aux_loss = load_balancing_loss(routing.probs, plan.routed)
+        self.z_loss = z_loss(routing.logits)
+        self.stats = MoEStats(routed=plan.routed, kept=plan.kept)
+        return out.view(x.shape)
+
+
+def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
+    """Make a serial ``layer`` expert-parallel over ``group`` in place: keep this rank's
+    ``experts / ep`` experts (copies of the serial layer's) and exchange tokens over the group.
+    Every rank must hold the same serial layer. Returns the layer."""
+    if layer.ep_group is not None:
+        raise ValueError("the layer is already expert-parallel")
+    start, stop = _ep_split(layer.num_experts, group)
+    layer.experts.keep(start, stop)
+    layer.first_expert, layer.ep_group = start, group
+    _log.debug("experts %d..%d of %d on this rank", start, stop - 1, layer.num_experts)
+    return layer

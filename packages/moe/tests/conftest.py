@@ -1,0 +1,1 @@
+from tessera.comm.testing.fixtures import worker_pools  # noqa: F401
