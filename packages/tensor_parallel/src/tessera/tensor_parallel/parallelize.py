@@ -22,6 +22,7 @@ from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, PlanLike, resolve_plan, unplanned_dropouts
+from tessera.tensor_parallel.probe import probe_attention
 from tessera.tensor_parallel.rng import DropoutRNG
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
 from tessera.tensor_parallel.style import ApplyContext
@@ -131,12 +132,15 @@ def parallelize(
     after each backward when ``coverage(model).partial`` is not empty. Dropout streams come
     from ``rng``, or a DropoutRNG seeded ``seed`` for this tp rank. Raises ValueError
     (nothing changed, nothing communicated) if the plan does not fit the model or tp; see
-    ``resolve_plan``. ``shard_specs(model)`` then
+    ``resolve_plan``, or if an attention module's shards would not add up to it
+(``probe.probe_attention``). ``shard_specs(model)`` then
     says how each split parameter maps to its shards.
     """
     tp = mesh.size(axis)
     assignments = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
     _check_ties(model, assignments)
+    if axis == "tp" and mesh.topology.tp_mode is TPMode.ONE_D:
+        probe_attention(model, assignments, tp=tp)
     for name in unplanned_dropouts(model, assignments):
         log.warning(
             "parallelize: %s is an nn.Dropout the plan does not cover; it draws from the global RNG", name

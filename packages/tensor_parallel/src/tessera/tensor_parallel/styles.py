@@ -370,14 +370,24 @@ class RegionStyle(BaseStyle):
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, always_call=True)
         if self.attention:
-            heads, kv = self.layout(module, name=ctx.name).local(ctx.tp)
-            for attr, value in _ints(module, PER_RANK_ATTRIBUTES):
-                setattr(module, attr, value // ctx.tp)
-            for attr, _ in _ints(module, KV_HEAD_ATTRIBUTES):
-                setattr(module, attr, kv)
-            for attr, _ in _ints(module, GROUP_ATTRIBUTES):
-                setattr(module, attr, heads // kv)
+            self.localize(module, name=ctx.name, tp=ctx.tp)
         return None
+
+    def localize(self, module: nn.Module, *, name: str, tp: int) -> list[str]:
+        """Set an attention module's head-count and width attributes to one rank's share of
+        ``tp``; return the names of the attributes changed."""
+        heads, kv = self.layout(module, name=name).local(tp)
+        changed = []
+        for attr, value in _ints(module, PER_RANK_ATTRIBUTES):
+            setattr(module, attr, value // tp)
+            changed.append(attr)
+        for attr, _ in _ints(module, KV_HEAD_ATTRIBUTES):
+            setattr(module, attr, kv)
+            changed.append(attr)
+        for attr, _ in _ints(module, GROUP_ATTRIBUTES):
+            setattr(module, attr, heads // kv)
+            changed.append(attr)
+        return changed
 
 
 # keyword names a sublayer's input is looked up under when it is not passed positionally

@@ -1,8 +1,7 @@
 """``ZeroOptimizer``: plain data parallelism (stage 0) and ZeRO stages 1-3 around any
 elementwise torch.optim optimizer.
 
-The user builds the model and a torch optimizer over its parameters as usual, then hands
-both over::
+The user builds the model and a torch optimizer over its parameters, then hands both over::
 
     zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2,
                          group=dp_group, precision="bf16", clip_grad_norm=1.0)
@@ -30,10 +29,8 @@ runtime calling ``loss.backward()`` per microbatch) simply lets the gradients ac
 ``param.grad`` and calls ``step()``; stages 2-3 reduce from hooks during each backward.
 
 Averaging: the gradient stepped is the mean over ranks of each rank's gradient (summed over
-its microbatches), so with per-rank mean losses over equal microbatches it is the gradient
-of the mean loss over the concatenation of every rank's batch: exactly the serial
-reference's, up to fp32 round-off. Divide each microbatch loss by the number of
-accumulated microbatches for the mean over them.
+its microbatches): with per-rank mean losses over equal microbatches, the serial gradient of
+the mean loss over every rank's batch (divide each microbatch loss by their count).
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -439,11 +437,7 @@ class ZeroOptimizer:
         """Load what ``save`` wrote, at the same world size and layout (collective); every rank
         raises if any rank finds the checkpoint invalid."""
         opener = None if self._chunks is None else rank_opener(self, self._chunks)
-        self.steps = load_checkpoint(self, Path(path), opener)
-        self.zero_grad()
-        for flat in self.flats:
-            flat.push_master()
-        self._refresh_params()
+        self._restored(load_checkpoint(self, Path(path), opener))
 
     def full_state(self) -> dict[str, Tensor]:
         """Masters and optimizer state in full by parameter name, independent of the stage and
@@ -467,15 +461,21 @@ class ZeroOptimizer:
         """Restore what ``iter_full_state`` yielded, saved under any stage and world size, reading
         ``state`` one parameter at a time (a lazy mapping is never loaded whole); local."""
         load_full_state(self, state, self._chunks)
+        self._restored(steps)
+
+    def _restored(self, steps: int) -> None:  # after loading: no gradients, params from masters
         self.steps = steps
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()
         self._refresh_params()
 
+    def chunk_report(self) -> dict[str, Any] | None:
+        """``ChunkStore.report`` (bytes and chunks per tier, disk traffic); None without ``memory``."""
+        return None if self._chunks is None else self._chunks.report()
+
     def close(self) -> None:
-        """Release what this optimizer holds beyond tensors: the chunk manager's prefetch
-        thread, hooks and disk directory, and the spare buffers. Closing twice is harmless."""
+        """Release the chunk manager's thread, hooks and disk directory and the spare buffers."""
         if self._chunks is not None:
             self._chunks.close()
             self._chunks = None
