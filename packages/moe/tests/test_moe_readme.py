@@ -1,4 +1,4 @@
-"""Tier 0: the README's usage example runs as written, and does what its comments say."""
+"""Tiers 0 and 1: the README's examples run as written, and do what their comments say."""
 
 from __future__ import annotations
 
@@ -10,17 +10,27 @@ import torch
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def usage_block() -> str:
+def block(heading: str) -> str:
+    """The first python block of the README's section ``heading``."""
     text = README.read_text(encoding="utf-8")
-    section = text.split("## Usage", 1)[1]
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "the README's Usage section has no python block"
+    assert match is not None, f"the README's section {heading!r} has no python block"
     return match.group(1)
 
 
+def run(heading: str) -> dict[str, object]:
+    namespace: dict[str, object] = {"__name__": "readme"}
+    exec(compile(block(heading), str(README), "exec"), namespace)
+    return namespace
+
+
+def test_the_readme_expert_parallel_example_runs() -> None:
+    assert run("## Expert parallelism")["shapes"] == [torch.Size([2, 16, 32])] * 2
+
+
 def test_the_readme_usage_example_runs() -> None:
-    namespace: dict[str, object] = {}
-    exec(compile(usage_block(), str(README), "exec"), namespace)
+    namespace = run("## Usage")
     y, x, layer = namespace["y"], namespace["x"], namespace["layer"]
     assert isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor)
     assert y.shape == (2, 6, 16) and x.grad is not None

@@ -10,6 +10,7 @@ group's ranks and tokens travel to them by uneven all-to-all. Depends on torch a
 from __future__ import annotations
 
 from tessera.moe.experts import Activation, Experts
+from tessera.moe.grads import expert_parameters, reduce_gradients
 from tessera.moe.layer import MoE, MoEStats, shard_experts
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
@@ -26,8 +27,10 @@ __all__ = [
     "Routing",
     "TopKRouter",
     "capacity",
+    "expert_parameters",
     "load_balancing_loss",
     "plan_dispatch",
+    "reduce_gradients",
     "route",
     "shard_experts",
     "z_loss",
