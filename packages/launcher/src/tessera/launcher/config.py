@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from tessera.comm import Topology, TPMode
 from tessera.pipeline import SCHEDULES, schedule_spec
+from tessera.zero.chunks.config import chunk_problems
 
 __all__ = [
     "Config",
@@ -103,37 +104,24 @@ class ZeroConfig:
         return self.host_budget_mb > 0 or self.device_budget_mb > 0 or bool(self.disk_dir)
 
     def check_chunks(self) -> list[str]:
-        """The chunk manager's settings, one line per mistake."""
-        errors: list[str] = []
-        for name in ("host_budget_mb", "device_budget_mb"):
-            if getattr(self, name) < 0:
-                errors.append(f"zero.{name}={getattr(self, name)} must be >= 0 (0: not limited / not used)")
-        if self.policy not in ("static", "auto"):
-            errors.append(f"zero.policy={self.policy!r} is not one of static, auto")
-        if self.fractions:
-            if len(self.fractions) != 3 or any(f < 0 for f in self.fractions):
-                errors.append(
-                    f"zero.fractions={list(self.fractions)} must be three shares >= 0 (device, host, disk)"
-                )
-            elif abs(sum(self.fractions) - 1.0) > 1e-9:
-                errors.append(
-                    f"zero.fractions={list(self.fractions)} must sum to 1, not {sum(self.fractions):g}"
-                )
-            if self.policy != "static":
-                errors.append(
-                    "zero.fractions are for zero.policy='static'; 'auto' places by measured free memory"
-                )
-            if not self.chunked:
-                errors.append(
-                    "zero.fractions is set but no budget and no zero.disk_dir: the chunk manager is off"
-                )
+        """The chunk manager's settings (``tessera.zero.chunks.chunk_problems``) and how they
+        sit with the rest of ``[zero]``, one line per mistake."""
+        errors = chunk_problems(
+            device_budget_mb=self.device_budget_mb,
+            host_budget_mb=self.host_budget_mb,
+            disk_dir=self.disk_dir,
+            policy=self.policy,
+            fractions=self.fractions,
+            chunk_numel=self.chunk_numel,
+            prefix="zero.",
+        )
+        if self.fractions and not self.chunked:
+            errors.append(
+                "zero.fractions is set but no budget and no zero.disk_dir: the chunk manager is off"
+            )
         if self.chunked and self.offload:
             errors.append(
                 "zero.offload=true and the chunk manager (a budget or zero.disk_dir) exclude each other"
-            )
-        if self.fractions and len(self.fractions) == 3 and self.fractions[2] > 0 and not self.disk_dir:
-            errors.append(
-                f"zero.fractions={list(self.fractions)} puts chunks on disk but zero.disk_dir is empty"
             )
         return errors
 

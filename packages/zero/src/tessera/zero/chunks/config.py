@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["MIB", "ChunkConfig", "Policy"]
+__all__ = ["MIB", "ChunkConfig", "Policy", "chunk_problems"]
 
 MIB = 2**20
 Policy = Literal["static", "auto"]
@@ -29,7 +29,7 @@ class ChunkConfig:
     """Budgets per tier, the disk directory, the placement policy and the chunk size.
 
     ``chunk_numel``: elements of one chunk (per stream: master, gradient, each optimizer
-    state tensor), rounded up to a multiple of 64; ``None`` searches it (the largest power of
+    state tensor), rounded up to a multiple of 64; ``None`` (or 0) searches it (the largest power of
     two up to 2**22 whose working set (two staging chunks and the optimizer's scratch) takes
     at most a quarter of the host budget).
     ``fractions``: (device, host, disk) shares of the chunk bytes for ``static``; ``None``
@@ -46,23 +46,16 @@ class ChunkConfig:
     prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.policy not in ("static", "auto"):
-            raise ValueError(f"policy must be 'static' or 'auto', got {self.policy!r}")
-        for name in ("device_budget_mb", "host_budget_mb"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.chunk_numel is not None and self.chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be >= 1, got {self.chunk_numel}")
-        if self.fractions is not None:
-            if len(self.fractions) != 3 or any(f < 0 for f in self.fractions):
-                raise ValueError(
-                    f"fractions must be three non-negative shares (device, host, disk), got {self.fractions}"
-                )
-            if abs(sum(self.fractions) - 1.0) > 1e-9:
-                raise ValueError(f"fractions must sum to 1, got {self.fractions} (sum {sum(self.fractions)})")
-            if self.policy == "auto":
-                raise ValueError("fractions are for policy='static'; 'auto' places by measured free memory")
+        problems = chunk_problems(
+            device_budget_mb=self.device_budget_mb,
+            host_budget_mb=self.host_budget_mb,
+            disk_dir=self.disk_dir,
+            policy=self.policy,
+            fractions=self.fractions,
+            chunk_numel=self.chunk_numel,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def budget_bytes(self, tier: str) -> int | None:
         """The budget of ``tier`` ("device" or "host") in bytes, or None when unbounded/unused."""
@@ -73,7 +66,7 @@ class ChunkConfig:
         """The chunk size in elements: ``chunk_numel`` rounded up to 64, or searched: the largest
         power of two up to 2**22 (and not above the largest shard) whose working set (three
         chunks of ``elem_bytes`` per element) takes at most a quarter of the host budget."""
-        if self.chunk_numel is not None:
+        if self.chunk_numel:  # 0 and None: searched
             return -(-self.chunk_numel // _ALIGN) * _ALIGN
         cap = 2**22
         host = self.budget_bytes("host")
@@ -82,3 +75,40 @@ class ChunkConfig:
         ):
             cap //= 2
         return cap
+
+
+def chunk_problems(
+    *,
+    device_budget_mb: float | None,
+    host_budget_mb: float | None,
+    disk_dir: str | Path | None,
+    policy: str,
+    fractions: tuple[float, ...] | None,
+    chunk_numel: int | None,
+    prefix: str = "",
+) -> list[str]:
+    """Every mistake in these chunk manager settings, one line each naming ``prefix`` + the
+    field and its value (the launcher checks its ``[zero]`` section with ``prefix="zero."``
+    before spawning; ``ChunkConfig`` raises them). A budget of 0 or None and a chunk size of 0
+    or None mean "not limited" / "searched"; an empty ``disk_dir`` means no disk tier."""
+    errors: list[str] = []
+    for name, value in (("host_budget_mb", host_budget_mb), ("device_budget_mb", device_budget_mb)):
+        if value is not None and value < 0:
+            errors.append(f"{prefix}{name}={value} must be >= 0 (0: not limited / not used)")
+    if policy not in ("static", "auto"):
+        errors.append(f"{prefix}policy={policy!r} is not one of static, auto")
+    if chunk_numel is not None and chunk_numel < 0:
+        errors.append(f"{prefix}chunk_numel must be >= 0, got {chunk_numel}")
+    if fractions:
+        shares = list(fractions)
+        if len(fractions) != 3 or any(f < 0 for f in fractions):
+            errors.append(f"{prefix}fractions={shares} must be three shares >= 0 (device, host, disk)")
+        elif abs(sum(fractions) - 1.0) > 1e-9:
+            errors.append(f"{prefix}fractions={shares} must sum to 1, not {sum(fractions):g}")
+        if policy != "static":
+            errors.append(
+                f"{prefix}fractions are for {prefix}policy='static'; 'auto' places by measured free memory"
+            )
+        if len(fractions) == 3 and fractions[2] > 0 and not disk_dir:
+            errors.append(f"{prefix}fractions={shares} puts chunks on disk but {prefix}disk_dir is empty")
+    return errors
