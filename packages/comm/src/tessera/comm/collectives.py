@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ class Handle(Generic[T]):
                     self._complete()
             else:
                 self._complete()
-        return self._result  # type: ignore[return-value]
+        return cast(T, self._result)  # set by _complete(); None only when T admits it
 
     def _complete(self) -> None:
         poll_then_wait(self._works, self._poll_s)

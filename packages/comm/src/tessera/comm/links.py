@@ -94,6 +94,8 @@ class _Pair:
         threading.Thread(target=self._connect, args=args, name="tessera-link", daemon=True).start()
 
     def _connect(self, key: str, timeout: timedelta) -> None:
+        from torch._C._distributed_c10d import PrefixStore  # dist.PrefixStore, typed
+
         links: tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo] | None = None
         error: BaseException | None = None
         try:
@@ -101,13 +103,13 @@ class _Pair:
             side = 0 if self._me_lo else 1
             # the n-th pair this rank builds under key meets the n-th its peer builds
             n = store.add(f"{key}/built/{side}", 1)
-            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # stubs: only `Options`
             options._timeout = timeout
             options._threads = 1  # a link's messages run one after another, in post order
             built = []
             for direction in ("lo-hi", "hi-lo"):
                 options._devices = [dist.ProcessGroupGloo.create_default_device()]
-                prefixed = dist.PrefixStore(f"{key}/{n}/{direction}/", store)  # type: ignore[attr-defined]
+                prefixed = PrefixStore(f"{key}/{n}/{direction}/", store)
                 built.append(dist.ProcessGroupGloo(prefixed, side, 2, options))
             links = (built[0], built[1])
         except BaseException as exc:  # delivered to every message's wait()
@@ -126,7 +128,7 @@ class _Pair:
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = root, 0
         try:
-            work._issue(self._links[root].broadcast([tensor], options))  # type: ignore[attr-defined]
+            work._issue(self._links[root].broadcast([tensor], options))  # type: ignore[attr-defined]  # stubs: Backend lacks collectives
         except BaseException as exc:
             work._issue(None, exc)
 
@@ -186,8 +188,10 @@ def applies(tensors: list[Tensor], group: dist.ProcessGroup | None) -> bool:
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return False
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:  # no default group
+        return False
     try:
-        return isinstance(pg._get_backend(_CPU), dist.ProcessGroupGloo)  # type: ignore[union-attr]
+        return isinstance(pg._get_backend(_CPU), dist.ProcessGroupGloo)
     except (AttributeError, RuntimeError, ValueError):
         return False
 

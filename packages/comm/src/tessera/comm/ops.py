@@ -44,9 +44,10 @@ __all__ = [
 ]
 
 
-def _apply(fn: type[torch.autograd.Function], *args: object) -> Tensor:
-    """Typed entry to an autograd Function (``Function.apply`` is untyped)."""
-    return cast(Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
+def apply_function(fn: type[torch.autograd.Function], *args: object) -> Tensor:
+    """``fn.apply(*args)`` for a Function whose forward returns one tensor, typed: the one
+    typed entry to autograd Functions for every package (``Function.apply`` is untyped)."""
+    return cast(Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
 
 
 def _own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
@@ -55,8 +56,7 @@ def _own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
         return x
     if x.dim() == 0 or x.shape[dim] % n:
         raise ValueError(
-            f"split_along: size of dim {dim} in shape {tuple(x.shape)} is not divisible by the "
-            f"group size {n}"
+            f"split_along: size of dim {dim} in shape {tuple(x.shape)} is not divisible by the group size {n}"
         )
     return x.chunk(n, dim=dim)[C.group_rank(group)].contiguous()
 
@@ -69,8 +69,8 @@ def _owned(t: Tensor) -> bool:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: Group, grad_inplace: bool) -> Tensor:
-        ctx.group, ctx.grad_inplace = group, grad_inplace  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, group: Group, grad_inplace: bool) -> Tensor:
+        ctx.group, ctx.grad_inplace = group, grad_inplace
         return x.view_as(x)
 
     @staticmethod
@@ -96,8 +96,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group) -> Tensor:
-        ctx.dim, ctx.group = dim, group  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
         return _own_chunk(x, dim, group)
 
     @staticmethod
@@ -107,8 +107,8 @@ class _Split(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group, sum_grads: bool) -> Tensor:
-        ctx.dim, ctx.group, ctx.sum_grads = dim, group, sum_grads  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, dim: int, group: Group, sum_grads: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.sum_grads = dim, group, sum_grads
         return C.all_gather(x, group, dim)
 
     @staticmethod
@@ -120,8 +120,8 @@ class _Gather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, dim: int, group: Group) -> Tensor:
-        ctx.dim, ctx.group = dim, group  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
         return C.reduce_scatter(x, group, dim)
 
     @staticmethod
@@ -131,8 +131,8 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> Tensor:
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, scatter_dim: int, gather_dim: int, group: Group) -> Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
         return C.all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
@@ -143,8 +143,8 @@ class _AllToAll(torch.autograd.Function):
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, src: int, group: Group) -> Tensor:
-        ctx.src, ctx.group = src, group  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, src: int, group: Group) -> Tensor:
+        ctx.src, ctx.group = src, group
         return C.broadcast(x, src, group)
 
     @staticmethod
@@ -163,7 +163,7 @@ def copy_to_region(x: Tensor, group: Group = None, *, grad_inplace: bool = False
     matmuls), so the gradient arriving here (or the tensor it is a view of) is a temporary
     nothing else holds. A gradient that is not contiguous is still copied.
     """
-    return _apply(_CopyToRegion, x, group, grad_inplace)
+    return apply_function(_CopyToRegion, x, group, grad_inplace)
 
 
 def reduce_from_region(x: Tensor, group: Group = None, *, inplace: bool = False) -> Tensor:
@@ -174,35 +174,35 @@ def reduce_from_region(x: Tensor, group: Group = None, *, inplace: bool = False)
     than read the sum): for a caller whose ``x`` is a temporary that nothing else reads (a
     matmul's output). A view, a non-contiguous tensor or a leaf is reduced into a copy.
     """
-    return _apply(_ReduceFromRegion, x, group, inplace)
+    return apply_function(_ReduceFromRegion, x, group, inplace)
 
 
 def split_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
     """Keep this rank's chunk of ``x`` along ``dim``; backward all-gathers the gradient."""
-    return _apply(_Split, x, dim, group)
+    return apply_function(_Split, x, dim, group)
 
 
 def gather_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
     """All-gather along ``dim`` for a replicated consumer; backward keeps this rank's chunk."""
-    return _apply(_Gather, x, dim, group, False)
+    return apply_function(_Gather, x, dim, group, False)
 
 
 def all_gather_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
     """All-gather along ``dim`` for a per-rank consumer; backward reduce-scatters the gradient."""
-    return _apply(_Gather, x, dim, group, True)
+    return apply_function(_Gather, x, dim, group, True)
 
 
 def reduce_scatter_along(x: Tensor, dim: int, group: Group = None) -> Tensor:
     """Sum over ranks and keep this rank's chunk along ``dim``; backward all-gathers."""
-    return _apply(_ReduceScatter, x, dim, group)
+    return apply_function(_ReduceScatter, x, dim, group)
 
 
 def all_to_all_along(x: Tensor, scatter_dim: int, gather_dim: int, group: Group = None) -> Tensor:
     """Split ``x`` along ``scatter_dim`` to the ranks and concatenate what arrives along
     ``gather_dim`` (Ulysses' head/sequence swap); backward swaps the two dims back."""
-    return _apply(_AllToAll, x, scatter_dim, gather_dim, group)
+    return apply_function(_AllToAll, x, scatter_dim, gather_dim, group)
 
 
 def broadcast_from(x: Tensor, src: int, group: Group = None) -> Tensor:
     """Every rank gets group rank ``src``'s ``x``; backward sums the gradients into ``src``."""
-    return _apply(_Broadcast, x, src, group)
+    return apply_function(_Broadcast, x, src, group)

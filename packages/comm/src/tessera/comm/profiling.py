@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 import torch
+from torch._C._autograd import _profiler_enabled
 
 __all__ = ["COMM_PREFIX", "P2P_WAIT", "WAIT", "annotate", "profiled", "profiler_enabled"]
 
@@ -32,7 +33,7 @@ P2P_WAIT = "tessera.p2p.wait"
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_c_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+_c_enabled: Callable[[], bool] = _profiler_enabled  # torch.autograd._profiler_enabled, from its typed home
 
 
 def profiler_enabled() -> bool:

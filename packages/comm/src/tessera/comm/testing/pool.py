@@ -71,7 +71,8 @@ def _resolve(module: str, path: str | None, qualname: str) -> Callable[..., Any]
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    resolved: Callable[..., Any] = obj
+    return resolved
 
 
 def _groups() -> list[Any]:
@@ -98,12 +99,13 @@ def _worker_main(
 ) -> None:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import FileStore  # dist.FileStore, typed
 
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # every rank on this host, as torchrun says
     trace_file = open(trace_path, "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=trace_file, all_threads=True)
-    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+    store = FileStore(store_path, world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
     )
