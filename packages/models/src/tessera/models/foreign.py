@@ -47,6 +47,8 @@ class Rotary(nn.Module):
     """cos and sin of the rotary angles for the positions of ``x``'s sequence (dim 1): each
     (seq, head_dim)."""
 
+    inv_freq: Tensor  # a buffer (registered in __init__)
+
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -54,7 +56,7 @@ class Rotary(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         t = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
-        angles = torch.outer(t, self.inv_freq)  # type: ignore[arg-type]
+        angles = torch.outer(t, self.inv_freq)
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -85,7 +87,8 @@ class GQA(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # type: ignore[no-any-return]
+        out: Tensor = self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -96,7 +99,8 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # type: ignore[no-any-return]
+        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class LlamaLayer(nn.Module):
@@ -107,7 +111,8 @@ class LlamaLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
-        return x + self.ffn(self.ffn_norm(x))  # type: ignore[no-any-return]
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
 
 
 def _init(model: nn.Module, seed: int) -> None:
@@ -139,7 +144,8 @@ class Llamaish(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))  # type: ignore[no-any-return]
+        out: Tensor = self.output(self.norm(h))
+        return out
 
 
 class FusedAttention(nn.Module):
@@ -154,7 +160,8 @@ class FusedAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+        out: Tensor = self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return out
 
 
 class GeluMLP(nn.Module):
@@ -164,7 +171,8 @@ class GeluMLP(nn.Module):
         self.proj = nn.Linear(c.hidden, c.dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x)))  # type: ignore[no-any-return]
+        out: Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class GPT2Layer(nn.Module):
@@ -175,7 +183,8 @@ class GPT2Layer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.mix(self.norm1(x))
-        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
+        out: Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class GPT2ish(nn.Module):
@@ -198,4 +207,5 @@ class GPT2ish(nn.Module):
         h = self.wte(tokens) + self.wpe(positions)
         for layer in self.h:
             h = layer(h)
-        return self.head(self.ln(h))  # type: ignore[no-any-return]
+        out: Tensor = self.head(self.ln(h))
+        return out

@@ -55,7 +55,8 @@ class Embedding(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         positions = torch.arange(idx.shape[-1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))  # type: ignore[no-any-return]
+        out: Tensor = self.drop(self.tok(idx) + self.pos(positions))
+        return out
 
 
 class AttentionCore(nn.Module):
@@ -99,7 +100,8 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, heads * self.head_dim)
-        return self.resid_drop(self.out_proj(y))  # type: ignore[no-any-return]
+        out: Tensor = self.resid_drop(self.out_proj(y))
+        return out
 
 
 class MLP(nn.Module):
@@ -112,7 +114,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.fc_out(F.gelu(self.fc_in(x))))  # type: ignore[no-any-return]
+        out: Tensor = self.drop(self.fc_out(F.gelu(self.fc_in(x))))
+        return out
 
 
 class Block(nn.Module):
@@ -127,7 +130,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
+        out: Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class Head(nn.Module):
@@ -139,7 +143,8 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.ln_f(x))  # type: ignore[no-any-return]
+        out: Tensor = self.lm_head(self.ln_f(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -173,7 +178,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)  # type: ignore[no-any-return]
+        out: Tensor = self.head(x)
+        return out
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of the logits for ``idx`` against ``targets``."""

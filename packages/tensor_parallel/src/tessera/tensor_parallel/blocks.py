@@ -111,7 +111,8 @@ class ParallelMLP(nn.Module):
         )
         h = self.fc_in(x)
         end_region([self.fc_in])
-        return self.drop(self.fc_out(F.gelu(h)))  # type: ignore[no-any-return]
+        out: Tensor = self.drop(self.fc_out(F.gelu(h)))
+        return out
 
 
 class ParallelSelfAttention(nn.Module):
@@ -167,4 +168,5 @@ class ParallelSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.resid_drop(self.out_proj(y))  # type: ignore[no-any-return]
+        out: Tensor = self.resid_drop(self.out_proj(y))
+        return out

@@ -18,14 +18,14 @@ whole blocks (grouped-query attention's K/V heads) fewer than the ranks holds on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, overlappable, split_along
+from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.heads import block_shard_range
 from tessera.tensor_parallel.init import linear_weights
 from tessera.tensor_parallel.overlap import Region, Slot, overlaps, summed_linear
@@ -67,8 +67,8 @@ class _SumCopies(torch.autograd.Function):
     its block's slot, zeros elsewhere: exact, and every copy gets the same sum)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
-        ctx.group, ctx.block, ctx.blocks = group, block, blocks  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
+        ctx.group, ctx.block, ctx.blocks = group, block, blocks
         return x.view_as(x)
 
     @staticmethod
@@ -81,7 +81,7 @@ class _SumCopies(torch.autograd.Function):
 def sum_copy_grads(x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
     """``x`` unchanged; in backward its gradient is summed over the ranks of ``group`` that
     pass the same ``block`` of ``blocks`` (all-reduces ``blocks`` times the gradient's bytes)."""
-    return cast(Tensor, _SumCopies.apply(x, group, block, blocks))  # type: ignore[no-untyped-call]
+    return apply_function(_SumCopies, x, group, block, blocks)
 
 
 def _param(t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:

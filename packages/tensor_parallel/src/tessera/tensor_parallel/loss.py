@@ -12,14 +12,14 @@ collectives).
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Group, all_reduce, group_rank, group_size
+from tessera.comm.ops import apply_function
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -28,7 +28,7 @@ Reduction = Literal["mean", "sum", "none"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, logits: Tensor, targets: Tensor, group: Group, ignore_index: int) -> Tensor:
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, group: Group, ignore_index: int) -> Tensor:
         x = logits.float()
         local_vocab = x.shape[-1]
         start = group_rank(group) * local_vocab
@@ -45,7 +45,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = (sum_exp.log() - target_logit) * valid
         exp.div_(sum_exp.unsqueeze(-1))  # softmax over the whole vocabulary, this rank's columns
         ctx.save_for_backward(exp, safe, mine, valid)
-        ctx.dtype = logits.dtype  # type: ignore[attr-defined]
+        ctx.dtype = logits.dtype
         return loss
 
     @staticmethod
@@ -83,10 +83,7 @@ def vocab_parallel_cross_entropy(
         x, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
         out = F.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
         return (out.view(targets.shape) if reduction == "none" else out).to(logits.dtype)
-    per_token = cast(
-        Tensor,
-        _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index),  # type: ignore[no-untyped-call]
-    )
+    per_token = apply_function(_VocabParallelCrossEntropy, logits, targets, group, ignore_index)
     if reduction == "none":
         return per_token.to(logits.dtype)
     total = per_token.sum()

@@ -44,7 +44,7 @@ running while the next piece is computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import Node
 
 from tessera.comm import Group, Handle, all_gather, all_reduce_async, reduce_scatter_async
+from tessera.comm.ops import apply_function
 
 __all__ = ["Region", "Slot", "overlaps", "summed_linear"]
 
@@ -77,7 +78,7 @@ class Slot:
         """``F.linear(x, weight, bias)`` whose weight and bias gradients the region computes."""
         bias = None if self.bias is None else self.bias.detach()
         self.region.readers += 1
-        return cast(Tensor, _DeferredLinear.apply(x, self.weight.detach(), bias, self))  # type: ignore[no-untyped-call]
+        return apply_function(_DeferredLinear, x, self.weight.detach(), bias, self)
 
     def grads(self) -> tuple[Tensor | None, Tensor | None]:
         """The weight and bias gradients of the kept calls (None for a linear never reached)."""
@@ -126,7 +127,7 @@ class Region:
 
     def enter(self, x: Tensor) -> Tensor:
         """``x`` inside the region: the tensor the slots' linears must read."""
-        waited = cast(Tensor, _Wait.apply(x, self))  # type: ignore[no-untyped-call]
+        waited = apply_function(_Wait, x, self)
         # the views made after _Wait run before it in backward: gradients land while in flight
         params = [
             t.view_as(t) if t.requires_grad else t
@@ -134,8 +135,8 @@ class Region:
             for t in (s.weight, s.bias)
             if t is not None
         ]
-        kept = cast(Tensor, _WeightGrads.apply(waited, self, *params))  # type: ignore[no-untyped-call]
-        self.input = cast(Tensor, _Start.apply(kept, self))  # type: ignore[no-untyped-call]
+        kept = apply_function(_WeightGrads, waited, self, *params)
+        self.input = apply_function(_Start, kept, self)
         return self.input
 
     def close(self) -> None:
@@ -165,9 +166,9 @@ class Region:
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, slot: Slot) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, slot: Slot) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.slot = slot  # type: ignore[attr-defined]
+        ctx.slot = slot
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -179,8 +180,8 @@ class _DeferredLinear(torch.autograd.Function):
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, region: Region) -> Tensor:
-        ctx.region = region  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, region: Region) -> Tensor:
+        ctx.region = region
         return x.view_as(x)
 
     @staticmethod
@@ -190,8 +191,8 @@ class _Start(torch.autograd.Function):
 
 class _WeightGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, region: Region, *params: Tensor) -> Tensor:
-        ctx.region = region  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, region: Region, *params: Tensor) -> Tensor:
+        ctx.region = region
         return x.view_as(x)
 
     @staticmethod
@@ -216,8 +217,8 @@ def _will_run(node: Node | None) -> bool:
 
 class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, region: Region) -> Tensor:
-        ctx.region = region  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, region: Region) -> Tensor:
+        ctx.region = region
         return region.gather(x)
 
     @staticmethod
@@ -248,8 +249,7 @@ def summed_linear(x: Tensor, weight: Tensor, group: Group, chunks: int) -> Tenso
     rows = x.reshape(-1, x.shape[-1])
     handles: list[Handle[Tensor]] = []
     pieces = [
-        cast(Tensor, _StartSum.apply(F.linear(piece, weight), group, handles))  # type: ignore[no-untyped-call]
-        for piece in rows.chunk(chunks)
+        apply_function(_StartSum, F.linear(piece, weight), group, handles) for piece in rows.chunk(chunks)
     ]
     for handle in handles:
         handle.wait()

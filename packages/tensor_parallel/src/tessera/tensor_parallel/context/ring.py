@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Group, Handle, group_rank, group_size, ring_shift_async, share_memory
+from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.context.kernels import block_backward, block_forward
 from tessera.tensor_parallel.context.layout import Layout, local_positions
 
@@ -175,7 +175,7 @@ def _shift(x: Tensor, ring: _Ring, step: int) -> Handle[Tensor] | None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -205,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = handle.wait()
         assert out is not None and lse is not None  # step 0 is this rank's own block: never skipped
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring  # type: ignore[attr-defined]
+        ctx.ring = ring
         return out.to(q.dtype)
 
     @staticmethod
@@ -263,5 +263,4 @@ def ring_attention(
     """
     check_heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    fn = cast(Any, _RingAttention).apply
-    return cast(Tensor, fn(q, k, v, group, causal, Layout(layout), scale))
+    return apply_function(_RingAttention, q, k, v, group, causal, Layout(layout), scale)

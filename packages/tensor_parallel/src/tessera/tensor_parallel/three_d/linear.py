@@ -35,13 +35,13 @@ exact (blocks never pad); the 3D bound O(|.|/q**2) per rank, against 2D's O(|.|/
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import all_gather, all_gather_along, reduce_scatter
+from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.three_d.cube import Cube3D, CubeShardSpec, check_cube_divisible
 
 __all__ = [
@@ -74,12 +74,12 @@ def bias_spec(swapped: bool) -> CubeShardSpec:
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, w: Tensor, cube: Cube3D, swapped: bool) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, cube: Cube3D, swapped: bool) -> Tensor:
         g, s = linear_axes(swapped)
         xg = all_gather(x, cube.group(g), 0)  # batch block b, in block s
         wg = all_gather(w, cube.weight, 0)  # (out/q, in/q): out block g, in block s
         ctx.save_for_backward(xg, wg)
-        ctx.cube, ctx.swapped = cube, swapped  # type: ignore[attr-defined]
+        ctx.cube, ctx.swapped = cube, swapped
         return reduce_scatter(xg @ wg.t(), cube.group(s), 0)  # partial over in-block s, summed
 
     @staticmethod
@@ -101,7 +101,7 @@ def linear_3d(x: Tensor, weight: Tensor, cube: Cube3D, *, swapped: bool = False)
     """``x @ weight.T`` of the serial tensors from this rank's blocks (see the module):
     ``x`` (batch/q^2, ..., in/q) in the stream layout (branch if ``swapped``), ``weight``
     (out/q^2, in/q); the result (batch/q^2, ..., out/q) is in the other layout."""
-    return cast(Tensor, _Linear3D.apply(x, weight, cube, swapped))  # type: ignore[no-untyped-call]
+    return apply_function(_Linear3D, x, weight, cube, swapped)
 
 
 def gather_bias(bias: Tensor, cube: Cube3D, *, swapped: bool) -> Tensor:

@@ -17,13 +17,13 @@ and reduce-scatters of ``2|w|/q``.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Group, all_gather_along, all_reduce
+from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
 __all__ = ["NORM_SPEC", "LayerNorm2D", "normalize_2d"]
@@ -33,7 +33,7 @@ NORM_SPEC = GridShardSpec(i_dim=0, j_dim=0)  # q*q chunks, rank (i, j) holds chu
 
 class _Normalize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, hidden: int, eps: float, row: Group) -> Tensor:
+    def forward(ctx: Any, x: Tensor, hidden: int, eps: float, row: Group) -> Tensor:
         xf = x.float()
         mean = all_reduce(xf.sum(-1, keepdim=True), row, inplace=True) / hidden
         centred = xf - mean
@@ -41,7 +41,7 @@ class _Normalize(torch.autograd.Function):
         rstd = (var + eps).rsqrt()
         xhat = centred * rstd
         ctx.save_for_backward(xhat, rstd)
-        ctx.hidden, ctx.row, ctx.dtype = hidden, row, x.dtype  # type: ignore[attr-defined]
+        ctx.hidden, ctx.row, ctx.dtype = hidden, row, x.dtype
         return xhat.to(x.dtype)
 
     @staticmethod
@@ -56,7 +56,7 @@ class _Normalize(torch.autograd.Function):
 def normalize_2d(x: Tensor, hidden: int, row: Group, *, eps: float = 1e-5) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over a hidden of size ``hidden`` split over ``row``
     (``x`` holds this rank's block of it, last dim); statistics in fp32, result in x's dtype."""
-    return cast(Tensor, _Normalize.apply(x, hidden, eps, row))  # type: ignore[no-untyped-call]
+    return apply_function(_Normalize, x, hidden, eps, row)
 
 
 class LayerNorm2D(nn.Module):

@@ -38,13 +38,13 @@ forward, twice that backward (re-broadcasts plus the reduces). Exact: blocks nev
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import Handle, all_gather_along, broadcast_async, reduce_scatter_async
+from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
 __all__ = ["BIAS_SPEC", "WEIGHT_SPEC", "Linear2D", "check_linear_2d", "summa_matmul"]
@@ -75,9 +75,9 @@ def _wait(handle: Handle[Tensor] | None) -> Tensor | None:
 
 class _Summa(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, w: Tensor, grid: Grid2D) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, grid: Grid2D) -> Tensor:
         ctx.save_for_backward(x, w)
-        ctx.grid = grid  # type: ignore[attr-defined]
+        ctx.grid = grid
         x2 = x.reshape(-1, x.shape[-1])
         y = x2.new_zeros(x2.shape[0], w.shape[0])
 
@@ -121,7 +121,7 @@ def summa_matmul(x: Tensor, weight: Tensor, grid: Grid2D) -> Tensor:
     """``Y_ij = sum_k X_ik W_kj`` (``x @ weight.T`` of the serial tensors) from this rank's blocks:
     ``x`` (..., in/q) and ``weight`` (out/q, in/q) in nn.Linear layout; see the module for what
     forward and backward move."""
-    return cast(Tensor, _Summa.apply(x, weight, grid))  # type: ignore[no-untyped-call]
+    return apply_function(_Summa, x, weight, grid)
 
 
 class Linear2D(nn.Module):
