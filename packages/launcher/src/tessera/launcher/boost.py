@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +41,7 @@ from tessera.launcher.spec import (
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import Plan, PlanLike, context_parallelize, parallelize, shard_specs
-from tessera.zero import ChunkConfig, ZeroOptimizer
+from tessera.zero import ChunkConfig, Precision, ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
 
@@ -259,7 +259,7 @@ def boost(
         stage=config.zero.stage,
         group=data_group,
         average_over=mesh.size("dp"),
-        precision=config.train.precision,  # type: ignore[arg-type]
+        precision=cast(Precision, config.train.precision),  # Config.check admits only these
         offload=config.zero.offload,
         clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
         norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],

@@ -31,6 +31,7 @@ from tessera.launcher.config_io import (
     config_to_toml,
     resolve_config,
 )
+from tessera.launcher import netif
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
 from tessera.launcher.plan.auto import auto_launch
 from tessera.launcher.plan.command import add_arguments as add_plan_arguments
@@ -144,7 +145,10 @@ def build_torchrun_argv(plan: NodePlan, *, log_dir: str, target: Sequence[str]) 
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={plan.rdzv_endpoint}",
             f"--rdzv-id={plan.rdzv_id}",
+            # node 0 hosts the store (``netif``): torch would match the endpoint to the hostname
+            f"--rdzv-conf=is_host={int(plan.node_rank == 0)}",
         ]
+        argv += [f"--local-addr={plan.local_addr}"] if plan.local_addr else []
     argv += [f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0"]
     return [*argv, "-m", "tessera.launcher.worker", *target]
 
@@ -187,6 +191,8 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
     errors = preflight(config, main_job=main_job)
+    if not args.dry_run and not errors:
+        plan, errors = _place_node(plan)
     if errors:
         return _fail(errors)
     log_dir = args.log_dir or os.path.join(config.train.run_dir, "logs")
@@ -218,6 +224,28 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         log_dir=log_dir,
         loopback_port=endpoint_port(plan.rdzv_endpoint) if loopback else None,
     )
+
+
+def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
+    """Several nodes: node 0 hosts the rendezvous, so it must own the endpoint's address; each
+    node advertises its address on the route to the endpoint (torch would take the hostname's),
+    and gloo uses that interface unless GLOO_SOCKET_IFNAME is set."""
+    if plan.source == "local":
+        return plan, []
+    host = plan.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    if netif.resolve(host) is None:
+        return plan, [f"--rdzv-endpoint {plan.rdzv_endpoint}: {host!r} does not resolve to an address"]
+    if plan.node_rank == 0 and not netif.owns_address(host):
+        return plan, [
+            f"--rdzv-endpoint {plan.rdzv_endpoint} is not an address of this machine, but node rank 0 "
+            "hosts the rendezvous: give node 0's own address or name"
+        ]
+    source = netif.route_source(host)
+    name = None if source is None else netif.interface_of(source)
+    if name is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        _say(f"node {plan.node_rank}: gloo uses {name} ({source}), the interface that reaches {host}")
+    return dataclasses.replace(plan, local_addr=source), []
 
 
 def _spawn(
@@ -277,10 +305,10 @@ def _attempt(
                 endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
                 plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
             argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
-            torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
+            torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]  # torch: run() unannotated
     except ChildFailedError as exc:
         if not watchdog.fired:
-            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]  # torch: format_msg unannotated
         return 1, not watchdog.fired
     except (KeyboardInterrupt, SignalException) as exc:
         _say(f"interrupted ({exc}); every rank was stopped")

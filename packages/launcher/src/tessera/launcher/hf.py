@@ -12,6 +12,7 @@ transformers; building the Llama blocks does.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ class _Layer(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         out = self.layer(h)
-        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+        hidden: Tensor = out[0] if isinstance(out, tuple) else out
+        return hidden
 
 
 class _Head(nn.Module):
@@ -62,7 +64,8 @@ class _Head(nn.Module):
 def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
     """``[embedding, *h, ln_f + lm_head]`` of a ``GPT2LMHeadModel``."""
     t: Any = model.transformer
-    return [_GPT2Embedding(t), *(_Layer(block) for block in t.h), _Head(t.ln_f, model.lm_head)]  # type: ignore[arg-type]
+    head = _Head(t.ln_f, model.get_submodule("lm_head"))
+    return [_GPT2Embedding(t), *(_Layer(block) for block in t.h), head]
 
 
 class _LlamaLayer(nn.Module):
@@ -84,7 +87,8 @@ class _LlamaLayer(nn.Module):
     def _positions_of_attention(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        from transformers.masking_utils import create_causal_mask  # type: ignore[import-not-found,unused-ignore]
+        # an optional dependency, reached untyped (mypy may run without it)
+        create_causal_mask = importlib.import_module("transformers.masking_utils").create_causal_mask
 
         h = args[0] if args else kwargs["hidden_states"]
         pos = _positions(h)
@@ -94,11 +98,12 @@ class _LlamaLayer(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         out = self.layer(h)
-        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+        hidden: Tensor = out[0] if isinstance(out, tuple) else out
+        return hidden
 
 
 def llama_blocks(model: nn.Module) -> list[nn.Module]:
     """``[embed_tokens, *layers, norm + lm_head]`` of a ``LlamaForCausalLM``."""
     inner: Any = model.model
     layers = [_LlamaLayer(layer, inner.rotary_emb, inner.config) for layer in inner.layers]
-    return [inner.embed_tokens, *layers, _Head(inner.norm, model.lm_head)]  # type: ignore[arg-type]
+    return [inner.embed_tokens, *layers, _Head(inner.norm, model.get_submodule("lm_head"))]

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 __all__ = ["loopback_rendezvous", "loopback_store"]
@@ -33,7 +33,7 @@ def loopback_store(port: int = 0) -> Any:
     sock.bind((LOOPBACK, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    return dist.TCPStore(  # type: ignore[attr-defined]
+    return TCPStore(
         LOOPBACK,
         port,
         is_master=True,
@@ -48,15 +48,16 @@ def loopback_rendezvous(port: int = 0) -> Iterator[str]:
     """Yield a ``127.0.0.1:PORT`` rendezvous endpoint whose stores listen on loopback only
     (``port`` 0: any free one)."""
     keep = [loopback_store(port)]  # stores live as long as the context: the agent reuses them
-    original = DynamicRendezvousHandler._create_tcp_store_server
+    handler: Any = DynamicRendezvousHandler  # its private method is patched: reached untyped
+    original = handler._create_tcp_store_server
 
     def create(self: DynamicRendezvousHandler, master_addr: str, master_port: int) -> Any:
         keep.append(loopback_store())
         return keep[-1]
 
-    DynamicRendezvousHandler._create_tcp_store_server = create  # type: ignore[method-assign]
+    handler._create_tcp_store_server = create
     try:
         yield f"{LOOPBACK}:{keep[0].port}"
     finally:
-        DynamicRendezvousHandler._create_tcp_store_server = original  # type: ignore[method-assign]
+        handler._create_tcp_store_server = original
         keep.clear()

@@ -59,6 +59,7 @@ def _collective_worker(
 ) -> None:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import FileStore  # dist.FileStore, typed
 
     from tessera.comm import all_reduce, all_to_all, batch_isend_irecv, share_memory
 
@@ -66,7 +67,7 @@ def _collective_worker(
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun says: waits poll as in a job
     if op == "gloo_all_reduce":
         os.environ["TESSERA_SHM"] = "0"
-    store = dist.FileStore(path, world)  # type: ignore[attr-defined]
+    store = FileStore(path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         share_memory(None)  # as the pipeline runtime does: messages take the host's shared memory
@@ -181,7 +182,7 @@ def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) 
     idx, targets = make_batch(cfg, rows, seed=0)
 
     def step() -> None:
-        model.loss(idx, targets).backward()  # type: ignore[no-untyped-call]
+        torch.autograd.backward(model.loss(idx, targets))  # Tensor.backward is unannotated
 
     seconds = _median(step, 10)
     spec = ModelShape(layers=layers, hidden=hidden, heads=4, vocab=128, seq=seq, batch=rows)
@@ -217,7 +218,7 @@ def _split_overhead(layers: int = 3, hidden: int = 128, seq: int = 64, rows: int
             _, weights = backward_input(out, None, x, params, nodes)
             weights.run()
         else:
-            out.backward()  # type: ignore[no-untyped-call]
+            torch.autograd.backward(out)
         return time.perf_counter() - t0
 
     for _ in range(3):  # warm up both
