@@ -88,7 +88,7 @@ class GradReducer:
             for flat in self.flats:
                 for p in flat.params:
                     self._handles.append(
-                        p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
+                        p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]  # torch: hook API unannotated
                     )
 
     def _hook(self, param: Tensor) -> None:

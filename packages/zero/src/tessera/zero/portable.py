@@ -109,7 +109,8 @@ def _local_shard(zero: PortableZero, store: ChunkStore | None, fi: int, kind: st
     if store is None:
         if kind == "param":
             return flat.master.detach()
-        return zero.optimizer.state[flat.master][kind.removeprefix("optim.")].detach()  # type: ignore[no-any-return]
+        state: Tensor = zero.optimizer.state[flat.master][kind.removeprefix("optim.")]
+        return state.detach()
     shard = torch.empty(flat.layout.shard_numel, dtype=torch.float32, device=flat.device)
     stream = MASTER if kind == "param" else kind.removeprefix("optim.")
     with torch.no_grad():

@@ -130,7 +130,7 @@ class ParamGatherer:
             return
         for t in _tensors(output):
             if t.requires_grad:
-                t.register_hook(  # type: ignore[no-untyped-call]
+                t.register_hook(  # type: ignore[no-untyped-call]  # torch: Tensor.register_hook unannotated
                     lambda grad, m=module: self._runner.run(self._pre_backward, m)
                 )
 
