@@ -16,7 +16,7 @@ from tessera.zero import DynamicLossScaler, clip_coefficient, default_units
 from tessera.zero.flat import FlatLayout, bucketize
 from tessera.zero.precision import compute_dtype
 from tessera.zero.units import assign_params
-from tessera.zero.validate import ZeroConfig
+from tessera.zero.validate import ZeroOptions
 
 NUMELS = st.lists(st.integers(0, 300), min_size=1, max_size=12)
 
@@ -127,11 +127,11 @@ def test_clip_coefficient_matches_clip_grad_norm(norm: float, max_norm: float) -
 
 def test_config_errors_name_the_values() -> None:
     with pytest.raises(ValueError, match=r"stage must be 0 \(plain data parallelism\), 1, 2 or 3, got 4"):
-        ZeroConfig(4)
+        ZeroOptions(4)
     with pytest.raises(ValueError, match="'fp8'"):
-        ZeroConfig(1, "fp8")
+        ZeroOptions(1, "fp8")
     with pytest.raises(ValueError, match="clip_grad_norm must be > 0 or None, got 0"):
-        ZeroConfig(1, clip_grad_norm=0)
+        ZeroOptions(1, clip_grad_norm=0)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        ZeroConfig(2, bucket_bytes=0)
+        ZeroOptions(2, bucket_bytes=0)
     assert compute_dtype("bf16") == torch.bfloat16

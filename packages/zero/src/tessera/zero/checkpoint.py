@@ -44,7 +44,7 @@ from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.precision import DynamicLossScaler
-from tessera.zero.validate import ZeroConfig
+from tessera.zero.validate import ZeroOptions
 
 __all__ = [
     "FORMAT",
@@ -91,7 +91,7 @@ class Checkpointable(Protocol):
     @property
     def stage(self) -> int: ...
     @property
-    def config(self) -> ZeroConfig: ...
+    def config(self) -> ZeroOptions: ...
     @property
     def scaler(self) -> DynamicLossScaler | None: ...
     @property

@@ -61,7 +61,7 @@ from tessera.zero.portable import full_state_layout, iter_full_state, load_full_
 from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
 from tessera.zero.stage3 import ParamGatherer
 from tessera.zero.units import assign_params, default_units
-from tessera.zero.validate import ZeroConfig, collect_params
+from tessera.zero.validate import ZeroOptions, collect_params
 
 __all__ = ["ZeroOptimizer"]
 
@@ -131,7 +131,7 @@ class ZeroOptimizer:
                 "offload=True and memory=ChunkConfig(...) exclude each other: "
                 "the chunk manager places the host tier itself"
             )
-        self.config = ZeroConfig(stage, precision, offload, clip_grad_norm, bucket_bytes)
+        self.config = ZeroOptions(stage, precision, offload, clip_grad_norm, bucket_bytes)
         self.norm_groups = tuple(norm_groups)
         dtype = compute_dtype(precision)
         named, group_of = collect_params(model, optimizer)

@@ -12,7 +12,7 @@ from torch import nn
 
 from tessera.zero.precision import compute_dtype
 
-__all__ = ["ZeroConfig", "collect_params"]
+__all__ = ["ZeroOptions", "collect_params"]
 
 _REFUSED_OPTIMIZERS = {
     "LBFGS": "it re-evaluates a closure and needs whole-model directions, not elementwise shards",
@@ -21,7 +21,7 @@ _REFUSED_OPTIMIZERS = {
 
 
 @dataclass(frozen=True, slots=True)
-class ZeroConfig:
+class ZeroOptions:
     """The validated options of a ZeroOptimizer."""
 
     stage: int
