@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tessera.comm import Axis
+from tessera.launcher import netif
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import (
     HEARTBEAT_ENV,
@@ -31,7 +32,6 @@ from tessera.launcher.config_io import (
     config_to_toml,
     resolve_config,
 )
-from tessera.launcher import netif
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
 from tessera.launcher.plan.auto import auto_launch
 from tessera.launcher.plan.command import add_arguments as add_plan_arguments

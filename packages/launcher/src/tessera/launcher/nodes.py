@@ -26,6 +26,7 @@ class NodePlan:
     rdzv_endpoint: str
     rdzv_id: str
     source: str  # "local", "flags", "hostfile", "slurm" or "openmpi"
+    local_addr: str | None = None  # this node's address on the route to the endpoint (several nodes)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,135 @@
+"""Tier 3: two nodes, each its own network stack (a Linux network namespace), joined by one
+virtual link; the rendezvous endpoint is node 0's IP address, as a user gives it.
+
+The test makes the namespaces itself (``ip netns``, a veth pair, addresses 10.231.<k>.1 and
+.2 that exist only inside them) and removes them after; traffic goes only over that link.
+It needs root and ``ip``; elsewhere it is skipped with the reason. Each node runs ``tessera
+run --nnodes 2 --node-rank K --rdzv-endpoint 10.231.<k>.1:29500`` by hand, as on two
+machines; the losses must equal a one-node run of the same job bit for bit (the same gloo
+collectives over the same ranks: ``TESSERA_SHM=0`` keeps the one-node run off shared memory,
+which the two namespaces of one machine could otherwise share).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+import json, sys
+import torch, torch.distributed as dist
+from tessera.launcher import boost, load_config
+from tessera.models import GPT, GPTConfig, make_batch
+
+config = load_config()
+dist.init_process_group("gloo")
+cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2)
+model = GPT(cfg, seed=0)
+with boost(model, torch.optim.SGD(model.parameters(), lr=0.1), config) as engine:
+    losses = [engine.train_step(*make_batch(cfg, 8, seed=s)).loss for s in range(4)]
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(losses, f)
+dist.destroy_process_group()
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_namespaces() -> Iterator[tuple[str, str, str]]:
+    """Namespaces ``(node0, node1)`` and node 0's address; removed after the test."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and the ip command")
+    k = os.getpid() % 250 + 1
+    names = (f"tessera-n0-{os.getpid()}", f"tessera-n1-{os.getpid()}")
+    veth = (f"tsv{os.getpid()}a"[-15:], f"tsv{os.getpid()}b"[-15:])
+    try:
+        _ip("netns", "add", names[0])
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.skip(f"cannot create a network namespace here: {exc}")
+    try:
+        _ip("netns", "add", names[1])
+        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for i in (0, 1):
+            _ip("link", "set", veth[i], "netns", names[i])
+            _ip("-n", names[i], "addr", "add", f"10.231.{k}.{i + 1}/24", "dev", veth[i])
+            _ip("-n", names[i], "link", "set", "lo", "up")
+            _ip("-n", names[i], "link", "set", veth[i], "up")
+        yield names[0], names[1], f"10.231.{k}.1"
+    finally:
+        for name in names:  # deleting a namespace removes its end of the veth pair, and the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def _tessera(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tessera.launcher.cli", "run", *args]
+
+
+def test_two_nodes_by_ip_train_as_one(tmp_path: Path, two_namespaces: tuple[str, str, str]) -> None:
+    node0, node1, address = two_namespaces
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    env = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank, ns in enumerate((node0, node1)):
+        cmd = _tessera(
+            "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"{address}:29500", "--set", "parallel.dp=2",
+            "--set", f"train.run_dir={tmp_path / f'runs{rank}'}",
+            str(job), str(tmp_path / f"node{rank}.json"),
+        )  # fmt: skip
+        log = open(tmp_path / f"node{rank}.log", "w")  # noqa: SIM115 - closed below
+        procs.append(
+            (subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=log, stderr=log, env=env), log)
+        )
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=240))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    logs = {r: (tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1)}
+    assert codes == [0, 0], f"exit codes {codes}; node logs: {logs}"
+    assert "gloo uses tsv" in logs[0] and "gloo uses tsv" in logs[1], logs
+    one = tmp_path / "one.json"
+    single = _tessera(
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "parallel.dp=2",
+        "--set",
+        f"train.run_dir={tmp_path}/r",
+        str(job),
+        str(one),
+    )
+    done = subprocess.run(single, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "node0.json").read_text()) == json.loads(one.read_text())
+
+
+def test_node_0_must_own_the_endpoint_address(tmp_path: Path) -> None:
+    """Refused before anything starts, in one line (torch would wait for its timeout)."""
+    job = tmp_path / "job.py"
+    job.write_text("")
+    cmd = _tessera("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+                   "--rdzv-endpoint", "192.0.2.7:29500", "--set", "parallel.dp=2", str(job))  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert (
+        "--rdzv-endpoint 192.0.2.7:29500 is not an address of this machine, but node rank 0 hosts"
+        in done.stderr
+    )
