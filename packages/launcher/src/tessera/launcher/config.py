@@ -70,7 +70,7 @@ class ParallelConfig:
             pp=self.pp,
             tp=self.tp,
             sp=self.sp,
-            tp_mode=mode,  # type: ignore[arg-type]
+            tp_mode=mode,  # type: ignore[arg-type]  # a bad name on purpose: Topology refuses it by name
             depth=self.tp_depth,
         )
 
