@@ -18,24 +18,22 @@ collective. So that a rank whose inputs need no gradient still takes part in the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from tessera.comm import all_to_all, all_to_all_rows, group_size
+from tessera.comm.ops import apply_function
 
 __all__ = ["Exchange", "combine", "dispatch", "exchange_rows", "plan_exchange"]
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
-    ) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group  # type: ignore[attr-defined]
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
         return all_to_all_rows(x, send, recv, group)
 
     @staticmethod
@@ -48,7 +46,7 @@ def exchange_rows(x: Tensor, send: list[int], recv: list[int], group: dist.Proce
     ``recv[j]`` from it; backward sends the gradients of the received rows back."""
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()  # take part in the backward (module docstring)
-    return cast(Tensor, _AllToAllRows.apply(x, send, recv, group))  # type: ignore[no-untyped-call]
+    return apply_function(_AllToAllRows, x, send, recv, group)
 
 
 @dataclass(frozen=True, slots=True)
