@@ -241,6 +241,8 @@ def _compare(serial: Curve, ranks: list[Curve]) -> None:
     [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES] + [("hf-llama", "2d"), ("hf-gpt2", "2d")],
 )
 def test_role_plan_follows_serial(model_name: str, mode: str) -> None:
+    if model_name.startswith("hf-"):  # skip before the ranks start: a rank's skip logs as its traceback
+        pytest.importorskip("transformers", reason=f"transformers missing: {model_name} NOT tested")
     out: list[Any] = run_threaded(MODES[mode]["tp"], _parallel, model_name, mode)  # type: ignore[arg-type]
     _compare(_serial(MODELS[model_name][0]), out)
 
