@@ -44,6 +44,12 @@ DTYPES: dict[torch.dtype, str] = {
     torch.int16: "I16",
     torch.int8: "I8",
     torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
     torch.bool: "BOOL",
 }
 _BY_NAME = {v: k for k, v in DTYPES.items()}
@@ -165,19 +171,25 @@ def sha256_file(path: Path) -> str:
 
 
 class SafeFile:
-    """The header of a safetensors file, and reads of element ranges of its tensors."""
+    """The header of a safetensors file, and reads of element ranges of its tensors. With
+    ``data`` (the file's bytes, already read), the header is parsed from them, not the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, data: bytes | None = None) -> None:
         self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= min(_MAX_HEADER, size - 8):
-                raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as exc:
-                raise ValueError(f"{path}: the safetensors header is not JSON ({exc})") from None
+        if data is None:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                raw = f.read(n) if 2 <= n <= min(_MAX_HEADER, size - 8) else b""
+        else:
+            size, n = len(data), int.from_bytes(data[:8], "little")
+            raw = data[8 : 8 + n]
+        if not 2 <= n <= min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+        try:
+            header = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}: the safetensors header is not JSON ({exc})") from None
         if not isinstance(header, dict):
             raise ValueError(f"{path}: the safetensors header is not a JSON object")
         self.data_start = 8 + n
@@ -219,7 +231,7 @@ class SafeFile:
                 f"{self.path}: cannot read {out.numel()} {out.dtype} elements at {start} of {name} "
                 f"({e.numel} {e.dtype})"
             )
-        view = tensor_bytes(out) if out.numel() else memoryview(b"")
+        view = tensor_bytes(out) if out.numel() else memoryview(bytearray())
         f.seek(self.data_start + e.begin + start * e.dtype.itemsize)
         if f.readinto(view) != len(view):
             raise ValueError(f"{self.path}: {name} is cut short")

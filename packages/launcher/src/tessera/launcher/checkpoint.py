@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
+from tessera.comm.safefile import SafeFile
 from tessera.launcher.config import Config
 from tessera.launcher.generations import (
     FORMAT,
@@ -248,8 +249,7 @@ def _check(
             raise ValueError(f"{gen / rel} does not match its checksum in {MANIFEST}")
     if own.name not in share and own_sum != manifest["files"].get(own.name):
         raise ValueError(f"{own} does not match its checksum in {MANIFEST}")
-    with safetensors.safe_open(str(own), "pt") as f:
-        header: dict[str, Any] = json.loads(f.metadata()["tessera"])
+    header: dict[str, Any] = json.loads(SafeFile(own, data).metadata["tessera"])
     if header["step"] != manifest["step"]:
         raise ValueError(f"{gen / MANIFEST} says step {manifest['step']}, {own.name} step {header['step']}")
     return gen, manifest, safetensors.torch.load(data), header
@@ -278,8 +278,8 @@ def _check_portable(
     if header["step"] != manifest["step"]:
         saved = manifest["step"]
         raise ValueError(f"{gen / MANIFEST} says step {saved}, its portable state step {header['step']}")
-    with safetensors.safe_open(str(gen / "rank-00000.safetensors"), "pt") as f:
-        header["scheduler"] = json.loads(f.metadata()["tessera"])["scheduler"]
+    first = SafeFile(gen / "rank-00000.safetensors")
+    header["scheduler"] = json.loads(first.metadata["tessera"])["scheduler"]
     return gen, manifest, state, header
 
 

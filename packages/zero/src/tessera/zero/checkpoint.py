@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from tessera.comm import Group, all_gather, group_rank
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
+from tessera.comm.safefile import SafeFile
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.precision import DynamicLossScaler
 from tessera.zero.validate import ZeroOptions
@@ -297,20 +298,13 @@ def _check_meta(zero: Checkpointable, meta: dict[str, Any], path: Path) -> None:
         )
 
 
-def _header(data: bytes) -> dict[str, Any]:
-    size = int.from_bytes(data[:8], "little")
-    header: dict[str, Any] = json.loads(data[8 : 8 + size])
-    meta = header.get("__metadata__") or {}
-    extra: dict[str, Any] = json.loads(meta.get(HEADER_KEY, "{}"))
-    return extra
-
-
 def _open_flat_rank(zero: Checkpointable) -> RankOpener:
     def open_rank(file: Path, sha256: str) -> Callable[[], None]:
         data = file.read_bytes()
         if hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
-        tensors, extra = safetensors.torch.load(data), _header(data)
+        tensors = safetensors.torch.load(data)
+        extra: dict[str, Any] = json.loads(SafeFile(file, data).metadata.get(HEADER_KEY, "{}"))
         return lambda: _apply_flat(zero, tensors, extra)
 
     return open_rank
