@@ -4,8 +4,9 @@ Inside a script started by ``tessera run``, ``load_config()`` returns the config
 launcher resolved and validated; ``boost(model, optimizer, config)`` composes TP, PP and
 ZeRO / DP into an `Engine` that trains, evaluates, saves, loads and consolidates.
 
-``boost``, ``Engine``, ``StepOutput``, ``Diverged`` and the model contract (``ModelSpec``,
-``model_spec``, ``register_model_spec``) are imported on first use (PEP 562),
+``boost``, ``Engine``, ``StepOutput``, ``Diverged``, the model contract (``ModelSpec``,
+``model_spec``, ``register_model_spec``) and deferred initialization
+(``deferred_parameters``, ``init_by_name``) are imported on first use (PEP 562),
 so that the launcher validates a configuration without importing torch.
 """
 
@@ -26,6 +27,7 @@ from tessera.launcher.config_io import ConfigError, load_config, resolve_config
 
 if TYPE_CHECKING:
     from tessera.launcher.boost import boost
+    from tessera.launcher.deferred import deferred_parameters, init_by_name
     from tessera.launcher.engine import Diverged, Engine, StepOutput
     from tessera.launcher.spec import ModelSpec, model_spec, register_model_spec
 
@@ -46,6 +48,8 @@ __all__ = [
     "TrainConfig",
     "ZeroConfig",
     "boost",
+    "deferred_parameters",
+    "init_by_name",
     "load_config",
     "model_spec",
     "register_model_spec",
@@ -53,4 +57,4 @@ __all__ = [
 ]
 
 if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as imported above
-    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "engine", "spec"))
+    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "deferred", "engine", "spec"))

@@ -13,6 +13,7 @@ under context parallelism, whose ranks hold partial sums of one replica's gradie
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -23,9 +24,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Mesh
+from tessera.comm import Mesh, TPMode
 from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.config import Config
+from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
@@ -154,6 +156,7 @@ def boost(
     example: Tensor | None = None,
     scheduler_fn: Any = None,
     verify: bool | None = None,
+    init: InitFn | None = None,
 ) -> Engine:
     """Compose dp x pp x tp x sp x ZeRO for any ``model`` per ``config``; collective over the
     default process group.
@@ -165,7 +168,9 @@ def boost(
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
     of the same model and refuse to train on a mismatch (None: ``train.verify``; see
-    ``tessera.launcher.verify``).
+    ``tessera.launcher.verify``). A model built by ``deferred_parameters`` (parameters on the
+    meta device) is materialized here, each rank only what it holds (``deferred``), by
+    ``init(name, module)`` (default ``deferred.default_init``) seeded by ``train.seed``.
     """
     errors = config.validate(model=False)  # [model] is the main job's; this model is checked itself
     if errors:
@@ -181,6 +186,11 @@ def boost(
     spec = spec if spec is not None else model_spec(model)
     verify = config.train.verify if verify is None else verify
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
+    serial = None
+    if has_deferred(model):  # built by ``deferred_parameters``: kept as meta, before tp converts it
+        if topology.tp_mode is not TPMode.ONE_D and tp > 1:
+            raise ValueError(f"deferred initialization works with tp_mode 1d, not {topology.tp_mode.value}")
+        serial = copy.deepcopy(model)
     if pp > 1:  # checked on the serial model, before anything changes it
         serial_blocks = pipeline_blocks(model, spec)
         if len(serial_blocks) < pp * p.virtual_stages:
@@ -209,6 +219,18 @@ def boost(
             cores=spec.attention_cores,
             positions=spec.positions or _position_roles(plan if plan is not None else spec.roles),
         )
+    if serial is not None:  # deferred: this rank's parameters only, as an eager build would have them
+        held = None
+        if pp > 1:
+            blocks = pipeline_blocks(model, spec)
+            schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
+            cut = stage_modules(blocks, partition_by_params(blocks, schedule=schedule), mesh.coordinate("pp"))
+            held = {id(param) for stage in cut.values() for param in stage.parameters()}
+        made = materialize(
+            serial, model, seed=config.train.seed, device=mesh.device, init=init,
+            holds=lambda param: held is None or id(param) in held,
+        )  # fmt: skip
+        log.info("deferred initialization: this rank made %d parameter elements", made)
     if config.train.activation_checkpointing:
         path = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
         checkpoint_layers(list(model.get_submodule(path).children()))

@@ -1,0 +1,152 @@
+"""A model built without parameter storage, materialized by each rank for its own part.
+
+``deferred_parameters()`` builds ``Llamaish`` (rotary tables as buffers, RMSNorm ``scale``
+without ``reset_parameters``: given an ``init``), ``GPT2ish`` (the head tied to the token
+embedding) and a Hugging Face Llama from config (its ``_init_weights``) with every parameter
+on the meta device. ``boost`` materializes what the rank holds after tensor parallelism and
+the pipeline cut. The result must equal the same model built eagerly and initialized by
+``init_by_name`` with the same seed, element for element (``torch.equal``: each value is
+computed once, on the host, the same way, and sliced; no arithmetic differs), and the first
+training losses must equal those of the eager model boosted the same way (exactly: the
+same layout runs the same operations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.deferred import deferred_parameters, init_by_name
+from tessera.models import ForeignConfig, GPT2ish, Llamaish
+
+VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
+SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
+ROLES = {
+    "tok_embeddings": "vocab", "layers.*.attn_norm": "norm", "layers.*.attn": "attention",
+    "layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise", "layers.*.ffn_norm": "norm", "layers.*.ffn": "region",
+    "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
+    "norm": "norm", "output": "head",
+}  # fmt: skip
+
+
+def init(name: str, module: nn.Module) -> None:
+    """A user's init: the layers' own, RMSNorm gains at 1 plus a little noise (so a wrong
+    slice or a lost value shows)."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        for p in module.parameters(recurse=False):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape))
+
+
+def _build(kind: str, deferred: bool) -> nn.Module:
+    def make() -> nn.Module:
+        if kind == "llamaish":
+            return Llamaish(SIZES, seed=0)
+        if kind == "gpt2ish":
+            return GPT2ish(SIZES, seed=0)
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    if not deferred:
+        return make()
+    with deferred_parameters():
+        return make()
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _run(rank: int, kind: str, deferred: bool, config: Config) -> tuple[dict[str, Tensor], list[float]]:
+    model = _build(kind, deferred)
+    fn = None if kind == "hf-llama" else init
+    if not deferred:
+        init_by_name(model, SEED, fn)
+    else:
+        assert all(p.is_meta for p in model.parameters())
+    plan = ROLES if kind == "llamaish" else None
+    with boost(model, torch.optim.SGD(model.parameters(), lr=0.5), config, plan=plan, init=fn) as engine:
+        weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
+        losses = [engine.train_step(*_batch(step)).loss for step in range(2)]
+    return weights, losses
+
+
+def _config(parallel: ParallelConfig, **zero: Any) -> Config:
+    c = Config(parallel=parallel, zero=ZeroConfig(**zero), train=TrainConfig(precision="fp32", seed=SEED))
+    return dataclasses.replace(c, data=dataclasses.replace(c.data, batch_size=BATCH))
+
+
+P = ParallelConfig
+CASES = {
+    "llamaish-tp2": ("llamaish", P(tp=2), {}),
+    "llamaish-pp2": ("llamaish", P(pp=2, microbatches=2, schedule="1f1b"), {}),
+    "llamaish-dp2-zero3": ("llamaish", P(dp=2), {"stage": 3}),
+    "llamaish-dp2-zero2-disk": ("llamaish", P(dp=2), {"stage": 2, "disk_dir": "DISK", "chunk_numel": 512}),
+    "llamaish-pp2-tp2": ("llamaish", P(pp=2, tp=2, microbatches=2, schedule="1f1b"), {}),
+    "gpt2ish-tied-pp2": ("gpt2ish", P(pp=2, microbatches=2, schedule="1f1b"), {}),
+    "hf-llama-tp2": ("hf-llama", P(tp=2), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deferred_equals_eager(worker_pools: PoolFactory, tmp_path: Any, case: str) -> None:
+    kind, parallel, zero = CASES[case]
+    if kind == "hf-llama":
+        pytest.importorskip("transformers")
+    zero = {k: (str(tmp_path / "chunks") if v == "DISK" else v) for k, v in zero.items()}
+    config = _config(parallel, **zero)
+    pool = worker_pools(config.world_size)
+    eager = pool.run(_run, kind, False, config, timeout=180)
+    deferred = pool.run(_run, kind, True, config, timeout=180)
+    for rank, ((want, want_losses), (got, got_losses)) in enumerate(zip(eager, deferred, strict=True)):
+        assert got.keys() == want.keys(), f"rank {rank}: {sorted(got.keys() ^ want.keys())}"
+        wrong = [n for n in want if not torch.equal(got[n], want[n])]
+        assert not wrong, f"rank {rank}: deferred values differ from eager for {wrong}"
+        assert got_losses == want_losses, f"rank {rank}: {got_losses} != {want_losses}"
+
+
+def test_parameters_are_meta_and_buffers_real() -> None:
+    with deferred_parameters():
+        model = Llamaish(SIZES, seed=0)
+    assert all(p.is_meta for p in model.parameters())
+    assert all(not b.is_meta for b in model.buffers())
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # the context is over
+
+
+def _refused(rank: int, config: Config) -> str:
+    with deferred_parameters():
+        model = Llamaish(SIZES, seed=0)
+    try:
+        boost(model, torch.optim.SGD(model.parameters(), lr=0.1), config, plan=ROLES)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_module_without_an_init_is_refused_by_name(worker_pools: PoolFactory) -> None:
+    got = worker_pools(2).run(_refused, _config(P(tp=2)))[0]
+    assert "(RMSNorm) holds parameters scale but has no reset_parameters()" in got, got
+
+
+def test_init_by_name_is_reproducible_and_differs_by_seed() -> None:
+    a, b, c = (init_by_name(Llamaish(SIZES, seed=s), seed, init) for s, seed in ((0, 1), (5, 1), (0, 2)))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.output.weight, c.output.weight)
+    loss = F.cross_entropy(a(_batch(0)[0]).flatten(0, 1), _batch(0)[1].flatten())
+    assert 3.0 < float(loss) < 6.0  # a sensible initial loss near log(64)
