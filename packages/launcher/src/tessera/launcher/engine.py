@@ -15,13 +15,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, all_reduce
 from tessera.comm.consensus import raise_together
+from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import load_engine, save_engine
 from tessera.launcher.config import Config
 from tessera.launcher.consolidate import consolidate, local_full_parameters
@@ -30,7 +31,7 @@ from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
 from tessera.launcher.spec import logits_of
 from tessera.launcher.verify import Verifier
-from tessera.pipeline import PipelineRuntime, forward_loss
+from tessera.pipeline import PipelineRuntime, forward_loss, split_microbatches
 from tessera.tensor_parallel import (
     sequence_parallel_params,
     sync_sequence_parallel_grads,
@@ -39,8 +40,6 @@ from tessera.tensor_parallel import (
 from tessera.zero import ZeroOptimizer
 
 __all__ = ["Diverged", "Engine", "Inputs", "StepOutput"]
-
-Inputs: TypeAlias = Tensor | Mapping[str, Tensor]  # one tensor, or the model's keyword inputs
 
 log = logging.getLogger(__name__)
 
@@ -235,15 +234,9 @@ class Engine:
     def _accumulate(self, x: Inputs, y: Tensor) -> float:
         """Forward and backward of ``parallel.microbatches`` microbatches; their mean loss."""
         m = self.config.parallel.microbatches
-        if y.shape[0] % m:
-            raise ValueError(f"{y.shape[0]} rows per data-parallel rank do not split into {m} microbatches")
-        if isinstance(x, Tensor):
-            xs: list[Inputs] = list(x.chunk(m))
-        else:
-            columns = zip(*(v.chunk(m) for v in x.values()), strict=True)
-            xs = [dict(zip(x, parts, strict=True)) for parts in columns]
+        ys = split_microbatches(y, m, "targets per data-parallel rank")
         total = 0.0
-        for i, (xb, yb) in enumerate(zip(xs, y.chunk(m), strict=True)):
+        for i, (xb, yb) in enumerate(zip(split_inputs(x, m), ys, strict=True)):
             loss = self._forward_loss(xb, yb)
             total += float(loss.detach())
             if i < m - 1:

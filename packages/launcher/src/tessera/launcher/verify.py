@@ -49,10 +49,12 @@ from torch import Tensor, nn
 
 from tessera.comm import Group, all_reduce
 from tessera.comm.consensus import RemoteFailure, raise_together
+from tessera.launcher.batches import split_inputs
 from tessera.launcher.config import Config
 from tessera.launcher.consolidate import local_full_gradients, local_full_parameters
 from tessera.launcher.placement import Boosted
 from tessera.launcher.preflight import verify_problems
+from tessera.pipeline import split_microbatches
 from tessera.zero.clip import clip_coefficient
 
 __all__ = ["Difference", "Verifier", "compare_gradients", "tolerance"]
@@ -131,13 +133,6 @@ def _unverifiable(model: nn.Module, config: Config) -> list[str]:
     return problems
 
 
-def _chunks(x: Any, n: int) -> list[Any]:
-    if isinstance(x, Tensor):
-        return list(x.chunk(n))
-    columns = zip(*(v.chunk(n) for v in x.values()), strict=True)
-    return [dict(zip(x, parts, strict=True)) for parts in columns]
-
-
 def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
@@ -199,7 +194,8 @@ class Verifier:
         model.train()
         model.zero_grad(set_to_none=True)
         total = 0.0
-        for x, y in zip(_chunks(inputs, self.chunks), targets.chunk(self.chunks), strict=True):
+        ys = split_microbatches(targets, self.chunks, "targets")
+        for x, y in zip(split_inputs(inputs, self.chunks), ys, strict=True):
             if isinstance(x, Tensor):
                 out = model(x.to(device))
             else:

@@ -18,6 +18,7 @@ from tessera.comm import lazy_exports
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.layout import Layout, stage_to_rank
 from tessera.pipeline.merge import fit_costs, fuse_adjacent, merge_splits, unsplit
+from tessera.pipeline.microbatch import split_microbatches
 from tessera.pipeline.partition import (
     Balance,
     Partition,
@@ -76,6 +77,7 @@ __all__ = [
     "replay",
     "schedule_spec",
     "simulate",
+    "split_microbatches",
     "stage_modules",
     "stage_to_rank",
     "timeline_png",

@@ -57,6 +57,7 @@ from tessera.comm import (
 from tessera.pipeline.actions import Action, ActionKind, Schedule
 from tessera.pipeline.channels import Inbox, Message, PipelineAborted, Transfer, Watch, encode_header
 from tessera.pipeline.merge import fuse_adjacent
+from tessera.pipeline.microbatch import split_microbatches
 from tessera.pipeline.partition import Partition
 from tessera.pipeline.simulate import TimedAction
 from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
@@ -317,11 +318,7 @@ class PipelineRuntime:
                 continue
             if batch is None:
                 raise ValueError(f"rank {self.rank} holds stage {stage} and needs {name}")
-            if batch.dim() == 0 or batch.shape[0] % m:
-                raise ValueError(
-                    f"{name} of shape {tuple(batch.shape)} do not split into {m} equal microbatches"
-                )
-            out.extend(torch.split(batch.to(self.device), batch.shape[0] // m))
+            out.extend(split_microbatches(batch.to(self.device), m, name))
 
     def _run(self, a: Action) -> None:
         kind, key = a.kind, (a.microbatch, a.stage)
