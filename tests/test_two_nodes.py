@@ -77,17 +77,35 @@ def _tessera(*args: str) -> list[str]:
     return [sys.executable, "-m", "tessera.launcher.cli", "run", *args]
 
 
-def test_two_nodes_by_ip_train_as_one(tmp_path: Path, two_namespaces: tuple[str, str, str]) -> None:
+@pytest.mark.parametrize("how", ["flags", "hostfile"])
+def test_two_nodes_by_ip_train_as_one(tmp_path: Path, two_namespaces: tuple[str, str, str], how: str) -> None:
+    """``flags``: --nnodes, --node-rank, --nproc-per-node and --rdzv-endpoint by hand on each
+    node; ``hostfile``: the same command on both nodes, ``--hostfile`` listing the two
+    addresses with ``slots=1``: each node finds its rank by its own address."""
     node0, node1, address = two_namespaces
     job = tmp_path / "job.py"
     job.write_text(JOB)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{address} slots=1\n{address[:-1]}2 slots=1\n")
     env = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank, ns in enumerate((node0, node1)):
+        nodes = (
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                f"{address}:29500",
+            ]
+            if how == "flags"
+            else ["--hostfile", str(hosts)]
+        )
         cmd = _tessera(
-            "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-            "--rdzv-endpoint", f"{address}:29500", "--set", "parallel.dp=2",
-            "--set", f"train.run_dir={tmp_path / f'runs{rank}'}",
+            *nodes, "--set", "parallel.dp=2", "--set", f"train.run_dir={tmp_path / f'runs{rank}'}",
             str(job), str(tmp_path / f"node{rank}.json"),
         )  # fmt: skip
         log = open(tmp_path / f"node{rank}.log", "w")  # noqa: SIM115 - closed below

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.launcher.nodes import expand_slurm_nodelist, plan_nodes, read_hostfile
+from tessera.launcher.nodes import NodePlan, expand_slurm_nodelist, plan_nodes, read_hostfile
 
 
 def test_slurm_nodelists() -> None:
@@ -60,3 +60,27 @@ def test_flag_mistakes() -> None:
         plan_nodes(nproc_per_node=1, nnodes=2, node_rank=3, rdzv_endpoint="h:1", hostfile=None, env={})
     with pytest.raises(ValueError, match="--nproc-per-node must be >= 1, got 0"):
         plan_nodes(nproc_per_node=0, nnodes=None, node_rank=None, rdzv_endpoint=None, hostfile=None, env={})
+
+
+def test_a_hostfile_gives_the_processes_per_node_and_this_node_s_rank(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_text("10.1.0.1 slots=2\n10.1.0.2 slots=2\n10.1.0.3 slots=2\n")
+
+    def plan(**kw: object) -> NodePlan:
+        base: dict[str, object] = dict(
+            nproc_per_node=None, nnodes=None, node_rank=None, rdzv_endpoint=None, hostfile=str(path), env={}
+        )
+        return plan_nodes(**{**base, **kw})  # type: ignore[arg-type]
+
+    mine = plan(is_me=lambda h: h == "10.1.0.2", world_size=99)
+    assert (mine.nproc_per_node, mine.node_rank, mine.world_size, mine.rdzv_endpoint) == (
+        2, 1, 6, "10.1.0.1:29500"
+    )  # fmt: skip
+    assert plan(is_me=lambda h: False, node_rank=2, nproc_per_node=4).nproc_per_node == 4
+    with pytest.raises(ValueError, match=r"none of 10\.1\.0\.1, 10\.1\.0\.2, 10\.1\.0\.3; pass --node-rank"):
+        plan(is_me=lambda h: False)
+    path.write_text("a slots=2\nb slots=4\n")
+    with pytest.raises(ValueError, match=r"every host needs the same slots=, got \[2, 4\]"):
+        plan(node_rank=0)
+    path.write_text("a\nb\n")
+    assert plan(node_rank=1, world_size=8).nproc_per_node == 4

@@ -66,20 +66,26 @@ def _add_verify_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="processes per node (default: the hostfile's slots=, else the config's world size / nodes)",
+    )
+    p.add_argument("--nnodes", type=int, help="number of nodes")
+    p.add_argument(
+        "--node-rank", type=int, help="this node's rank (default: from a hostfile, SLURM or OpenMPI, else 0)"
+    )
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: 127.0.0.1, any free port)")
+    p.add_argument("--hostfile", help="file listing the nodes, one 'host [slots=N]' per line")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Train PyTorch models across processes.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="launch a script on every rank (over torch.distributed.run)")
-    run.add_argument(
-        "--nproc-per-node", type=int, help="processes per node (default: the config's world size / nodes)"
-    )
-    run.add_argument("--nnodes", type=int, help="number of nodes")
-    run.add_argument("--node-rank", type=int, help="this node's rank (default: from SLURM/OpenMPI or 0)")
-    run.add_argument(
-        "--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: 127.0.0.1, any free port)"
-    )
-    run.add_argument("--hostfile", help="file listing the nodes, one 'host [slots=N]' per line")
+    _add_node_args(run)
     run.add_argument("--log-dir", default=None, help="per-rank log files (default: runs/logs)")
     run.add_argument(
         "--dry-run", action="store_true", help="print the per-node commands and the rank table, then exit"
@@ -102,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="the main job: a character-level GPT on the Python standard library")
     _add_config_args(train)
     _add_verify_arg(train)
+    _add_node_args(train)
     train.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
     )
@@ -172,17 +179,16 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
             return _fail([str(exc)])
         _say(f"parallel.auto: {chosen.label()} (predicted {chosen.step_time:.3g} s/step)")
         args.nproc_per_node = per_node
-    nproc = (
-        args.nproc_per_node if args.nproc_per_node is not None else max(1, config.world_size // nnodes_hint)
-    )
     try:
         plan = plan_nodes(
-            nproc_per_node=nproc,
+            nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             rdzv_endpoint=args.rdzv_endpoint,
             hostfile=args.hostfile,
             env=os.environ,
+            world_size=config.world_size,
+            is_me=netif.owns_address,
         )
     except ValueError as exc:
         return _fail([str(exc)])
@@ -333,7 +339,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return run_plan(args, config)
     if args.command == "train":
-        args.nproc_per_node = args.nnodes = args.node_rank = args.rdzv_endpoint = args.hostfile = None
         args.log_dir = None
         return _run(args, ["-m", MAIN_JOB], config, main_job=True)
     if (args.module is None) == (args.script is None):

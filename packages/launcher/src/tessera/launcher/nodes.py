@@ -6,7 +6,7 @@ Pure functions over the command-line values and the environment; nothing is cont
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,23 +94,42 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 
 def plan_nodes(
     *,
-    nproc_per_node: int,
+    nproc_per_node: int | None,
     nnodes: int | None,
     node_rank: int | None,
     rdzv_endpoint: str | None,
     hostfile: str | None,
     env: Mapping[str, str],
+    world_size: int | None = None,
+    is_me: Callable[[str], bool] | None = None,
 ) -> NodePlan:
     """Decide the node layout: explicit flags win, then a hostfile, then SLURM, then OpenMPI,
-    else one local node whose rendezvous binds to loopback."""
-    if nproc_per_node < 1:
+    else one local node whose rendezvous binds to loopback.
+
+    Processes per node: ``nproc_per_node``, else the hostfile's ``slots=`` (the same on every
+    host), else ``world_size`` (the configuration's) over the nodes. A hostfile's node rank,
+    when not given, is the line of the first host ``is_me`` accepts (this machine's address)."""
+    if nproc_per_node is not None and nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nnodes is not None and nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
     job = env.get("SLURM_JOB_ID", "tessera")
     if hostfile is not None:
-        hosts = tuple(h for h, _ in read_hostfile(hostfile))
+        listed = read_hostfile(hostfile)
+        hosts = tuple(h for h, _ in listed)
         source = "hostfile"
+        slots = {n for _, n in listed if n is not None}
+        if len(slots) > 1:
+            raise ValueError(f"hostfile {hostfile}: every host needs the same slots=, got {sorted(slots)}")
+        if nproc_per_node is None and slots:
+            nproc_per_node = slots.pop()
+        if node_rank is None and is_me is not None:
+            mine = [i for i, h in enumerate(hosts) if is_me(h)]
+            if not mine:
+                raise ValueError(
+                    f"hostfile {hostfile}: this machine is none of {', '.join(hosts)}; pass --node-rank"
+                )
+            node_rank = mine[0]
     elif nnodes is None and "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env:
         hosts = tuple(expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]))
         node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
@@ -135,6 +154,10 @@ def plan_nodes(
     rank = 0 if node_rank is None else node_rank
     if not 0 <= rank < count:
         raise ValueError(f"node rank {rank} is outside [0, {count}) for {count} nodes")
+    if nproc_per_node is None:  # the world size check that follows names a mismatch
+        if world_size is None:
+            raise ValueError("give --nproc-per-node (or a hostfile with slots=)")
+        nproc_per_node = max(1, world_size // count)
     if rdzv_endpoint is None:
         rdzv_endpoint = "127.0.0.1:0" if count == 1 else f"{hosts[0]}:{DEFAULT_PORT}"
     endpoint_port(rdzv_endpoint)
