@@ -95,6 +95,8 @@ def _fingerprint(config: Config) -> dict[str, Any]:
         for name in names:
             out[section].pop(name, None)
     out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
+    if config.data.path:  # the user's own data: its samples are what the data position counts
+        out["data"].update(path=config.data.path, tokenizer=config.data.tokenizer)
     out["train"] = {"seed": config.train.seed, "precision": config.train.precision}
     return out
 

@@ -1,4 +1,5 @@
 """The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``,
+``prepare-data`` (the main job's ``data.path`` into token shards: ``tessera.launcher.prepare``),
 ``plan`` (predict and rank every configuration: ``tessera.launcher.plan``).
 
 Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
@@ -37,6 +38,7 @@ from tessera.launcher.plan.auto import auto_launch
 from tessera.launcher.plan.command import add_arguments as add_plan_arguments
 from tessera.launcher.plan.command import run as run_plan
 from tessera.launcher.preflight import preflight
+from tessera.launcher.prepare import ensure_prepared, prepare_command
 from tessera.launcher.runs import RunFolderError, create_run_folder
 from tessera.launcher.watchdog import Watchdog
 
@@ -112,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
     )
+    prep = sub.add_parser("prepare-data", help="tokenize the main job's data.path once into token shards")
+    _add_config_args(prep)
     plan = sub.add_parser("plan", help="predict memory and step time of every configuration; pick the best")
     _add_config_args(plan)
     add_plan_arguments(plan)
@@ -197,6 +201,8 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
     errors = preflight(config, main_job=main_job)
+    if main_job and not args.dry_run and not errors:
+        errors = ensure_prepared(config, _say)  # data.path's text tokenized once, before spawning
     if not args.dry_run and not errors:
         plan, errors = _place_node(plan)
     if errors:
@@ -338,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return run_plan(args, config)
+    if args.command == "prepare-data":
+        return prepare_command(config, _say)
     if args.command == "train":
         args.log_dir = None
         return _run(args, ["-m", MAIN_JOB], config, main_job=True)

@@ -157,12 +157,25 @@ class OptimConfig:
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    """Where the text comes from ("stdlib": the Python standard library's source files)."""
+    """Where the text comes from ("stdlib": the Python standard library's source files).
+
+    ``path`` (the user's own data, in place of ``corpus`` and ``max_chars``): a file, a folder
+    or a glob of ``.txt`` / ``.jsonl`` files (the text under ``field``) or of pre-tokenized
+    ``.bin`` files (ids of ``token_dtype``, or as a ``meta.json`` beside them says);
+    ``tokenizer``: "char", "byte" or the path of a Hugging Face ``tokenizer.json``; text is
+    tokenized once into ``prepared`` (empty: under ``train.run_dir/data``). See
+    ``tessera.launcher.prepare``.
+    """
 
     corpus: str = "stdlib"
     max_chars: int = 2_000_000
     batch_size: int = 16
     val_fraction: float = 0.05
+    path: str = ""
+    field: str = "text"
+    tokenizer: str = "char"
+    token_dtype: str = ""
+    prepared: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,16 @@ class TextData:
         self.seq_len = seq_len
         self.seed = seed
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model needs: the tokenizer's characters."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in both splits (characters)."""
+        return sum(len(part) for part in self.splits.values())
+
     def batch(self, split: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
         """Batch ``step`` of ``split``: ``(inputs, targets)`` of shape (batch_size, seq_len)."""
         ids = self.splits[split]

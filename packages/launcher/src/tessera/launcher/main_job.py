@@ -29,12 +29,12 @@ from tessera.comm import default_device
 from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
-from tessera.launcher.data import TextData, load_corpus
 from tessera.launcher.engine import Engine
 from tessera.launcher.preflight import committed_checkpoint
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
 from tessera.launcher.serial_speed import best_serial_tokens_per_s
+from tessera.launcher.token_data import Data, TokenData, open_data
 from tessera.models import GPT, GPTConfig
 
 __all__ = ["main", "sample"]
@@ -63,9 +63,7 @@ def _lr_lambda(config: Config) -> Callable[[int], float]:
 
 
 @torch.no_grad()
-def sample(
-    model: GPT, data: TextData, *, prompt: str, chars: int, seed: int, temperature: float = 0.8
-) -> str:
+def sample(model: GPT, data: Data, *, prompt: str, chars: int, seed: int, temperature: float = 0.8) -> str:
     """Text the serial model writes after ``prompt`` (multinomial sampling, seeded)."""
     model.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -82,7 +80,7 @@ def _run_dir(config: Config, device: torch.device) -> Path:
     return run_folder(config, device)
 
 
-def _evaluate(engine: Engine, data: TextData, config: Config, step: int) -> float:
+def _evaluate(engine: Engine, data: Data, config: Config, step: int) -> float:
     losses = [
         engine.eval_loss(*data.batch("val", step * 1000 + i, config.data.batch_size))
         for i in range(config.train.eval_batches)
@@ -91,7 +89,7 @@ def _evaluate(engine: Engine, data: TextData, config: Config, step: int) -> floa
 
 
 def _serial_reference(
-    gpt_cfg: GPTConfig, config: Config, data: TextData, device: torch.device
+    gpt_cfg: GPTConfig, config: Config, data: Data, device: torch.device
 ) -> dict[str, float]:
     """The ``serial_tokens_per_s`` record: plain PyTorch training of the same model, one process."""
 
@@ -131,14 +129,9 @@ def main() -> None:
         if device.type != "cpu":
             torch.accelerator.set_device_index(device.index)
     rank = dist.get_rank()
-    data = TextData(
-        load_corpus(config.data.corpus, config.data.max_chars),
-        val_fraction=config.data.val_fraction,
-        seq_len=config.model.seq_len,
-        seed=config.train.seed,
-    )
+    data = open_data(config)  # the built-in corpus, or data.path's token files
     m, tp = config.model, config.parallel.tp
-    vocab = config.model.vocab_size or -(-data.tokenizer.vocab_size // tp) * tp  # padded to split over tp
+    vocab = config.model.vocab_size or -(-data.vocab_size // tp) * tp  # padded to split over tp
     gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     model = GPT(gpt_cfg, seed=config.train.seed).to(device)
     factor = _lr_lambda(config)
@@ -167,12 +160,21 @@ def main() -> None:
             metrics.write(**_serial_reference(gpt_cfg, config, data, device))
         progress = Progress(config.train.steps)
         log.info(
-            "training %s on %d chars (vocab %d) into %s",
+            "training %s on %d tokens (vocab %d) into %s",
             engine.mesh.topology.describe(),
-            sum(len(s) for s in data.splits.values()),
-            data.tokenizer.vocab_size,
+            data.tokens,
+            data.vocab_size,
             run,
         )
+        if isinstance(data, TokenData):
+            epoch, at = data.position("train", engine.step, config.data.batch_size)
+            log.info(
+                "data position: step %d = epoch %d, sample %d of %d",
+                engine.step,
+                epoch,
+                at,
+                data.samples["train"],
+            )
     dist.barrier()  # the other ranks wait while rank 0 times the single-process reference
     tokens = config.data.batch_size * m.seq_len
     started = time.perf_counter()
@@ -215,7 +217,8 @@ def main() -> None:
         serial.load_state_dict(full)
         # a function definition at the start of a line; 0.6 keeps the sample in code rather than prose
         chars, seed = config.train.sample_chars, config.train.seed
-        text = sample(serial, data, prompt="\ndef ", chars=chars, seed=seed, temperature=0.6)
+        prompt = data.prompt() if isinstance(data, TokenData) else "\ndef "
+        text = sample(serial, data, prompt=prompt, chars=chars, seed=seed, temperature=0.6)
         (run / "sample.txt").write_text(text)
         records = read_metrics(run / "metrics.jsonl")
         plot_metrics(records, run / "plot.png")

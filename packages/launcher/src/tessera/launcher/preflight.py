@@ -14,6 +14,7 @@ from pathlib import Path
 from tessera.launcher.config import Config
 from tessera.launcher.corpus import load_corpus
 from tessera.launcher.generations import MANIFEST, resolve_generation
+from tessera.launcher.prepare import problems as data_problems
 
 __all__ = ["committed_checkpoint", "preflight", "verify_problems"]
 
@@ -64,7 +65,7 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
     """Every mistake the disk shows before a job of ``config`` spawns, one line each.
 
     ``main_job``: also read the corpus (``data.corpus``, ``data.max_chars``) and check
-    ``model.vocab_size`` against its alphabet.
+    ``model.vocab_size`` against its alphabet, or with ``data.path`` the user's data.
     """
     errors = _writable_dir("train.run_dir", config.train.run_dir)
     if config.train.verify:
@@ -80,7 +81,9 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
                 f"train.resume={resume!r} holds no committed checkpoint (a {MANIFEST}, in it or in a "
                 "step-N/ generation under it)"
             )
-    if main_job:
+    if main_job and config.data.path:  # the user's own data (``tessera.launcher.prepare``)
+        errors += data_problems(config)
+    elif main_job:
         try:
             text = load_corpus(config.data.corpus, config.data.max_chars)
         except ValueError as exc:
