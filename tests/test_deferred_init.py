@@ -35,6 +35,11 @@ ROLES = {
     "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
     "norm": "norm", "output": "head",
 }  # fmt: skip
+GPT2ISH_ROLES = {
+    "wte": "vocab", "wpe": "embedding", "h.*.norm1": "norm", "h.*.mix": "attention",
+    "h.*.mix.qkv": "colwise_qkv", "h.*.mix.proj": "rowwise", "h.*.norm2": "norm", "h.*.mlp": "region",
+    "h.*.mlp.fc": "colwise", "h.*.mlp.proj": "rowwise", "ln": "norm", "head": "head",
+}  # fmt: skip
 
 
 def init(name: str, module: nn.Module) -> None:
@@ -80,7 +85,7 @@ def _run(rank: int, kind: str, deferred: bool, config: Config) -> tuple[dict[str
         init_by_name(model, SEED, fn)
     else:
         assert all(p.is_meta for p in model.parameters())
-    plan = ROLES if kind == "llamaish" else None
+    plan = {"llamaish": ROLES, "gpt2ish": GPT2ISH_ROLES}.get(kind)
     with boost(model, torch.optim.SGD(model.parameters(), lr=0.5), config, plan=plan, init=fn) as engine:
         weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
         losses = [engine.train_step(*_batch(step)).loss for step in range(2)]
@@ -99,7 +104,8 @@ CASES = {
     "llamaish-dp2-zero3": ("llamaish", P(dp=2), {"stage": 3}),
     "llamaish-dp2-zero2-disk": ("llamaish", P(dp=2), {"stage": 2, "disk_dir": "DISK", "chunk_numel": 512}),
     "llamaish-pp2-tp2": ("llamaish", P(pp=2, tp=2, microbatches=2, schedule="1f1b"), {}),
-    "gpt2ish-tied-pp2": ("gpt2ish", P(pp=2, microbatches=2, schedule="1f1b"), {}),
+    "gpt2ish-tied-tp2": ("gpt2ish", P(tp=2), {}),
+    "gpt2ish-tied-dp2-zero3": ("gpt2ish", P(dp=2), {"stage": 3}),
     "hf-llama-tp2": ("hf-llama", P(tp=2), {}),
 }
 
