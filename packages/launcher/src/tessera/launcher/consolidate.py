@@ -9,6 +9,7 @@ Every file is written atomically (temp file, fsync, rename).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import safetensors.torch
@@ -18,10 +19,11 @@ from torch import Tensor
 from tessera.comm import Group, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
+from tessera.comm.safefile import SafeFile
 from tessera.launcher.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
-__all__ = ["consolidate", "local_full_gradients", "local_full_parameters", "unshard"]
+__all__ = ["consolidate", "export_sharded", "local_full_gradients", "local_full_parameters", "unshard"]
 
 
 def unshard(
@@ -109,3 +111,44 @@ def _merge(parts: Path, expected: set[str]) -> dict[str, Tensor]:
         part.unlink()
     parts.rmdir()
     return merged
+
+
+def export_sharded(engine: Boosted, directory: str | Path) -> Path:
+    """Write the serial model as a sharded safetensors checkpoint in Hugging Face's layout:
+    ``model-0000K-of-0000P.safetensors`` per pipeline stage group, written by that group's
+    (dp 0, tp 0) rank with only its own stages' parameters, then ``model.safetensors.index.json``
+    (written last, by rank 0, from the shards' headers: the commit point). No rank holds more
+    than its stages. A name held by two stages (a tied weight) is listed from the first shard.
+    Collective over every rank; returns the index's path."""
+    directory = Path(directory)
+    mesh = engine.mesh
+    pp = mesh.size("pp")
+    full = local_full_parameters(engine)
+    error: BaseException | None = None
+    if mesh.coordinate("dp") == 0 and mesh.coordinate("tp") == 0:
+        try:
+            shard = directory / f"model-{mesh.coordinate('pp') + 1:05d}-of-{pp:05d}.safetensors"
+            atomic_write(shard, safetensors.torch.save(full, metadata={"format": "pt"}))
+        except (OSError, RuntimeError) as e:
+            error = e
+    raise_together(error, None, f"writing a shard under {directory}", mesh.device)
+    index = directory / "model.safetensors.index.json"
+    if mesh.rank == 0:
+        try:
+            weight_map: dict[str, str] = {}
+            total = 0
+            for k in range(pp):
+                name = f"model-{k + 1:05d}-of-{pp:05d}.safetensors"
+                for tensor, entry in SafeFile(directory / name).entries.items():
+                    if tensor not in weight_map:
+                        weight_map[tensor] = name
+                        total += entry.nbytes
+            missing = set(engine.placement.full_shapes) - set(weight_map)
+            if missing:
+                raise RuntimeError(f"the shards lack {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
+            body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            atomic_write(index, json.dumps(body, indent=2).encode())
+        except (OSError, RuntimeError, ValueError) as e:
+            error = e
+    raise_together(error, None, f"writing {index}", mesh.device)
+    return index

@@ -25,7 +25,7 @@ from tessera.comm.consensus import raise_together
 from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import load_engine, save_engine
 from tessera.launcher.config import Config
-from tessera.launcher.consolidate import consolidate, local_full_parameters
+from tessera.launcher.consolidate import consolidate, export_sharded, local_full_parameters
 from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
@@ -287,6 +287,12 @@ class Engine:
     def consolidate(self, path: str | Path) -> dict[str, Tensor] | None:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""
         return consolidate(self, path)
+
+    def export(self, directory: str | Path) -> Path:
+        """Write the serial model to ``directory`` as a sharded Hugging Face checkpoint (one
+        shard per pipeline stage group, each written by a rank holding it, and the index);
+        collective; returns the index's path (``consolidate.export_sharded``)."""
+        return export_sharded(self, directory)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

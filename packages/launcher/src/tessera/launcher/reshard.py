@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
 from tessera.launcher.consolidate import unshard
 from tessera.launcher.placement import Boosted
-from tessera.launcher.tensorfile import LazyTensors
+from tessera.launcher.tensorfile import LazyTensors, weight_files
 
 __all__ = ["PORTABLE", "import_weights", "load_portable_state", "read_portable", "write_portable"]
 
@@ -193,12 +193,13 @@ class _AsParams(Mapping[str, Tensor]):
 
 
 def import_weights(engine: Boosted, path: Path) -> None:
-    """Load a consolidated state dict (``Engine.consolidate``'s file, or any safetensors file
-    of the serial model's parameters by name, e.g. a Hugging Face checkpoint of the same
-    model) into this rank's shards, one parameter at a time; the optimizer state starts
+    """Load a consolidated state dict (``Engine.consolidate``'s file or folder, or any
+    safetensors checkpoint of the serial model's parameters by name, e.g. a Hugging Face one,
+    sharded with its index or not: ``tensorfile.weight_files``) into this rank's shards, one
+    parameter at a time; the optimizer state starts
     fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
     parameter."""
-    with LazyTensors([path]) as weights:
+    with LazyTensors(weight_files(path)) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
         missing = sorted(wanted - set(weights))
         if missing:

@@ -6,6 +6,7 @@ holds it whole. (Writing one tensor at a time is ``tessera.comm.safefile.StreamW
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -15,7 +16,33 @@ from torch import Tensor
 
 from tessera.comm.safefile import SafeFile
 
-__all__ = ["LazyTensors"]
+__all__ = ["INDEX", "LazyTensors", "weight_files"]
+
+INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
+
+
+def weight_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint: ``path`` itself if it is a file; for a
+    directory (or an index file), the shards its ``model.safetensors.index.json`` names, else
+    its ``model.safetensors``. ValueError naming what is missing."""
+    path = Path(path)
+    index = path / INDEX if path.is_dir() else path if path.name.endswith(".index.json") else None
+    if index is None:
+        return [path]
+    if not index.is_file():
+        single = path / "model.safetensors"
+        if path.is_dir() and single.is_file():
+            return [single]
+        raise ValueError(f"{path} holds neither {INDEX} nor model.safetensors")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{index} names shards that are missing: {', '.join(missing[:3])}")
+    return files
 
 
 class LazyTensors(Mapping[str, Tensor]):
