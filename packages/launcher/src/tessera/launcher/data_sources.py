@@ -40,7 +40,7 @@ _BLOCK = 1 << 22  # characters of a .txt file per piece; tokens per scanned bloc
 
 
 def _kinds() -> str:
-    return ", ".join((*TEXT_SUFFIXES, TOKEN_SUFFIX))
+    return f"{', '.join(TEXT_SUFFIXES)} or {TOKEN_SUFFIX}"
 
 
 def source_files(path: str) -> list[Path]:

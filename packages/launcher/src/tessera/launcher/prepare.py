@@ -234,7 +234,8 @@ def open_tokens(config: Config) -> TokenFiles:
     d = config.data
     files = source_files(d.path)
     if is_token_data(files):
-        return token_files(files, token_dtype=d.token_dtype, tokenizer=d.tokenizer, vocab_size=0)
+        vocab = config.model.vocab_size
+        return token_files(files, token_dtype=d.token_dtype, tokenizer=d.tokenizer, vocab_size=vocab)
     meta = _fresh_meta(config, files)
     if meta is None:
         raise ValueError(

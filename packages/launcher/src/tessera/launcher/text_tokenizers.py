@@ -30,6 +30,7 @@ __all__ = [
     "IdVocab",
     "Tokenizer",
     "from_record",
+    "have_tokenizers",
     "tokenizer_problem",
 ]
 
@@ -155,6 +156,11 @@ class HFTokenizer:
         return self.text
 
 
+def have_tokenizers() -> bool:
+    """Whether the optional ``tokenizers`` package is installed."""
+    return importlib.util.find_spec("tokenizers") is not None
+
+
 def tokenizer_problem(spec: str) -> str | None:
     """Why ``data.tokenizer=spec`` cannot be used (one line), or None."""
     if spec in ("char", "byte"):
@@ -165,7 +171,7 @@ def tokenizer_problem(spec: str) -> str | None:
             f"data.tokenizer={spec!r} is not 'char', 'byte' or the path of a Hugging Face tokenizer.json "
             "(no such file)"
         )
-    if importlib.util.find_spec("tokenizers") is None:
+    if not have_tokenizers():
         return (
             f"data.tokenizer={spec!r} is a Hugging Face tokenizer, which needs the optional 'tokenizers' "
             "package: pip install tokenizers (or use 'char' / 'byte')"
