@@ -31,7 +31,7 @@ from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
-from tessera.launcher.recompute import checkpoint_layers
+from tessera.launcher.recompute import checkpoint_layers, offload_layers
 from tessera.launcher.spec import (
     ModelSpec,
     check_blocks,
@@ -231,9 +231,14 @@ def boost(
             holds=lambda param: held is None or id(param) in held,
         )  # fmt: skip
         log.info("deferred initialization: this rank made %d parameter elements", made)
-    if config.train.activation_checkpointing:
-        path = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
-        checkpoint_layers(list(model.get_submodule(path).children()))
+    t = config.train
+    if t.activation_checkpointing or t.activation_offload:
+        stack = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
+        layers = list(model.get_submodule(stack).children())
+        if t.activation_offload:
+            offload_layers(layers)
+        if t.activation_checkpointing:
+            checkpoint_layers(layers, every=t.recompute_every, policy=t.recompute_policy)
     goal = objective(mesh, sp_layout=p.sp_layout, loss=spec.loss)
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())

@@ -198,6 +198,9 @@ class TrainConfig:
     max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
     max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
     activation_checkpointing: bool = False  # recompute each layer's forward in backward
+    recompute_every: int = 1  # with it: checkpoint every k-th layer (1: all)
+    recompute_policy: str = "full"  # or "save-matmuls": keep products and attention, redo the rest
+    activation_offload: bool = False  # each layer keeps what backward needs in host memory
     verify: bool = False  # compare the first step with a serial one; refuse on a mismatch
 
 
@@ -398,6 +401,20 @@ class Config:
         )
         need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
         need(self.train.watchdog_s >= 0, f"train.watchdog_s={self.train.watchdog_s} must be >= 0 (0: off)")
+        need(
+            self.train.recompute_policy in ("full", "save-matmuls"),
+            f"train.recompute_policy={self.train.recompute_policy!r} is not one of full, save-matmuls",
+        )
+        need(
+            self.train.activation_checkpointing
+            or (self.train.recompute_every == 1 and self.train.recompute_policy == "full"),
+            "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
+        )
+        need(
+            self.train.recompute_policy != "save-matmuls" or (p.tp == 1 and p.sp == 1),
+            "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
+            "reduces a product in place would change the product it keeps",
+        )
         need(
             0.0 < self.data.val_fraction < 1.0,
             f"data.val_fraction={self.data.val_fraction} must be in (0, 1)",
