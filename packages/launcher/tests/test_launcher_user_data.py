@@ -92,6 +92,7 @@ def test_source_files_file_folder_glob(tmp_path: Path) -> None:
     assert source_files(str(d)) == [d / "b.txt", d / "c.txt", d / "sub" / "a.jsonl"]
     assert source_files(str(d / "*.txt")) == [d / "b.txt", d / "c.txt"]
     assert source_files(str(d / "**" / "*.jsonl")) == [d / "sub" / "a.jsonl"]
+    assert source_files(str(tmp_path / "d*")) == source_files(str(d))  # a matched folder's files
     (d / "t.bin").write_bytes(b"\0\0")
     with pytest.raises(ValueError, match="mixes token files"):
         source_files(str(d))

@@ -1,12 +1,13 @@
 """The files of ``data.path`` and what they hold (torch is not imported).
 
-``data.path`` is a file, a folder (searched recursively) or a glob of ``.txt`` and ``.jsonl``
-files (text: one document per ``.txt`` file, one per JSON line, its text under ``data.field``)
-or of ``.bin`` token files (a flat array of ``uint16`` / ``uint32`` token ids, as nanoGPT and
-Megatron write them; the dtype from ``data.token_dtype`` or a ``meta.json`` beside them, the
-format `tessera prepare-data` writes). Files are taken in sorted order, so every rank and
-every run sees the same stream. A folder or glob that mixes text and token files is refused.
-Every function here raises ValueError with one line naming the file (and the line or offset).
+``data.path`` is a file, a folder (searched recursively) or a glob (a matched folder is
+searched too) of ``.txt`` and ``.jsonl`` files (text: one document per ``.txt`` file, one per
+JSON line, its text under ``data.field``) or of ``.bin`` token files (a flat array of
+``uint16`` / ``uint32`` token ids, as nanoGPT and Megatron write them; the dtype from
+``data.token_dtype`` or a ``meta.json`` beside them, the format `tessera prepare-data`
+writes). Files are taken in sorted order, so every rank and every run sees the same stream.
+A folder or glob that mixes text and token files is refused. Every function here raises
+ValueError with one line naming the file (and the line or offset).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def source_files(path: str) -> list[Path]:
     known = (*TEXT_SUFFIXES, TOKEN_SUFFIX)
     where = f"data.path={path!r}"
     if any(c in path for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
-        files = [f for f in files if f.suffix in known]
+        matches = [Path(p) for p in glob.glob(path, recursive=True)]
+        found = {f for m in matches for f in ([m] if m.is_file() else m.rglob("*")) if f.is_file()}
+        files = sorted(f for f in found if f.suffix in known)  # a matched folder: its files
         if not files:
             raise ValueError(f"{where} matches no {_kinds()} files")
     elif Path(path).is_file():

@@ -1,4 +1,5 @@
-"""The main job: a character-level GPT trained on the Python standard library's own source.
+"""The main job: a character-level GPT trained on the Python standard library's own source, or
+a GPT on the user's own data (``data.path``: ``tessera.launcher.prepare``, ``token_data``).
 
 Run it with ``tessera train --config configs/main.toml`` (``hatch run train``); every rank
 executes this module. Rank 0 shows progress and writes the run folder under
