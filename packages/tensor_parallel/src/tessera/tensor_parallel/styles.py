@@ -377,17 +377,12 @@ class RegionStyle(BaseStyle):
         """Set an attention module's head-count and width attributes to one rank's share of
         ``tp``; return the names of the attributes changed."""
         heads, kv = self.layout(module, name=name).local(tp)
-        changed = []
-        for attr, value in _ints(module, PER_RANK_ATTRIBUTES):
-            setattr(module, attr, value // tp)
-            changed.append(attr)
-        for attr, _ in _ints(module, KV_HEAD_ATTRIBUTES):
-            setattr(module, attr, kv)
-            changed.append(attr)
-        for attr, _ in _ints(module, GROUP_ATTRIBUTES):
-            setattr(module, attr, heads // kv)
-            changed.append(attr)
-        return changed
+        new = {a: v // tp for a, v in _ints(module, PER_RANK_ATTRIBUTES)}
+        new |= {a: kv for a, _ in _ints(module, KV_HEAD_ATTRIBUTES)}
+        new |= {a: heads // kv for a, _ in _ints(module, GROUP_ATTRIBUTES)}
+        for attr, value in new.items():
+            setattr(module, attr, value)
+        return list(new)
 
 
 # keyword names a sublayer's input is looked up under when it is not passed positionally
