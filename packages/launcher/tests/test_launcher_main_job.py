@@ -9,6 +9,7 @@ would change that loss by far more.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +20,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from tessera.launcher import Config, ParallelConfig, TrainConfig
 from tessera.launcher.data import CharTokenizer, TextData, load_corpus
+from tessera.launcher.generations import FORMAT, MANIFEST
+from tessera.launcher.preflight import preflight, saved_vocab
 from tessera.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -81,3 +85,50 @@ def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
     text = (run / "sample.txt").read_text()
     assert text.startswith("\ndef ") and len(text) == 45
     assert str(run.relative_to(tmp_path)) in proc.stdout + proc.stderr  # says where things are
+
+
+def _train(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    base = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4",
+            "data.max_chars=50000", "train.log_every=2", "train.eval_every=100", "train.sample_chars=10",
+            "optim.warmup_steps=1"]  # fmt: skip
+    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+    for a in [*base, *sets]:
+        cmd += ["--set", a]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_main_job_resumes_under_another_layout_with_the_saved_vocabulary(tmp_path: Path) -> None:
+    """Saved at tp2 (the characters padded to an even vocabulary), resumed at pp2 x dp1 and at
+    one process: the vocabulary comes from the checkpoint, not padded again for the new tp,
+    so the state reshards and the run goes on. Saved at tp1 with an odd vocabulary, a resume
+    at tp2 is refused before anything starts, naming the numbers."""
+    first = _train(tmp_path, "parallel.dp=1", "parallel.tp=2", "train.steps=4", "train.checkpoint_every=2",
+                   "train.name=a")  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads((tmp_path / "runs/a/checkpoint/step-00000004/manifest.json").read_text())
+    vocab = saved["config"]["model"]["vocab_size"]
+    assert vocab % 2 == 0 and vocab > 0, vocab
+    for name, layout in (("b", ["parallel.pp=2", "parallel.microbatches=2"]), ("c", [])):
+        again = _train(tmp_path, "parallel.dp=1", *layout, "train.steps=6", f"train.name={name}",
+                       "train.resume=runs/a/checkpoint")  # fmt: skip
+        assert again.returncode == 0, again.stderr[-3000:]
+        records = [json.loads(x) for x in (tmp_path / f"runs/{name}/metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r] == [6], records
+    assert vocab == saved_vocab(tmp_path / "runs/a/checkpoint")
+
+
+def test_a_resume_whose_vocabulary_does_not_split_over_tp_is_refused_before_spawning(tmp_path: Path) -> None:
+    generation = tmp_path / "ckpt" / "step-00000002"
+    generation.mkdir(parents=True)
+    manifest = {"format": FORMAT, "step": 2, "config": {"model": {"vocab_size": 95}}}
+    (generation / MANIFEST).write_text(json.dumps(manifest))
+    config = Config(parallel=ParallelConfig(tp=2), train=TrainConfig(resume=str(tmp_path / "ckpt")))
+    assert saved_vocab(tmp_path / "ckpt") == 95
+    line = (
+        f"train.resume={str(tmp_path / 'ckpt')!r}: its vocabulary of 95 does not split over parallel.tp=2; "
+        "resume under a tp that divides it, or start runs with --set model.vocab_size=N, a multiple of "
+        "every tp to resume under"
+    )
+    assert line in preflight(config, main_job=True)
+    assert line not in preflight(dataclasses.replace(config, parallel=ParallelConfig(dp=2)), main_job=True)

@@ -14,6 +14,7 @@ the run logs the parallel job's throughput as a multiple of it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
 from tessera.launcher.engine import Engine
-from tessera.launcher.preflight import committed_checkpoint
+from tessera.launcher.preflight import committed_checkpoint, saved_vocab
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
 from tessera.launcher.serial_speed import best_serial_tokens_per_s
@@ -119,6 +120,17 @@ def _mean_speed(records: list[dict[str, Any]]) -> float:
     return sum(speeds) / len(speeds) if speeds else 0.0
 
 
+def _with_vocab(config: Config, data_vocab: int, resume: str) -> tuple[Config, int]:
+    """The model's vocabulary: ``model.vocab_size``, else the one the checkpoint being resumed
+    trained with (never re-derived: another tp would pad it otherwise), else the data's padded
+    to split over tp. The config then records it, so every checkpoint says it."""
+    vocab = config.model.vocab_size or (saved_vocab(resume) if resume else 0)
+    if not vocab:
+        tp = config.parallel.tp
+        vocab = -(-data_vocab // tp) * tp
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab)), vocab
+
+
 def main() -> None:
     """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank)."""
     config = load_config()
@@ -131,8 +143,13 @@ def main() -> None:
             torch.accelerator.set_device_index(device.index)
     rank = dist.get_rank()
     data = open_data(config)  # the built-in corpus, or data.path's token files
-    m, tp = config.model, config.parallel.tp
-    vocab = config.model.vocab_size or -(-data.vocab_size // tp) * tp  # padded to split over tp
+    run = _run_dir(config, device)
+    resume = config.train.resume
+    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if restarts and committed_checkpoint(run / "checkpoint") is not None:
+        resume = str(run / "checkpoint")  # an elastic restart goes on from the newest generation
+    config, vocab = _with_vocab(config, data.vocab_size, resume)
+    m = config.model
     gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     model = GPT(gpt_cfg, seed=config.train.seed).to(device)
     factor = _lr_lambda(config)
@@ -142,11 +159,6 @@ def main() -> None:
         config,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
     )
-    run = _run_dir(config, device)
-    resume = config.train.resume
-    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if restarts and committed_checkpoint(run / "checkpoint") is not None:
-        resume = str(run / "checkpoint")  # an elastic restart goes on from the newest generation
     if resume:
         generation = engine.load(resume)  # returns once every rank has loaded
         log.info("resumed from %s at step %d (restart %d)", generation, engine.step, restarts)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from tessera.launcher.config import Config
 from tessera.launcher.corpus import load_corpus
-from tessera.launcher.generations import MANIFEST, resolve_generation
+from tessera.launcher.generations import MANIFEST, read_manifest, resolve_generation
 from tessera.launcher.prepare import problems as data_problems
 
-__all__ = ["committed_checkpoint", "preflight", "verify_problems"]
+__all__ = ["committed_checkpoint", "preflight", "saved_vocab", "verify_problems"]
 
 
 def committed_checkpoint(path: str | Path) -> Path | None:
@@ -27,6 +27,19 @@ def committed_checkpoint(path: str | Path) -> Path | None:
         return resolve_generation(path)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def saved_vocab(resume: str | Path) -> int:
+    """The vocabulary the main job trained with, as the newest committed generation at
+    ``resume`` records it (its configuration's ``model.vocab_size``; 0 when it does not say,
+    as older checkpoints do, or there is no generation)."""
+    generation = committed_checkpoint(resume)
+    if generation is None:
+        return 0
+    try:
+        return int(read_manifest(generation)["config"]["model"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _writable_dir(field: str, value: str) -> list[str]:
@@ -81,6 +94,14 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
                 f"train.resume={resume!r} holds no committed checkpoint (a {MANIFEST}, in it or in a "
                 "step-N/ generation under it)"
             )
+        elif main_job and not config.model.vocab_size:  # the saved vocabulary is the one to resume
+            vocab, tp = saved_vocab(resume), config.parallel.tp
+            if vocab % tp:
+                errors.append(
+                    f"train.resume={resume!r}: its vocabulary of {vocab} does not split over "
+                    f"parallel.tp={tp}; resume under a tp that divides it, or start runs with --set "
+                    "model.vocab_size=N, a multiple of every tp to resume under"
+                )
     if main_job and config.data.path:  # the user's own data (``tessera.launcher.prepare``)
         errors += data_problems(config)
     elif main_job:
