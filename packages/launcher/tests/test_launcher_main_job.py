@@ -116,6 +116,13 @@ def test_the_main_job_resumes_under_another_layout_with_the_saved_vocabulary(tmp
         records = [json.loads(x) for x in (tmp_path / f"runs/{name}/metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if "loss" in r] == [6], records
     assert vocab == saved_vocab(tmp_path / "runs/a/checkpoint")
+    # a checkpoint from before the vocabulary was recorded (0) still resumes under its own layout
+    older = tmp_path / "runs/a/checkpoint/step-00000004/manifest.json"
+    model = {**saved["config"]["model"], "vocab_size": 0}
+    older.write_text(json.dumps({**saved, "config": {**saved["config"], "model": model}}))
+    again = _train(tmp_path, "parallel.dp=1", "parallel.tp=2", "train.steps=6", "train.name=f",
+                   "train.resume=runs/a/checkpoint")  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def test_a_resume_whose_vocabulary_does_not_split_over_tp_is_refused_before_spawning(tmp_path: Path) -> None:

@@ -128,6 +128,8 @@ def _with_vocab(config: Config, data_vocab: int, resume: str) -> tuple[Config, i
     if not vocab:
         tp = config.parallel.tp
         vocab = -(-data_vocab // tp) * tp
+        if resume:  # a checkpoint that recorded no vocabulary (0): its configuration stays as it was
+            return config, vocab
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab)), vocab
 
 
