@@ -219,13 +219,14 @@ def boost(
             cores=spec.attention_cores,
             positions=spec.positions or _position_roles(plan if plan is not None else spec.roles),
         )
+    if pp > 1:  # the cut, once: tensor parallelism replaced modules, so the blocks are found again
+        blocks = pipeline_blocks(model, spec)
+        schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
+        # several stages per rank: then balance what each rank holds, not only each stage
+        partition = partition_by_params(blocks, schedule=schedule)
+        stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
     if serial is not None:  # deferred: this rank's parameters only, as an eager build would have them
-        held = None
-        if pp > 1:
-            blocks = pipeline_blocks(model, spec)
-            schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
-            cut = stage_modules(blocks, partition_by_params(blocks, schedule=schedule), mesh.coordinate("pp"))
-            held = {id(param) for stage in cut.values() for param in stage.parameters()}
+        held = None if pp == 1 else {id(param) for stage in stages.values() for param in stage.parameters()}
         made = materialize(
             serial, model, seed=config.train.seed, device=mesh.device, init=init,
             holds=lambda param: held is None or id(param) in held,
@@ -250,11 +251,6 @@ def boost(
     stage_to_rank: tuple[int, ...] = ()
     tied: list[tuple[str, nn.Parameter]] = []
     if pp > 1:
-        blocks = pipeline_blocks(model, spec)  # again: tensor parallelism replaced modules
-        schedule = build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages)
-        # several stages per rank: then balance what each rank holds, not only each stage
-        partition = partition_by_params(blocks, schedule=schedule)
-        stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
         module: nn.Module = nn.ModuleDict({str(s): m for s, m in stages.items()})
         stage_to_rank = schedule.stage_to_rank
         # a weight tied across blocks (embedding and LM head) that lands on several pipeline
