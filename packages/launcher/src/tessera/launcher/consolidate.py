@@ -10,13 +10,14 @@ Every file is written atomically (temp file, fsync, rename).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from torch import Tensor
 
-from tessera.comm import Group, all_gather, all_reduce
+from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import SafeFile
@@ -79,37 +80,25 @@ def local_full_gradients(engine: Boosted) -> dict[str, Tensor]:
 
 def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
     """Write the serial model's full fp32 state dict to ``path`` (safetensors); rank 0 also
-    returns it, every other rank None. Collective over every rank."""
+    returns it, every other rank None. Collective over every rank: the stage groups' shards
+    are written as ``export_sharded`` writes them (beside ``path``), rank 0 merges them into
+    one file and removes them."""
     path = Path(path)
     parts = path.parent / f".{path.name}.parts"
-    full = local_full_parameters(engine)
-    mesh = engine.mesh
-    if mesh.coordinate("dp") == 0 and mesh.coordinate("tp") == 0:
-        atomic_write(parts / f"stage-{mesh.coordinate('pp')}.safetensors", safetensors.torch.save(full))
-    all_reduce(torch.zeros(1, device=mesh.device), None)  # every part is on disk
+    index = export_sharded(engine, parts)
     merged: dict[str, Tensor] | None = None
     error: BaseException | None = None
-    if mesh.rank == 0:
+    if engine.mesh.rank == 0:
         try:
-            merged = _merge(parts, set(engine.placement.full_shapes))
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            merged = {}
+            for shard in shards:
+                merged.update(safetensors.torch.load((parts / shard).read_bytes()))
             atomic_write(path, safetensors.torch.save(merged))
-        except (OSError, RuntimeError) as e:
+            shutil.rmtree(parts)
+        except (OSError, RuntimeError, ValueError) as e:
             error = e
-    raise_together(error, None, f"writing {path}", mesh.device)
-    return merged
-
-
-def _merge(parts: Path, expected: set[str]) -> dict[str, Tensor]:
-    """Every stage's part in one state dict; the parts are removed."""
-    merged: dict[str, Tensor] = {}
-    for part in sorted(parts.glob("stage-*.safetensors")):
-        merged.update(safetensors.torch.load(part.read_bytes()))
-    missing = expected - set(merged)
-    if missing:
-        raise RuntimeError(f"consolidated state lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
-    for part in parts.glob("*"):
-        part.unlink()
-    parts.rmdir()
+    raise_together(error, None, f"writing {path}", engine.mesh.device)
     return merged
 
 
