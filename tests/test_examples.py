@@ -69,6 +69,30 @@ def test_disk_chunks(tmp_path: Path) -> None:
     assert left == [], f"chunk files left after the engine closed: {left}"
 
 
+def test_two_nodes_over_loopback(tmp_path: Path) -> None:
+    """Both "nodes" of examples/two_nodes.sh on this machine, as its docstring says: two
+    ``tessera run --nnodes 2 --node-rank K`` launches meeting at 127.0.0.1."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PORT": str(29000 + os.getpid() % 1000),
+    }
+    proc = subprocess.run(
+        ["bash", str(EXAMPLES / "two_nodes.sh"), "local"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"two_nodes.sh local exited {proc.returncode}:\n{out[-4000:]}"
+    assert "verify: the first step equals the serial one" in out, out[-3000:]
+    first, last = _losses(out)
+    assert last < first - 0.5, f"the loss did not fall: {first} -> {last}"
+
+
 def test_pipeline_timeline(tmp_path: Path) -> None:
     out = _run([str(EXAMPLES / "pipeline_timeline.py"), "--ranks", "2", "--microbatches", "4"], tmp_path)
     bubbles = dict(re.findall(r"^(\S+)\s+\d+\.\d+\s+(\d+\.\d+)%", out, flags=re.M))
