@@ -287,11 +287,6 @@ class FlatParam:
         self._reduce_input = base
         return base[:numel], True
 
-    @property
-    def reducing(self) -> bool:
-        """Whether a reduce-scatter is in flight."""
-        return self._reduce is not None
-
     def reduce_done(self) -> bool:
         """Whether the reduce-scatter in flight has completed (so finishing it will not block)."""
         return self._reduce is not None and self._reduce[0].is_completed()

@@ -123,10 +123,6 @@ class DiskTier:
         self._crc.pop((chunk, stream), None)
         self.path(chunk, stream).unlink(missing_ok=True)
 
-    def has(self, chunk: int, stream: str) -> bool:
-        """Whether the stream was written."""
-        return (chunk, stream) in self._crc
-
     def close(self) -> None:
         """Remove the directory and everything in it."""
         shutil.rmtree(self.dir, ignore_errors=True)
