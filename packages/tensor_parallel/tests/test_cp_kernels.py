@@ -121,3 +121,51 @@ def test_a_general_block_keeps_its_mask() -> None:
     block = _Block.between(torch.tensor([1, 5]), torch.tensor([0, 2, 4]))
     assert block is not None and not block.causal
     assert torch.equal(block.mask(), torch.tensor([[True, False, False], [True, True, True]]))
+
+
+def test_the_kernel_table() -> None:
+    """Which kernel a block gets, by device type, dtype, head dim and mask (a pure function of
+    them: no device is faked). CUDA kernels only on CUDA, in the dtypes and head dims they take."""
+    choose = kernels.choose
+    assert choose("cpu", torch.float32, 64, masked=False) == "cpu-flash"
+    assert choose("cpu", torch.float32, 64, masked=False, cpu_fused=False) == "unfused"
+    assert choose("cuda", torch.bfloat16, 64, masked=False) == "cuda-flash"
+    assert choose("cuda", torch.float16, 128, masked=False) == "cuda-flash"
+    assert choose("cuda", torch.float32, 64, masked=False) == "cuda-efficient"
+    assert choose("cuda", torch.bfloat16, 12, masked=False) == "unfused"  # flash: a multiple of 8
+    assert choose("cuda", torch.float32, 6, masked=False) == "unfused"  # efficient: a multiple of 4
+    assert choose("cuda", torch.float32, 512, masked=False) == "unfused"
+    assert choose("cuda", torch.float64, 64, masked=False) == "unfused"
+    assert choose("cuda", torch.bfloat16, 64, masked=True) == "unfused"
+    assert choose("mps", torch.float32, 64, masked=False) == "unfused"
+    assert choose("meta", torch.float32, 64, masked=False) == "unfused"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this run has CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cuda_less_run_never_takes_a_cuda_kernel(dtype: torch.dtype) -> None:
+    """On a machine without CUDA every tensor is a CPU tensor: the CPU kernel where torch has
+    it, the unfused path otherwise or under a mask, never a CUDA kernel."""
+    q = torch.zeros(1, 2, 8, 16, dtype=dtype)
+    assert kernels.kernel(q, None) == "cpu-flash"
+    assert kernels.kernel(q, torch.ones(8, 8, dtype=torch.bool)) == "unfused"
+    with pytest.MonkeyPatch.context() as mp:
+        _unfused(mp)
+        assert kernels.kernel(q, None) == "unfused"
+
+
+@pytest.mark.parametrize("which", ["cuda-flash", "cuda-efficient"])
+def test_the_cuda_calls_fit_their_schemas(which: kernels.Kernel) -> None:
+    """The CUDA kernels' calls, run on the meta device (torch's shape functions of those ops):
+    arguments accepted, output and fp32 log-sum-exp of the block's shape (40 rows: not a
+    multiple of the efficient kernel's 32-row padding), gradients of q's, k's, v's shapes. The
+    values are checked on a GPU by ``benchmarks/gpu`` (``cp-kernels``)."""
+    dtype = torch.bfloat16 if which == "cuda-flash" else torch.float32
+    q = torch.empty(2, 3, 40, 64, device="meta", dtype=dtype)
+    k = v = torch.empty(2, 3, 24, 64, device="meta", dtype=dtype)
+    out, lse = kernels._cuda_forward(which, q, k, v, False, 0.125)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, 3, 40, 1) and lse.dtype == torch.float32
+    final = torch.empty(2, 3, 40, 64, device="meta")  # the merged output is fp32 in the ring
+    grads = kernels._cuda_backward(which, q, k, v, final, lse, final, False, 0.125)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
