@@ -4,10 +4,10 @@ The bottom layer of Tessera; depends on torch and numpy only. Test support lives
 ``tessera.comm.testing``. Exports the public API only; ``gloo_ring`` (the rings behind the
 gloo collectives) and ``files.atomic_write`` are imported from their modules.
 
-Importing the package does not import torch: the pure half (`Topology`, `Axis`, `TPMode`,
-`configure_logging`, `RankFilter`) is loaded at once, everything else on first use
-(PEP 562 ``__getattr__``), so a launcher can validate a configuration in a fraction of a
-second and refuse it before torch loads.
+Importing the package does not import torch: the pure half (`Topology`, `TPGrid`,
+`integer_root`, `Axis`, `TPMode`, `configure_logging`, `RankFilter`) is loaded at once,
+everything else on first use (PEP 562 ``__getattr__``), so a launcher can validate a
+configuration in a fraction of a second and refuse it before torch loads.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tessera.comm.geometry import TPGrid, integer_root
 from tessera.comm.logs import RankFilter, configure_logging
 from tessera.comm.topology import Axis, Topology, TPMode
 
@@ -113,6 +114,7 @@ __all__ = [
     "MemoryReport",
     "Mesh",
     "RankFilter",
+    "TPGrid",
     "TPMode",
     "Topology",
     "all_gather",
@@ -133,6 +135,7 @@ __all__ = [
     "gather_along",
     "group_rank",
     "group_size",
+    "integer_root",
     "lazy_exports",
     "measure_memory",
     "overlappable",

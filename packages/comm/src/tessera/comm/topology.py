@@ -21,33 +21,11 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from tessera.comm.axes import Axis, TPMode
+from tessera.comm.geometry import TPGrid
 
 __all__ = ["Axis", "TPMode", "Topology"]
-
-
-class TPMode(StrEnum):
-    """How the tensor-parallel ranks split a layer."""
-
-    ONE_D = "1d"
-    TWO_D = "2d"
-    TWO_P5_D = "2.5d"
-    THREE_D = "3d"
-
-
-class Axis(StrEnum):
-    """Names of the axes whose rank groups a Topology lists."""
-
-    PP = "pp"
-    DP = "dp"
-    SP = "sp"
-    TP = "tp"
-    TP_ROW = "tp_row"
-    TP_COL = "tp_col"
-    TP_DEP = "tp_dep"
-    TP_INPUT = "tp_input"
-    TP_WEIGHT = "tp_weight"
-    TP_OUTPUT = "tp_output"
 
 
 # The sub-axes of each tp mode, as (axis, atom) pairs, atoms listed slowest first.
@@ -57,15 +35,6 @@ _TP_ATOMS: dict[TPMode, tuple[tuple[str, Axis | None], ...]] = {
     TPMode.TWO_P5_D: (("tp.k", Axis.TP_DEP), ("tp.i", Axis.TP_COL), ("tp.j", Axis.TP_ROW)),
     TPMode.THREE_D: (("tp.c", Axis.TP_OUTPUT), ("tp.b", Axis.TP_WEIGHT), ("tp.a", Axis.TP_INPUT)),
 }
-
-
-def _integer_root(n: int, k: int) -> int | None:
-    """The integer r with r**k == n, or None."""
-    r: int = round(float(n) ** (1.0 / k))
-    for c in (r - 1, r, r + 1):
-        if c >= 1 and c**k == n:
-            return c
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +55,7 @@ class Topology:
     sp: int = 1
     tp_mode: TPMode = TPMode.ONE_D
     depth: int = 1
+    _grid: TPGrid = field(init=False, repr=False, compare=False)
     _atoms: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,40 +63,26 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
-        try:
-            mode = TPMode(self.tp_mode)
-        except ValueError:
-            modes = ", ".join(m.value for m in TPMode)
-            raise ValueError(f"tp_mode must be one of {modes}; got {self.tp_mode!r}") from None
-        object.__setattr__(self, "tp_mode", mode)
-        object.__setattr__(self, "_atoms", self._layout(mode))
+        grid = TPGrid.of(self.tp_mode, self.tp, self.depth)
+        object.__setattr__(self, "tp_mode", grid.mode)
+        object.__setattr__(self, "_grid", grid)
+        object.__setattr__(self, "_atoms", self._layout(grid))
 
-    def _layout(self, mode: TPMode) -> tuple[tuple[str, int], ...]:
-        tp, depth = self.tp, self.depth
-        if mode is not TPMode.TWO_P5_D and depth != 1:
-            raise ValueError(f"depth={depth} is only meaningful for tp_mode 2.5d, not {mode}")
-        if mode is TPMode.ONE_D:
-            tp_atoms: tuple[tuple[str, int], ...] = (("tp", tp),)
-        elif mode is TPMode.TWO_D:
-            q = _integer_root(tp, 2)
-            if q is None:
-                raise ValueError(f"tp_mode 2d needs tp to be a square q*q; tp={tp} is not")
-            tp_atoms = (("tp.i", q), ("tp.j", q))
-        elif mode is TPMode.TWO_P5_D:
-            if tp % depth:
-                raise ValueError(f"tp_mode 2.5d needs tp = q*q*depth; depth={depth} does not divide tp={tp}")
-            q = _integer_root(tp // depth, 2)
-            if q is None:
-                raise ValueError(
-                    f"tp_mode 2.5d needs tp = q*q*depth; tp={tp} / depth={depth} = {tp // depth} "
-                    "is not a square"
-                )
-            tp_atoms = (("tp.k", depth), ("tp.i", q), ("tp.j", q))
-        else:
-            q = _integer_root(tp, 3)
-            if q is None:
-                raise ValueError(f"tp_mode 3d needs tp to be a cube q*q*q; tp={tp} is not")
-            tp_atoms = (("tp.c", q), ("tp.b", q), ("tp.a", q))
+    @property
+    def grid(self) -> TPGrid:
+        """The tensor-parallel grid of this topology (its side, depth, splits and line axis)."""
+        return self._grid
+
+    def _layout(self, grid: TPGrid) -> tuple[tuple[str, int], ...]:
+        q, depth = grid.side, grid.depth
+        sizes = {
+            TPMode.ONE_D: (q,),
+            TPMode.TWO_D: (q, q),
+            TPMode.TWO_P5_D: (depth, q, q),
+            TPMode.THREE_D: (q, q, q),
+        }[grid.mode]
+        names = (name for name, _ in _TP_ATOMS[grid.mode])
+        tp_atoms = tuple(zip(names, sizes, strict=True))
         return (("pp", self.pp), ("dp", self.dp), ("sp", self.sp), *tp_atoms)
 
     # ----------------------------------------------------------------------------- queries
