@@ -26,7 +26,7 @@ def _script(tmp: Path) -> Path:
         """
 import json, os, signal, sys
 import torch, torch.distributed as dist
-import tessera.launcher.checkpoint as ckpt
+import tessera.launcher.saving as saving
 import tessera.zero.checkpoint as zckpt
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.launcher import boost, load_config
@@ -49,17 +49,19 @@ victim = 0 if point == "manifest" else 1
 names = {"zero": "rank-", "rank-file": "rank-", "hash": ".sha-", "manifest": "manifest.json"}
 
 def dying(original):
-    def write(path, data):
+    def write(path, *args):
         hit = os.path.basename(str(path)).startswith(names.get(point, "?"))
         if attempt == 0 and engine.step == 3 and rank == victim and hit:
             os.kill(os.getpid(), signal.SIGKILL)
-        original(path, data)
+        return original(path, *args)
     return write
 
 if point == "zero":
     zckpt.atomic_write = dying(zckpt.atomic_write)
+elif point == "rank-file":
+    saving.write_tensors = dying(saving.write_tensors)
 elif point != "none":
-    ckpt.atomic_write = dying(ckpt.atomic_write)
+    saving.atomic_write = dying(saving.atomic_write)
 for step in range(engine.step, 5):
     loss = engine.train_step(*make_batch(cfg, 4, seed=step)).loss
     engine.save(root)

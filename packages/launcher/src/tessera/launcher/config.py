@@ -195,6 +195,7 @@ class TrainConfig:
     sample_chars: int = 300
     watchdog_s: float = 60.0  # end the job when a rank makes no progress this long (0: off)
     keep_last: int = 2  # checkpoint generations kept
+    checkpoint_async: bool = False  # write checkpoints in a background thread (Engine.save)
     max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
     max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
     activation_checkpointing: bool = False  # recompute each layer's forward in backward

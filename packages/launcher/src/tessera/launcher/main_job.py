@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,6 @@ from tessera.models import GPT, GPTConfig
 __all__ = ["main", "sample"]
 
 log = logging.getLogger("tessera.train")
-
-Batch: TypeAlias = tuple[torch.Tensor | None, torch.Tensor | None]  # a rank's (inputs, targets)
 
 
 def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -84,17 +82,9 @@ def _run_dir(config: Config, device: torch.device) -> Path:
     return run_folder(config, device)
 
 
-def _rank_batch(engine: Engine, data: Data, split: str, step: int, batch_size: int) -> Batch:
-    """What this rank's engine reads of batch ``step``: its replica's rows, the inputs and
-    targets only where its stages read them (for ``train_step(..., local=True)``)."""
-    return data.parts(split, step, batch_size, rows=engine.local_rows(batch_size), needs=engine.batch_needs)
-
-
 def _evaluate(engine: Engine, data: Data, config: Config, step: int) -> float:
     losses = [
-        engine.eval_loss(
-            *_rank_batch(engine, data, "val", step * 1000 + i, config.data.batch_size), local=True
-        )
+        engine.eval_loss(*data.batch("val", step * 1000 + i, config.data.batch_size))
         for i in range(config.train.eval_batches)
     ]
     return sum(losses) / len(losses)
@@ -205,7 +195,7 @@ def main() -> None:
     started = time.perf_counter()
     window_start, window_steps = started, 0
     for step in range(engine.step, config.train.steps):
-        out = engine.train_step(*_rank_batch(engine, data, "train", step, config.data.batch_size), local=True)
+        out = engine.train_step(*data.batch("train", step, config.data.batch_size))
         window_steps += 1
         done = step + 1
         if done % config.train.log_every == 0 or done == config.train.steps:
@@ -231,9 +221,10 @@ def main() -> None:
             if window_steps == 0:  # evaluation time is not training throughput
                 window_start = time.perf_counter()
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
-            engine.save(run / "checkpoint", keep_last=config.train.keep_last)
+            background = config.train.checkpoint_async and done < config.train.steps
+            engine.save(run / "checkpoint", keep_last=config.train.keep_last, background=background)
     if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
-        engine.save(run / "checkpoint", keep_last=config.train.keep_last)
+        engine.save(run / "checkpoint", keep_last=config.train.keep_last)  # commits a pending one first
     full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()

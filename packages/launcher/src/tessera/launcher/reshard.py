@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,14 @@ from tessera.launcher.consolidate import unshard
 from tessera.launcher.placement import Boosted
 from tessera.launcher.tensorfile import LazyTensors, weight_files
 
-__all__ = ["PORTABLE", "import_weights", "load_portable_state", "read_portable", "write_portable"]
+__all__ = [
+    "PORTABLE",
+    "import_weights",
+    "load_portable_state",
+    "read_portable",
+    "snapshot_portable",
+    "write_portable",
+]
 
 PORTABLE = "portable"
 
@@ -43,51 +50,88 @@ def _part(gen: Path, pp_rank: int) -> Path:
     return gen / PORTABLE / f"pp-{pp_rank:03d}.safetensors"
 
 
-def write_portable(engine: Boosted, gen: Path, step: int) -> None:
-    """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
-    over ZeRO's group and tp; one rank per pipeline rank writes). The tensors stream into the
-    file one at a time behind a header laid out beforehand (``full_state_layout``), so no
-    rank holds more than one flat buffer's state in full."""
-    mesh, placement, zero = engine.mesh, engine.placement, engine.zero
+def _portable_plan(engine: Boosted, gen: Path, step: int) -> tuple[Path, list[Entry], dict[str, str]] | None:
+    """Where this rank writes its pipeline rank's part, its entries and header (None: one of
+    the other ranks of its pipeline rank writes it)."""
+    mesh, zero = engine.mesh, engine.zero
+    if not all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
+        return None
+    entries, full = [], _namer(engine)
+    for key, shape in zero.full_state_layout():
+        name, full_shape = full(key)
+        entries.append(Entry(name, torch.float32, shape if full_shape is None else full_shape))
+    scaler = zero.scaler.scale if zero.scaler is not None else None
+    groups = [
+        {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))}
+        for g in zero.optimizer.param_groups
+    ]
+    header = {"step": step, "loss_scale": scaler, "zero_steps": zero.steps, "param_groups": groups}
+    return _part(gen, mesh.coordinate("pp")), entries, {"tessera": json.dumps(header)}
+
+
+def _namer(engine: Boosted) -> Callable[[str], tuple[str, tuple[int, ...] | None]]:
+    """What gives the saved name of ZeRO's full-state key and its full shape (None: a scalar)."""
+    placement, zero = engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
-    tp, group = mesh.size("tp"), mesh.group("tp")
+    return lambda key: _full(serial, placement.full_shapes, key)
 
-    def full(key: str) -> tuple[str, tuple[int, ...] | None]:
-        """The saved name of ``key`` and the full shape (None: a scalar, kept as it is)."""
-        kind, _, name = key.partition("/")
-        if name.startswith("group") and name not in serial:
-            return key, None
-        return f"{kind}/{serial[name]}", tuple(placement.full_shapes[serial[name]])
 
-    writer: StreamWriter | None = None
+def _full(
+    serial: dict[str, str], shapes: Mapping[str, Sequence[int]], key: str
+) -> tuple[str, tuple[int, ...] | None]:
+    kind, _, name = key.partition("/")
+    if name.startswith("group") and name not in serial:
+        return key, None
+    return f"{kind}/{serial[name]}", tuple(shapes[serial[name]])
+
+
+def _portable_values(engine: Boosted) -> Iterator[Tensor]:
+    """The portable state's tensors in file order, full and fp32 (collective: all-gathers over
+    ZeRO's group and tp; every rank consumes it to the end)."""
+    placement, group, tp = engine.placement, engine.mesh.group("tp"), engine.mesh.size("tp")
+    full = _namer(engine)
+    for key, value in engine.zero.iter_full_state():
+        name, full_shape = full(key)
+        if full_shape is not None:
+            value = unshard(value, placement.shard_specs.get(name.partition("/")[2]), full_shape, tp, group)
+        yield value.to(torch.float32)
+
+
+def write_portable(engine: Boosted, gen: Path, step: int) -> Path | None:
+    """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
+    over ZeRO's group and tp; one rank per pipeline rank writes); the file this rank wrote.
+    The tensors stream into the file one at a time behind a header laid out beforehand
+    (``full_state_layout``), so no rank holds more than one flat buffer's state in full."""
+    plan = _portable_plan(engine, gen, step)
     with contextlib.ExitStack() as stack:
-        if all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
-            entries = []
-            for key, shape in zero.full_state_layout():
-                name, full_shape = full(key)
-                entries.append(Entry(name, torch.float32, shape if full_shape is None else full_shape))
-            scaler = zero.scaler.scale if zero.scaler is not None else None
-            groups = [
-                {
-                    k: v
-                    for k, v in g.items()
-                    if k != "params" and isinstance(v, (int, float, bool, str, tuple))
-                }
-                for g in zero.optimizer.param_groups
-            ]
-            header = {"step": step, "loss_scale": scaler, "zero_steps": zero.steps, "param_groups": groups}
-            target = _part(gen, mesh.coordinate("pp"))
-            writer = stack.enter_context(StreamWriter(target, entries, {"tessera": json.dumps(header)}))
-        for key, value in zero.iter_full_state():
-            name, full_shape = full(key)
-            if full_shape is not None:
-                value = unshard(
-                    value, placement.shard_specs.get(name.partition("/")[2]), full_shape, tp, group
-                )
+        writer = None if plan is None else stack.enter_context(StreamWriter(*plan))
+        for value in _portable_values(engine):
             if writer is not None:
-                writer.write(tensor_bytes(value.to(torch.float32)))
+                writer.write(tensor_bytes(value))
         if writer is not None:
             writer.commit()
+    return None if plan is None else plan[0]
+
+
+def snapshot_portable(engine: Boosted, gen: Path, step: int) -> tuple[Path, Callable[[], str], int] | None:
+    """``write_portable`` in halves: the gathers now (collective) into one host copy of this
+    pipeline rank's part on the rank that writes it; there, the file, what writes that copy
+    later (no collective, any thread; returns the file's hex sha256) and the bytes copied.
+    None on the other ranks."""
+    plan = _portable_plan(engine, gen, step)
+    values = [v.detach().to("cpu", copy=True) if plan is not None else None for v in _portable_values(engine)]
+    if plan is None:
+        return None
+    target, entries, metadata = plan
+    tensors = [v for v in values if v is not None]
+
+    def write() -> str:
+        with StreamWriter(target, entries, metadata) as out:
+            for t in tensors:
+                out.write(tensor_bytes(t))
+            return out.commit().hex()
+
+    return target, write, sum(t.numel() * t.element_size() for t in tensors)
 
 
 def read_portable(gen: Path, pp: int) -> tuple[LazyTensors, dict[str, Any]]:

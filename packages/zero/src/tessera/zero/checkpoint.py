@@ -25,6 +25,13 @@ rank's file is written and read is pluggable (``RankWriter``, ``RankOpener``): b
 is built in memory from the FlatParams' masters and the optimizer's state dict; the chunk
 memory manager writes the same file chunk by chunk (``tessera.zero.chunks.checkpoint``), so
 either kind of optimizer loads what the other saved.
+
+A save comes in two halves (``begin_save``): ``ShardSave.write`` writes this rank's file and
+runs no collective, so it may run in a background thread; ``ShardSave.commit`` is the
+collective part (agree every rank wrote, gather the digests, rank 0 writes ``meta.json``)
+and runs where the group's other collectives run. What ``meta.json`` records is taken when
+the save begins. ``snapshot_writer`` copies the rank's state to host memory once, at once,
+and writes that copy later, so training may go on between the halves.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,7 +50,7 @@ from torch import Tensor, nn
 from tessera.comm import Group, all_gather, group_rank
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.comm.safefile import SafeFile
+from tessera.comm.safefile import Entry, SafeFile, StreamWriter, tensor_bytes
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.precision import DynamicLossScaler
 from tessera.zero.validate import ZeroOptions
@@ -53,6 +61,8 @@ __all__ = [
     "Checkpointable",
     "RankOpener",
     "RankWriter",
+    "ShardSave",
+    "begin_save",
     "buffers_payload",
     "groups_payload",
     "json_ready",
@@ -61,6 +71,8 @@ __all__ = [
     "optimizer_index",
     "read_meta",
     "save",
+    "snapshot_writer",
+    "write_tensors",
 ]
 
 FORMAT = "tessera-zero/1"
@@ -145,7 +157,7 @@ def groups_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor],
             if key == "params":
                 continue
             if isinstance(value, Tensor):
-                tensors[f"group.{gi}.{key}"] = value.detach().cpu().clone()
+                tensors[f"group.{gi}.{key}"] = host_copy(value)
             else:
                 entry_json[key] = json_ready(value, f"param group {key}")
         groups.append(entry_json)
@@ -172,9 +184,24 @@ def load_groups(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def host_copy(tensor: Tensor) -> Tensor:
+    """A host copy of ``tensor`` (one copy from any device; training may change the original)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def write_tensors(target: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> bytes:
+    """Write ``tensors`` as a safetensors file atomically at ``target`` straight from their
+    memory (no serialized copy); its sha256 digest."""
+    entries = [Entry(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    with StreamWriter(target, entries, metadata) as out:
+        for t in tensors.values():
+            out.write(tensor_bytes(t))
+        return out.commit()
+
+
 def buffers_payload(model: nn.Module) -> dict[str, Tensor]:
     """The model's buffers as ``buffer.<name>`` host tensors."""
-    return {f"buffer.{name}": buf.detach().cpu().clone() for name, buf in model.named_buffers()}
+    return {f"buffer.{name}": host_copy(buf) for name, buf in model.named_buffers()}
 
 
 def optimizer_index(zero: Checkpointable) -> list[int]:
@@ -190,12 +217,12 @@ def optimizer_index(zero: Checkpointable) -> list[int]:
 def _rank_payload(zero: Checkpointable) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors: dict[str, Tensor] = {}
     for i, flat in enumerate(zero.flats):
-        tensors[f"master.{i}"] = flat.master.detach().cpu().clone()
+        tensors[f"master.{i}"] = host_copy(flat.master)
     state: dict[str, dict[str, Any]] = {}
     for idx, entry in zero.optimizer.state_dict()["state"].items():
         for key, value in entry.items():
             if isinstance(value, Tensor):
-                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().clone()
+                tensors[f"optim.{idx}.{key}"] = host_copy(value)
             else:
                 state.setdefault(str(idx), {})[key] = json_ready(value, f"optimizer state {key}")
     group_tensors, groups = groups_payload(zero.optimizer)
@@ -214,49 +241,89 @@ def _write_flat_rank(zero: Checkpointable) -> RankWriter:
     return write
 
 
-def save(zero: Checkpointable, path: Path, write_rank: RankWriter | None = None) -> None:
-    """Write ``zero``'s shards under ``path`` (collective over its group); ``write_rank`` writes
-    this rank's file (default: the flat optimizer's, built in memory and written at once)."""
+def snapshot_writer(zero: Checkpointable) -> tuple[RankWriter, int]:
+    """Copy this rank's file's tensors to host memory now; what writes that copy later (any
+    thread) and the bytes copied."""
+    tensors, extra = _rank_payload(zero)
+    metadata = {HEADER_KEY: json.dumps(extra)}
+    return (lambda target: write_tensors(target, tensors, metadata)), sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+
+
+@dataclass
+class ShardSave:
+    """One save of a ZeRO checkpoint (module docstring): ``write`` then ``commit``."""
+
+    path: Path
+    group: Group
+    device: torch.device
+    meta: dict[str, Any]  # meta.json as of the beginning, without the digests
+    index: int | None  # this rank's file in meta["files"]; None: it writes none
+    writer: RankWriter
+    digest: bytes = bytes(32)
+
+    def write(self) -> None:
+        """Write this rank's file (no collective; raises naming the file)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self.index is not None:
+            self.digest = self.writer(self.path / self.meta["files"][self.index])
+
+    def commit(self, error: BaseException | None = None) -> None:
+        """Collective over the group: every rank raises if any rank's ``write`` failed (its
+        ``error``); else rank 0 writes ``meta.json`` with every rank's digest."""
+        raise_together(error, self.group, "saving a shard", self.device)
+        files = self.meta["files"]
+        if len(files) == 1:
+            digests = [self.digest]
+        else:
+            mine = torch.frombuffer(bytearray(self.digest), dtype=torch.uint8).to(self.device)
+            gathered = all_gather(mine, self.group).cpu().view(len(files), 32)
+            digests = [bytes(gathered[r].tolist()) for r in range(len(files))]
+        failure = None
+        if group_rank(self.group) == 0:
+            try:
+                meta = {**self.meta, "sha256": [d.hex() for d in digests]}
+                atomic_write(self.path / META, json.dumps(meta, indent=1).encode())
+            except Exception as exc:
+                failure = exc
+        raise_together(failure, self.group, "writing meta.json", self.device)
+
+
+def begin_save(zero: Checkpointable, path: Path, write_rank: RankWriter | None = None) -> ShardSave:
+    """The first half of a save under ``path`` (no I/O): what ``meta.json`` will record, as of
+    now, and this rank's ``write_rank`` (default: the flat optimizer's, built in memory)."""
     rank, world = group_rank(zero.group), zero.world_size
     replicated = _replicated(zero)
     files = [rank_file(0, 1)] if replicated else [rank_file(r, world) for r in range(world)]
+    meta = {
+        "format": FORMAT,
+        "world_size": world,
+        "stage": zero.stage,
+        "replicated": replicated,
+        "precision": zero.config.precision,
+        "offload": zero.config.offload,
+        "optimizer": type(zero.optimizer).__name__,
+        "steps": zero.steps,
+        "scaler": None if zero.scaler is None else zero.scaler.state_dict(),
+        "files": files,
+        "layout": _layout(zero),
+    }
+    index = (0 if rank == 0 else None) if replicated else rank
+    writer = _write_flat_rank(zero) if write_rank is None else write_rank
+    return ShardSave(path, zero.group, zero.device, json.loads(json.dumps(meta)), index, writer)
+
+
+def save(zero: Checkpointable, path: Path, write_rank: RankWriter | None = None) -> None:
+    """Write ``zero``'s shards under ``path`` (collective over its group); ``write_rank`` writes
+    this rank's file (default: the flat optimizer's, built in memory and written at once)."""
+    shard = begin_save(zero, path, write_rank)
     error: BaseException | None = None
-    digest = bytes(32)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if rank == 0 or not replicated:
-            writer = _write_flat_rank(zero) if write_rank is None else write_rank
-            digest = writer(path / files[0 if replicated else rank])
+        shard.write()
     except Exception as exc:
         error = exc
-    _agree(zero, error, "saving a shard")
-    if replicated:
-        digests = [digest]
-    else:
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(zero.device)
-        gathered = all_gather(mine, zero.group).cpu().view(world, 32)
-        digests = [bytes(gathered[r].tolist()) for r in range(world)]
-    error = None
-    if rank == 0:
-        try:
-            meta = {
-                "format": FORMAT,
-                "world_size": world,
-                "stage": zero.stage,
-                "replicated": replicated,
-                "precision": zero.config.precision,
-                "offload": zero.config.offload,
-                "optimizer": type(zero.optimizer).__name__,
-                "steps": zero.steps,
-                "scaler": None if zero.scaler is None else zero.scaler.state_dict(),
-                "files": files,
-                "sha256": [d.hex() for d in digests],
-                "layout": _layout(zero),
-            }
-            atomic_write(path / META, json.dumps(meta, indent=1).encode())
-        except Exception as exc:
-            error = exc
-    _agree(zero, error, "writing meta.json")
+    shard.commit(error)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -45,11 +45,12 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Group, MemoryReport, group_size, measure_memory
+from tessera.zero.checkpoint import ShardSave, begin_save, snapshot_writer
 from tessera.zero.checkpoint import load as load_checkpoint
 from tessera.zero.checkpoint import save as save_checkpoint
 from tessera.zero.chunks import ChunkConfig, ChunkedFlatParam, ChunkStore
 from tessera.zero.chunks.build import build_store
-from tessera.zero.chunks.checkpoint import rank_opener, rank_writer
+from tessera.zero.chunks.checkpoint import rank_opener, rank_snapshot, rank_writer
 from tessera.zero.chunks.step import chunk_grad_stats, step_chunks
 from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
 from tessera.zero.flat import bucketize
@@ -430,8 +431,13 @@ class ZeroOptimizer:
     def save(self, path: str | Path) -> None:
         """Write this rank's shards and optimizer state under directory ``path`` (collective;
         stage 0 writes its replicated state once, from rank 0)."""
-        writer = None if self._chunks is None else rank_writer(self, self._chunks)
-        save_checkpoint(self, Path(path), writer)
+        save_checkpoint(self, Path(path), None if self._chunks is None else rank_writer(self, self._chunks))
+
+    def begin_save(self, path: str | Path) -> tuple[ShardSave, int]:
+        """``save`` in halves, from a host copy of this rank's state taken now (no collective;
+        ``ShardSave``), and the bytes copied: training may go on before ``write``."""
+        copy = snapshot_writer(self) if self._chunks is None else rank_snapshot(self, self._chunks)
+        return begin_save(self, Path(path), copy[0]), copy[1]
 
     def load(self, path: str | Path) -> None:
         """Load what ``save`` wrote, at the same world size and layout (collective); every rank
@@ -491,10 +497,4 @@ class ZeroOptimizer:
 
 
 def _unique(tensors: list[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return list({id(t): t for t in tensors}.values())  # each once, in order of first occurrence

@@ -16,6 +16,8 @@ there, so a save needs one chunk of extra memory whatever the model's size. ``ra
 checks the file's sha256 in blocks of 1 MiB and its header against this optimizer's
 layout (names, dtypes, shapes) before the ranks agree, then reads each chunk's element
 range of each stream into the staging buffer and stores it on the chunk's tier.
+``rank_snapshot`` copies the same tensors to host memory at once (a background save's
+snapshot: the whole rank's state) and writes them later.
 Gradients are not saved (as without chunks); streams the checkpoint does not hold (optimizer
 state saved before the first step) are dropped from the chunks.
 """
@@ -41,6 +43,7 @@ from tessera.zero.checkpoint import (
     json_ready,
     load_groups,
     optimizer_index,
+    write_tensors,
 )
 from tessera.zero.chunks.chunk import Tier
 from tessera.zero.chunks.store import ChunkStore
@@ -53,7 +56,7 @@ from tessera.zero.chunks.streams import (
     write_stream,
 )
 
-__all__ = ["rank_opener", "rank_writer"]
+__all__ = ["rank_opener", "rank_snapshot", "rank_writer"]
 
 _F32 = torch.float32
 
@@ -73,34 +76,39 @@ def _pieces(store: ChunkStore, fi: int, stream: str, staging: Tensor) -> Iterato
             yield tensor_bytes(buf)
 
 
+def _plan(
+    zero: Checkpointable, store: ChunkStore
+) -> tuple[list[tuple[int, str]], list[Entry], dict[str, Tensor], dict[str, str]]:
+    """The shard streams in file order, every entry, the small tensors and the header."""
+    index = optimizer_index(zero)
+    streams = [[MASTER] for _ in store.flats]
+    for fi in range(len(store.flats)):
+        streams[fi] += flat_streams(store, fi)
+    small: dict[str, Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for fi in range(len(store.flats)):
+        for key, value in flat_scalars(store, fi).items():
+            if isinstance(value, Tensor):
+                small[f"optim.{index[fi]}.{key}"] = value.detach().to("cpu", copy=True)
+            else:
+                state.setdefault(str(index[fi]), {})[key] = json_ready(value, f"optimizer state {key}")
+    group_tensors, groups = groups_payload(zero.optimizer)
+    small.update(group_tensors)
+    small.update(buffers_payload(zero.model))
+    big = [
+        (fi, s) for s in ["master", *store.state_names] for fi in range(len(store.flats)) if s in streams[fi]
+    ]
+    entries = [Entry(_key(index, fi, s), _F32, (store.flats[fi].layout.shard_numel,)) for fi, s in big]
+    entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in small.items()]
+    metadata = {HEADER_KEY: json.dumps({"state": state, "param_groups": groups})}
+    return big, entries, small, metadata
+
+
 def rank_writer(zero: Checkpointable, store: ChunkStore) -> RankWriter:
     """What writes this rank's checkpoint file from the chunks (module docstring)."""
 
     def write(target: Path) -> bytes:
-        index = optimizer_index(zero)
-        streams = [[MASTER] for _ in store.flats]
-        for fi in range(len(store.flats)):
-            streams[fi] += flat_streams(store, fi)
-        small: dict[str, Tensor] = {}
-        state: dict[str, dict[str, Any]] = {}
-        for fi in range(len(store.flats)):
-            for key, value in flat_scalars(store, fi).items():
-                if isinstance(value, Tensor):
-                    small[f"optim.{index[fi]}.{key}"] = value.detach().cpu()
-                else:
-                    state.setdefault(str(index[fi]), {})[key] = json_ready(value, f"optimizer state {key}")
-        group_tensors, groups = groups_payload(zero.optimizer)
-        small.update(group_tensors)
-        small.update(buffers_payload(zero.model))
-        big = [
-            (fi, s)
-            for s in ["master", *store.state_names]
-            for fi in range(len(store.flats))
-            if s in streams[fi]
-        ]
-        entries = [Entry(_key(index, fi, s), _F32, (store.flats[fi].layout.shard_numel,)) for fi, s in big]
-        entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in small.items()]
-        metadata = {HEADER_KEY: json.dumps({"state": state, "param_groups": groups})}
+        big, entries, small, metadata = _plan(zero, store)
         staging = torch.empty(store.chunk_numel, dtype=_F32)
         with StreamWriter(target, entries, metadata) as out, torch.no_grad():
             for fi, stream in big:
@@ -111,6 +119,25 @@ def rank_writer(zero: Checkpointable, store: ChunkStore) -> RankWriter:
             return out.commit()
 
     return write
+
+
+def rank_snapshot(zero: Checkpointable, store: ChunkStore) -> tuple[RankWriter, int]:
+    """Copy this rank's checkpoint tensors from the chunks (every tier) to host memory now;
+    what writes that copy later, from any thread, and the bytes copied. The copy is the whole
+    rank's state: with a disk tier, more than the host budget holds."""
+    big, entries, small, metadata = _plan(zero, store)
+    tensors: dict[str, Tensor] = {}
+    index = optimizer_index(zero)
+    with torch.no_grad():
+        for fi, stream in big:
+            shard = torch.empty(store.flats[fi].layout.shard_numel, dtype=_F32)
+            for chunk in store.chunks_of(fi):
+                read_stream(store, chunk, stream, shard[chunk.lo : chunk.hi])
+            tensors[_key(index, fi, stream)] = shard
+    tensors.update(small)
+    assert [e.name for e in entries] == list(tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return (lambda target: write_tensors(target, tensors, metadata)), nbytes
 
 
 def rank_opener(zero: Checkpointable, store: ChunkStore) -> RankOpener:
