@@ -16,7 +16,7 @@ from torch import Tensor
 
 from tessera.launcher.corpus import load_corpus
 
-__all__ = ["CharTokenizer", "TextData", "load_corpus"]
+__all__ = ["CharTokenizer", "TextData", "load_corpus", "pair"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +79,40 @@ class TextData:
         """Tokens in both splits (characters)."""
         return sum(len(part) for part in self.splits.values())
 
-    def batch(self, split: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
-        """Batch ``step`` of ``split``: ``(inputs, targets)`` of shape (batch_size, seq_len)."""
+    def batch(
+        self, split: str, step: int, batch_size: int, *, rows: range | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Batch ``step`` of ``split`` (``rows``: only those rows): ``(inputs, targets)`` of
+        shape (rows, seq_len)."""
+        x, y = self.parts(split, step, batch_size, rows=rows)
+        assert x is not None and y is not None
+        return x, y
+
+    def parts(
+        self,
+        split: str,
+        step: int,
+        batch_size: int,
+        *,
+        rows: range | None = None,
+        needs: tuple[bool, bool] = (True, True),
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The inputs and the targets of rows ``rows`` (default all) of batch ``step``, each
+        only if ``needs`` asks for it (None otherwise; nothing is read when neither is): a
+        rank builds only what its engine reads (``Engine.local_rows``, ``Engine.batch_needs``)."""
+        if not any(needs):
+            return None, None
         ids = self.splits[split]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
-        starts = torch.randint(0, len(ids) - self.seq_len - 1, (batch_size,), generator=gen)
-        rows = torch.stack([ids[s : s + self.seq_len + 1] for s in starts.tolist()])
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        starts = torch.randint(0, len(ids) - self.seq_len - 1, (batch_size,), generator=gen).tolist()
+        picked = starts if rows is None else [starts[r] for r in rows]
+        block = torch.stack([ids[s : s + self.seq_len + 1] for s in picked])
+        return pair(block, needs)
+
+
+def pair(block: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+    """Inputs (every token but the last of each row) and targets (but the first) of ``block``,
+    each only if ``needs`` asks for it."""
+    x = block[:, :-1].contiguous() if needs[0] else None
+    y = block[:, 1:].contiguous() if needs[1] else None
+    return x, y

@@ -2,9 +2,11 @@
 
 A step takes the *global* batch (every rank may pass the same tensors): each data-parallel
 rank trains on its rows, in ``parallel.microbatches`` microbatches; the loss is the mean over
-the global batch, so a run equals the serial model trained on that batch. Degrees come from
-the mesh, activation shapes from the model; gradient averaging, clipping and the optimizer
-step are the `ZeroOptimizer`'s (stage 0 is plain data parallelism).
+the global batch, so a run equals the serial model trained on that batch. A loop that reads
+only its rank's rows (``Engine.local_rows``; ``Engine.batch_needs``: a pipeline's middle
+stages read nothing) passes them with ``local=True``: the same rows train, bit for bit.
+Degrees come from the mesh, activation shapes from the model; gradient averaging, clipping
+and the optimizer step are the `ZeroOptimizer`'s (stage 0 is plain data parallelism).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Mesh, all_reduce
+from tessera.comm import Mesh, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import BackgroundSave, load_engine, save_engine
@@ -104,26 +106,85 @@ class Engine:
         return self.zero.optimizer
 
     # ------------------------------------------------------------------ training
-    def _local_batch(self, inputs: Inputs, targets: Tensor) -> tuple[Inputs, Tensor]:
-        """This rank's part of the global batch: its dp rows, then its tp-mode / sp share.
-        Keyword inputs (a mapping such as ``{"input_ids": ..., "attention_mask": ...}``) are
-        split by rows only, so they need a mode whose ranks see whole rows (1D tp, no sp, no
-        pp)."""
+    def local_rows(self, batch_size: int) -> range:
+        """The rows of a global batch of ``batch_size`` rows that this rank trains on: its
+        data-parallel replica's block, the same rows on the tp / sp / pp ranks of a replica.
+        A loop that reads only these rows passes them with ``local=True``."""
         dp = self.mesh.size("dp")
-        if targets.shape[0] % dp:
-            raise ValueError(f"batch of {targets.shape[0]} rows does not split over dp={dp}")
-        rows = targets.shape[0] // dp
+        if batch_size % dp:
+            raise ValueError(f"batch of {batch_size} rows does not split over dp={dp}")
+        rows = batch_size // dp
         start = self.mesh.coordinate("dp") * rows
-        y = targets[start : start + rows].to(self.mesh.device)
-        if isinstance(inputs, Tensor):
-            return self.objective.shard(inputs[start : start + rows].to(self.mesh.device), y)
+        return range(start, start + rows)
+
+    @property
+    def batch_needs(self) -> tuple[bool, bool]:
+        """Whether this rank's ``train_step`` and ``eval_loss`` read the (inputs, targets).
+        Both without a pipeline; with one, the inputs on the rank of the first stage and the
+        targets on the rank of the last, so a middle stage reads neither (with ``local=True``
+        a rank passes None for what it does not read); both on every rank while
+        ``boost(verify=True)``'s first step is pending (its serial copy trains on the whole
+        batch, gathered over dp)."""
+        if self.runtime is None or self.verifier is not None:
+            return True, True
+        return self._is_stage_owner(0), self._is_stage_owner(-1)
+
+    def _local_batch(
+        self, inputs: Inputs | None, targets: Tensor | None, local: bool
+    ) -> tuple[Inputs | None, Tensor | None]:
+        """This rank's part of the batch: its dp rows (``local``: the rows given are they),
+        then its tp-mode / sp share. Keyword inputs (a mapping such as ``{"input_ids": ...,
+        "attention_mask": ...}``) are split by rows only, so they need a mode whose ranks see
+        whole rows (1D tp, no sp, no pp)."""
+        needs = self.batch_needs
+        for name, given, needed in (("inputs", inputs, needs[0]), ("targets", targets, needs[1])):
+            if given is None and (needed or not local):
+                where = f"rank {self.mesh.rank} ({self.mesh.topology.describe()})"
+                raise ValueError(f"{where} reads the {name} of the batch; got None")
+        if not local:
+            assert targets is not None and inputs is not None
+            rows = self.local_rows(targets.shape[0])
+            targets = targets[rows.start : rows.stop]
+            inputs = (
+                inputs[rows.start : rows.stop]
+                if isinstance(inputs, Tensor)
+                else {k: v[rows.start : rows.stop] for k, v in inputs.items()}
+            )
+        y = None if targets is None else targets.to(self.mesh.device)
+        if not isinstance(inputs, Mapping):
+            return self._shard(None if inputs is None else inputs.to(self.mesh.device), y)
         topology = self.mesh.topology
         if self.runtime is not None or topology.sp > 1 or topology.tp_mode.value != "1d":
             raise ValueError(
                 f"keyword inputs ({', '.join(inputs)}) with {topology.describe()}: only whole-row modes "
                 "take them (1D tp, dp, ZeRO); pass one tensor of inputs"
             )
-        return {k: v[start : start + rows].to(self.mesh.device) for k, v in inputs.items()}, y
+        return {k: v.to(self.mesh.device) for k, v in inputs.items()}, y
+
+    def _shard(self, x: Tensor | None, y: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """The objective's share of ``x`` and ``y``; every objective shards each tensor on its
+        own, so a pipeline rank that holds one of them shards it alone."""
+        if x is not None and y is not None:
+            return self.objective.shard(x, y)
+        if x is not None:
+            return self.objective.shard(x, x)[0], None
+        return None, (None if y is None else self.objective.shard(y, y)[1])
+
+    def _global_batch(
+        self, inputs: Inputs | None, targets: Tensor | None, local: bool
+    ) -> tuple[Inputs, Tensor]:
+        """The global batch, for the verified step's serial copy: as given, or (``local``)
+        gathered over dp from every replica's rows in replica order."""
+        if inputs is None or targets is None:  # batch_needs asks both while verifying
+            raise ValueError("the verified first step reads the inputs and the targets; got None")
+        if not local:
+            return inputs, targets
+
+        def gather(t: Tensor) -> Tensor:
+            return all_gather(t.to(self.mesh.device), self.dp)
+
+        x = gather(inputs) if isinstance(inputs, Tensor) else {k: gather(v) for k, v in inputs.items()}
+        return x, gather(targets)
 
     def _forward_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
         out = self.module(**inputs) if isinstance(inputs, Mapping) else self.module(inputs)
@@ -132,20 +193,23 @@ class Engine:
     def _is_stage_owner(self, stage: int) -> bool:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
 
-    def train_step(self, inputs: Inputs, targets: Tensor) -> StepOutput:
-        """One optimizer step on the global batch ``(inputs, targets)``; collective. A step
-        with a non-finite gradient norm is skipped; too many in a row raise `Diverged`."""
+    def train_step(self, inputs: Inputs | None, targets: Tensor | None, *, local: bool = False) -> StepOutput:
+        """One optimizer step on the global batch ``(inputs, targets)`` (``local``: on this
+        rank's rows of it, ``local_rows``; None for what ``batch_needs`` says it does not
+        read); collective. A step with a non-finite gradient norm is skipped; too many in a
+        row raise `Diverged`."""
         self.module.train()
-        x, y = self._local_batch(inputs, targets)
         if self.verifier is not None:
-            self.verifier.serial_step(self, inputs, targets)
+            whole_x, whole_y = self._global_batch(inputs, targets, local)
+            self.verifier.serial_step(self, whole_x, whole_y)
+        x, y = self._local_batch(inputs, targets, local)
         # a pipeline runs many backwards in its schedule's order, and partial gradients (norms
         # in the sequence-parallel stream, ...) are summed over tp first: both reduce once, at
         # the step, in every stage
         one_reduction = self.runtime is not None or self.partial_over_tp or not self.coverage_proved
         with self.zero.accumulating() if one_reduction else contextlib.nullcontext():
             if self.runtime is not None:
-                assert isinstance(x, Tensor)  # _local_batch refuses keyword inputs with pp
+                assert not isinstance(x, Mapping)  # _local_batch refuses keyword inputs with pp
                 first, last = self._is_stage_owner(0), self._is_stage_owner(-1)
                 result = self.runtime.step(
                     x if first else None,
@@ -157,6 +221,7 @@ class Engine:
                 local_loss = result.loss
                 self._sum_tied_gradients()
             else:
+                assert x is not None and y is not None  # batch_needs: both without a pipeline
                 local_loss = self._accumulate(x, y)
             if not self.coverage_proved:
                 self._prove_coverage()
@@ -315,19 +380,21 @@ class Engine:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def eval_loss(self, inputs: Inputs, targets: Tensor) -> float:
-        """The mean loss on the global batch, without updating anything; collective."""
+    def eval_loss(self, inputs: Inputs | None, targets: Tensor | None, *, local: bool = False) -> float:
+        """The mean loss on the global batch (``local``: this rank's rows, as in
+        ``train_step``), without updating anything; collective."""
         self.module.eval()
-        x, y = self._local_batch(inputs, targets)
+        x, y = self._local_batch(inputs, targets, local)
         with self.zero.gathered():
             if self.runtime is None:
-                local = float(self._forward_loss(x, y))
+                assert x is not None and y is not None  # batch_needs: both without a pipeline
+                mean = float(self._forward_loss(x, y))
             else:
                 stages, owners, device = self.runtime.stages, self.placement.stage_to_rank, self.mesh.device
                 loss = self.objective.loss
-                assert isinstance(x, Tensor)
-                local = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
-        out = all_reduce(torch.tensor([local], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
+                assert not isinstance(x, Mapping)
+                mean = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
+        out = all_reduce(torch.tensor([mean], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
         return float(out[0])
 
     # ------------------------------------------------------------------ teardown

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ from tessera.models import GPT, GPTConfig
 __all__ = ["main", "sample"]
 
 log = logging.getLogger("tessera.train")
+
+Batch: TypeAlias = tuple[torch.Tensor | None, torch.Tensor | None]  # a rank's (inputs, targets)
 
 
 def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -82,9 +84,17 @@ def _run_dir(config: Config, device: torch.device) -> Path:
     return run_folder(config, device)
 
 
+def _rank_batch(engine: Engine, data: Data, split: str, step: int, batch_size: int) -> Batch:
+    """What this rank's engine reads of batch ``step``: its replica's rows, the inputs and
+    targets only where its stages read them (for ``train_step(..., local=True)``)."""
+    return data.parts(split, step, batch_size, rows=engine.local_rows(batch_size), needs=engine.batch_needs)
+
+
 def _evaluate(engine: Engine, data: Data, config: Config, step: int) -> float:
     losses = [
-        engine.eval_loss(*data.batch("val", step * 1000 + i, config.data.batch_size))
+        engine.eval_loss(
+            *_rank_batch(engine, data, "val", step * 1000 + i, config.data.batch_size), local=True
+        )
         for i in range(config.train.eval_batches)
     ]
     return sum(losses) / len(losses)
@@ -195,7 +205,7 @@ def main() -> None:
     started = time.perf_counter()
     window_start, window_steps = started, 0
     for step in range(engine.step, config.train.steps):
-        out = engine.train_step(*data.batch("train", step, config.data.batch_size))
+        out = engine.train_step(*_rank_batch(engine, data, "train", step, config.data.batch_size), local=True)
         window_steps += 1
         done = step + 1
         if done % config.train.log_every == 0 or done == config.train.steps:

@@ -13,12 +13,14 @@ once, in an order fixed by the seed and the epoch, and a batch is a pure functio
 step): the data position a checkpoint records (its step, ``manifest.json``'s
 ``data_position``) is all a resumed run needs to continue at the exact next sample.
 
-What each rank reads: the engine's ``train_step`` takes the global batch and keeps each
-data-parallel replica's rows (the same rows on the tp / sp / pp ranks of one replica), so
-every rank reads the ``batch_size`` samples of the step, ``batch_size * (seq_len + 1)``
-tokens, through its memmaps (the pages the OS maps in), plus the epoch's order (8 bytes per
-sample, once per epoch). ``batch(..., rows=range(a, b))`` reads only rows a..b-1, the rows
-of one replica, for a loop that hands each rank its own rows.
+What each rank reads: the main job asks its engine which rows its data-parallel replica
+trains on (``Engine.local_rows``: the same rows on the tp / sp / pp ranks of one replica) and
+whether it reads the inputs and the targets (``Engine.batch_needs``: a pipeline's first stage
+the inputs, its last the targets, a middle stage neither), and ``parts`` reads just that:
+``batch_size / dp`` samples of ``seq_len + 1`` tokens through the memmaps (the pages the OS
+maps in), nothing on a middle stage, plus the epoch's order (8 bytes per sample, once per
+epoch). The rows are those the global batch would give the replica, so the losses are the
+same bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from tessera.launcher.config import Config
-from tessera.launcher.data import TextData, load_corpus
+from tessera.launcher.data import TextData, load_corpus, pair
 from tessera.launcher.data_sources import DTYPES, TokenFiles
 from tessera.launcher.prepare import open_tokens, split_sizes
 from tessera.launcher.text_tokenizers import Tokenizer, from_record
@@ -114,13 +116,29 @@ class TokenData:
     ) -> tuple[Tensor, Tensor]:
         """Batch ``step`` of ``split`` (``rows``: only those rows): ``(inputs, targets)`` of
         shape (rows, seq_len), int64."""
+        x, y = self.parts(split, step, batch_size, rows=rows)
+        assert x is not None and y is not None
+        return x, y
+
+    def parts(
+        self,
+        split: str,
+        step: int,
+        batch_size: int,
+        *,
+        rows: range | None = None,
+        needs: tuple[bool, bool] = (True, True),
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The inputs and the targets of rows ``rows`` (default all) of batch ``step``, each
+        only if ``needs`` asks for it (None otherwise; no token is read when neither is)."""
+        if not any(needs):
+            return None, None
         start = self.bounds[split][0]
         windows = [
             self.read(start + k * self.seq_len, self.seq_len + 1)
             for k in self.sample_indices(split, step, batch_size, rows)
         ]
-        block = torch.from_numpy(np.stack(windows))
-        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        return pair(torch.from_numpy(np.stack(windows)), needs)
 
     def prompt(self, tokens: int = 4) -> str:
         """The first ``tokens`` tokens of the validation split, as text: a prompt for a sample
