@@ -200,7 +200,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         config.parallel.topology().check_world_size(plan.world_size)
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
-    errors = preflight(config, main_job=main_job)
+    errors = preflight(config, main_job=main_job, processes=plan.nproc_per_node)
     if main_job and not args.dry_run and not errors:
         errors = ensure_prepared(config, _say)  # data.path's text tokenized once, before spawning
     if not args.dry_run and not errors:

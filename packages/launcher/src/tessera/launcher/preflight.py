@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tessera.launcher.config import Config
 from tessera.launcher.corpus import load_corpus
+from tessera.launcher.disk_space import disk_problems
 from tessera.launcher.generations import MANIFEST, read_manifest, resolve_generation
 from tessera.launcher.prepare import problems as data_problems
 
@@ -74,11 +75,13 @@ def verify_problems(config: Config, *, main_job: bool) -> list[str]:
     return errors
 
 
-def preflight(config: Config, *, main_job: bool) -> list[str]:
+def preflight(config: Config, *, main_job: bool, processes: int = 0) -> list[str]:
     """Every mistake the disk shows before a job of ``config`` spawns, one line each.
 
     ``main_job``: also read the corpus (``data.corpus``, ``data.max_chars``) and check
-    ``model.vocab_size`` against its alphabet, or with ``data.path`` the user's data.
+    ``model.vocab_size`` against its alphabet, or with ``data.path`` the user's data; and the
+    free disk for its disk tier and a checkpoint (``disk_space``; ``processes``: the ranks on
+    this machine, 0: the whole world).
     """
     errors = _writable_dir("train.run_dir", config.train.run_dir)
     if config.train.verify:
@@ -102,6 +105,8 @@ def preflight(config: Config, *, main_job: bool) -> list[str]:
                     f"parallel.tp={tp}; resume under a tp that divides it, or start runs with --set "
                     "model.vocab_size=N, a multiple of every tp to resume under"
                 )
+    if main_job:
+        errors += disk_problems(config, processes or config.world_size)
     if main_job and config.data.path:  # the user's own data (``tessera.launcher.prepare``)
         errors += data_problems(config)
     elif main_job:
