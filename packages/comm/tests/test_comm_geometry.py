@@ -95,8 +95,8 @@ def test_a_depth_outside_2p5d_is_refused_naming_it(mode: TPMode, depth: int) -> 
         ("4d", 4, 1, "got '4d' (tp=4, depth=1)"),
         ("2d", 0, 1, "tp=0, depth=1 (tp_mode 2d)"),
         ("2.5d", 8, 0, "tp=8, depth=0 (tp_mode 2.5d)"),
-        ("2.5d", 8, 3, "depth=3 does not divide tp=8"),
-        ("2.5d", 12, 2, "tp=12 / depth=2 = 6 is not a square"),
+        ("2.5d", 8, 3, "tp=8 is not q*q*depth: depth=3 does not divide it (tp_mode 2.5d, tp=8, depth=3)"),
+        ("2.5d", 12, 2, "tp=12 is not q*q*depth: tp/depth = 6 is not a square"),
     ],
 )
 def test_impossible_grids_name_the_numbers(mode: str, tp: int, depth: int, message: str) -> None:

@@ -100,8 +100,8 @@ def test_2p5d_and_3d_axes() -> None:
     [
         ({"tp": 6, "tp_mode": "2d"}, "tp=6 is not"),
         ({"tp": 9, "tp_mode": "3d"}, "tp=9 is not"),
-        ({"tp": 12, "tp_mode": "2.5d", "depth": 2}, "tp=12 / depth=2 = 6"),
-        ({"tp": 8, "tp_mode": "2.5d", "depth": 3}, "depth=3 does not divide tp=8"),
+        ({"tp": 12, "tp_mode": "2.5d", "depth": 2}, "tp=12 is not q*q*depth: tp/depth = 6 is not a square"),
+        ({"tp": 8, "tp_mode": "2.5d", "depth": 3}, "tp=8 is not q*q*depth: depth=3 does not divide it"),
         ({"tp": 4, "depth": 2}, "depth=2"),
         ({"dp": 0}, "dp must be a positive integer, got 0"),
         ({"tp_mode": "4d"}, "'4d'"),

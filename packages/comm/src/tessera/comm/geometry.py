@@ -34,7 +34,7 @@ def integer_root(n: int, k: int) -> int | None:
     return None
 
 
-# the line a layer's hidden is split along, per mode
+# one line of the grid, per mode
 _LINE: dict[TPMode, Axis] = {
     TPMode.ONE_D: Axis.TP,
     TPMode.TWO_D: Axis.TP_ROW,
@@ -61,12 +61,10 @@ def _side(mode: TPMode, tp: int, depth: int) -> int:
             raise ValueError(f"tp={tp} is not a cube q*q*q: tp_mode 3d needs a q x q x q cube {said}")
         return q
     if tp % depth:
-        raise ValueError(f"tp={tp} is not q*q*depth: depth={depth} does not divide tp={tp} {said}")
+        raise ValueError(f"tp={tp} is not q*q*depth: depth={depth} does not divide it {said}")
     q = integer_root(tp // depth, 2)
     if q is None:
-        raise ValueError(
-            f"tp={tp} is not q*q*depth: tp={tp} / depth={depth} = {tp // depth} is not a square {said}"
-        )
+        raise ValueError(f"tp={tp} is not q*q*depth: tp/depth = {tp // depth} is not a square {said}")
     return q
 
 
@@ -118,8 +116,8 @@ class TPGrid:
         return self._q * self._q
 
     def line_axis(self) -> Axis:
-        """The axis whose group is one line of the grid, the one a layer's hidden is split
-        along: tp (1d), tp_row (2d, 2.5d), tp_input (3d)."""
+        """The axis whose group is one line of the grid (``side`` ranks): tp (1d), tp_row
+        (2d, 2.5d), tp_input (3d)."""
         return _LINE[self.mode]
 
 

@@ -266,7 +266,7 @@ ONE_D = register_mode(ModeSpec(TPMode.ONE_D, identity=True))
 TWO_D = register_mode(
     _nd(
         TPMode.TWO_D,
-        Geometry("2d", 2, _hidden_2d),
+        Geometry(TPMode.TWO_D, _hidden_2d),
         linear=Styles2D.LINEAR,
         linear_back=Styles2D.LINEAR,
         classifier=Styles2D.CLASSIFIER,
@@ -279,7 +279,7 @@ TWO_D = register_mode(
 TWO_P5_D = register_mode(
     _nd(
         TPMode.TWO_P5_D,
-        Geometry("2.5d", 2, _hidden_2p5d, depth=None),
+        Geometry(TPMode.TWO_P5_D, _hidden_2p5d, depth=None),
         linear=Styles2p5D.LINEAR,
         linear_back=Styles2p5D.LINEAR,
         classifier=Styles2p5D.CLASSIFIER,
@@ -292,7 +292,7 @@ TWO_P5_D = register_mode(
 THREE_D = register_mode(
     _nd(
         TPMode.THREE_D,
-        Geometry("3d", 3, _hidden_3d),
+        Geometry(TPMode.THREE_D, _hidden_3d),
         linear=Styles3D.LINEAR,
         linear_back=Styles3D.LINEAR_BACK,
         classifier=Styles3D.CLASSIFIER,

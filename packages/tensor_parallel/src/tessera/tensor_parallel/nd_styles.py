@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Group, Mesh, all_gather_along
+from tessera.comm import Group, Mesh, TPGrid, TPMode, all_gather_along, integer_root
 from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, head_layout
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec
@@ -60,23 +60,19 @@ HiddenLine = Callable[[Mesh], tuple[int, Group, int]]
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """What the nD styles need of a mode: ``tp = q**power * depth`` (``depth`` None: not known
-    until the mesh is, 2.5D unbound), and ``hidden(mesh)``."""
+    """What the nD styles need of a mode: the mode, its ``depth`` (None: not known until the
+    mesh is, 2.5D unbound) and ``hidden(mesh)``."""
 
-    mode: str
-    power: int
+    mode: TPMode
     hidden: HiddenLine
     depth: int | None = 1
 
     def side(self, tp: int, *, where: str) -> int | None:
-        """q for ``tp`` ranks, None when the depth is not known; ValueError naming the numbers."""
+        """q of ``tp`` ranks (``TPGrid``), None when the depth is not known; ValueError naming
+        the numbers."""
         if self.depth is None:
             return None
-        n, rest = divmod(tp, self.depth)
-        q = round(n ** (1 / self.power)) if n > 0 else 0
-        if rest or q < 1 or q**self.power != n:
-            raise ValueError(f"{where}: tp={tp} is not q**{self.power} * depth {self.depth} ({self.mode})")
-        return q
+        return TPGrid.of(self.mode, tp, self.depth, where=where).side
 
 
 def fused_order(out: int, sections: int, q: int) -> list[int]:
@@ -91,14 +87,14 @@ def fused_order(out: int, sections: int, q: int) -> list[int]:
 class FusedShardSpec(ShardSpec):
     """``inner`` (the mode's spec of an nn.Linear weight or bias) applied after the serial
     tensor is put in nn.Linear layout (``conv``: an HF Conv1D weight, stored (in, out)) and,
-    with ``fused`` parts, its output features reordered by ``fused_order``. ``power`` and
+    with ``fused`` parts, its output features reordered by ``fused_order``. ``mode`` and
     ``depth`` tell q from tp (``shard``); ``unshard`` finds q from the shards' shapes."""
 
     dim: int = 0
     inner: ShardSpec | None = None
     fused: int = 1
     conv: bool = False
-    power: int = 2
+    mode: TPMode = TPMode.TWO_D
     depth: int | None = 1
 
     @property
@@ -119,7 +115,7 @@ class FusedShardSpec(ShardSpec):
         if self.fused > 1:
             if self.depth is None:
                 raise ValueError(f"shard along {self}: the depth is unknown; bind it (plan_for_mode depth=)")
-            q = round((tp // self.depth) ** (1 / self.power))
+            q = TPGrid.of(self.mode, tp, self.depth, where=f"shard along {self}").side
             t = t.index_select(0, torch.tensor(fused_order(int(t.shape[0]), self.fused, q), device=t.device))
         return self.inner.shard(t, rank, tp)
 
@@ -129,8 +125,12 @@ class FusedShardSpec(ShardSpec):
         if self.fused > 1:
             if t.dim() == 2:  # every mode splits the in features in q blocks
                 q = int(t.shape[1]) // int(shards[0].shape[1])
-            else:  # a bias: q**power chunks
-                q = round((int(t.shape[0]) // int(shards[0].shape[0])) ** (1 / self.power))
+            else:  # a bias: q*q chunks (3d: q**3); 2.5d's depth copies are not among them
+                chunks = int(t.shape[0]) // int(shards[0].shape[0])
+                root = integer_root(chunks, 3 if self.mode is TPMode.THREE_D else 2)
+                if root is None:
+                    raise ValueError(f"unshard along {self}: {chunks} bias chunks are not a {self.mode} grid")
+                q = root
             order = torch.tensor(fused_order(int(t.shape[0]), self.fused, q), device=t.device)
             t = t.index_select(0, torch.argsort(order))
         return (t.t() if self.conv and t.dim() == 2 else t).contiguous()
@@ -209,7 +209,7 @@ class DenseND(BaseStyle):
         conv = not isinstance(module, nn.Linear)
         if inner is None or (self.sections == 1 and not conv):
             return inner
-        return FusedShardSpec(inner=inner, fused=self.sections, conv=conv, power=geo.power, depth=geo.depth)
+        return FusedShardSpec(inner=inner, fused=self.sections, conv=conv, mode=geo.mode, depth=geo.depth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,8 +337,8 @@ class TiedHead2D(BaseStyle):
         where = f"{name} ({self.name})"
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{where}: expected torch.nn.Linear, got {module_kind(module)}")
-        depth = self.depth if self.depth_replicated else 1
-        q = Geometry("2d", 2, _hidden_2d, depth).side(tp, where=where)
+        mode, depth = (TPMode.TWO_P5_D, self.depth) if self.depth_replicated else (TPMode.TWO_D, 1)
+        q = Geometry(mode, _hidden_2d, depth).side(tp, where=where)
         if q is not None:
             for what, n, d in (
                 ("in_features", module.in_features, q),

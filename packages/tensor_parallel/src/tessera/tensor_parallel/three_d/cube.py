@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from tessera.comm import Group, Mesh, TPMode
+from tessera.comm import Group, Mesh, TPGrid, TPMode
 from tessera.tensor_parallel.partition import ShardSpec
 
 __all__ = ["AXES", "Cube3D", "CubeShardSpec", "check_cube_divisible", "cube_coords", "cube_side"]
@@ -29,14 +29,9 @@ AXES = "abc"  # a: tp_input, b: tp_weight, c: tp_output
 
 
 def cube_side(tp: int, *, where: str = "3d tensor parallelism") -> int:
-    """The side q of a q x q x q cube of ``tp`` ranks; ValueError naming tp unless it is a cube."""
-    if tp < 1:
-        raise ValueError(f"{where}: tp must be >= 1, got {tp}")
-    q: int = round(float(tp) ** (1 / 3))
-    for cand in (q - 1, q, q + 1):
-        if cand >= 1 and cand**3 == tp:
-            return cand
-    raise ValueError(f"{where}: tp={tp} is not a cube q*q*q (3d needs a q x q x q cube)")
+    """The side q of a q x q x q cube of ``tp`` ranks (``TPGrid``); ValueError naming tp unless
+    it is a cube."""
+    return TPGrid.of(TPMode.THREE_D, tp, where=where).side
 
 
 def check_cube_divisible(size: int, n: int, *, what: str, where: str) -> None:

@@ -14,27 +14,22 @@ groups is integer arithmetic, property-tested without ranks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tessera.comm import Group, Mesh, TPMode
+from tessera.comm import Group, Mesh, TPGrid, TPMode
 from tessera.tensor_parallel.partition import ShardSpec
 
 __all__ = ["Grid2D", "GridShardSpec", "check_grid_divisible", "grid_side"]
 
 
 def grid_side(tp: int, *, where: str = "2d tensor parallelism") -> int:
-    """The side q of a q x q grid of ``tp`` ranks; ValueError naming tp unless it is a square."""
-    if tp < 1:
-        raise ValueError(f"{where}: tp must be >= 1, got {tp}")
-    q = math.isqrt(tp)
-    if q * q != tp:
-        raise ValueError(f"{where}: tp={tp} is not a square q*q (2d needs a q x q grid)")
-    return q
+    """The side q of a q x q grid of ``tp`` ranks (``TPGrid``); ValueError naming tp unless it
+    is a square."""
+    return TPGrid.of(TPMode.TWO_D, tp, where=where).side
 
 
 def check_grid_divisible(size: int, n: int, *, what: str, where: str) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from tessera.comm import Group, Mesh, TPMode
+from tessera.comm import Group, Mesh, TPGrid, TPMode
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec
 
 __all__ = ["DepthShardSpec", "Grid2p5D", "check_batch_2p5d", "tesseract_side"]
@@ -32,15 +32,8 @@ __all__ = ["DepthShardSpec", "Grid2p5D", "check_batch_2p5d", "tesseract_side"]
 
 def tesseract_side(tp: int, depth: int, *, where: str = "2.5d tensor parallelism") -> int:
     """The side q of a q x q x d grid of ``tp`` ranks at depth ``depth``; ValueError naming
-    the numbers unless ``tp = q*q*depth``."""
-    if tp < 1 or depth < 1:
-        raise ValueError(f"{where}: tp and depth must be >= 1, got tp={tp}, depth={depth}")
-    if tp % depth:
-        raise ValueError(f"{where}: tp={tp} is not q*q*depth: depth={depth} does not divide it")
-    q = math.isqrt(tp // depth)
-    if q * q * depth != tp:
-        raise ValueError(f"{where}: tp={tp} is not q*q*depth: tp/depth = {tp // depth} is not a square")
-    return q
+    the numbers unless ``tp = q*q*depth`` (``TPGrid``)."""
+    return TPGrid.of(TPMode.TWO_P5_D, tp, depth, where=where).side
 
 
 def check_batch_2p5d(batch: int, q: int, depth: int, *, where: str) -> None:
