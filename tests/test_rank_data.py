@@ -12,7 +12,8 @@ bytes, and nothing on a pipeline's middle stage. The modes: dp=2 with ZeRO-1 on 
 built-in corpus (the main job's default), dp=2 x pp=2 and dp=2 x tp=2 on a token file, a
 3-stage pipeline (its middle rank reads nothing), ZBV (the first and the last stage on one
 rank, the other reads nothing) and dp=2 under ``verify`` (the serial copy gets the global
-batch gathered over dp, and must agree with the parallel step).
+batch gathered over dp, and must agree with the parallel step); and keyword inputs under
+``verify`` at dp=2, with the refusal of a None the rank reads.
 """
 
 from __future__ import annotations
@@ -120,3 +121,44 @@ def test_a_rank_reads_only_its_rows_and_trains_bit_for_bit_the_same(
         assert needs == [(True, False), (False, False), (False, True)]
     if mode == "pp2-zbv":  # stage 0 and the last stage are both on pipeline rank 0
         assert needs == [(True, True), (False, False)]
+
+
+def _keyword_curves(rank: int, config: Config) -> dict[str, Any]:
+    """The reference GPT fed keyword inputs (``{"idx": ...}``) under ``verify``: the global
+    batch, then this replica's rows with ``local=True`` (the verified step's serial copy gets
+    the global batch gathered over dp); then the refusal of inputs that are None (every rank
+    reads them here, so every rank refuses, before any collective)."""
+    data = open_data(config)
+    m, bs = config.model, config.data.batch_size
+    curves = {}
+    for feed in ("global", "local"):
+        model = GPT(GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers), seed=1)
+        engine = main_job.boost(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        curve = []
+        for step in range(STEPS):
+            if feed == "global":
+                x, y = data.batch("train", step, bs)
+            else:
+                x, y = data.batch("train", step, bs, rows=engine.local_rows(bs))
+            out = engine.train_step({"idx": x}, y, local=feed == "local")
+            curve.append((out.loss, out.grad_norm))
+        curves[feed] = curve
+        if feed == "local":
+            try:
+                engine.eval_loss(None, y, local=True)
+            except ValueError as e:
+                curves["refused"] = str(e)
+        engine.close()
+    return curves
+
+
+def test_keyword_inputs_of_a_rank_train_the_same_under_verify(worker_pools: PoolFactory) -> None:
+    sets = [*BASE, "parallel.dp=2", "train.verify=true", "model.dropout=0.0", "train.precision=fp32"]
+    config = resolve_config(None, sets, env={})
+    config, _ = main_job._with_vocab(config, open_data(config).vocab_size, "")
+    for rank, r in enumerate(worker_pools(config.world_size).run(_keyword_curves, config, timeout=300)):
+        assert r["local"] == r["global"]  # exact, as above
+        assert (
+            r["refused"].startswith(f"rank {rank} (pp=1 dp=2")
+            and "reads the inputs of the batch; got None" in r["refused"]
+        )
