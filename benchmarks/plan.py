@@ -58,11 +58,12 @@ from _common import emit, malloc_for_rss, malloc_for_speed, rss_baseline, status
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
+from tessera.launcher.auto import estimate_config, model_of, search_config
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate, load_cluster, search
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import build_schedule
 from tessera.pipeline.tune import tuning_steps
+from tessera.planner import PRESETS, Cluster, ModelShape, load_cluster
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
 BATCH = 16
@@ -195,7 +196,7 @@ def measure(
 
         per_rank = min(runs[case], key=median_step)
         step = median_step(per_rank)
-        est = estimate(config, ModelShape.from_config(config), cluster)
+        est = estimate_config(config, cluster)
         p = config.parallel
         label = (
             f"dp{p.dp} pp{p.pp} tp{p.tp}/{p.tp_mode}{'+sp' if p.sequence_parallel else ''} "
@@ -303,9 +304,11 @@ def at_scale(max_chunks: int) -> None:
             train=TrainConfig(precision="bf16"),
         )
         t0 = time.perf_counter()
-        result = search(base, cluster, recompute=(False, True), max_chunks=max_chunks, tp_modes=("1d",))
+        result = search_config(
+            base, cluster, recompute=(False, True), max_chunks=max_chunks, tp_modes=("1d",)
+        )
         seconds = time.perf_counter() - t0
-        model = ModelShape.from_config(base)
+        model = model_of(base)
         best = result.best
         record: dict[str, Any] = {
             "bench": "plan-at-scale",
@@ -336,7 +339,7 @@ def at_scale(max_chunks: int) -> None:
         if isinstance(published, ParallelConfig):
             config = dataclasses.replace(base, parallel=published)
             assert config.validate() == [], config.validate()
-            est = estimate(config, model, cluster, recompute=True)
+            est = estimate_config(config, cluster, recompute=True)
             record["published_config_predicted"] = {
                 "step_time_s": round(est.time.total, 3),
                 "tflops_per_gpu_megatron_count": round(

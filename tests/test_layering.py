@@ -1,6 +1,7 @@
 """Tier 0: the layering of the packages. Each imports only the Tessera packages below it
 (models and comm at the bottom, importing no other; tensor_parallel, pipeline, zero and moe
-need only comm; the launcher all but moe), in any module, including imports inside functions and under
+need only comm; the planner comm, pipeline and, for its calibrator, models; the launcher
+all but moe), in any module, including imports inside functions and under
 TYPE_CHECKING; nobody imports the launcher."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ ALLOWED = {
     "pipeline": {"comm"},
     "zero": {"comm"},
     "moe": {"comm"},
-    "launcher": {"models", "comm", "tensor_parallel", "pipeline", "zero"},
+    "planner": {"models", "comm", "pipeline"},
+    "launcher": {"models", "comm", "tensor_parallel", "pipeline", "zero", "planner"},
 }
 
 

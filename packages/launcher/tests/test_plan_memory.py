@@ -23,10 +23,11 @@ import torch
 
 from tessera.comm.testing import run_threaded
 from tessera.launcher import boost
+from tessera.launcher.auto import estimate_config, layout_of
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from tessera.launcher.plan import PRESETS, ModelShape, estimate
-from tessera.launcher.plan.estimate import one_reduction
 from tessera.models import GPT, GPTConfig, make_batch
+from tessera.planner import PRESETS
+from tessera.planner.estimate import one_reduction
 
 BASE = Config(
     model=ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2),
@@ -88,7 +89,7 @@ def _measure(rank: int, config: Config) -> int:
         if p.pp == 1 and p.sp == 1:
             engine.train_step(idx, targets)
         else:
-            with zero.accumulating() if one_reduction(p) else contextlib.nullcontext():
+            with zero.accumulating() if one_reduction(layout_of(config)) else contextlib.nullcontext():
                 zero.backward(sum((q.float() * 0).sum() for q in engine.module.parameters()))  # type: ignore[arg-type]
             zero.step()
     return seen[-1]
@@ -101,5 +102,5 @@ def test_predicted_model_state_is_within_5_percent_of_memory(
     config = _config(parallel, stage, offload, precision)
     assert config.validate() == []
     measured = run_threaded(config.world_size, _measure, config)
-    predicted = estimate(config, ModelShape.from_config(config), PRESETS["cpu"]).model_state
+    predicted = estimate_config(config, PRESETS["cpu"]).model_state
     assert abs(predicted - max(measured)) <= 0.05 * max(measured), (predicted, measured)

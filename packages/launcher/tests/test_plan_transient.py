@@ -1,4 +1,4 @@
-"""The planner's transient-memory terms (`tessera.launcher.plan.transient`) against what the
+"""The planner's transient-memory terms (`tessera.planner.transient`) against what the
 runtime holds, checked cheaply in one process: the 3D layer's saved activations against the
 tensor-parallel package's own count, and the output gradients a zero-bubble split backward
 really keeps for W. (The other terms are checked by ``hatch run bench plan`` against the
@@ -13,12 +13,11 @@ from tessera.comm import Mesh
 from tessera.comm.testing import run_threaded
 from tessera.launcher import known  # noqa: F401  (registers the GPT's model spec)
 from tessera.launcher.config import ParallelConfig
-from tessera.launcher.plan import ModelShape
-from tessera.launcher.plan.model import TPShape
-from tessera.launcher.plan.transient import activations_3d, build_peak, kept_gradients
 from tessera.launcher.spec import model_spec
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline.split_backward import backward_input, grad_nodes
+from tessera.planner import ModelShape, TPShape
+from tessera.planner.transient import activations_3d, build_peak, kept_gradients
 from tessera.tensor_parallel import parallelize
 from tessera.tensor_parallel.three_d.activations import activation_bytes_3d
 

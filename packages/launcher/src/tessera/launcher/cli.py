@@ -1,6 +1,7 @@
 """The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``,
 ``prepare-data`` (the main job's ``data.path`` into token shards: ``tessera.launcher.prepare``),
-``plan`` (predict and rank every configuration: ``tessera.launcher.plan``).
+``plan`` (predict and rank every configuration: ``tessera.launcher.plan_command`` over
+``tessera.planner``).
 
 Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
 mistake (found before anything spawns, and before torch is imported), 130 interrupted.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from tessera.comm import Axis
 from tessera.launcher import netif
+from tessera.launcher.auto import auto_launch
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import (
     HEARTBEAT_ENV,
@@ -34,9 +36,8 @@ from tessera.launcher.config_io import (
     resolve_config,
 )
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
-from tessera.launcher.plan.auto import auto_launch
-from tessera.launcher.plan.command import add_arguments as add_plan_arguments
-from tessera.launcher.plan.command import run as run_plan
+from tessera.launcher.plan_command import add_arguments as add_plan_arguments
+from tessera.launcher.plan_command import run as run_plan
 from tessera.launcher.preflight import preflight
 from tessera.launcher.prepare import ensure_prepared, prepare_command
 from tessera.launcher.runs import RunFolderError, create_run_folder

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tessera.launcher.plan.cluster import GIB, PRESETS, Cluster
+from tessera.planner.cluster import GIB, PRESETS, Cluster
 
 __all__ = ["calibrate"]
 
@@ -171,9 +171,9 @@ def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) 
     parameters in bf16 when ``bf16``, as a bf16 job computes)."""
     import torch
 
-    from tessera.launcher.plan.estimate import OPS_EDGE, OPS_LAYER
-    from tessera.launcher.plan.model import ModelShape
     from tessera.models import GPT, GPTConfig, make_batch
+    from tessera.planner.estimate import OPS_EDGE, OPS_LAYER
+    from tessera.planner.model import ModelShape
 
     cfg = GPTConfig(vocab_size=128, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
     model = GPT(cfg, seed=0)

@@ -10,25 +10,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, ZeroConfig
-from tessera.launcher.plan import PRESETS, Cluster, ModelShape, estimate
-from tessera.launcher.plan.links import Link
+from tessera.planner import PRESETS, Cluster, Job, Layout, ModelShape, check, estimate
+from tessera.planner.links import Link
 
-MODEL = ModelConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
-
-
-def _config(**parallel: object) -> Config:
-    return Config(
-        parallel=ParallelConfig(**{"microbatches": 1, **parallel}),  # type: ignore[arg-type]
-        zero=ZeroConfig(1, False),
-        model=MODEL,
-        data=DataConfig(batch_size=8),
-    )
+JOB = Job(ModelShape(layers=2, hidden=64, heads=4, vocab=64, seq=32, batch=8))
 
 
-def _step(config: Config, cluster: Cluster) -> float:
-    assert config.validate() == []
-    return estimate(config, ModelShape.from_config(config), cluster).time.total
+def _config(**parallel: object) -> Layout:
+    return Layout(**{"microbatches": 1, "zero": 1, **parallel})  # type: ignore[arg-type]
+
+
+def _step(layout: Layout, cluster: Cluster) -> float:
+    assert check(layout, JOB) == []
+    return estimate(layout, JOB, cluster).time.total
 
 
 @given(

@@ -1,10 +1,10 @@
 """The model the planner plans for: a decoder-only GPT given by its sizes, and what each rank
 holds of it.
 
-`ModelShape` takes the launcher's ``[model]`` section (the reference GPT of
-``tessera.models``: learned positions, pre-norm layers, separate q/k/v/out
-projections with biases, an MLP of ``mlp_ratio``, an untied LM head) and the global batch
-from ``[data]``; a GPT-3-sized model is the same section with bigger numbers.
+`ModelShape` holds the sizes of a GPT shaped like the reference GPT of ``tessera.models``
+(learned positions, pre-norm layers, separate q/k/v/out projections with biases, an MLP of
+``mlp_ratio``, an untied LM head) and the global batch; a GPT-3-sized model is the same
+shape with bigger numbers.
 
 Parameters per rank follow the tensor-parallel plans of the reference GPT: 1D keeps the
 LayerNorms, the row-parallel biases (attention output, MLP output) and the position table
@@ -18,11 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.launcher.config import Config
-
 __all__ = ["ModelShape", "TPShape"]
-
-DEFAULT_VOCAB = 128  # the main job's vocab_size = 0 means "from the corpus": about this many chars
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +49,6 @@ class ModelShape:
     bias: bool = True
     flash_attention: bool = True  # attention keeps no (seq x seq) probabilities for backward
     dropout: bool = False
-
-    @classmethod
-    def from_config(cls, config: Config) -> ModelShape:
-        """The reference GPT of ``config.model`` and the batch of ``config.data``."""
-        m = config.model
-        return cls(
-            layers=m.n_layers,
-            hidden=m.d_model,
-            heads=m.n_heads,
-            vocab=m.vocab_size or DEFAULT_VOCAB,
-            seq=m.seq_len,
-            batch=config.data.batch_size,
-            mlp_ratio=m.mlp_ratio,
-            dropout=m.dropout > 0,
-        )
 
     @property
     def ffn(self) -> int:

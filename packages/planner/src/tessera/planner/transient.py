@@ -55,8 +55,8 @@ its largest unit), ``Psi`` the serial model's elements.
 
 from __future__ import annotations
 
-from tessera.launcher.plan.memory import DTYPE_BYTES
-from tessera.launcher.plan.model import ModelShape
+from tessera.planner.memory import DTYPE_BYTES
+from tessera.planner.model import ModelShape
 
 __all__ = [
     "activations_3d",
@@ -108,9 +108,7 @@ def gradient_peak(
     return autograd + ring
 
 
-def step_scratch(
-    psi_f: float, *, precision: str, n: int, stage: int, offload: bool, optimizer: str
-) -> float:
+def step_scratch(psi_f: float, *, precision: str, n: int, stage: int, offload: bool, optimizer: str) -> float:
     """Temporaries inside ``step()`` for the largest flat buffer, beyond the model state."""
     c = DTYPE_BYTES[precision]
     shard = psi_f / (n if stage >= 1 else 1)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.launcher.plan.links import Link
-from tessera.launcher.plan.model import ModelShape, TPShape
+from tessera.planner.links import Link
+from tessera.planner.model import ModelShape, TPShape
 
 __all__ = ["Traffic", "context_traffic", "edge_traffic", "tensor_traffic"]
 

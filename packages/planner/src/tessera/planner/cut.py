@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.launcher.plan.model import ModelShape, TPShape
 from tessera.pipeline import partition_by_params, schedule_spec
+from tessera.planner.model import ModelShape, TPShape
 
 __all__ = ["Cut", "Kind", "RankShare", "cut_of"]
 

@@ -1,9 +1,9 @@
 """Predict one configuration: per-rank memory (`MemoryEstimate`) and step time (`StepTime`).
 
-The configuration is a launcher `Config` that ``Config.validate()`` accepted. The model is
+The configuration is a `Layout` of a `Job` (`tessera.planner.layout`). The model is
 cut into ``[embed, *layers, head]`` blocks; the pipeline's own partitioner
 (``partition_by_params``, the placement from the schedule's spec) gives each rank its stages,
-exactly as ``boost()`` cuts them (`plan.cut`); the pipeline's simulator times the schedule
+exactly as ``boost()`` cuts them (`tessera.planner.cut`); the pipeline's simulator times the schedule
 (`bubble`) with every stage's actions scaled by that stage's own work (the embedding and the
 head make the first and last stages heavier), and each rank is busy for its own stages.
 
@@ -20,17 +20,19 @@ gradients (what zero-bubble schedules separate); recomputation adds one forward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 from tessera.comm import Axis, Topology, TPMode
-from tessera.launcher.config import Config, ParallelConfig
-from tessera.launcher.plan.bubble import EXACT_LIMIT, pipeline_profile
-from tessera.launcher.plan.cluster import Cluster
-from tessera.launcher.plan.cut import Cut, Kind, RankShare, cut_of
-from tessera.launcher.plan.links import Link
-from tessera.launcher.plan.memory import (
+from tessera.pipeline import schedule_spec
+from tessera.planner.bubble import EXACT_LIMIT, pipeline_profile
+from tessera.planner.cluster import Cluster
+from tessera.planner.cut import Cut, Kind, RankShare, cut_of
+from tessera.planner.layout import Job, Layout, check
+from tessera.planner.links import Link
+from tessera.planner.memory import (
     DTYPE_BYTES,
     ActivationShape,
     MemoryEstimate,
@@ -38,9 +40,9 @@ from tessera.launcher.plan.memory import (
     model_state_bytes,
     shm_segment_bytes,
 )
-from tessera.launcher.plan.model import ModelShape, TPShape
-from tessera.launcher.plan.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
-from tessera.launcher.plan.transient import (
+from tessera.planner.model import ModelShape
+from tessera.planner.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
+from tessera.planner.transient import (
     activations_3d,
     build_peak,
     gradient_peak,
@@ -49,7 +51,6 @@ from tessera.launcher.plan.transient import (
     step_scratch,
     summa_backward,
 )
-from tessera.pipeline import schedule_spec
 
 __all__ = [
     "Cut",
@@ -61,6 +62,7 @@ __all__ = [
     "estimate",
     "memory_floor",
     "overheads",
+    "predict",
     "shape_of",
     "timeline",
 ]
@@ -154,15 +156,21 @@ class Shape:
         return layers * self.act[1] + embed * self.act[0] + head * self.act[2]
 
 
-@functools.lru_cache(maxsize=1 << 17)
-def shape_of(
-    p: ParallelConfig, model: ModelShape, cluster: Cluster, precision: str, recompute: bool
-) -> Shape | None:
+def shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) -> Shape | None:
     """The stage-independent part of a prediction (None when the pipeline cannot be cut:
-    fewer blocks than stages, or chunks the schedule refuses)."""
+    fewer blocks than stages, or chunks the schedule refuses); the ZeRO settings play no
+    part (one cached shape serves every stage)."""
+    if p.zero or p.offload:
+        p = dataclasses.replace(p, zero=0, offload=False)
+    return _shape_of(p, model, cluster, precision)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) -> Shape | None:
     c = DTYPE_BYTES[precision]
-    shape = TPShape(p.tp_mode, p.tp, p.tp_depth)
-    world = p.dp * p.pp * p.tp * p.sp
+    recompute = p.recompute
+    shape = p.shape
+    world = p.world
     try:
         v = schedule_spec(p.schedule).chunks(p.virtual_stages) if p.pp > 1 else 1
         cut = cut_of(model, shape, p.pp, p.schedule, v)
@@ -171,14 +179,14 @@ def shape_of(
     rows = model.batch / (p.dp * p.microbatches)
     split = ActivationShape(shape, p.sequence_parallel, p.sp, recompute)
     act = activation_bytes(model, rows, precision, split, layers=1)
-    if p.tp_mode == "3d":  # gathered inputs and weights kept for backward
+    if shape.mode == "3d":  # gathered inputs and weights kept for backward
         q = round(p.tp ** (1 / 3))
         act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.sp)
     rate = cluster.device_flops(precision, cluster.ranks_per_node(world))
     tokens = rows * model.seq
     tp_link, sp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.sp, world)
     layer_tp = tensor_traffic(model, rows, c, shape, tp_link, sp=p.sp)
-    heads_split = p.tp if p.tp_mode == "1d" else 1
+    heads_split = p.tp if shape.mode == "1d" else 1
     layer_sp = context_traffic(model, rows, c, p.sp, p.sp_mode, heads_split, sp_link)
     attention_s = 4.0 * tokens * model.seq * model.hidden / (p.tp * p.sp) / rate * cluster.overlap
     # 1D: each region entry's backward all-reduce runs beside the weight gradients of the
@@ -221,7 +229,12 @@ def shape_of(
     comm_most = max(sum(timed[k][2] for k in r.kinds) for r in cut.ranks)
     scales = tuple(round((timed[k][0] + timed[k][1]) / heaviest, 2) for k in cut.stages) if exact else ()
     boundary = (
-        rows * model.seq / p.sp * model.hidden * c / (p.tp if p.sequence_parallel or p.tp_mode != "1d" else 1)
+        rows
+        * model.seq
+        / p.sp
+        * model.hidden
+        * c
+        / (p.tp if p.sequence_parallel or shape.mode != "1d" else 1)
     )
     extra = 0.0
     if recompute and model.layers:
@@ -239,19 +252,19 @@ def shape_of(
         act=(act[0], act[1] if model.layers else 0.0, act[-1]),
         recompute_extra=extra,
         backward_extra=(
-            summa_backward(model, rows, precision, round(math.sqrt(p.tp // p.tp_depth)), p.tp_depth, p.sp)
-            if p.tp_mode in ("2d", "2.5d")
+            summa_backward(model, rows, precision, round(math.sqrt(p.tp // p.depth)), p.depth, p.sp)
+            if shape.mode in ("2d", "2.5d")
             else 0.0
         ),
         kept_per_layer=kept_gradients(
-            model, rows, precision, p.tp, p.sequence_parallel or p.tp_mode != "1d", p.sp
+            model, rows, precision, p.tp, p.sequence_parallel or shape.mode != "1d", p.sp
         ),
         message=rows * model.seq * model.hidden * c,
         split=cluster.split_overhead,
     )
 
 
-def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float, ...], bool]:
+def timeline(p: Layout, shape: Shape) -> tuple[float, float, tuple[float, ...], bool]:
     """(busy, makespan, peak held units per rank, whether W runs apart from B) of the
     pipeline, from the simulator; ratios to the forward are rounded to 0.1 so that
     near-identical pipelines share one simulation.
@@ -278,13 +291,13 @@ def timeline(p: ParallelConfig, shape: Shape) -> tuple[float, float, tuple[float
     return shape.busy, makespan * scale, built.peak_held, built.split_backward
 
 
-def one_reduction(p: ParallelConfig) -> bool:
+def one_reduction(p: Layout) -> bool:
     """Whether the engine reduces gradients once per step inside ``accumulating()``: under a
     pipeline or Megatron sequence parallelism."""
     return p.pp > 1 or p.sequence_parallel
 
 
-def memory_floor(p: ParallelConfig, shape: Shape, precision: str, optimizer: str) -> float:
+def memory_floor(p: Layout, shape: Shape, precision: str, optimizer: str) -> float:
     """A lower bound on the fullest rank's device bytes over every ZeRO stage and offload
     (stage 3 with offload holds least): model state on the device plus one microbatch of its
     smallest chunk (every rank holds one at its peak)."""
@@ -304,44 +317,45 @@ def memory_floor(p: ParallelConfig, shape: Shape, precision: str, optimizer: str
     return floor
 
 
-def overheads(config: Config, shape: Shape, cluster: Cluster) -> tuple[float, float]:
+def overheads(p: Layout, precision: str, shape: Shape, cluster: Cluster) -> tuple[float, float]:
     """(data-parallel / ZeRO traffic not hidden, optimizer step) in seconds: what a step adds
     to its pipeline's makespan (the gradients of the rank with most parameters set the pace)."""
-    p, z = config.parallel, config.zero
-    c = DTYPE_BYTES[config.train.precision]
+    c = DTYPE_BYTES[precision]
     n = p.dp * p.sp
     world = n * p.pp * p.tp
     psi = max(share.psi for share in shape.cut.ranks)
-    stage = (
-        1 if one_reduction(p) and z.stage >= 2 else z.stage
-    )  # one reduce-scatter and all-gather at the step
+    stage = 1 if one_reduction(p) and p.zero >= 2 else p.zero  # one reduce-scatter and all-gather at the step
     hide = cluster.overlap
     data_comm = _data_comm(
         stage, n, psi * c, _link(cluster, n * p.tp, world), hide * shape.f, hide * shape.bw, p.microbatches
     )
-    shard = psi / (1 if z.stage == 0 else n)
-    if z.offload:
+    shard = psi / (1 if p.zero == 0 else n)
+    if p.offload:
         optimizer = shard * (4 + c) / cluster.host_bandwidth + shard * 28 / cluster.host_memory_bandwidth
     else:
         optimizer = shard * 28 / cluster.memory_bandwidth
     return data_comm, optimizer + 30 * cluster.op_overhead_s
 
 
-def estimate(
-    config: Config, model: ModelShape, cluster: Cluster, *, recompute: bool | None = None
-) -> Estimate:
-    """Predict ``config`` (validated) for ``model`` on ``cluster``; ``recompute`` (activation
-    checkpointing per layer) defaults to the config's ``train.activation_checkpointing``."""
-    if recompute is None:
-        recompute = config.train.activation_checkpointing
-    p, z = config.parallel, config.zero
-    precision, c = config.train.precision, DTYPE_BYTES[config.train.precision]
-    shape = shape_of(p, model, cluster, precision, recompute)
+def estimate(layout: Layout, job: Job, cluster: Cluster) -> Estimate:
+    """Predict ``layout`` of ``job`` on ``cluster``; ValueError naming the values for a
+    layout the planner cannot model (`check`) or a pipeline it cannot cut."""
+    lines = check(layout, job)
+    if lines:
+        raise ValueError("; ".join(lines))
+    return predict(layout, job, cluster)
+
+
+def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
+    """`estimate` of a layout already checked (the search's)."""
+    model, precision = job.model, job.precision
+    c = DTYPE_BYTES[precision]
+    shape = shape_of(p, model, cluster, precision)
     if shape is None:
-        raise ValueError(f"parallel={p} cannot cut {model.layers + 2} blocks into its stages")
+        raise ValueError(f"layout {p.label()} cannot cut {model.layers + 2} blocks into its stages")
     busy, makespan, held, split_backward = timeline(p, shape)
     serial_total = float(sum(model.block_params()))
-    tp_shape = TPShape(p.tp_mode, p.tp, p.tp_depth)
+    tp_shape = p.shape
     tp_copies = float(sum(model.block_params(tp_shape)) - model.unsplit_params(tp_shape))
     n = p.dp * p.sp
     state_of: dict[tuple[int, int, int, int], tuple[float, ...]] = {}
@@ -352,36 +366,36 @@ def estimate(
     for rank, share in enumerate(shape.cut.ranks):
         key = (share.psi, share.blocks, share.largest, share.serial)
         if key not in state_of:
-            flats = share.blocks if z.stage == 3 else max(1, math.ceil(share.psi * c / BUCKET_BYTES))
-            psi_f = share.largest if z.stage == 3 else share.psi / flats
+            flats = share.blocks if p.zero == 3 else max(1, math.ceil(share.psi * c / BUCKET_BYTES))
+            psi_f = share.largest if p.zero == 3 else share.psi / flats
             state = model_state_bytes(
                 share.psi,
-                stage=z.stage,
+                stage=p.zero,
                 n=n,
                 precision=precision,
-                offload=z.offload,
-                optimizer=config.optim.name,
+                offload=p.offload,
+                optimizer=job.optimizer,
                 flats=flats,
                 one_reduction=one_reduction(p),
             )
-            buffers = 2.0 * share.largest * c if z.stage == 3 and not one_reduction(p) else 0.0
+            buffers = 2.0 * share.largest * c if p.zero == 3 and not one_reduction(p) else 0.0
             buffers += shape.backward_extra
-            buffers += kept_grad_buffers(share.psi, psi_f, flats, precision=precision, stage=z.stage)
+            buffers += kept_grad_buffers(share.psi, psi_f, flats, precision=precision, stage=p.zero)
             scratch = max(
                 gradient_peak(
-                    share.psi, psi_f, precision=precision, n=n, stage=z.stage, one_reduction=one_reduction(p)
+                    share.psi, psi_f, precision=precision, n=n, stage=p.zero, one_reduction=one_reduction(p)
                 ),
                 step_scratch(
                     psi_f,
                     precision=precision,
                     n=n,
-                    stage=z.stage,
-                    offload=z.offload,
-                    optimizer=config.optim.name,
+                    stage=p.zero,
+                    offload=p.offload,
+                    optimizer=job.optimizer,
                 ),
             )
             build = build_peak(
-                serial_total, psi_f, precision=precision, n=n, stage=z.stage, tp_share=tp_copies
+                serial_total, psi_f, precision=precision, n=n, stage=p.zero, tp_share=tp_copies
             )
             state_of[key] = (*state, buffers, scratch, build)
             psi_f_of[key] = psi_f
@@ -389,19 +403,19 @@ def estimate(
         layers_held = max(k[0] for k in share.kinds)
         kept = held[rank] * layers_held * shape.kept_per_layer if split_backward else 0.0
         activations = held[rank] * max(shape.unit(k) for k in share.kinds) + shape.recompute_extra + kept
-        shared = _shared(p, cluster, c * (share.largest if z.stage == 3 else psi_f_of[key]), shape.message)
+        shared = _shared(p, cluster, c * (share.largest if p.zero == 3 else psi_f_of[key]), shape.message)
         mem = MemoryEstimate(params, grads, states, host, activations, buffers, scratch, build, shared)
         most_state = max(most_state, mem.model_state)
         if worst is None or mem.device > worst.device:
             worst, worst_psi = mem, share.psi
     assert worst is not None
-    data_comm, optimizer = overheads(config, shape, cluster)
+    data_comm, optimizer = overheads(p, precision, shape, cluster)
     time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)
     bubble = (makespan - busy) / makespan if makespan else 0.0
     return Estimate(worst, time, worst_psi, bubble, most_state)
 
 
-def _shared(p: ParallelConfig, cluster: Cluster, flat: float, activation: float) -> float:
+def _shared(p: Layout, cluster: Cluster, flat: float, activation: float) -> float:
     """Resident bytes of the shared-memory segments one rank maps (`shm_segment_bytes`): the
     data-parallel group's, whose largest message is a flat buffer of ``flat`` bytes, and the
     context group's and each tensor-parallel group's (the mode's sub-axes: rows, columns,
@@ -409,8 +423,8 @@ def _shared(p: ParallelConfig, cluster: Cluster, flat: float, activation: float)
     slots = cluster.shm_slots_bytes
     if slots <= 0:
         return 0.0
-    mode = TPMode(p.tp_mode)
-    topo = Topology(tp=p.tp, sp=p.sp, tp_mode=mode, depth=p.tp_depth if mode is TPMode.TWO_P5_D else 1)
+    mode = p.tp_mode
+    topo = Topology(tp=p.tp, sp=p.sp, tp_mode=mode, depth=p.depth if mode is TPMode.TWO_P5_D else 1)
     tensor = [a for a in topo.axes if a.value.startswith("tp_")] or [Axis.TP]
     groups = [(p.dp * p.sp, flat), (p.sp, activation), *((topo.size(a), activation) for a in tensor)]
     return sum(shm_segment_bytes(n, message, slots) for n, message in groups)

@@ -1,13 +1,13 @@
-"""Enumerate every configuration the launcher accepts for a world size, predict each, rank.
+"""Enumerate every layout of a job a caller accepts for a world size, predict each, rank.
 
 The search space is every split of the world into ``dp * pp * tp * sp`` with every
 tensor-parallel mode (1D with and without Megatron sequence parallelism; 2D, 2.5D at every
 depth, 3D where tp is a square or cube), context parallelism (ring or Ulysses), every
 registered pipeline schedule (interleaved ones at 2..``max_chunks`` chunks per rank), every
 microbatch count that divides the batch, every ZeRO stage, with and without offload. Each
-candidate is a launcher `Config` (the base configuration with its ``[parallel]`` and
-``[zero]`` replaced) and is kept only if ``Config.validate()`` accepts it: the launcher's
-rules, not a copy.
+candidate is a `Layout`, kept only if `check` accepts it and the caller's ``validate`` (the
+rules of whoever runs the job: the launcher passes its configuration's own validation)
+reports nothing about it: those rules, not a copy.
 
 Pruning, never sampling: a degree split whose parameters cannot fit one device even fully
 sharded is skipped before its schedules are tried; a tensor-parallel shape that validation
@@ -26,27 +26,35 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tessera.launcher.config import Config, ParallelConfig, ZeroConfig
-from tessera.launcher.plan.cluster import Cluster
-from tessera.launcher.plan.estimate import Estimate, estimate, memory_floor, overheads, shape_of
-from tessera.launcher.plan.memory import DTYPE_BYTES
-from tessera.launcher.plan.model import ModelShape, TPShape
+from tessera.comm import TPMode
 from tessera.pipeline import SCHEDULES
+from tessera.planner.cluster import Cluster
+from tessera.planner.estimate import Estimate, memory_floor, overheads, predict, shape_of
+from tessera.planner.layout import Job, Layout, check
+from tessera.planner.memory import DTYPE_BYTES
+from tessera.planner.model import ModelShape, TPShape
 
-__all__ = ["Candidate", "SearchResult", "divisors", "search"]
+__all__ = ["Candidate", "SearchResult", "Validate", "divisors", "search"]
+
+Validate = Callable[[Layout], Sequence[str]]
+"""A caller's rules: the lines (one mistake each) it reports about a layout; empty: it runs it."""
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One valid configuration and its prediction."""
+    """One valid layout and its prediction."""
 
-    config: Config
+    layout: Layout
     estimate: Estimate
     fits: bool
-    recompute: bool = False
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the layout checkpoints activations."""
+        return self.layout.recompute
 
     @property
     def step_time(self) -> float:
@@ -55,23 +63,7 @@ class Candidate:
 
     def label(self) -> str:
         """A short description of the degrees, schedule and ZeRO stage."""
-        p, z = self.config.parallel, self.config.zero
-        tp = (
-            f"tp{p.tp}"
-            + ("" if p.tp_mode == "1d" else f"/{p.tp_mode}")
-            + (f"d{p.tp_depth}" if p.tp_depth > 1 else "")
-        )
-        tp += "+sp" if p.sequence_parallel else ""
-        parts = [f"dp{p.dp}", f"pp{p.pp}", tp]
-        if p.sp > 1:
-            parts.append(f"cp{p.sp}/{p.sp_mode}")
-        if p.pp > 1:
-            parts.append(p.schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
-        parts.append(f"m{p.microbatches}")
-        parts.append(f"z{z.stage}" + ("+off" if z.offload else ""))
-        if self.recompute:
-            parts.append("recompute")
-        return " ".join(parts)
+        return self.layout.label()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +72,7 @@ class SearchResult:
 
     ranked: tuple[Candidate, ...]
     too_big: tuple[Candidate, ...]
-    invalid: int  # candidates Config.validate() refused
+    invalid: int  # candidates check or the caller's validate refused
     pruned: int  # degree splits skipped: dp does not divide the batch, or parameters cannot fit
     layouts: int  # parallel layouts examined (the rest were bounded out)
     overflow: int  # of which could not fit at any ZeRO stage (not evaluated further)
@@ -128,8 +120,11 @@ def _schedules(pp: int, max_chunks: int) -> Iterator[tuple[str, int]]:
                 yield name, v
 
 
-def _parallel_variants(shape: TPShape, dp: int, pp: int, sp: int, seq_len: int) -> Iterator[ParallelConfig]:
-    base = ParallelConfig(dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=shape.mode, tp_depth=shape.depth)
+def _parallel_variants(
+    shape: TPShape, dp: int, pp: int, sp: int, seq_len: int, recompute: bool
+) -> Iterator[Layout]:
+    mode = TPMode(shape.mode)
+    base = Layout(dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=mode, depth=shape.depth, recompute=recompute)
     seq_par = (False, True) if shape.mode == "1d" and shape.tp > 1 else (False,)
     modes = ("ring", "ulysses") if sp > 1 else ("ring",)
     for sequence_parallel in seq_par:
@@ -153,71 +148,76 @@ def _cannot_fit(model: ModelShape, shape: TPShape, pp: int, n: int, precision: s
 
 
 class _Validator:
-    """``Config.validate()`` of the configurations one search builds, each asked once (the
-    search asks again for the same configuration: a family's first microbatch count, its
-    ZeRO stage 0 without offload)."""
+    """`check` and the caller's ``validate`` of the layouts one search builds, each asked once
+    (the search asks again for the same layout: a family's first microbatch count, its ZeRO
+    stage 0 without offload)."""
 
-    def __init__(self, base: Config) -> None:
-        self.base = base
-        self.seen: dict[tuple[ParallelConfig, ZeroConfig, bool], tuple[str, ...]] = {}
+    def __init__(self, job: Job, validate: Validate | None) -> None:
+        self.job = job
+        self.validate = validate
+        self.seen: dict[Layout, tuple[str, ...]] = {}
 
-    def __call__(
-        self, parallel: ParallelConfig, zero: ZeroConfig | None = None, recompute: bool | None = None
-    ) -> tuple[str, ...]:
-        """The lines of ``base`` with ``parallel``, ``zero`` (default: ``ZeroConfig()``) and
-        activation checkpointing ``recompute`` (default: the base's)."""
-        train = self.base.train
-        if recompute is not None and recompute != train.activation_checkpointing:
-            train = dataclasses.replace(train, activation_checkpointing=recompute)
-        zero = ZeroConfig() if zero is None else zero
-        key = (parallel, zero, train.activation_checkpointing)
-        lines = self.seen.get(key)
+    def __call__(self, layout: Layout) -> tuple[str, ...]:
+        """What `check` and ``validate`` report about ``layout``."""
+        lines = self.seen.get(layout)
         if lines is None:
-            config = dataclasses.replace(self.base, parallel=parallel, zero=zero, train=train)
-            lines = self.seen[key] = tuple(config.validate())
+            found = check(layout, self.job)
+            if self.validate is not None:
+                found += self.validate(layout)
+            lines = self.seen[layout] = tuple(found)
         return lines
 
     def refused_shape(self, shape: TPShape, world: int) -> bool:
-        """Whether validation refuses every configuration of a tensor-parallel shape: a line
-        reported alike with the rest of the world all data-, all context- and all
-        pipeline-parallel (the launcher's messages name the numbers they depend on, so that
-        line depends on the shape and the model alone: heads or widths that do not split)."""
+        """Whether validation refuses every layout of a tensor-parallel shape: a line reported
+        alike with the rest of the world all data-, all context- and all pipeline-parallel
+        (the lines name the numbers they depend on, so that line depends on the shape and the
+        model alone: heads or widths that do not split)."""
         rest = world // shape.tp
         if rest == 1:
             return False
         common: set[str] | None = None
+        mode = TPMode(shape.mode)
         for dp, sp, pp in ((rest, 1, 1), (1, rest, 1), (1, 1, rest)):
-            par = ParallelConfig(
-                dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=shape.mode, tp_depth=shape.depth, microbatches=1
+            layout = Layout(
+                dp=dp,
+                pp=pp,
+                tp=shape.tp,
+                sp=sp,
+                tp_mode=mode,
+                depth=shape.depth,
+                microbatches=1,
+                recompute=self.job.recompute,
             )
-            lines = set(self(par))
+            lines = set(self(layout))
             common = lines if common is None else common & lines
             if not common:
                 return False
         return True
 
-    def refused_whole(self, parallel: ParallelConfig, counts: Sequence[int]) -> bool:
+    def refused_whole(self, layout: Layout, counts: Sequence[int]) -> bool:
         """Whether validation refuses the family for a reason independent of the microbatch
         count: a line reported alike at its smallest and its largest count."""
-        first = self(dataclasses.replace(parallel, microbatches=counts[0]))
+        first = self(dataclasses.replace(layout, microbatches=counts[0]))
         if not first:
             return False
-        return bool(set(first) & set(self(dataclasses.replace(parallel, microbatches=counts[-1]))))
+        return bool(set(first) & set(self(dataclasses.replace(layout, microbatches=counts[-1]))))
 
 
 def search(
-    base: Config,
+    job: Job,
     cluster: Cluster,
     *,
     world: int | None = None,
-    model: ModelShape | None = None,
+    validate: Validate | None = None,
     tp_modes: Sequence[str] = ("1d", "2d", "2.5d", "3d"),
     max_chunks: int = 4,
     recompute: Sequence[bool] = (False,),
     keep: int = 20,
 ) -> SearchResult:
-    """Every valid configuration of ``base``'s model on ``world`` ranks of ``cluster``
-    (default: all its devices), predicted and ranked by step time among those that fit.
+    """Every valid layout of ``job`` on ``world`` ranks of ``cluster`` (default: all its
+    devices), predicted and ranked by step time among those that fit. Valid: `check`
+    accepts it and ``validate`` (when given: the caller's rules, such as the launcher's
+    configuration checks) reports nothing; each layout is asked once.
 
     Exact for the ``keep`` fastest: a step can take no less than its busiest rank's compute
     plus the pipeline's fill (``Shape.bound``), plus its data-parallel traffic and optimizer
@@ -227,16 +227,15 @@ def search(
     pipeline. Families are evaluated in order of that bound, each microbatch count with every
     ZeRO stage, until the bound exceeds the ``keep``-th best time found: nothing left
     unevaluated could enter the first ``keep``. A family is refused whole when
-    ``Config.validate()`` reports a line that reads the same at its smallest and its largest
-    microbatch count (the launcher's messages name the numbers they depend on, so that
-    line holds for every count). ``ranked`` holds every evaluated candidate that fits.
+    validation reports a line that reads the same at its smallest and its largest
+    microbatch count (lines name the numbers they depend on, so that line holds for every
+    count). ``ranked`` holds every evaluated candidate that fits.
     """
     world = cluster.world_size if world is None else world
-    model = ModelShape.from_config(base) if model is None else model
-    precision, batch = base.train.precision, base.data.batch_size
+    model, precision, batch = job.model, job.precision, job.model.batch
     pruned = overflow = invalid = 0
-    valid = _Validator(base)
-    groups: list[tuple[float, ParallelConfig, bool]] = []  # (bound over every m, layout at m = 1)
+    valid = _Validator(job, validate)
+    groups: list[tuple[float, Layout, bool]] = []  # (bound over every m, layout at m = 1)
     for shape in _tp_shapes(world, tp_modes):
         rest = world // shape.tp
         refused = valid.refused_shape(shape, world)
@@ -244,9 +243,9 @@ def search(
             for pp in divisors(rest // sp):
                 dp = rest // sp // pp
                 if batch % dp or _cannot_fit(model, shape, pp, dp * sp, precision, cluster):
-                    pruned += 1  # dp must divide the batch (validation says so): skipped here in bulk
+                    pruned += 1  # dp must divide the batch (check says so): skipped here in bulk
                     continue
-                for parallel in _parallel_variants(shape, dp, pp, sp, model.seq):
+                for parallel in _parallel_variants(shape, dp, pp, sp, model.seq, job.recompute):
                     for name, v in _schedules(pp, max_chunks):
                         par = dataclasses.replace(parallel, schedule=name, virtual_stages=v, microbatches=1)
                         counts = divisors(batch // dp)
@@ -254,7 +253,9 @@ def search(
                             invalid += len(counts) * len(recompute)
                             continue
                         for rc in recompute:
-                            found = shape_of(par, model, cluster, precision, rc)
+                            found = shape_of(
+                                dataclasses.replace(par, recompute=rc), model, cluster, precision
+                            )
                             if found is not None:
                                 groups.append((found.busy, par, rc))
     groups.sort(key=lambda item: item[0])
@@ -274,24 +275,23 @@ def search(
             if valid(par):
                 invalid += 1
                 continue
-            found = shape_of(par, model, cluster, precision, rc)
+            run = dataclasses.replace(par, recompute=rc)
+            found = shape_of(run, model, cluster, precision)
             if found is None or beaten(found.bound):
                 continue
-            if memory_floor(par, found, precision, base.optim.name) > cluster.memory_bytes:
+            if memory_floor(run, found, precision, job.optimizer) > cluster.memory_bytes:
                 overflow += 1
                 continue
             for stage in range(4):
                 for offload in (False, True):
-                    train = dataclasses.replace(base.train, activation_checkpointing=rc)
-                    zero = ZeroConfig(stage, offload)
-                    config = dataclasses.replace(base, parallel=par, zero=zero, train=train)
-                    if beaten(found.bound + sum(overheads(config, found, cluster))):
+                    layout = dataclasses.replace(run, zero=stage, offload=offload)
+                    if beaten(found.bound + sum(overheads(layout, precision, found, cluster))):
                         break  # offload only adds time: it cannot do better either
-                    if valid(par, zero, rc):
+                    if valid(layout):
                         invalid += 1
                         break
-                    est = estimate(config, model, cluster, recompute=rc)
-                    cand = Candidate(config, est, est.fits(cluster), rc)
+                    est = predict(layout, job, cluster)
+                    cand = Candidate(layout, est, est.fits(cluster))
                     if cand.fits:
                         bisect.insort(fits, cand, key=lambda c: (c.step_time, c.estimate.memory.device))
                         break

@@ -1,17 +1,16 @@
-"""What ``tessera plan`` shows and writes: a table of the best candidates with memory and
-time broken down, a PNG of predicted memory against step time, and the winner as a config."""
+"""What a search shows: a table of the best candidates with memory and time broken down, a
+summary paragraph, and a PNG of predicted memory against step time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera.launcher.config_io import config_to_toml
-from tessera.launcher.plan.cluster import GIB, Cluster
-from tessera.launcher.plan.model import ModelShape
-from tessera.launcher.plan.search import Candidate, SearchResult
+from tessera.planner.cluster import GIB, Cluster
+from tessera.planner.model import ModelShape
+from tessera.planner.search import Candidate, SearchResult
 
-__all__ = ["summary", "table", "write_png", "write_winner"]
+__all__ = ["summary", "table", "write_png"]
 
 COLUMNS = (
     "#",
@@ -87,12 +86,6 @@ def summary(result: SearchResult, model: ModelShape, cluster: Cluster, world: in
         f"{result.overflow} could not fit at any ZeRO stage, {result.invalid} refused by validation, "
         f"{result.pruned} degree splits pruned"
     )
-
-
-def write_winner(candidate: Candidate, path: str | Path) -> None:
-    """Write the winner's configuration as TOML that ``tessera run --config`` accepts."""
-    header = f"# written by `tessera plan`: {candidate.label()}, predicted {candidate.step_time:.4g} s/step\n"
-    Path(path).write_text(header + config_to_toml(candidate.config))
 
 
 def write_png(result: SearchResult, cluster: Cluster, path: str | Path, *, top: int = 10) -> None:

@@ -28,17 +28,17 @@ sequence parallelism splits those too; 2D, 2.5D and 3D split every activation ``
 (batch and hidden blocks); context parallelism splits the sequence ``sp`` ways. Full
 recomputation keeps only each layer's input. A pipeline rank holds as many microbatch x
 chunk units as the simulator's ``peak_held`` says; without a pipeline, one microbatch.
-(3D tensor parallelism keeps more: ``plan.transient.activations_3d`` replaces the split.)
+(3D tensor parallelism keeps more: ``tessera.planner.transient.activations_3d`` replaces the split.)
 
 What a rank holds besides, at the other moments of a step (end of backward, optimizer step,
-building the engine), is ``plan.transient``'s; `MemoryEstimate` puts the two together.
+building the engine), is ``tessera.planner.transient``'s; `MemoryEstimate` puts the two together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.launcher.plan.model import ModelShape, TPShape
+from tessera.planner.model import ModelShape, TPShape
 
 __all__ = ["ActivationShape", "MemoryEstimate", "activation_bytes", "model_state_bytes", "optimizer_bytes"]
 
@@ -64,7 +64,7 @@ class MemoryEstimate:
     host: float
     activations: float
     buffers: float
-    scratch: float = 0.0  # transient once the activations are freed (`plan.transient`)
+    scratch: float = 0.0  # transient once the activations are freed (`tessera.planner.transient`)
     build: float = 0.0  # resident while boost() builds the engine (host, before training)
     shared: float = 0.0  # the groups' shared-memory segments (host, CPU clusters)
 

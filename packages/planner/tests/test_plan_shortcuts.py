@@ -1,8 +1,8 @@
 """The search's shortcuts against what they stand for: a long pipeline timed without
 validation or rows (`timed`), in its built or `unsplit` form, gives exactly
-``tessera.pipeline.simulate``'s makespan, busy time and held activations, and a
-tensor-parallel shape the search refuses whole holds no configuration the launcher accepts.
-Pure (no processes)."""
+``tessera.pipeline.simulate``'s makespan, busy time and held activations (the launcher's
+tests check that a tensor-parallel shape the search refuses whole holds no configuration
+the launcher accepts). Pure (no processes)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.launcher.config import Config, DataConfig, ModelConfig, ZeroConfig
-from tessera.launcher.plan.bubble import _long
-from tessera.launcher.plan.search import _parallel_variants, _schedules, _tp_shapes, _Validator, divisors
 from tessera.pipeline import SCHEDULES, Costs, build_schedule, fuse_adjacent, schedule_spec, simulate, unsplit
 from tessera.pipeline.simulate import timed
+from tessera.planner.bubble import _long
 
 costs_st = st.builds(
     Costs,
@@ -60,39 +58,3 @@ def test_the_long_path_is_the_simulator_exactly(
     makespan, busy, rows = timed(long, costs, rows=False)
     assert makespan == want.makespan and busy == want.busy and rows == [[] for _ in range(p)]
     assert peaks == tuple(float(x) for x in want.peak_held)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    world=st.sampled_from([2, 4, 6, 8, 12]),
-    heads=st.sampled_from([1, 2, 3, 4, 6]),
-    seq=st.sampled_from([8, 12, 16]),
-    batch=st.sampled_from([4, 6, 8]),
-    layers=st.integers(1, 4),
-)
-def test_a_shape_refused_whole_holds_no_valid_configuration(
-    world: int, heads: int, seq: int, batch: int, layers: int
-) -> None:
-    """Every configuration of a refused tensor-parallel shape (every split of the rest of the
-    world, variant, schedule and microbatch count) is one ``Config.validate()`` refuses; and
-    with ``ZeroConfig()`` (what the shortcut asks) as with any stage."""
-    base = Config(
-        model=ModelConfig(vocab_size=64, seq_len=seq, d_model=8 * heads, n_heads=heads, n_layers=layers),
-        data=DataConfig(batch_size=batch),
-    )
-    valid = _Validator(base)
-    for shape in _tp_shapes(world, ("1d", "2d", "2.5d", "3d")):
-        if not valid.refused_shape(shape, world):
-            continue
-        rest = world // shape.tp
-        for sp in divisors(rest):
-            for pp in divisors(rest // sp):
-                dp = rest // sp // pp
-                for parallel in _parallel_variants(shape, dp, pp, sp, seq):
-                    for name, v in _schedules(pp, 3):
-                        for m in divisors(batch):
-                            par = dataclasses.replace(
-                                parallel, schedule=name, virtual_stages=v, microbatches=m
-                            )
-                            config = dataclasses.replace(base, parallel=par, zero=ZeroConfig(1))
-                            assert config.validate(), par

@@ -1,5 +1,6 @@
-"""``tessera plan``: search every configuration for the model of ``--config`` on a cluster,
-print the best, write the winner and a chart; ``--calibrate`` measures this machine instead.
+"""``tessera plan``: search every configuration for the model of ``--config`` on a cluster
+(`tessera.planner`, through `tessera.launcher.auto`), print the best, write the winner and a
+chart; ``--calibrate`` measures this machine instead.
 
 Without ``--calibrate`` nothing here imports torch.
 """
@@ -10,14 +11,22 @@ import argparse
 import sys
 from pathlib import Path
 
+from tessera.launcher.auto import config_of, model_of, search_config
 from tessera.launcher.config import Config
-from tessera.launcher.plan.calibrate import calibrate  # imports torch only when it runs
-from tessera.launcher.plan.cluster import PRESETS, calibrated_path, cluster_to_toml, resolve_cluster
-from tessera.launcher.plan.model import ModelShape
-from tessera.launcher.plan.report import summary, table, write_png, write_winner
-from tessera.launcher.plan.search import search
+from tessera.launcher.config_io import config_to_toml
+from tessera.planner import Candidate
+from tessera.planner.calibrate import calibrate  # imports torch only when it runs
+from tessera.planner.cluster import PRESETS, calibrated_path, cluster_to_toml, resolve_cluster
+from tessera.planner.report import summary, table, write_png
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "write_winner"]
+
+
+def write_winner(base: Config, candidate: Candidate, path: str | Path) -> None:
+    """Write the winner's configuration (``base`` run as its layout) as TOML that ``tessera
+    run --config`` accepts."""
+    header = f"# written by `tessera plan`: {candidate.label()}, predicted {candidate.step_time:.4g} s/step\n"
+    Path(path).write_text(header + config_to_toml(config_of(base, candidate.layout)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,10 +80,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if unknown:
         print(f"tessera: --tp-modes {unknown} not among 1d, 2d, 2.5d, 3d", file=sys.stderr)
         return 2
-    model = ModelShape.from_config(config)
+    model = model_of(config)
     keep = max(args.top, 10)
     both = (False, True)  # with and without activation checkpointing
-    result = search(config, cluster, world=world, model=model, tp_modes=modes, recompute=both, keep=keep)
+    result = search_config(config, cluster, world=world, tp_modes=modes, recompute=both, keep=keep)
     print(summary(result, model, cluster, world))
     if not result.ranked:
         if result.too_big or result.overflow:
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     print(table(result.ranked[: args.top], model, world))
     best = result.ranked[0]
     if args.out:
-        write_winner(best, args.out)
+        write_winner(config, best, args.out)
         print(f"tessera: wrote the winner ({best.label()}) to {args.out}", file=sys.stderr)
     if args.png:
         write_png(result, cluster, args.png, top=args.top)

@@ -1,0 +1,150 @@
+"""What the planner plans: a `Layout` (how a job is split over its ranks) and a `Job` (the
+model, its global batch, precision and optimizer), and `check`, the rules of a layout the
+planner knows itself.
+
+A layout is the degrees ``dp * pp * tp * sp``, the tensor-parallel mode (`TPMode`, with the
+2.5D ``depth``), context parallelism (``sp_mode``: ring or Ulysses; ``sp_layout``:
+contiguous or zigzag chunks of the sequence), Megatron sequence parallelism, the pipeline
+schedule (``virtual_stages`` chunks per rank for the interleaved ones, ``microbatches`` per
+step, ``tune_splits``: the zero-bubble split tuning steps, 0 off), the ZeRO stage with or
+without CPU offload, and activation checkpointing per layer (``recompute``).
+
+`check` refuses what the planner cannot model (degrees below 1, a tensor-parallel degree
+that is no grid of its mode, an unknown schedule or one whose rules refuse the pipeline
+ranks, microbatches and chunks, an unknown precision or optimizer, a batch the data
+parallelism and microbatches do not divide). The rules of the model a caller runs (heads,
+widths and vocabularies that must split) belong to whoever builds it: `search` takes them
+as its ``validate``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.comm import TPMode
+from tessera.pipeline import SCHEDULES, schedule_spec
+from tessera.planner.memory import DTYPE_BYTES, OPTIMIZER_BYTES
+from tessera.planner.model import ModelShape, TPShape
+
+__all__ = ["SP_LAYOUTS", "SP_MODES", "Job", "Layout", "check"]
+
+SP_MODES = ("ring", "ulysses")
+SP_LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a job is split over ``dp * pp * tp * sp`` ranks, its schedule and its ZeRO stage."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    tp_mode: TPMode = TPMode.ONE_D
+    depth: int = 1  # 2.5D: the depth of the grid
+    sp_mode: str = "ring"
+    sp_layout: str = "contiguous"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+    tune_splits: int = 2
+    zero: int = 0
+    offload: bool = False
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp_mode", TPMode(self.tp_mode))  # "2d" and TPMode.TWO_D alike
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout uses."""
+        return self.dp * self.pp * self.tp * self.sp
+
+    @property
+    def shape(self) -> TPShape:
+        """How its tensor parallelism splits the model."""
+        return TPShape(self.tp_mode.value, self.tp, self.depth)
+
+    def label(self) -> str:
+        """A short description of the degrees, schedule and ZeRO stage."""
+        tp = (
+            f"tp{self.tp}"
+            + ("" if self.tp_mode is TPMode.ONE_D else f"/{self.tp_mode.value}")
+            + (f"d{self.depth}" if self.depth > 1 else "")
+        )
+        tp += "+sp" if self.sequence_parallel else ""
+        parts = [f"dp{self.dp}", f"pp{self.pp}", tp]
+        if self.sp > 1:
+            parts.append(f"cp{self.sp}/{self.sp_mode}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        parts.append(f"m{self.microbatches}")
+        parts.append(f"z{self.zero}" + ("+off" if self.offload else ""))
+        if self.recompute:
+            parts.append("recompute")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """The model (with its global batch), the compute precision and the optimizer; and
+    whether the job as given checkpoints activations (``recompute``: what the search asks
+    ``validate`` about a layout's family with, before it tries both)."""
+
+    model: ModelShape
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    recompute: bool = False
+
+
+def _square(n: int) -> bool:
+    return n >= 1 and math.isqrt(n) ** 2 == n
+
+
+def check(layout: Layout, job: Job) -> list[str]:
+    """What keeps the planner from modelling ``layout`` for ``job``, one line each naming
+    the values (empty when it can)."""
+    lines: list[str] = []
+    for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "virtual_stages"):
+        value = getattr(layout, name)
+        if value < 1:
+            lines.append(f"layout.{name} must be >= 1, got {value}")
+    if lines:
+        return lines
+    mode, tp, depth = layout.tp_mode, layout.tp, layout.depth
+    if mode is TPMode.TWO_P5_D:
+        if tp % depth or not _square(tp // depth):
+            lines.append(f"layout: 2.5d needs tp / depth a square, got tp={tp}, depth={depth}")
+    elif depth != 1:
+        lines.append(f"layout: depth={depth} is for 2.5d only (tp_mode={mode.value})")
+    if mode is TPMode.TWO_D and not _square(tp):
+        lines.append(f"layout: 2d needs tp a square, got tp={tp}")
+    if mode is TPMode.THREE_D and round(tp ** (1 / 3)) ** 3 != tp:
+        lines.append(f"layout: 3d needs tp a cube, got tp={tp}")
+    if layout.sp_mode not in SP_MODES:
+        lines.append(f"layout.sp_mode={layout.sp_mode!r} is not one of {', '.join(SP_MODES)}")
+    if layout.sp_layout not in SP_LAYOUTS:
+        lines.append(f"layout.sp_layout={layout.sp_layout!r} is not one of {', '.join(SP_LAYOUTS)}")
+    if layout.schedule not in SCHEDULES:
+        lines.append(f"layout.schedule={layout.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}")
+    else:  # the schedule's own rules (tessera.pipeline's spec), each line naming pp and m
+        pp, m = layout.pp, layout.microbatches
+        rules = schedule_spec(layout.schedule).check(pp, m, layout.virtual_stages)
+        lines += [f"layout (pp={pp}, microbatches={m}): {line}" for line in rules]
+    if not 0 <= layout.zero <= 3:
+        lines.append(f"layout.zero={layout.zero} must be 0, 1, 2 or 3")
+    if layout.tune_splits < 0:
+        lines.append(f"layout.tune_splits must be >= 0, got {layout.tune_splits}")
+    if job.precision not in DTYPE_BYTES:
+        lines.append(f"job.precision={job.precision!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if job.optimizer not in OPTIMIZER_BYTES:
+        lines.append(f"job.optimizer={job.optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    per_step = layout.dp * layout.microbatches
+    if job.model.batch % per_step:
+        lines.append(
+            f"job: batch {job.model.batch} is not divisible by dp * microbatches "
+            f"= {layout.dp} * {layout.microbatches} = {per_step}"
+        )
+    return lines
