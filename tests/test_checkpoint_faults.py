@@ -179,3 +179,42 @@ def test_a_diverging_run_stops_with_finite_weights(worker_pools: PoolFactory, st
         assert "training diverged: 3 steps in a row" in str(out.get("error")), out
         assert out["skipped"][-2:] == [True, True], out  # type: ignore[index]
         assert out["finite"], out
+
+
+def _load_another_model(
+    rank: int, path: str, saved_as: tuple[int, int, int], loaded_as: tuple[int, int, int]
+) -> str:
+    """Saved with a vocabulary of 32, loaded into the same configuration with a model of 40."""
+    saver = _engine(_config(*saved_as))
+    saver.save(path)
+    saver.mesh.close()
+    other = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)
+    model = GPT(other, seed=1)
+    fresh = boost(model, torch.optim.SGD(model.parameters(), lr=0.1), _config(*loaded_as))
+    try:
+        fresh.load(path)
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    else:
+        outcome = "loaded"
+    fresh.train_step(*make_batch(other, 4, seed=1))  # no rank is stuck in a collective
+    fresh.mesh.close()
+    return outcome
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"),
+    [((2, 1, 1), (2, 1, 1)), ((2, 1, 3), (2, 1, 3)), ((2, 1, 1), (1, 2, 0))],
+    ids=["same-layout", "zero3", "another-topology"],
+)
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(
+    worker_pools: PoolFactory, tmp_path: Path, saved_as: tuple[int, int, int], loaded_as: tuple[int, int, int]
+) -> None:
+    """A user's model of other shapes under the same configuration (which the fingerprint
+    cannot tell apart): every rank refuses, naming the tensor and both shapes."""
+    outcomes = worker_pools(2).run(
+        _load_another_model, str(tmp_path / "ckpt"), saved_as, loaded_as, timeout=120
+    )
+    for outcome in outcomes:
+        assert "[32, 16]" in outcome and "[40, 16]" in outcome, outcomes
+        assert "embed.tok.weight" in outcome or "head.weight" in outcome, outcomes

@@ -121,7 +121,25 @@ def _check(
     header: dict[str, Any] = json.loads(SafeFile(own, data).metadata["tessera"])
     if header["step"] != manifest["step"]:
         raise ValueError(f"{gen / MANIFEST} says step {manifest['step']}, {own.name} step {header['step']}")
-    return gen, manifest, safetensors.torch.load(data), header
+    tensors = safetensors.torch.load(data)
+    module = engine.module  # under ZeRO-3 the rank file holds the buffers (ZeRO checks the rest)
+    state = dict(module.named_buffers()) if engine.zero.stage == 3 else module.state_dict()
+    saved = {k.removeprefix("module."): tuple(v.shape) for k, v in tensors.items() if k.startswith("module.")}
+    mismatch = _mismatch(saved, {k: tuple(v.shape) for k, v in state.items()})
+    if mismatch:
+        raise ValueError(f"{own} does not match this model: {mismatch}")
+    return gen, manifest, tensors, header
+
+
+def _mismatch(saved: Mapping[str, tuple[int, ...]], mine: Mapping[str, tuple[int, ...]]) -> str:
+    """The first tensor whose name or shape differs between a checkpoint and the model ("" if none)."""
+    for name in sorted(mine):
+        if name not in saved:
+            return f"it has no tensor {name!r} (this model's, of shape {list(mine[name])})"
+        if saved[name] != mine[name]:
+            return f"{name!r} is saved with shape {list(saved[name])}, this model's is {list(mine[name])}"
+    extra = sorted(set(saved) - set(mine))
+    return f"it holds {extra[0]!r}, which this model does not have" if extra else ""
 
 
 def _same_layout(engine: Checkpointable, manifest: dict[str, Any]) -> bool:
@@ -144,6 +162,15 @@ def _check_portable(
         if rel.startswith(PORTABLE + "/") and sha256(gen / rel) != digest:
             raise ValueError(f"{gen / rel} does not match its checksum in {MANIFEST}")
     state, header = read_portable(gen, int(manifest["topology"]["pp"]))
+    for name, shape in engine.placement.full_shapes.items():  # this rank's stages' parameters
+        key = f"param/{name}"
+        if key not in state:
+            raise ValueError(f"{gen / PORTABLE} does not match this model: it has no parameter {name!r}")
+        if tuple(state.shape(key)) != tuple(shape):
+            raise ValueError(
+                f"{gen / PORTABLE} does not match this model: {name!r} is saved with shape "
+                f"{list(state.shape(key))}, this model's is {list(shape)}"
+            )
     if header["step"] != manifest["step"]:
         saved = manifest["step"]
         raise ValueError(f"{gen / MANIFEST} says step {saved}, its portable state step {header['step']}")

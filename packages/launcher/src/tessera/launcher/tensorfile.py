@@ -62,6 +62,10 @@ class LazyTensors(Mapping[str, Tensor]):
         with open(safe.path, "rb") as f:
             return safe.read(f, name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, from its file's header (nothing is read)."""
+        return tuple(self._where[name].entries[name].shape)
+
     def __contains__(self, name: object) -> bool:
         return name in self._where
 

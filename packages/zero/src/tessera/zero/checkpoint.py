@@ -358,11 +358,29 @@ def _check_meta(zero: Checkpointable, meta: dict[str, Any], path: Path) -> None:
             (i for i, (a, b) in enumerate(zip(meta["layout"], mine, strict=False)) if a != b),
             min(len(meta["layout"]), len(mine)),
         )
+        where = _first_tensor(meta["layout"], mine, diff)
         raise ValueError(
             f"the checkpoint at {path} has a different parameter layout ({len(meta['layout'])} flat "
-            f"buffers, this model {len(mine)}; first difference at buffer {diff}): same model, "
+            f"buffers, this model {len(mine)}; first difference at buffer {diff}{where}): same model, "
             "parameter groups, stage, bucket size and precision are needed"
         )
+
+
+def _first_tensor(saved: list[dict[str, Any]], mine: list[dict[str, Any]], i: int) -> str:
+    """The first parameter of flat buffer ``i`` whose name or shape differs, as text."""
+    a = saved[i] if i < len(saved) else {"names": [], "shapes": []}
+    b = mine[i] if i < len(mine) else {"names": [], "shapes": []}
+    pairs = list(zip(a["names"], a["shapes"], strict=True))
+    ours = list(zip(b["names"], b["shapes"], strict=True))
+    for k in range(max(len(pairs), len(ours))):
+        if k >= len(pairs):
+            return f", which lacks this model's {ours[k][0]!r} of shape {ours[k][1]}"
+        if k >= len(ours) or pairs[k] != ours[k]:
+            theirs = f"{pairs[k][0]!r} of shape {pairs[k][1]}"
+            return f": saved {theirs}, this model " + (
+                f"{ours[k][0]!r} of shape {ours[k][1]}" if k < len(ours) else "has nothing there"
+            )
+    return ""
 
 
 def _open_flat_rank(zero: Checkpointable) -> RankOpener:
