@@ -2,7 +2,8 @@
 
 `Config.validate` checks the numbers; this checks the world they point at: that a resume
 path holds a committed checkpoint, that the run folder can be written, and, for the main
-job, that the corpus exists and that an explicit ``model.vocab_size`` covers its alphabet.
+job, that the corpus exists, that an explicit ``model.vocab_size`` covers its alphabet and
+that the free disk holds its disk tier and a checkpoint (``disk_space``).
 Each mistake is one line naming the field and its value.
 """
 
