@@ -46,6 +46,7 @@ from tessera.comm.testing import WorkerPool
 from tessera.launcher import Config, boost
 from tessera.launcher.config import OptimConfig, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.models import GPT, GPTConfig, make_batch
+from tessera.zero import Precision
 
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
 CLIP = 1.0
@@ -74,7 +75,7 @@ def _systems(cfg: GPTConfig, batch: int, fused: bool) -> dict[str, Callable[[int
         parallel=ParallelConfig(dp=1, microbatches=1),
         zero=ZeroConfig(stage=0),
         optim=OptimConfig(clip_grad_norm=CLIP),
-        train=TrainConfig(precision="fp32"),
+        train=TrainConfig(precision=Precision.FP32),
     )
     engine = boost(model, torch.optim.AdamW(model.parameters(), **adamw), config)
 

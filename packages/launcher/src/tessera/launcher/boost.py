@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ from tessera.launcher.spec import (
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import Plan, PlanLike, context_parallelize, parallelize, shard_specs
-from tessera.zero import ChunkConfig, Precision, ZeroOptimizer
+from tessera.zero import ChunkConfig, ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
 
@@ -60,7 +60,7 @@ def chunk_config(config: Config, rank: int) -> ChunkConfig | None:
         device_budget_mb=z.device_budget_mb or None,
         host_budget_mb=z.host_budget_mb or None,
         disk_dir=Path(z.disk_dir) / f"rank{rank}" if z.disk_dir else None,
-        policy="auto" if z.policy == "auto" else "static",
+        policy=z.policy,
         fractions=(z.fractions[0], z.fractions[1], z.fractions[2]) if z.fractions else None,
         chunk_numel=z.chunk_numel or None,
     )
@@ -282,7 +282,7 @@ def boost(
         stage=config.zero.stage,
         group=data_group,
         average_over=mesh.size("dp"),
-        precision=cast(Precision, config.train.precision),  # Config.check admits only these
+        precision=config.train.precision,
         offload=config.zero.offload,
         clip_grad_norm=config.optim.clip_grad_norm if config.optim.clip_grad_norm > 0 else None,
         norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],

@@ -11,8 +11,12 @@ import math
 from dataclasses import dataclass, field, fields
 
 from tessera.comm import Topology, TPMode
+from tessera.comm.sequence_modes import Layout as ContextLayout
+from tessera.comm.sequence_modes import Mode as ContextMode
+from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy, choice_problems, coerce_choices
 from tessera.pipeline import SCHEDULES, schedule_spec
-from tessera.zero.chunks.config import chunk_problems
+from tessera.zero.chunks.config import Policy, chunk_problems
+from tessera.zero.precisions import Precision
 
 __all__ = [
     "Config",
@@ -30,10 +34,12 @@ __all__ = [
 class ParallelConfig:
     """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp.
 
-    ``tp_mode``: "1d" (Megatron), "2d" (SUMMA over a q x q grid, tp = q*q), "2.5d"
-    (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
+    ``tp_mode`` (`tessera.comm.TPMode`): "1d" (Megatron), "2d" (SUMMA over a q x q grid,
+    tp = q*q), "2.5d" (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
     ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
-    "contiguous" or "zigzag" (balances causal attention over the ranks).
+    "contiguous" or "zigzag" (balances causal attention over the ranks): the
+    ``tessera.tensor_parallel.context`` enums ``Mode`` and ``Layout``. ``schedule``: a name
+    registered in ``tessera.pipeline.SCHEDULES`` (users may register their own).
     ``tune_splits``: a split-backward schedule (zb-h1, zbv) times its first steps split and
     unsplit, this many pairs of steps after a warm-up, then a merge that keeps a split only
     where the simulated step under the measured costs gains (`tessera.pipeline.merge_splits`)
@@ -50,10 +56,10 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     sp: int = 1
-    tp_mode: str = "1d"
+    tp_mode: TPMode = TPMode.ONE_D
     tp_depth: int = 1
-    sp_mode: str = "ring"
-    sp_layout: str = "contiguous"
+    sp_mode: ContextMode = ContextMode.RING
+    sp_layout: ContextLayout = ContextLayout.CONTIGUOUS
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -62,16 +68,13 @@ class ParallelConfig:
     auto: bool = False
     cluster: str = ""
 
+    def __post_init__(self) -> None:
+        coerce_choices(self)
+
     def topology(self) -> Topology:
-        """The degrees as the one validated `Topology` (ValueError naming a bad degree)."""
-        mode = TPMode(self.tp_mode) if self.tp_mode in set(TPMode) else self.tp_mode
+        """The degrees as the one validated `Topology` (ValueError naming a bad degree or mode)."""
         return Topology(
-            dp=self.dp,
-            pp=self.pp,
-            tp=self.tp,
-            sp=self.sp,
-            tp_mode=mode,  # type: ignore[arg-type]  # a bad name on purpose: Topology refuses it by name
-            depth=self.tp_depth,
+            dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=self.tp_mode, depth=self.tp_depth
         )
 
 
@@ -83,7 +86,8 @@ class ZeroConfig:
 
     ``host_budget_mb`` / ``device_budget_mb``: what model data may hold on that tier per rank
     (0: the host is not limited / no device tier); ``disk_dir``: a directory for the disk
-    tier (each rank writes under ``rank<k>/``; "": no disk tier); ``policy``: "static"
+    tier (each rank writes under ``rank<k>/``; "": no disk tier); ``policy``
+    (`tessera.zero.chunks.Policy`): "static"
     (``fractions`` = device, host, disk shares of the chunk bytes, or () to fill the tiers
     fastest first) or "auto" (the warm-up step measures what training needs besides model
     data); ``chunk_numel``: elements per chunk (0: searched).
@@ -94,9 +98,12 @@ class ZeroConfig:
     host_budget_mb: float = 0.0
     device_budget_mb: float = 0.0
     disk_dir: str = ""
-    policy: str = "static"
+    policy: Policy = Policy.STATIC
     fractions: tuple[float, ...] = ()
     chunk_numel: int = 0
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)
 
     @property
     def chunked(self) -> bool:
@@ -141,9 +148,9 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class OptimConfig:
-    """AdamW (or Adam, SGD) with warmup then cosine decay, and global gradient clipping."""
+    """AdamW (or Adam, SGD: ``name``) with warmup then cosine decay, and global gradient clipping."""
 
-    name: str = "adamw"
+    name: OptimName = OptimName.ADAMW
     lr: float = 3e-3
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -153,6 +160,9 @@ class OptimConfig:
     clip_grad_norm: float = 1.0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +190,12 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    """The training loop: length, precision, seeds, logging, evaluation and checkpoints."""
+    """The training loop: length, precision (`tessera.zero.Precision`), seeds, logging,
+    evaluation and checkpoints."""
 
     steps: int = 200
     seed: int = 0
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
@@ -200,17 +211,23 @@ class TrainConfig:
     max_restarts: int = 0  # elastic restarts after a rank failure, from the newest generation
     activation_checkpointing: bool = False  # recompute each layer's forward in backward
     recompute_every: int = 1  # with it: checkpoint every k-th layer (1: all)
-    recompute_policy: str = "full"  # or "save-matmuls": keep products and attention, redo the rest
+    recompute_policy: RecomputePolicy = RecomputePolicy.FULL  # or save-matmuls: keep products, attention
     activation_offload: bool = False  # each layer keeps what backward needs in host memory
     verify: bool = False  # compare the first step with a serial one; refuse on a mismatch
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)
 
 
 @dataclass(frozen=True, slots=True)
 class LoggingConfig:
     """Log level, and whether every rank (not only rank 0) logs below WARNING."""
 
-    level: str = "info"
+    level: LogLevel = LogLevel.INFO
     all_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +262,6 @@ class Config:
         """The tensor-parallel mode and context parallelism against the degrees and (``model``)
         the ``[model]`` section."""
         p, errors = self.parallel, list[str]()
-        if p.tp_mode not in ("1d", "2d", "2.5d", "3d"):
-            errors.append(f"parallel.tp_mode={p.tp_mode!r} is not one of 1d, 2d, 2.5d, 3d")
-            return errors
         try:
             p.topology()
         except ValueError as e:
@@ -266,19 +280,8 @@ class Config:
                 errors.append(
                     f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built"
                 )
-        if p.sp == 1:
-            return errors
-        errors += self._check_context_modes()
-        if model:
+        if p.sp > 1 and model:
             errors += self._check_context_model()
-        return errors
-
-    def _check_context_modes(self) -> list[str]:
-        p, errors = self.parallel, []
-        if p.sp_mode not in ("ring", "ulysses"):
-            errors.append(f"parallel.sp_mode={p.sp_mode!r} is not one of ring, ulysses")
-        if p.sp_layout not in ("contiguous", "zigzag"):
-            errors.append(f"parallel.sp_layout={p.sp_layout!r} is not one of contiguous, zigzag")
         return errors
 
     def _check_context_model(self) -> list[str]:
@@ -342,16 +345,19 @@ class Config:
         which describes only the main job's model: ``boost()`` checks them against the model
         it is given instead (its plan, heads, widths, vocabulary and blocks)."""
         errors: list[str] = []
+        choices: list[str] = []  # a name that is no member of its enum
         p, m = self.parallel, self.model
 
         def need(cond: bool, message: str) -> None:
             if not cond:
                 errors.append(message)
 
-        for section in (p, self.zero, m, self.optim, self.data, self.train):
+        for section in (p, self.zero, m, self.optim, self.data, self.train, self.logging):
+            prefix = type(section).__name__.removesuffix("Config").lower()
+            choices += choice_problems(section, prefix)
             for f in fields(section):
                 value = getattr(section, f.name)
-                name = f"{type(section).__name__.removesuffix('Config').lower()}.{f.name}"
+                name = f"{prefix}.{f.name}"
                 if isinstance(value, int) and not isinstance(value, bool):
                     least = (
                         0
@@ -373,8 +379,10 @@ class Config:
                 if isinstance(value, float):
                     need(math.isfinite(value), f"{name}={value} must be a finite number")
         if errors:  # the checks below divide by these numbers
-            return errors
-        errors += self._check_modes(model=model)
+            return choices + errors
+        errors = choices
+        if not any(line.startswith("parallel.") for line in choices):  # the degrees' own rules
+            errors += self._check_modes(model=model)
         need(
             p.schedule in SCHEDULES,
             f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
@@ -392,27 +400,15 @@ class Config:
         )
         need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
         errors += self.zero.check_chunks()
-        need(
-            self.train.precision in ("fp32", "bf16", "fp16"),
-            f"train.precision={self.train.precision!r} is not one of fp32, bf16, fp16",
-        )
-        need(
-            self.optim.name in ("adamw", "adam", "sgd"),
-            f"optim.name={self.optim.name!r} is not one of adamw, adam, sgd",
-        )
         need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
         need(self.train.watchdog_s >= 0, f"train.watchdog_s={self.train.watchdog_s} must be >= 0 (0: off)")
         need(
-            self.train.recompute_policy in ("full", "save-matmuls"),
-            f"train.recompute_policy={self.train.recompute_policy!r} is not one of full, save-matmuls",
-        )
-        need(
             self.train.activation_checkpointing
-            or (self.train.recompute_every == 1 and self.train.recompute_policy == "full"),
+            or (self.train.recompute_every == 1 and self.train.recompute_policy is RecomputePolicy.FULL),
             "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
         )
         need(
-            self.train.recompute_policy != "save-matmuls" or (p.tp == 1 and p.sp == 1),
+            self.train.recompute_policy is not RecomputePolicy.SAVE_MATMULS or (p.tp == 1 and p.sp == 1),
             "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
             "reduces a product in place would change the product it keeps",
         )
@@ -420,8 +416,4 @@ class Config:
             0.0 < self.data.val_fraction < 1.0,
             f"data.val_fraction={self.data.val_fraction} must be in (0, 1)",
         )
-        need(
-            self.logging.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
-            f"logging.level={self.logging.level!r} is not one of debug, info, warning, error",
-        )
-        return errors
+        return list(dict.fromkeys(errors))  # zero.policy is also a rule of the chunk manager's own

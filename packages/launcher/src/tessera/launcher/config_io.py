@@ -10,7 +10,11 @@ Later sources override earlier ones, field by field:
 Unknown sections or fields and values of the wrong type are errors naming the key: in TOML
 (and the resolved JSON) a value must have the field's own type (a string is not an int, a
 float or a bool is not an int; an int is accepted for a float), while environment and flag
-values are text parsed as the field's type. A tuple field (``zero.fractions``) is an array
+values are text parsed as the field's type. A choice (a field whose default is an enum
+member: ``parallel.tp_mode``, ``train.precision``, ...) is given by its name and becomes the
+member; any other name is an error naming the key, the value and the allowed names. Every
+mistake of every source is reported together with those ``Config.validate()`` finds in the
+rest. A tuple field (``zero.fractions``) is an array
 of numbers in TOML and comma-separated text (``0,0.5,0.5``) in the environment. Any
 ``TESSERA_*`` environment variable that is neither a field nor one of ``LAUNCHER_ENV`` (set
 by the launcher itself) or ``PACKAGE_ENV`` (read by the packages below, such as
@@ -28,12 +32,14 @@ import json
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tessera.comm import shm_env
 from tessera.comm.waiting import ENV as POLL_WAIT_ENV
 from tessera.comm.waiting import budget_from_env
+from tessera.launcher.choices import choice_line, choice_of
 from tessera.launcher.config import Config
 
 __all__ = [
@@ -95,6 +101,12 @@ def _numbers(key: str, value: Any, *, text: bool) -> tuple[float, ...]:
 
 def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
     kind = type(default)
+    if isinstance(default, StrEnum):  # a choice: its name, from TOML, the environment or a flag
+        name = value.strip() if text and isinstance(value, str) else value
+        member = choice_of(kind, name)
+        if member is None:
+            raise ConfigError([choice_line(key, value, kind)])
+        return member
     if kind is tuple:
         return _numbers(key, value, text=text)
     if text and isinstance(value, str) and kind is not str:
@@ -117,9 +129,15 @@ def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
 
 
 def _apply(
-    config: Config, updates: Mapping[str, Mapping[str, Any]], source: str, *, text: bool = False
+    config: Config,
+    updates: Mapping[str, Mapping[str, Any]],
+    source: str,
+    errors: list[str],
+    *,
+    text: bool = False,
 ) -> Config:
-    errors: list[str] = []
+    """``config`` with the values of ``updates`` that convert; a line in ``errors`` for each
+    that does not (that field keeps its value)."""
     new_sections: dict[str, Any] = {}
     for section, values in updates.items():
         if not hasattr(config, section) or not dataclasses.is_dataclass(getattr(config, section)):
@@ -139,8 +157,6 @@ def _apply(
             except ConfigError as exc:
                 errors.extend(f"{source}: {line}" for line in exc.lines)
         new_sections[section] = dataclasses.replace(current, **changes)
-    if errors:
-        raise ConfigError(errors)
     return dataclasses.replace(config, **new_sections)
 
 
@@ -193,7 +209,7 @@ def resolve_config(
     Raises ConfigError listing every mistake (unknown keys, wrong types, impossible values).
     """
     env = os.environ if env is None else env
-    config = Config()
+    config, errors = Config(), list[str]()
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -205,10 +221,10 @@ def resolve_config(
         bad = [k for k, v in data.items() if not isinstance(v, dict)]
         if bad:
             raise ConfigError([f"{p}: top-level key {k!r} must be a [section] table" for k in bad])
-        config = _apply(config, data, str(p))
-    config = _apply(config, _from_env(env), "environment", text=True)
-    config = _apply(config, _from_flags(sets), "--set", text=True)
-    errors = config.validate()
+        config = _apply(config, data, str(p), errors)
+    config = _apply(config, _from_env(env), "environment", errors, text=True)
+    config = _apply(config, _from_flags(sets), "--set", errors, text=True)
+    errors += config.validate()
     if errors:
         raise ConfigError(errors)
     return config
@@ -226,15 +242,23 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     return resolve_config(None, (), env)
 
 
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, StrEnum) else value
+
+
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    """The config as plain nested dicts (JSON- and TOML-friendly)."""
-    return {f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(Config)}
+    """The config as plain nested dicts (JSON- and TOML-friendly: a choice is its name)."""
+    return {
+        f.name: {k: _plain(v) for k, v in dataclasses.asdict(getattr(config, f.name)).items()}
+        for f in dataclasses.fields(Config)
+    }
 
 
 def config_from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
     """Inverse of config_to_dict (validated)."""
-    config = _apply(Config(), data, "resolved config")
-    errors = config.validate()
+    errors: list[str] = []
+    config = _apply(Config(), data, "resolved config", errors)
+    errors += config.validate()
     if errors:
         raise ConfigError(errors)
     return config

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 from tessera.comm import lazy_exports
 from tessera.zero.chunks.config import ChunkConfig, chunk_problems
+from tessera.zero.precisions import Precision
 
 if TYPE_CHECKING:
     from tessera.zero.clip import clip_coefficient
     from tessera.zero.optimizer import ZeroOptimizer
-    from tessera.zero.precision import DynamicLossScaler, Precision
+    from tessera.zero.precision import DynamicLossScaler
     from tessera.zero.units import default_units
 
 # the submodules that need torch (importing the package does not: a launcher checks

@@ -112,7 +112,7 @@ class ZeroOptimizer:
         *,
         stage: int,
         group: Group = None,
-        precision: Precision = "fp32",
+        precision: Precision | str = Precision.FP32,
         offload: bool = False,
         clip_grad_norm: float | None = None,
         bucket_bytes: int = 25 * 2**20,

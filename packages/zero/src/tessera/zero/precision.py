@@ -8,14 +8,14 @@ rank sees a non-finite gradient, and doubles it after ``growth_interval`` clean 
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DynamicLossScaler", "Precision", "cast_buffers_", "compute_dtype"]
+from tessera.zero.precisions import Precision
 
-Precision = Literal["fp32", "bf16", "fp16"]
+__all__ = ["DynamicLossScaler", "Precision", "cast_buffers_", "compute_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -27,7 +27,7 @@ _DTYPES: dict[str, torch.dtype] = {
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype parameters and activations are computed in for ``precision``."""
     if precision not in _DTYPES:
-        raise ValueError(f"precision must be one of {list(get_args(Precision))}, got {precision!r}")
+        raise ValueError(f"precision must be one of {[str(p) for p in Precision]}, got {precision!r}")
     return _DTYPES[precision]
 
 

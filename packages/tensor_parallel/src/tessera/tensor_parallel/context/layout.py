@@ -4,15 +4,17 @@
 it is cut into ``2*sp`` chunks and rank r holds chunks r and ``2*sp-1-r``, so under causal
 attention every rank has the same amount of work (an early chunk attends to little, its
 partner at the end to much). Positions are listed in the order the rank stores them.
+The ``Layout`` enum is defined in ``tessera.comm.sequence_modes`` (importable without torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import StrEnum
 
 import torch
 from torch import Tensor
+
+from tessera.comm.sequence_modes import Layout
 
 __all__ = [
     "Layout",
@@ -22,13 +24,6 @@ __all__ = [
     "split_sequence",
     "unsplit_sequence",
 ]
-
-
-class Layout(StrEnum):
-    """How a sequence is cut across the ranks of the ``sp`` axis."""
-
-    CONTIGUOUS = "contiguous"
-    ZIGZAG = "zigzag"
 
 
 def _chunk_count(sp: int, layout: Layout) -> int:

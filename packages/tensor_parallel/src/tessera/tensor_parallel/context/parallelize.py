@@ -7,17 +7,18 @@ GPT's ``layers.*.attn.core``) is replaced by a ``ContextParallelAttention``. Wit
 while the model runs goes to ring or Ulysses attention (``intercept``), which serves models
 that call SDPA inline and Hugging Face models on their ``sdpa`` attention. Either way the
 positions modules (``positions``) look up this rank's global positions. The weights are
-untouched; everything else in the model works per token and needs no change.
+untouched; everything else in the model works per token and needs no change. The ``Mode``
+enum (ring or Ulysses) is defined in ``tessera.comm.sequence_modes`` (importable without torch).
 """
 
 from __future__ import annotations
 
 import logging
-from enum import StrEnum
 
 from torch import Tensor, nn
 
 from tessera.comm import Group, group_size
+from tessera.comm.sequence_modes import Mode
 from tessera.tensor_parallel.context.intercept import AttentionRoute, route_modules
 from tessera.tensor_parallel.context.layout import Layout
 from tessera.tensor_parallel.context.positions import find_positions, follow_positions, guard_embeddings
@@ -29,13 +30,6 @@ __all__ = ["ContextParallelAttention", "Mode", "context_parallelize", "route_att
 
 _LOG = logging.getLogger(__name__)
 _ROUTED = "_tessera_context_route"
-
-
-class Mode(StrEnum):
-    """How attention sees the whole sequence: K/V around a ring, or all-to-all to heads."""
-
-    RING = "ring"
-    ULYSSES = "ulysses"
 
 
 class ContextParallelAttention(nn.Module):

@@ -14,13 +14,22 @@ on the fastest tier.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Literal
 
 __all__ = ["MIB", "ChunkConfig", "Policy", "chunk_problems"]
 
 MIB = 2**20
-Policy = Literal["static", "auto"]
+
+
+class Policy(StrEnum):
+    """How chunks are placed: by the configured shares (``static``) or by the free memory the
+    warm-up step measures (``auto``)."""
+
+    STATIC = "static"
+    AUTO = "auto"
+
+
 _ALIGN = 64  # chunk sizes are multiples of this many elements
 
 
@@ -40,12 +49,14 @@ class ChunkConfig:
     device_budget_mb: float | None = None
     host_budget_mb: float | None = None
     disk_dir: str | Path | None = None
-    policy: Policy = "static"
+    policy: Policy = Policy.STATIC
     fractions: tuple[float, float, float] | None = None
     chunk_numel: int | None = None
     prefetch: bool = True
 
     def __post_init__(self) -> None:
+        if self.policy in set(Policy):  # a name ("auto") is the member
+            object.__setattr__(self, "policy", Policy(self.policy))
         problems = chunk_problems(
             device_budget_mb=self.device_budget_mb,
             host_budget_mb=self.host_budget_mb,
@@ -95,8 +106,8 @@ def chunk_problems(
     for name, value in (("host_budget_mb", host_budget_mb), ("device_budget_mb", device_budget_mb)):
         if value is not None and value < 0:
             errors.append(f"{prefix}{name}={value} must be >= 0 (0: not limited / not used)")
-    if policy not in ("static", "auto"):
-        errors.append(f"{prefix}policy={policy!r} is not one of static, auto")
+    if policy not in set(Policy):
+        errors.append(f"{prefix}policy={str(policy)!r} is not one of {', '.join(Policy)}")
     if chunk_numel is not None and chunk_numel < 0:
         errors.append(f"{prefix}chunk_numel must be >= 0, got {chunk_numel}")
     if fractions:
@@ -105,7 +116,7 @@ def chunk_problems(
             errors.append(f"{prefix}fractions={shares} must be three shares >= 0 (device, host, disk)")
         elif abs(sum(fractions) - 1.0) > 1e-9:
             errors.append(f"{prefix}fractions={shares} must sum to 1, not {sum(fractions):g}")
-        if policy != "static":
+        if policy != Policy.STATIC:
             errors.append(
                 f"{prefix}fractions are for {prefix}policy='static'; 'auto' places by measured free memory"
             )
