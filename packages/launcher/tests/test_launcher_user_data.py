@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.launcher import cli, text_tokenizers
+from tessera.launcher import cli, runlog, text_tokenizers
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
 from tessera.launcher.data_sources import source_files
@@ -347,9 +347,19 @@ def _kinds(d: Path) -> dict[str, list[str]]:
     return {k: [s.replace("{d}", str(d)) for s in v] for k, v in kinds.items()}
 
 
+def _board_losses(run: Path) -> list[tuple[int, float]]:
+    """The ``train/loss`` scalars of the run's TensorBoard event files: (step, value)."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = accumulator.EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
 def test_each_kind_trains_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not text_tokenizers.have_tokenizers():
         print("SKIPPED the tokenizer.json kind: the optional tokenizers package is absent")
+    if not runlog.have_tensorboard():
+        print("SKIPPED the TensorBoard event files: the optional tensorboard package is absent")
     for i, (kind, sets) in enumerate(_kinds(tmp_path).items()):
         config = _config(tmp_path, *sets, "train.steps=6", "train.log_every=3", "train.eval_every=6")
         run = tmp_path / f"run-{i}"
@@ -361,6 +371,11 @@ def test_each_kind_trains_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert len((run / "sample.txt").read_text()) > 0, kind
         manifest = json.loads((run / "checkpoint" / "step-00000006" / "manifest.json").read_text())
         assert manifest["data_position"] == 6 and manifest["config"]["data"]["path"] == config.data.path
+        if runlog.have_tensorboard():  # the same losses, as float32 (TensorBoard's scalars)
+            steps = [(r["step"], float(np.float32(r["loss"]))) for r in records if "loss" in r]
+            assert _board_losses(run) == steps, kind
+        else:
+            assert not (run / "tensorboard").exists()
 
 
 # ---------------------------------------------------------------- resume at the exact next sample
@@ -406,3 +421,6 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path: Path) -> None:
     assert len(straight) == 40 and len(resumed) == 20
     assert first == straight[:20]
     assert resumed == straight[20:]  # bit for bit: the same samples, in the same order
+    if runlog.have_tensorboard():  # rank 0 alone writes event files
+        for name in ("straight", "first", "second"):
+            assert len(list((tmp_path / "runs" / name / "tensorboard").glob("events.*"))) == 1, name

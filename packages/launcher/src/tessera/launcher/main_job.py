@@ -4,12 +4,13 @@ a GPT on the user's own data (``data.path``: ``tessera.launcher.prepare``, ``tok
 Run it with ``tessera train --config configs/main.toml`` (``hatch run train``); every rank
 executes this module. Rank 0 shows progress and writes the run folder under
 ``train.run_dir``: ``metrics.jsonl`` (a ``loss`` field per logged step, ``val_loss`` at each
-evaluation), ``plot.png`` (loss and tokens/s), ``checkpoint/`` (the resumable engine state),
-``model.safetensors`` (the consolidated serial model), ``tokenizer.json`` and
-``sample.txt`` (text the trained model generates). Before a fresh run trains, rank 0 times
-plain single-process PyTorch training of the same model on every core
-(``serial_tokens_per_s`` in ``metrics.jsonl``, a reference line in the plot) and the end of
-the run logs the parallel job's throughput as a multiple of it.
+evaluation), ``plot.png`` (loss and tokens/s), ``tensorboard/`` (the same scalars as
+TensorBoard event files, when the ``tensorboard`` package is installed: ``runlog``),
+``checkpoint/`` (the resumable engine state), ``model.safetensors`` (the consolidated serial
+model), ``tokenizer.json`` and ``sample.txt`` (text the trained model generates). Before a
+fresh run trains, rank 0 times plain single-process PyTorch training of the same model on
+every core (``serial_tokens_per_s`` in ``metrics.jsonl``, a reference line in the plot) and
+the end of the run logs the parallel job's throughput as a multiple of it.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def main() -> None:
         (run / "config.toml").write_text(config_to_toml(config))
         (run / "tokenizer.json").write_text(data.tokenizer.to_json())
         truncate_metrics(run / "metrics.jsonl", engine.step)  # a resumed run writes them again
-        metrics = MetricsWriter(run / "metrics.jsonl")
+        metrics = MetricsWriter(run / "metrics.jsonl", board=run / "tensorboard", purge_step=engine.step)
         if engine.step == 0:  # a resumed run keeps the record it wrote at the start
             metrics.write(**_serial_reference(gpt_cfg, config, data, device))
         progress = Progress(config.train.steps)

@@ -1,11 +1,16 @@
 """A run folder: metrics as JSON lines, a progress line on rank 0, a loss and throughput plot.
 
 Only rank 0 writes. ``Progress`` draws a one-line bar on a terminal (``\\r`` updates) and
-falls back to one log line per update elsewhere (CI logs, files).
+falls back to one log line per update elsewhere (CI logs, files). When the ``tensorboard``
+package is importable (the launcher's ``tensorboard`` extra), ``MetricsWriter`` also writes
+the records' scalars as TensorBoard event files (``torch.utils.tensorboard``) into a folder
+of the run (``TAGS``: loss, learning rate, gradient norm, tokens/s, validation loss, the
+single-process reference); without it, one log line says so and nothing else changes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -17,8 +22,10 @@ from typing import Any, TextIO
 from tessera.comm.files import atomic_write
 
 __all__ = [
+    "TAGS",
     "MetricsWriter",
     "Progress",
+    "have_tensorboard",
     "plot_metrics",
     "read_metrics",
     "truncate_metrics",
@@ -26,23 +33,67 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# a record's field -> its TensorBoard tag (the fields the main job writes to metrics.jsonl)
+TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "val_loss": "val/loss",
+    "serial_tokens_per_s": "reference/serial_tokens_per_s",
+}
+_said_absent = False
+
+
+def have_tensorboard() -> bool:
+    """Whether the ``tensorboard`` package (which ``torch.utils.tensorboard`` needs) is importable."""
+    return importlib.util.find_spec("tensorboard") is not None
+
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path`` (flushed each time, so a crash keeps it)."""
+    """Appends one JSON object per line to ``path`` (flushed each time, so a crash keeps it).
 
-    def __init__(self, path: Path) -> None:
+    ``board``: a folder for TensorBoard event files of the same records (each field of
+    ``TAGS`` at the record's ``step``, flushed each time), written when the ``tensorboard``
+    package is importable; a resumed run passes its step as ``purge_step``, so TensorBoard
+    hides the events of the steps it writes again."""
+
+    def __init__(self, path: Path, *, board: Path | None = None, purge_step: int = 0) -> None:
+        global _said_absent
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO = path.open("a", encoding="utf-8")
+        self._board: Any = None
+        if board is not None and have_tensorboard():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(str(board), purge_step=purge_step or None)
+            log.info("TensorBoard event files in %s (tensorboard --logdir %s)", board, board)
+        elif board is not None and not _said_absent:
+            _said_absent = True
+            log.info(
+                "no TensorBoard event files: the tensorboard package is not installed (pip install "
+                "tensorboard, or the launcher's tensorboard extra); metrics go to %s",
+                path,
+            )
 
     def write(self, **record: Any) -> None:
         """Write one record."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._board is not None:
+            step = int(record.get("step", 0))
+            for field, tag in TAGS.items():
+                value = record.get(field)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._board.add_scalar(tag, float(value), step)
+            self._board.flush()
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (and the event file)."""
         self._file.close()
+        if self._board is not None:
+            self._board.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
