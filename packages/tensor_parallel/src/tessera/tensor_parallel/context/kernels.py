@@ -94,12 +94,20 @@ def _unused(q: Tensor) -> Tensor:
 
 
 def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    *,
+    which: Kernel | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Normalised attention output of one block and its (..., rows, 1) log-sum-exp (``-inf`` on
     rows with no key). The allowed pairs: ``causal``, the lower triangle of a square block;
-    else ``mask`` (True: allowed), or all of them when None."""
-    which = kernel(q, mask)
+    else ``mask`` (True: allowed), or all of them when None. ``which``: the implementation
+    (default: `kernel`'s choice; ``"unfused"`` serves every block)."""
+    which = kernel(q, mask) if which is None else which
     aten = torch.ops.aten
     if which == "cpu-flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -167,10 +175,13 @@ def block_backward(
     mask: Tensor | None,
     causal: bool,
     scale: float,
+    *,
+    which: Kernel | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of one block from the final output ``out``, its (..., rows, 1) log-sum-exp
-    and ``delta = rowsum(dout * out)`` (the fused kernels compute delta from ``out`` itself)."""
-    which = kernel(q, mask)
+    and ``delta = rowsum(dout * out)`` (the fused kernels compute delta from ``out`` itself).
+    ``which``: as for `block_forward`."""
+    which = kernel(q, mask) if which is None else which
     if which == "cpu-flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale
