@@ -167,6 +167,8 @@ FILES = {
     "number.jsonl": '{"text": 5}\n',
     "blank.jsonl": "\n\n",
     "empty/readme.md": "not data",
+    "mixed/a.txt": "some text\n",
+    "mixed/b.txt": "",
     "odd.bin": "abc",
 }
 
@@ -181,6 +183,9 @@ def _scratch(d: Path) -> None:
     big.tofile(d / "big.bin")
     np.zeros(20, dtype=np.uint16).tofile(d / "short.bin")
     (d / "tok.json").write_text("{}")
+    (d / "sidecar").mkdir()
+    (np.arange(200, dtype=np.uint16) % 40).tofile(d / "sidecar" / "ids.bin")  # ids up to 39
+    (d / "sidecar" / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 39}))
 
 
 CASES = {
@@ -188,6 +193,7 @@ CASES = {
     "no match": (["data.path={d}/*.parquet"], ["*.parquet", "matches no .txt, .jsonl or .bin files"]),
     "folder no files": (["data.path={d}/empty"], ["empty", "a folder with no"]),
     "empty file": (["data.path={d}/empty.txt"], ["empty.txt is empty"]),
+    "empty file in a folder": (["data.path={d}/mixed"], ["mixed/b.txt is empty"]),
     "no field": (["data.path={d}/nofield.jsonl"], ["nofield.jsonl line 3 has no field 'text'"]),
     "not json": (["data.path={d}/notjson.jsonl"], ["notjson.jsonl line 2 is not JSON"]),
     "not a string": (["data.path={d}/number.jsonl"], ["number.jsonl line 1", "is a int, not a string"]),
@@ -195,6 +201,14 @@ CASES = {
     "id too big": (
         ["data.path={d}/big.bin", "data.token_dtype=uint16", "model.vocab_size=40"],
         ["big.bin token 123 (byte offset 246) is id 40", "vocabulary size 40"],
+    ),
+    "id too big for meta.json": (
+        ["data.path={d}/sidecar"],
+        ["sidecar/ids.bin token 39 (byte offset 78) is id 39", "vocabulary size 39"],
+    ),
+    "validation split too short": (
+        ["data.path={d}/ok.bin", "data.token_dtype=uint16", "data.tokenizer=byte", "data.val_fraction=0.01"],
+        ["the val split has 2 tokens (of 200, data.val_fraction=0.01)", "model.seq_len=8"],
     ),
     "odd bytes": (
         ["data.path={d}/odd.bin", "data.token_dtype=uint16", "data.tokenizer=byte"],
