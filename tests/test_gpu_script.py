@@ -1,0 +1,74 @@
+"""The GPU script (``benchmarks/gpu``) on the CPU with ``--size tiny``, so it cannot rot.
+
+Every line it prints is a JSON object with a check name, the device and ``ok``; every check
+that does not need CUDA passes (each mode against serial within the bounds of
+``benchmarks/gpu/modes.py``, the MFU run's losses finite, the overlap fraction of a written
+trace in [0, 1]); the ones that need CUDA are the lines skipped, exactly these. The
+fresh-process runner the script uses on a GPU is exercised here on gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu.ranks import RankError, run_ranks  # noqa: E402
+
+NEEDS_CUDA = {"cp-kernels", "mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--device", "cpu", "--size", "tiny",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert all({"check", "device", "ok"} <= set(r) and r["device"] == "cpu" for r in lines), lines
+    *checks, summary = lines
+    assert summary["check"] == "summary" and summary["ok"] is True and summary["failed"] == 0
+    failed = [r for r in checks if r["ok"] is False]
+    assert not failed, failed
+    skipped = {r["check"]: r["skipped"] for r in checks if r["ok"] is None}
+    assert skipped == dict.fromkeys(NEEDS_CUDA, "needs cuda")
+    names = {r["check"] for r in checks}
+    for name in ("mfu", "mode:2.5d", "mode:3d", "mode:sp2-ring", "mode:sp2-ulysses", "mode:pp2-1f1b",
+                 "mode:dp2-zero3-offload", "overlap:dp2-zero3", "overlap:tp2-sp"):  # fmt: skip
+        assert name in names
+    mfu = next(r for r in checks if r["check"] == "mfu")
+    assert mfu["mfu"] is None and mfu["step_time_s"] > 0  # no peak for a CPU
+    for r in checks:
+        if r["check"].startswith("overlap:"):
+            assert Path(r["trace"]).is_file() and 0.0 <= r["overlap_fraction"] <= 1.0
+
+
+def _rank_and_sum(rank: int, scale: int) -> tuple[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([float(rank + 1) * scale])
+    dist.all_reduce(x)
+    return rank, float(x)
+
+
+def _fails_on_rank_one(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def test_fresh_ranks_run_a_function_and_report_a_failure() -> None:
+    assert run_ranks(2, "gloo", _rank_and_sum, 10, timeout=120) == [(0, 30.0), (1, 30.0)]
+    with pytest.raises(RankError, match="rank 1 of 2: ValueError: rank one refuses"):
+        run_ranks(2, "gloo", _fails_on_rank_one, timeout=120)
