@@ -180,3 +180,20 @@ def test_a_checkpoint_fingerprint_written_with_names_matches() -> None:
     assert _differences(saved, _fingerprint(config)) == []
     other = dataclasses.replace(config, train=TrainConfig(precision=Precision.FP16))
     assert [line.split(":")[0] for line in _differences(saved, _fingerprint(other))] == ["train.precision"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "tp", "depth", "blocks"), [("2d", 4, 1, 2), ("2.5d", 8, 2, 4), ("3d", 8, 1, 4)]
+)
+def test_the_grid_decides_row_blocks_and_width_split(mode: str, tp: int, depth: int, blocks: int) -> None:
+    """``ParallelConfig.grid()`` (comm's TPGrid): a microbatch of one row does not split into
+    the grid's row blocks, and 3 heads do not split 2 ways (q = 2 in each grid)."""
+    parallel = ParallelConfig(tp=tp, tp_mode=TPMode(mode), tp_depth=depth, microbatches=1)
+    assert (parallel.grid().row_blocks, parallel.grid().width_split) == (blocks, 2)
+    config = dataclasses.replace(Config(), parallel=parallel)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=1))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_heads=3, d_model=48))
+    lines = config.validate()
+    rows = f"tp_mode {mode} splits each microbatch's 1 rows (data.batch_size / (dp * microbatches))"
+    assert f"{rows} into {blocks} blocks: not divisible" in lines, lines
+    assert f"model.n_heads=3 does not split 2 ways (parallel.tp={tp})" in lines, lines

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from tessera.comm import Topology, TPMode
+from tessera.comm import Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy, choice_problems, coerce_choices
@@ -70,6 +70,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         coerce_choices(self)
+
+    def grid(self) -> TPGrid:
+        """The tensor-parallel grid of ``tp``, ``tp_mode`` and ``tp_depth`` (`tessera.comm.TPGrid`:
+        its side, how many ways widths split, how many blocks a microbatch's rows split into);
+        ValueError naming them when they make none."""
+        return TPGrid.of(self.tp_mode, self.tp, self.tp_depth)
 
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree or mode)."""
@@ -247,17 +253,6 @@ class Config:
         """The number of processes the job needs: dp * pp * tp * sp."""
         return self.parallel.topology().world_size
 
-    def grid_side(self) -> int:
-        """q: the side of the tensor-parallel grid, as the `Topology` lays it out (tp for 1d,
-        a row of the grid for 2d and 2.5d, a line of the cube for 3d); 1 if the degrees make
-        no valid topology (``validate`` reports that)."""
-        try:
-            topology = self.parallel.topology()
-        except ValueError:
-            return 1
-        line = {"2d": "tp_row", "2.5d": "tp_row", "3d": "tp_input"}.get(self.parallel.tp_mode, "tp")
-        return topology.size(line)
-
     def _check_modes(self, *, model: bool = True) -> list[str]:
         """The tensor-parallel mode and context parallelism against the degrees and (``model``)
         the ``[model]`` section."""
@@ -267,14 +262,13 @@ class Config:
         except ValueError as e:
             errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
             return errors
-        if p.tp_mode != "1d":
-            q = self.grid_side()
-            blocks = {"2d": q, "2.5d": q * p.tp_depth, "3d": q * q}
+        if p.tp_mode is not TPMode.ONE_D:
+            blocks = p.grid().row_blocks
             rows = self.data.batch_size // max(1, p.dp * p.microbatches)
-            if rows % blocks[p.tp_mode]:
+            if rows % blocks:
                 errors.append(
                     f"tp_mode {p.tp_mode} splits each microbatch's {rows} rows (data.batch_size / (dp * "
-                    f"microbatches)) into {blocks[p.tp_mode]} blocks: not divisible"
+                    f"microbatches)) into {blocks} blocks: not divisible"
                 )
             if p.sequence_parallel or p.sp > 1:
                 errors.append(
@@ -320,7 +314,10 @@ class Config:
             m.d_model % m.n_heads == 0,
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}",
         )
-        split = p.tp if p.tp_mode == "1d" else self.grid_side()  # how many ways heads and widths split
+        try:  # how many ways heads and widths split
+            split = p.grid().width_split
+        except ValueError:  # no valid grid: _check_modes reports it
+            split = p.tp if p.tp_mode is TPMode.ONE_D else 1
         need(
             m.n_heads % split == 0,
             f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",
