@@ -30,7 +30,7 @@ from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, bo
 from tessera.models import ForeignConfig, Llamaish
 from tessera.zero.precisions import Precision
 
-__all__ = ["MODES", "Sizes", "compare", "parallel_run", "serial_run", "sizes"]
+__all__ = ["MODES", "P2P_MODES", "Sizes", "compare", "parallel_run", "serial_run", "sizes"]
 
 ROLES = {  # what each module of the user's model is; every mode turns it into its own layers
     "tok_embeddings": "vocab",
@@ -88,6 +88,9 @@ MODES: dict[str, tuple[ParallelConfig, ZeroConfig, bool]] = {
     "dp2-zero3-device-tier": (P(dp=2), Z(stage=3, device_budget_mb=1.0, host_budget_mb=4096.0), True),
     "nccl-zero1": (P(dp=1), Z(stage=1), True),  # world 1: NCCL's init and collectives
 }
+
+
+P2P_MODES = ("pp2-1f1b", "sp2-ring")  # their messages are point-to-point (gloo: CPU tensors only?)
 
 
 def model_of(s: Sizes, device: str) -> nn.Module:

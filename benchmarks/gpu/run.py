@@ -8,8 +8,10 @@ saying why. The last line is the ``summary``. Exit status 0 when no check failed
 
 Process layout on one device: a world of several ranks shares the GPU through gloo with CUDA
 tensors (``cpu:gloo,cuda:gloo``: NCCL refuses two ranks on one device); the ``nccl-zero1``
-mode and the MFU run are worlds of one under NCCL. Each check runs in fresh rank processes
-(`gpu.ranks`), so a crash in one is that check's failure and the script goes on.
+mode and the MFU run are worlds of one under NCCL. On CUDA each check runs in fresh rank
+processes (`gpu.ranks`), so a crash or a hang (``--check-timeout-s``) in one is that check's
+failure and the script goes on; on the CPU the checks share a gloo worker pool per world size.
+``--size`` defaults to ``full`` on CUDA and ``tiny`` on the CPU.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Run:
         self.size: str = args.size
         self.out = Path(args.out)
         self.deadline = time.monotonic() + args.budget_s
+        self.check_timeout: float = args.check_timeout_s
         self.sizes = modes.sizes(self.size)
         self._serial: modes.Run | None = None
         self._pools: dict[int, WorkerPool] = {}
@@ -68,7 +71,7 @@ class Run:
         """``fn`` on every rank of a world of ``world``: on the CPU on a persistent gloo
         worker pool per world size (started once, restarted after a failure: seconds saved
         per check on a small machine); on CUDA on fresh processes per check."""
-        timeout = max(1.0, self.left())
+        timeout = max(1.0, min(self.left(), self.check_timeout))
         if self.cuda:
             return run_ranks(world, backend or self.backend(world), fn, *args, timeout=timeout)
         if world not in self._pools:
@@ -125,12 +128,14 @@ def mfu_check(run: Run) -> list[Record]:
 
 def checks() -> list[tuple[str, bool, Callable[[Run], list[Record]]]]:
     """(name, needs CUDA, check), in the order they run: the kernels and the MFU first, as
-    the figures a GPU session is lent for."""
+    the figures a GPU session is lent for, then the modes that only a GPU runs, then the rest
+    (those whose point-to-point messages gloo may not carry for CUDA tensors last)."""
     out: list[tuple[str, bool, Callable[[Run], list[Record]]]] = [
         ("cp-kernels", True, kernels_check),
         ("mfu", False, mfu_check),
     ]
-    out += [(f"mode:{name}", needs, mode_check(name)) for name, (_, _, needs) in modes.MODES.items()]
+    order = sorted(modes.MODES, key=lambda m: (not modes.MODES[m][2], m in modes.P2P_MODES))
+    out += [(f"mode:{name}", modes.MODES[name][2], mode_check(name)) for name in order]
     out += [(f"overlap:{name}", False, overlap_check(name)) for name in ("dp2-zero3", "tp2-sp")]
     return out
 
@@ -146,11 +151,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    parser.add_argument("--size", choices=("tiny", "full"), default="full")
+    parser.add_argument("--size", choices=("tiny", "full"), default=None)
     parser.add_argument("--out", default="benchmarks/out/gpu", help="folder for the profiler traces")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
+    parser.add_argument(
+        "--check-timeout-s", type=float, default=150.0, help="the most one world of ranks may take (a hang)"
+    )
     parser.add_argument("--only", default="", help="comma-separated check-name prefixes to run")
     args = parser.parse_args(argv)
+    args.size = args.size or ("full" if args.device == "cuda" else "tiny")
     if args.device == "cuda" and not torch.cuda.is_available():
         emit(
             {
