@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu.ranks import RankError, run_ranks  # noqa: E402
 
-NEEDS_CUDA = {"cp-kernels", "mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
+NEEDS_CUDA = {"mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
 
 
 @pytest.mark.slow
@@ -46,6 +46,8 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     for name in ("mfu", "mode:2.5d", "mode:3d", "mode:sp2-ring", "mode:sp2-ulysses", "mode:pp2-1f1b",
                  "mode:dp2-zero3-offload", "overlap:dp2-zero3", "overlap:tp2-sp"):  # fmt: skip
         assert name in names
+    kernels = [r for r in checks if r["check"] == "cp-kernels"]  # the CPU's flash kernel here
+    assert len(kernels) == 4 and {r["kernel"] for r in kernels} == {"cpu-flash"}
     mfu = next(r for r in checks if r["check"] == "mfu")
     assert mfu["mfu"] is None and mfu["step_time_s"] > 0  # no peak for a CPU
     for r in checks:

@@ -184,8 +184,8 @@ def block_backward(
     which = kernel(q, mask) if which is None else which
     if which == "cpu-flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale
-        )
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.squeeze(-1).float(), 0.0, causal, scale=scale
+        )  # the final output may be in another dtype than the block (fp32 in the ring)
         return dq, dk, dv
     if which != "unfused":
         return _cuda_backward(which, q, k, v, out, lse, dout, causal, scale)
