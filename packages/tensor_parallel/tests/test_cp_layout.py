@@ -16,6 +16,7 @@ from tessera.tensor_parallel.context import (
     chunks_of,
     local_positions,
     rank_positions,
+    sequence_chunks,
     split_sequence,
     unsplit_sequence,
 )
@@ -27,8 +28,36 @@ LAYOUTS = st.sampled_from(list(Layout))
 def cuts(draw: st.DrawFn) -> tuple[int, int, Layout]:
     """(sp, seq_len, layout) with seq_len cut evenly by the layout's chunk count."""
     sp, layout = draw(st.integers(1, 8)), draw(LAYOUTS)
-    chunks = 2 * sp if layout is Layout.ZIGZAG else sp
-    return sp, chunks * draw(st.integers(1, 6)), layout
+    return sp, sequence_chunks(sp, layout) * draw(st.integers(1, 6)), layout
+
+
+@given(st.integers(1, 6), LAYOUTS, st.integers(1, 4), st.booleans())
+def test_sequence_chunks_is_the_cut_every_rank_and_tp_slice_needs(
+    sp: int, layout: Layout, tp: int, sequence_parallel: bool
+) -> None:
+    """A length cuts evenly (every rank's chunks, and with sequence parallelism their tp
+    slices, equal) exactly when it is a multiple of ``sequence_chunks``."""
+    n = sequence_chunks(sp, layout, tp=tp, sequence_parallel=sequence_parallel)
+    slices = tp if sequence_parallel else 1  # Megatron SP cuts each rank's part again over tp
+    for seq_len in range(1, 2 * n + 2):
+        cut_evenly = True
+        try:
+            parts = [split_sequence(torch.arange(seq_len)[None], r, sp, layout) for r in range(sp)]
+        except ValueError:
+            cut_evenly = False
+        else:
+            pieces = [len(chunks_of(r, sp, layout)) * slices for r in range(sp)]
+            cut_evenly = all(p.shape[1] % m == 0 for p, m in zip(parts, pieces, strict=True))
+        assert cut_evenly == (seq_len % n == 0)
+
+
+def test_sequence_chunks_names_bad_degrees() -> None:
+    with pytest.raises(ValueError, match="sp=0, tp=1"):
+        sequence_chunks(0, "zigzag")
+    with pytest.raises(ValueError, match="sp=2, tp=0"):
+        sequence_chunks(2, tp=0, sequence_parallel=True)
+    with pytest.raises(ValueError, match="'diagonal' is not a valid Layout"):
+        sequence_chunks(2, "diagonal")
 
 
 @given(cuts())

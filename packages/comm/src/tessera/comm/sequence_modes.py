@@ -3,15 +3,17 @@
 ``Mode``: how attention sees the whole sequence over the ``sp`` axis (K/V passed around a
 ring, or an all-to-all from sequence shards to head shards). ``Layout``: which positions each
 ``sp`` rank holds (contiguous chunks, or the zigzag pairs that balance causal attention).
-``tessera.tensor_parallel.context`` implements both and exports these two enums; they are
-defined here so that a launcher can check a configuration naming them before torch loads.
+``sequence_chunks``: the rule for how many equal chunks a sequence is cut into.
+``tessera.tensor_parallel.context`` implements both modes and both layouts and exports these
+three names; they are defined here so that a launcher or a planner can check a configuration
+before torch loads.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Layout", "Mode"]
+__all__ = ["Layout", "Mode", "sequence_chunks"]
 
 
 class Mode(StrEnum):
@@ -26,3 +28,16 @@ class Layout(StrEnum):
 
     CONTIGUOUS = "contiguous"
     ZIGZAG = "zigzag"
+
+
+def sequence_chunks(
+    sp: int, layout: Layout | str = Layout.CONTIGUOUS, *, tp: int = 1, sequence_parallel: bool = False
+) -> int:
+    """How many equal chunks a sequence is cut into: ``sp`` (contiguous) or ``2*sp`` (zigzag)
+    over the context-parallel ranks, each cut again into ``tp`` with Megatron sequence
+    parallelism. A sequence length must be a multiple of it; ValueError naming sp and tp
+    unless both are positive."""
+    if sp < 1 or tp < 1:
+        raise ValueError(f"sequence_chunks needs sp >= 1 and tp >= 1, got sp={sp}, tp={tp}")
+    pieces = 2 if Layout(layout) is Layout.ZIGZAG else 1
+    return sp * pieces * (tp if sequence_parallel else 1)

@@ -1,7 +1,8 @@
 """Context (sequence) parallelism over the ``sp`` axis: ring and Ulysses attention.
 
-``layout`` (which positions a rank holds: contiguous or zigzag), ``ring`` and ``ulysses``
-(the attention cores), ``parallelize`` (``context_parallelize``: swap a model's named
+``layout`` (which positions a rank holds: contiguous or zigzag; ``sequence_chunks``, how
+many equal chunks a sequence is cut into), ``ring`` and ``ulysses`` (the attention cores),
+``parallelize`` (``context_parallelize``: swap a model's named
 attention cores; ``route_attention``: route its SDPA calls, found without names, through
 ``intercept``), ``positions`` (positions modules follow the sequence shards) and
 ``training`` (batch slices, the exact global loss, gradient sums over ``sp``).
@@ -12,6 +13,7 @@ from tessera.tensor_parallel.context.layout import (
     chunks_of,
     local_positions,
     rank_positions,
+    sequence_chunks,
     split_sequence,
     unsplit_sequence,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "rank_positions",
     "ring_attention",
     "route_attention",
+    "sequence_chunks",
     "split_batch",
     "split_sequence",
     "sync_context_parallel_grads",

@@ -4,7 +4,8 @@
 it is cut into ``2*sp`` chunks and rank r holds chunks r and ``2*sp-1-r``, so under causal
 attention every rank has the same amount of work (an early chunk attends to little, its
 partner at the end to much). Positions are listed in the order the rank stores them.
-The ``Layout`` enum is defined in ``tessera.comm.sequence_modes`` (importable without torch).
+The ``Layout`` enum and the chunk-count rule ``sequence_chunks`` are defined in
+``tessera.comm.sequence_modes`` (importable without torch).
 """
 
 from __future__ import annotations
@@ -14,27 +15,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tessera.comm.sequence_modes import Layout
+from tessera.comm.sequence_modes import Layout, sequence_chunks
 
 __all__ = [
     "Layout",
     "chunks_of",
     "local_positions",
     "rank_positions",
+    "sequence_chunks",
     "split_sequence",
     "unsplit_sequence",
 ]
-
-
-def _chunk_count(sp: int, layout: Layout) -> int:
-    return 2 * sp if layout is Layout.ZIGZAG else sp
 
 
 def _check(seq_len: int, sp: int, layout: Layout) -> int:
     """The chunk length, after checking that ``seq_len`` cuts evenly; ValueError otherwise."""
     if sp < 1:
         raise ValueError(f"sp={sp} must be >= 1")
-    n = _chunk_count(sp, layout)
+    n = sequence_chunks(sp, layout)
     if seq_len < 0 or seq_len % n:
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {n} chunks ({layout.value} layout, sp={sp})"
@@ -76,7 +74,7 @@ def unsplit_sequence(parts: Sequence[Tensor], layout: Layout | str, dim: int = 1
     """The full sequence from every rank's part (in rank order): inverse of ``split_sequence``."""
     layout = Layout(layout)
     sp = len(parts)
-    chunks: list[Tensor | None] = [None] * _chunk_count(sp, layout)
+    chunks: list[Tensor | None] = [None] * sequence_chunks(sp, layout)
     for rank, part in enumerate(parts):
         ids = chunks_of(rank, sp, layout)
         for c, piece in zip(ids, part.chunk(len(ids), dim), strict=True):
