@@ -134,7 +134,7 @@ def test_the_planners_own_check_refuses_what_it_cannot_model() -> None:
     """`check` (and `estimate` through it) names the values of a layout the planner cannot
     model; the search asks it of every layout, with or without a caller's ``validate``."""
     assert estimate(Layout(dp=2, microbatches=1), SMALL, PRESETS["cpu"]).time.total > 0
-    with pytest.raises(ValueError, match=r"2d needs tp a square, got tp=2"):
+    with pytest.raises(ValueError, match=r"tp=2 is not a square q\*q: tp_mode 2d"):
         estimate(Layout(tp=2, tp_mode="2d", microbatches=1), SMALL, PRESETS["cpu"])
     with pytest.raises(ValueError, match=r"batch 8 is not divisible by dp \* microbatches = 3 \* 1 = 3"):
         estimate(Layout(dp=3, microbatches=1), SMALL, PRESETS["cpu"])

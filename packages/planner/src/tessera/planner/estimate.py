@@ -180,7 +180,7 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
     split = ActivationShape(shape, p.sequence_parallel, p.sp, recompute)
     act = activation_bytes(model, rows, precision, split, layers=1)
     if shape.mode == "3d":  # gathered inputs and weights kept for backward
-        q = round(p.tp ** (1 / 3))
+        q = shape.grid.side
         act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.sp)
     rate = cluster.device_flops(precision, cluster.ranks_per_node(world))
     tokens = rows * model.seq
@@ -252,7 +252,7 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
         act=(act[0], act[1] if model.layers else 0.0, act[-1]),
         recompute_extra=extra,
         backward_extra=(
-            summa_backward(model, rows, precision, round(math.sqrt(p.tp // p.depth)), p.depth, p.sp)
+            summa_backward(model, rows, precision, shape.grid.side, p.depth, p.sp)
             if shape.mode in ("2d", "2.5d")
             else 0.0
         ),

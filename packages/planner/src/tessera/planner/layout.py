@@ -19,10 +19,9 @@ as its ``validate``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from tessera.comm import TPMode
+from tessera.comm import TPGrid, TPMode
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.planner.memory import DTYPE_BYTES, OPTIMIZER_BYTES
 from tessera.planner.model import ModelShape, TPShape
@@ -99,10 +98,6 @@ class Job:
     recompute: bool = False
 
 
-def _square(n: int) -> bool:
-    return n >= 1 and math.isqrt(n) ** 2 == n
-
-
 def check(layout: Layout, job: Job) -> list[str]:
     """What keeps the planner from modelling ``layout`` for ``job``, one line each naming
     the values (empty when it can)."""
@@ -113,16 +108,10 @@ def check(layout: Layout, job: Job) -> list[str]:
             lines.append(f"layout.{name} must be >= 1, got {value}")
     if lines:
         return lines
-    mode, tp, depth = layout.tp_mode, layout.tp, layout.depth
-    if mode is TPMode.TWO_P5_D:
-        if tp % depth or not _square(tp // depth):
-            lines.append(f"layout: 2.5d needs tp / depth a square, got tp={tp}, depth={depth}")
-    elif depth != 1:
-        lines.append(f"layout: depth={depth} is for 2.5d only (tp_mode={mode.value})")
-    if mode is TPMode.TWO_D and not _square(tp):
-        lines.append(f"layout: 2d needs tp a square, got tp={tp}")
-    if mode is TPMode.THREE_D and round(tp ** (1 / 3)) ** 3 != tp:
-        lines.append(f"layout: 3d needs tp a cube, got tp={tp}")
+    try:  # the grid of the mode (tessera.comm's geometry)
+        TPGrid.of(layout.tp_mode, layout.tp, layout.depth)
+    except ValueError as e:
+        lines.append(f"layout: {e}")
     if layout.sp_mode not in SP_MODES:
         lines.append(f"layout.sp_mode={layout.sp_mode!r} is not one of {', '.join(SP_MODES)}")
     if layout.sp_layout not in SP_LAYOUTS:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.comm import TPGrid
+
 __all__ = ["ModelShape", "TPShape"]
 
 
@@ -28,6 +30,11 @@ class TPShape:
     mode: str = "1d"
     tp: int = 1
     depth: int = 1
+
+    @property
+    def grid(self) -> TPGrid:
+        """The tensor-parallel grid (`tessera.comm.TPGrid`: its side, width split, row blocks)."""
+        return TPGrid.of(self.mode, self.tp, self.depth)
 
     @property
     def ways(self) -> int:

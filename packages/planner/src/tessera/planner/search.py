@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tessera.comm import TPMode
+from tessera.comm import TPMode, integer_root
 from tessera.pipeline import SCHEDULES
 from tessera.planner.cluster import Cluster
 from tessera.planner.estimate import Estimate, memory_floor, overheads, predict, shape_of
@@ -95,16 +95,14 @@ def _tp_shapes(n: int, modes: Sequence[str]) -> Iterator[TPShape]:
             yield TPShape("1d", tp)
         if tp == 1:
             continue
-        q2 = math.isqrt(tp)
-        if "2d" in modes and q2 * q2 == tp:
+        if "2d" in modes and integer_root(tp, 2) is not None:
             yield TPShape("2d", tp)
         if "2.5d" in modes:
             for depth in divisors(tp)[1:]:
-                q = math.isqrt(tp // depth)
-                if q > 1 and q * q == tp // depth:
+                q = integer_root(tp // depth, 2)
+                if q is not None and q > 1:
                     yield TPShape("2.5d", tp, depth)
-        q3 = round(tp ** (1 / 3))
-        if "3d" in modes and q3**3 == tp:
+        if "3d" in modes and integer_root(tp, 3) is not None:
             yield TPShape("3d", tp)
 
 

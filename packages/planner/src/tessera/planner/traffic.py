@@ -87,11 +87,12 @@ def tensor_traffic(
     if shape.mode == "1d":  # backward: the two region entries, overlapped (estimate hides them)
         y = tokens * model.hidden * c
         return Traffic(2 * link.all_reduce(y, t), 0.0, 0.0, 2 * link.all_reduce(y, t))
-    q = round((t // shape.depth) ** 0.5) if shape.mode != "3d" else round(t ** (1 / 3))
+    grid = shape.grid
+    q = grid.side
     total = Traffic()
     for n_in, n_out in _linears(model):
         total = total + _grid_linear(shape.mode, q, shape.depth, tokens, n_in, n_out, c, model.bias, link)
-    local_tokens = tokens / (q * shape.depth if shape.mode == "2.5d" else q if shape.mode == "2d" else q * q)
+    local_tokens = tokens / grid.row_blocks
     norm = 16 * local_tokens + 2 * 2 * model.hidden * c / q
     norms = 2 * (norm / link.bandwidth + 2 * math.ceil(math.log2(max(q, 2))) * link.latency)
     return total + Traffic(norms, norms)
@@ -109,7 +110,7 @@ def edge_traffic(
         y = tokens * model.hidden * c
         loss = link.all_reduce(12 * tokens, t)
         return Traffic(link.all_reduce(y, t) + loss, link.all_reduce(y, t))
-    q = round((t // shape.depth) ** 0.5) if shape.mode != "3d" else round(t ** (1 / 3))
+    q = shape.grid.side
     head = _grid_linear(shape.mode, q, shape.depth, tokens, model.hidden, model.vocab, c, False, link)
     tables = (model.vocab + model.seq) * model.hidden * c / q / link.bandwidth + 4 * q * link.latency
     return head + Traffic(tables, tables)
