@@ -23,6 +23,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu.ranks import RankError, run_ranks  # noqa: E402
 
 NEEDS_CUDA = {"mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
+RUN_ON_CPU = (
+    "cp-kernels", "mfu", "collective:reduce_scatter", "collective:ring_shift", "mode:dp2-zero3",
+    "mode:tp2-sp", "mode:2d", "mode:2.5d", "mode:3d", "mode:sp2-ring", "mode:sp2-ulysses",
+    "mode:pp2-1f1b", "mode:dp2-zero3-offload", "overlap:dp2-zero3", "overlap:tp2-sp",
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -43,9 +48,7 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     skipped = {r["check"]: r["skipped"] for r in checks if r["ok"] is None}
     assert skipped == dict.fromkeys(NEEDS_CUDA, "needs cuda")
     names = {r["check"] for r in checks}
-    for name in ("mfu", "mode:2.5d", "mode:3d", "mode:sp2-ring", "mode:sp2-ulysses", "mode:pp2-1f1b",
-                 "mode:dp2-zero3-offload", "overlap:dp2-zero3", "overlap:tp2-sp"):  # fmt: skip
-        assert name in names
+    assert set(RUN_ON_CPU) <= names
     kernels = [r for r in checks if r["check"] == "cp-kernels"]  # the CPU's flash kernel here
     assert len(kernels) == 4 and {r["kernel"] for r in kernels} == {"cpu-flash"}
     mfu = next(r for r in checks if r["check"] == "mfu")
@@ -70,7 +73,15 @@ def _fails_on_rank_one(rank: int) -> int:
     return rank
 
 
+def _dies_on_rank_one(rank: int) -> int:
+    if rank == 1:
+        os._exit(3)  # as a crash in a kernel would end it
+    return rank
+
+
 def test_fresh_ranks_run_a_function_and_report_a_failure() -> None:
     assert run_ranks(2, "gloo", _rank_and_sum, 10, timeout=120) == [(0, 30.0), (1, 30.0)]
     with pytest.raises(RankError, match="rank 1 of 2: ValueError: rank one refuses"):
         run_ranks(2, "gloo", _fails_on_rank_one, timeout=120)
+    with pytest.raises(RankError, match=r"rank 1 of 2 died \(exit code 3\)"):
+        run_ranks(2, "gloo", _dies_on_rank_one, timeout=120)

@@ -34,7 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [os.
 
 import torch  # noqa: E402
 
-from gpu import modes, perf  # noqa: E402
+from gpu import collectives, modes, perf  # noqa: E402
 from gpu.ranks import RankError, run_ranks  # noqa: E402
 from tessera.comm.testing import WorkerPool  # noqa: E402
 
@@ -50,6 +50,7 @@ class Run:
         self.out = Path(args.out)
         self.deadline = time.monotonic() + args.budget_s
         self.check_timeout: float = args.check_timeout_s
+        self.fresh: bool = args.fresh
         self.sizes = modes.sizes(self.size)
         self._serial: modes.Run | None = None
         self._pools: dict[int, WorkerPool] = {}
@@ -72,7 +73,7 @@ class Run:
         worker pool per world size (started once, restarted after a failure: seconds saved
         per check on a small machine); on CUDA on fresh processes per check."""
         timeout = max(1.0, min(self.left(), self.check_timeout))
-        if self.cuda:
+        if self.cuda or self.fresh:
             return run_ranks(world, backend or self.backend(world), fn, *args, timeout=timeout)
         if world not in self._pools:
             self._pools[world] = WorkerPool(world, timeout=timeout)
@@ -121,6 +122,14 @@ def overlap_check(mode: str) -> Callable[[Run], list[Record]]:
     return check
 
 
+def collective_check(name: str) -> Callable[[Run], list[Record]]:
+    def check(run: Run) -> list[Record]:
+        got = run.ranks(2, collectives.probe, name, run.device)
+        return [{"world": 2, "backend": run.backend(2), "ok": all(r["exact"] for r in got), **got[0]}]
+
+    return check
+
+
 def mfu_check(run: Run) -> list[Record]:
     got = run.ranks(1, perf.mfu_run, run.size, run.device, 3 if run.size == "tiny" else 10)[0]
     return [{"ok": bool(got["finite"]), **got}]
@@ -134,6 +143,7 @@ def checks() -> list[tuple[str, bool, Callable[[Run], list[Record]]]]:
         ("cp-kernels", False, kernels_check),
         ("mfu", False, mfu_check),
     ]
+    out += [(f"collective:{name}", False, collective_check(name)) for name in collectives.PROBES]
     order = sorted(modes.MODES, key=lambda m: (not modes.MODES[m][2], m in modes.P2P_MODES))
     out += [(f"mode:{name}", modes.MODES[name][2], mode_check(name)) for name in order]
     out += [(f"overlap:{name}", False, overlap_check(name)) for name in ("dp2-zero3", "tp2-sp")]
@@ -157,6 +167,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--check-timeout-s", type=float, default=150.0, help="the most one world of ranks may take (a hang)"
     )
+    parser.add_argument("--fresh", action="store_true", help="fresh rank processes per check on the CPU too")
     parser.add_argument("--only", default="", help="comma-separated check-name prefixes to run")
     args = parser.parse_args(argv)
     args.size = args.size or ("full" if args.device == "cuda" else "tiny")
