@@ -7,9 +7,10 @@ for every parameter of the stages that rank holds, the fp32 master and each elem
 optimizer state tensor (``param/<name>``, ``optim.<key>/<name>``; gathered over ZeRO's group,
 then unsharded over tp by each parameter's ``ShardSpec``) and each optimizer group's scalar
 state (``optim.step/group<i>``); its header holds the step, the optimizer groups'
-hyperparameters (the learning rate a schedule reached) and the fp16 loss scale. Loading
-reads every part, keeps each rank's tensor-parallel shard of each of its parameters and
-hands them to ZeRO, which keeps its own shard (``tessera.zero.portable``). The files are
+hyperparameters (the learning rate a schedule reached) and the fp16 loss scaler's state
+(``DynamicLossScaler.state_dict``). Loading reads every part, keeps each rank's
+tensor-parallel shard of each of its parameters and hands them to ZeRO, which keeps its own
+shard (``tessera.zero.portable``). The files are
 listed with their checksums in the generation's manifest like every other. Not carried
 across topologies: the RNG state (the ranks' streams differ) and module buffers (the
 reference models have none that are saved).
@@ -60,12 +61,12 @@ def _portable_plan(engine: Boosted, gen: Path, step: int) -> tuple[Path, list[En
     for key, shape in zero.full_state_layout():
         name, full_shape = full(key)
         entries.append(Entry(name, torch.float32, shape if full_shape is None else full_shape))
-    scaler = zero.scaler.scale if zero.scaler is not None else None
+    scaler = zero.scaler.state_dict() if zero.scaler is not None else None
     groups = [
         {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))}
         for g in zero.optimizer.param_groups
     ]
-    header = {"step": step, "loss_scale": scaler, "zero_steps": zero.steps, "param_groups": groups}
+    header = {"step": step, "loss_scaler": scaler, "zero_steps": zero.steps, "param_groups": groups}
     return _part(gen, mesh.coordinate("pp")), entries, {"tessera": json.dumps(header)}
 
 
@@ -213,8 +214,8 @@ def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: di
         )
     for group, saved in zip(zero.optimizer.param_groups, saved_groups, strict=True):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    if zero.scaler is not None and header.get("loss_scale") is not None:
-        zero.scaler.scale = float(header["loss_scale"])
+    if zero.scaler is not None and header.get("loss_scaler") is not None:
+        zero.scaler.load_state_dict(header["loss_scaler"])
 
 
 class _AsParams(Mapping[str, Tensor]):

@@ -242,7 +242,7 @@ class ZeroOptimizer:
         the gradients during backward so each rank ends with its shard (stages 0-1 reduce at
         ``step``; plain ``loss.backward()`` works for them too)."""
         self._runner.begin()
-        scaled = loss if self.scaler is None else loss.float() * self.scaler.scale
+        scaled = loss if self.scaler is None else self.scaler.scale_loss(loss)
         torch.autograd.backward(scaled)
         self._finish_backward()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tessera.zero.precisions import Precision
 
@@ -42,8 +42,11 @@ def cast_buffers_(module: nn.Module, dtype: torch.dtype) -> None:
 class DynamicLossScaler:
     """A loss scale that backs off on overflow and grows after a run of clean steps.
 
-    ``update(overflow)`` is called once per step with the overflow flag every rank agreed on,
-    so the scale stays identical across ranks.
+    ``scale_loss`` multiplies a loss before backward (a pipeline seeds its backward with
+    ``scale``), the optimizer divides the gradients by ``scale``, and ``update(overflow)`` is
+    called once per step with the overflow flag every rank agreed on, so the scale stays
+    identical across ranks. ``state_dict`` / ``load_state_dict`` are what every checkpoint
+    format saves and restores.
     """
 
     def __init__(
@@ -70,6 +73,10 @@ class DynamicLossScaler:
         self.min_scale = min_scale
         self.clean_steps = 0
         self.skipped_steps = 0
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` in fp32 times the scale: what backward starts from."""
+        return loss.float() * self.scale
 
     def update(self, overflow: bool) -> None:
         """Back off after an overflow; grow after ``growth_interval`` clean steps in a row."""
