@@ -74,7 +74,8 @@ class HeadShardSpec(ShardSpec):
         return f"{ShardSpec.__str__(self)} in {self.heads} whole heads (replicated when tp > {self.heads})"
 
     def replicas(self, tp: int) -> int:
-        """How many tp ranks hold each shard: 1 when the heads split, else ``tp / heads``."""
+        """How many tp ranks hold each shard (an identical copy): 1 when the heads split, else
+        ``tp / heads``."""
         return max(1, tp // self.heads)
 
     def shard(self, full: Tensor, rank: int, tp: int) -> Tensor:

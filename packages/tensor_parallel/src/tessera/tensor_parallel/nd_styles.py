@@ -102,6 +102,11 @@ class FusedShardSpec(ShardSpec):
         assert self.inner is not None
         return self.inner.local_dim
 
+    def replicas(self, tp: int) -> int:
+        """As ``inner``'s: reordering the output features copies nothing."""
+        assert self.inner is not None
+        return self.inner.replicas(tp)
+
     def __str__(self) -> str:
         parts = f", {self.fused} fused parts block-major" if self.fused > 1 else ""
         return f"{self.inner}{parts}{', from Conv1D (in, out)' if self.conv else ''}"

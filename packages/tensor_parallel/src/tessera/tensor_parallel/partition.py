@@ -70,6 +70,11 @@ class ShardSpec:
         fused = f" in {self.sections} sections" if self.sections > 1 else ""
         return f"dim{self.dim}{fused}{' (stored transposed)' if self.transposed else ''}"
 
+    def replicas(self, tp: int) -> int:
+        """How many of the ``tp`` ranks hold an identical copy of each element of the tensor:
+        1 for a partition (every element on exactly one rank)."""
+        return 1
+
     def shard(self, full: Tensor, rank: int, tp: int) -> Tensor:
         """Rank ``rank``'s shard of the serial tensor ``full`` over ``tp`` ranks."""
         where = f"shard {tuple(full.shape)} along {self}"

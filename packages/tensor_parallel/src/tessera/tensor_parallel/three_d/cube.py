@@ -129,6 +129,11 @@ class CubeShardSpec(ShardSpec):
         """The cube axes along which the tensor is replicated (named in no dim)."""
         return "".join(x for x in AXES if x not in "".join(self.split))
 
+    def replicas(self, tp: int) -> int:
+        """``q`` per cube axis the tensor is replicated along (named in no dim)."""
+        q = cube_side(tp, where=f"{self}")
+        return int(q ** len(self.replicated))
+
     def __str__(self) -> str:
         cuts = ", ".join(f"dim{d} by {axes}" for d, axes in enumerate(self.split) if axes)
         copies = f", replicated over {self.replicated}" if self.replicated else ""

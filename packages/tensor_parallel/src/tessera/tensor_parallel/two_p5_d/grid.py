@@ -108,6 +108,13 @@ class DepthShardSpec(GridShardSpec):
     def __str__(self) -> str:
         return f"{GridShardSpec.__str__(self)}, replicated over depth {self.depth or '(from the shape)'}"
 
+    def replicas(self, tp: int) -> int:
+        """The depth: each depth layer holds a copy of the 2D grid's shards (needs ``depth``)."""
+        if self.depth is None:
+            raise ValueError(f"{self}: the depth is unknown; bind it (bind_2p5d, plan_for_mode depth=)")
+        tesseract_side(tp, self.depth, where=f"{self}")
+        return self.depth
+
     def _side(self, tp: int, chunk: Sequence[int] | None) -> int:
         where = f"{self}"
         if self.depth is not None:
