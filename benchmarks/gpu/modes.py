@@ -155,6 +155,9 @@ def parallel_run(
     losses = [engine.train_step(*batch_of(s, step)).loss for step in range(s.steps)]
     weights = {n: t.cpu() for n, t in engine.full_state_dict().items()}
     facts: dict[str, Any] = {"mesh_device": str(engine.mesh.device)}
+    report = engine.zero.chunk_report()
+    if report is not None:  # chunks per tier on this rank
+        facts["chunks"] = {tier: report[tier]["chunks"] for tier in ("device", "host", "disk")}
     if MODES[mode][1].offload:
         from tessera.zero.offload import host_empty
 
@@ -181,6 +184,8 @@ def compare(
         default=0.0,
     )
     ok = worst_loss <= loss_rel and not missing and worst_weight <= atol
+    if device != "cpu" and "chunks" in results[0][2]:  # a device budget: some chunks live there
+        ok = ok and results[0][2]["chunks"]["device"] > 0 and results[0][2]["chunks"]["host"] > 0
     return {
         "ok": ok,
         "loss_rel_diff": worst_loss,
