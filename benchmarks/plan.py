@@ -64,6 +64,7 @@ from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import build_schedule
 from tessera.pipeline.tune import tuning_steps
 from tessera.planner import PRESETS, Cluster, ModelShape, load_cluster
+from tessera.zero.precisions import Precision
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
 BATCH = 16
@@ -95,7 +96,7 @@ def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str)
         zero=ZeroConfig(stage, offload),
         model=MODEL,
         data=DataConfig(batch_size=BATCH),
-        train=TrainConfig(precision=precision),
+        train=TrainConfig(precision=Precision(precision)),
     )
 
 
@@ -301,7 +302,7 @@ def at_scale(max_chunks: int) -> None:
         base = Config(
             model=spec["model"],  # type: ignore[arg-type]
             data=DataConfig(batch_size=int(spec["batch"])),  # type: ignore[call-overload]
-            train=TrainConfig(precision="bf16"),
+            train=TrainConfig(precision=Precision.BF16),
         )
         t0 = time.perf_counter()
         result = search_config(

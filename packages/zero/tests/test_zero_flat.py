@@ -15,6 +15,7 @@ from tessera.models import GPT, GPTConfig
 from tessera.zero import DynamicLossScaler, clip_coefficient, default_units
 from tessera.zero.flat import FlatLayout, bucketize
 from tessera.zero.precision import compute_dtype
+from tessera.zero.precisions import ELEMENT_BYTES, Precision
 from tessera.zero.units import assign_params
 from tessera.zero.validate import ZeroOptions
 
@@ -135,3 +136,10 @@ def test_config_errors_name_the_values() -> None:
     with pytest.raises(ValueError, match="bucket_bytes"):
         ZeroOptions(2, bucket_bytes=0)
     assert compute_dtype("bf16") == torch.bfloat16
+
+
+def test_element_bytes_are_each_precisions_dtype_size() -> None:
+    """The torch-free sizes (what the planner counts with) agree with the dtypes ZeRO computes in."""
+    assert set(ELEMENT_BYTES) == set(Precision)
+    for precision, size in ELEMENT_BYTES.items():
+        assert compute_dtype(precision).itemsize == size, precision

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from tessera.comm.gloo_ring import on_lane
 from tessera.comm.shm_env import enabled_from_env
+from tessera.comm.shm_sizes import LINE_BYTES, SLOTS_BYTES
 from tessera.comm.waiting import poll_budget
 
 __all__ = [
@@ -78,9 +79,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SLOTS_BYTES = 8 << 20
-"""Bytes of slots per segment (both parities, every rank): slots of 2 MiB on 2 ranks."""
-_LINE = 64  # bytes: one counter per cache line
+# SLOTS_BYTES: bytes of slots per segment (both parities, every rank), and LINE_BYTES (one
+# counter per cache line), from shm_sizes (torch-free)
+_LINE = LINE_BYTES
 _CHECK_S = 0.05  # how often a wait checks its peers and the timeout
 _SYS_FUTEX = 202  # x86-64's futex system call
 FUTEX_WAIT, FUTEX_WAKE, WAKE_ALL = 0, 1, 2**31 - 1  # shared (not private): across processes

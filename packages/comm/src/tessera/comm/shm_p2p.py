@@ -39,6 +39,7 @@ from torch import Tensor
 from tessera.comm import shm
 from tessera.comm.gloo_ring import on_lane
 from tessera.comm.shm_env import enabled_from_env
+from tessera.comm.shm_sizes import LINE_BYTES
 from tessera.comm.waiting import poll_budget
 
 __all__ = ["SLOTS", "SLOT_BYTES", "Transfer", "applies", "irecv", "isend", "share_memory"]
@@ -46,7 +47,7 @@ __all__ = ["SLOTS", "SLOT_BYTES", "Transfer", "applies", "irecv", "isend", "shar
 SLOTS = 4
 SLOT_BYTES = 256 << 10
 """Each direction of a pair holds SLOTS pieces of SLOT_BYTES: 1 MiB, 2 MiB a pair."""
-_LINE = 64
+_LINE = LINE_BYTES
 _HEADER = 8 * _LINE  # pids (2 lines), per direction: sent, done (2 x 2 lines), piece lengths (2 lines)
 _CHECK_S = 0.05
 _CPU = torch.device("cpu")

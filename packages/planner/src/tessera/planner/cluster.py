@@ -29,7 +29,7 @@ one full backward, as a fraction of it (`tessera.pipeline.Costs.split`; ``--cali
 times a pipeline stage of the reference GPT both ways); 0 on the GPU presets, not measured
 there.
 ``shm_slots_bytes``: when > 0, the collectives of every group of ranks on one node go through
-a shared-memory segment with that many bytes of slots (`tessera.comm.shm.SLOTS_BYTES`), which
+a shared-memory segment with that many bytes of slots (`tessera.comm.shm_sizes.SLOTS_BYTES`), which
 each rank maps (`MemoryEstimate.shared`); 0 on GPUs.
 ``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
 whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
@@ -61,6 +61,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tessera.comm.shm_sizes import SLOTS_BYTES
 
 __all__ = ["PRESETS", "Cluster", "calibrated_path", "cluster_to_toml", "load_cluster", "resolve_cluster"]
 
@@ -240,7 +242,7 @@ PRESETS: dict[str, Cluster] = {
         # GB/s (the large message's time varies with page faults; the low end kept)
         p2p_latency=37e-6,
         p2p_bandwidth=3e9,
-        shm_slots_bytes=8 * 2**20,  # tessera.comm.shm.SLOTS_BYTES
+        shm_slots_bytes=SLOTS_BYTES,
         # a split backward (B + W) over one full backward of three GPT blocks and the head:
         # 0.16-0.27 from `tessera plan --calibrate`'s probe, 0.19-0.20 from the costs the
         # pipeline bench fitted to its steps (2026-12-01, fifth session)

@@ -51,6 +51,7 @@ from tessera.planner.transient import (
     step_scratch,
     summa_backward,
 )
+from tessera.zero.flat import BUCKET_BYTES
 
 __all__ = [
     "Cut",
@@ -69,7 +70,6 @@ __all__ = [
 
 OPS_LAYER = 24  # operators one layer's forward launches (norms, projections, attention, MLP, adds)
 OPS_EDGE = 6  # operators of the embedding or of the head and loss
-BUCKET_BYTES = 25 * 2**20  # ZeroOptimizer's default stage 0-2 bucket
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.comm.shm_sizes import LINE_BYTES
 from tessera.planner.model import ModelShape, TPShape
+from tessera.zero.precisions import ELEMENT_BYTES
 
 __all__ = ["ActivationShape", "MemoryEstimate", "activation_bytes", "model_state_bytes", "optimizer_bytes"]
 
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 state per parameter (SGD: momentum)
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES: dict[str, int] = {p.value: n for p, n in ELEMENT_BYTES.items()}  # by precision name
 
 
 def optimizer_bytes(name: str, momentum: float = 0.9) -> int:
@@ -155,9 +157,6 @@ def activation_bytes(
     return [embed, *([layer] * (model.layers if layers is None else layers)), head]
 
 
-SHM_LINE = 64  # bytes of one counter of a shared-memory segment (tessera.comm.shm)
-
-
 def shm_segment_bytes(n: int, message: float, slots: float) -> float:
     """Resident bytes on one rank of a group's shared-memory segment (`tessera.comm.shm`,
     ``slots`` bytes of slots; 0 where collectives do not use one): its counters and, of its
@@ -166,4 +165,4 @@ def shm_segment_bytes(n: int, message: float, slots: float) -> float:
     these pages, though the host holds them once."""
     if n < 2 or slots <= 0:
         return 0.0
-    return 2 * n * SHM_LINE + 2 * n * min(slots / (2 * n), message)
+    return 2 * n * LINE_BYTES + 2 * n * min(slots / (2 * n), message)

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["FlatLayout", "bucketize"]
+__all__ = ["BUCKET_BYTES", "FlatLayout", "bucketize"]
+
+BUCKET_BYTES = 25 * 2**20
+"""Bytes of a stage 0-2 bucket unless ``ZeroOptimizer(bucket_bytes=...)`` says otherwise."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ from tessera.zero.chunks.build import build_store
 from tessera.zero.chunks.checkpoint import rank_opener, rank_snapshot, rank_writer
 from tessera.zero.chunks.step import chunk_grad_stats, step_chunks
 from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
-from tessera.zero.flat import bucketize
+from tessera.zero.flat import BUCKET_BYTES, bucketize
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
 from tessera.zero.offload import sync_device
@@ -115,7 +115,7 @@ class ZeroOptimizer:
         precision: Precision | str = Precision.FP32,
         offload: bool = False,
         clip_grad_norm: float | None = None,
-        bucket_bytes: int = 25 * 2**20,
+        bucket_bytes: int = BUCKET_BYTES,
         units: Sequence[nn.Module] | None = None,
         prefetch: bool = True,
         prefetch_depth: int = 1,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tessera.zero.flat import BUCKET_BYTES
 from tessera.zero.precision import compute_dtype
 
 __all__ = ["ZeroOptions", "collect_params"]
@@ -28,7 +29,7 @@ class ZeroOptions:
     precision: str = "fp32"
     offload: bool = False
     clip_grad_norm: float | None = None
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int = BUCKET_BYTES
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
