@@ -41,7 +41,8 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert all({"check", "device", "ok"} <= set(r) and r["device"] == "cpu" for r in lines), lines
-    *checks, summary = lines
+    env, *checks, summary = lines
+    assert env["check"] == "env" and env["torch"] == __import__("torch").__version__
     assert summary["check"] == "summary" and summary["ok"] is True and summary["failed"] == 0
     failed = [r for r in checks if r["ok"] is False]
     assert not failed, failed

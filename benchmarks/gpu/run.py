@@ -193,8 +193,20 @@ def main(argv: list[str]) -> int:
     return 0 if counts["failed"] == 0 else 1
 
 
+def environment(run: Run) -> Record:
+    """The first line: what the figures were measured with."""
+    record: Record = {"check": "env", "device": run.device, "ok": True, "size": run.size}
+    record |= {"torch": torch.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count()}
+    if run.cuda:
+        props = torch.cuda.get_device_properties(0)
+        record |= {"device_name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
+        record |= {"capability": f"{props.major}.{props.minor}", "nccl": torch.cuda.nccl.version()}  # type: ignore[no-untyped-call]
+    return record
+
+
 def _run_checks(run: Run, wanted: list[str]) -> dict[str, int]:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
+    emit(environment(run))
     for name, needs_cuda, check in checks():
         if wanted and not any(name.startswith(w) for w in wanted):
             continue
