@@ -27,7 +27,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tessera.comm import TPMode
 from tessera.launcher.config import Config, ParallelConfig, ZeroConfig
 from tessera.planner import (
     Candidate,
@@ -74,17 +73,12 @@ def model_of(config: Config) -> ModelShape:
     )
 
 
-def _text(value: Any) -> str:
-    """An option's text: a string, or the value of an enum member."""
-    return str(getattr(value, "value", value))
-
-
 def job_of(config: Config) -> Job:
     """The planner's job: the model, precision, optimizer and activation checkpointing."""
     return Job(
         model_of(config),
-        precision=_text(config.train.precision),
-        optimizer=_text(config.optim.name),
+        precision=str(config.train.precision),  # a member's name (StrEnum), or a bad value as given
+        optimizer=str(config.optim.name),
         recompute=config.train.activation_checkpointing,
     )
 
@@ -97,12 +91,12 @@ def layout_of(config: Config) -> Layout:
         pp=p.pp,
         tp=p.tp,
         sp=p.sp,
-        tp_mode=TPMode(_text(p.tp_mode)),
+        tp_mode=p.tp_mode,
         depth=p.tp_depth,
-        sp_mode=_text(p.sp_mode),
-        sp_layout=_text(p.sp_layout),
+        sp_mode=p.sp_mode,
+        sp_layout=p.sp_layout,
         sequence_parallel=p.sequence_parallel,
-        schedule=_text(p.schedule),
+        schedule=p.schedule,
         microbatches=p.microbatches,
         virtual_stages=p.virtual_stages,
         tune_splits=p.tune_splits,
@@ -116,24 +110,20 @@ def config_of(base: Config, layout: Layout) -> Config:
     """``base`` run as ``layout``: its ``[parallel]`` the layout's degrees, mode and schedule
     (``auto`` off, no cluster), its ``[zero]`` the layout's stage and offload (the other ZeRO
     settings at their defaults), activation checkpointing the layout's."""
-    # the options by name: the config's sections take a name of each of their choices
-    options: dict[str, Any] = {
-        "tp_mode": layout.tp_mode.value,
-        "sp_mode": layout.sp_mode,
-        "sp_layout": layout.sp_layout,
-        "schedule": layout.schedule,
-    }
     parallel = ParallelConfig(
         dp=layout.dp,
         pp=layout.pp,
         tp=layout.tp,
         sp=layout.sp,
+        tp_mode=layout.tp_mode,
         tp_depth=layout.depth,
+        sp_mode=layout.sp_mode,
+        sp_layout=layout.sp_layout,
         sequence_parallel=layout.sequence_parallel,
+        schedule=layout.schedule,
         microbatches=layout.microbatches,
         virtual_stages=layout.virtual_stages,
         tune_splits=layout.tune_splits,
-        **options,
     )
     train = base.train
     if train.activation_checkpointing != layout.recompute:

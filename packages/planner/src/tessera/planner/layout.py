@@ -4,10 +4,11 @@ planner knows itself.
 
 A layout is the degrees ``dp * pp * tp * sp``, the tensor-parallel mode (`TPMode`, with the
 2.5D ``depth``), context parallelism (``sp_mode``: ring or Ulysses; ``sp_layout``:
-contiguous or zigzag chunks of the sequence), Megatron sequence parallelism, the pipeline
-schedule (``virtual_stages`` chunks per rank for the interleaved ones, ``microbatches`` per
-step, ``tune_splits``: the zero-bubble split tuning steps, 0 off), the ZeRO stage with or
-without CPU offload, and activation checkpointing per layer (``recompute``).
+contiguous or zigzag chunks of the sequence; comm's ``sequence_modes`` enums), Megatron
+sequence parallelism, the pipeline schedule (``virtual_stages`` chunks per rank for the
+interleaved ones, ``microbatches`` per step, ``tune_splits``: the zero-bubble split tuning
+steps, 0 off), the ZeRO stage with or without CPU offload, and activation checkpointing per
+layer (``recompute``).
 
 `check` refuses what the planner cannot model (degrees below 1, a tensor-parallel degree
 that is no grid of its mode, an unknown schedule or one whose rules refuse the pipeline
@@ -22,14 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.comm import TPGrid, TPMode
+from tessera.comm.sequence_modes import Layout as ContextLayout
+from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.planner.memory import DTYPE_BYTES, OPTIMIZER_BYTES
 from tessera.planner.model import ModelShape, TPShape
 
-__all__ = ["SP_LAYOUTS", "SP_MODES", "Job", "Layout", "check"]
-
-SP_MODES = ("ring", "ulysses")
-SP_LAYOUTS = ("contiguous", "zigzag")
+__all__ = ["Job", "Layout", "check"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +42,8 @@ class Layout:
     sp: int = 1
     tp_mode: TPMode = TPMode.ONE_D
     depth: int = 1  # 2.5D: the depth of the grid
-    sp_mode: str = "ring"
-    sp_layout: str = "contiguous"
+    sp_mode: ContextMode = ContextMode.RING
+    sp_layout: ContextLayout = ContextLayout.CONTIGUOUS
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -53,8 +53,14 @@ class Layout:
     offload: bool = False
     recompute: bool = False
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tp_mode", TPMode(self.tp_mode))  # "2d" and TPMode.TWO_D alike
+    def __post_init__(self) -> None:  # names and members alike ("2d", TPMode.TWO_D)
+        for name, enum in (("tp_mode", TPMode), ("sp_mode", ContextMode), ("sp_layout", ContextLayout)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, enum(value))
+            except ValueError:
+                known = ", ".join(m.value for m in enum)
+                raise ValueError(f"layout.{name}={value!r} is not one of {known}") from None
 
     @property
     def world(self) -> int:
@@ -76,7 +82,7 @@ class Layout:
         tp += "+sp" if self.sequence_parallel else ""
         parts = [f"dp{self.dp}", f"pp{self.pp}", tp]
         if self.sp > 1:
-            parts.append(f"cp{self.sp}/{self.sp_mode}")
+            parts.append(f"cp{self.sp}/{self.sp_mode.value}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts.append(f"m{self.microbatches}")
@@ -112,10 +118,6 @@ def check(layout: Layout, job: Job) -> list[str]:
         TPGrid.of(layout.tp_mode, layout.tp, layout.depth)
     except ValueError as e:
         lines.append(f"layout: {e}")
-    if layout.sp_mode not in SP_MODES:
-        lines.append(f"layout.sp_mode={layout.sp_mode!r} is not one of {', '.join(SP_MODES)}")
-    if layout.sp_layout not in SP_LAYOUTS:
-        lines.append(f"layout.sp_layout={layout.sp_layout!r} is not one of {', '.join(SP_LAYOUTS)}")
     if layout.schedule not in SCHEDULES:
         lines.append(f"layout.schedule={layout.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}")
     else:  # the schedule's own rules (tessera.pipeline's spec), each line naming pp and m

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tessera.comm import TPMode, integer_root
+from tessera.comm.sequence_modes import Layout as ContextLayout
+from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.pipeline import SCHEDULES
 from tessera.planner.cluster import Cluster
 from tessera.planner.estimate import Estimate, memory_floor, overheads, predict, shape_of
@@ -124,12 +126,12 @@ def _parallel_variants(
     mode = TPMode(shape.mode)
     base = Layout(dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=mode, depth=shape.depth, recompute=recompute)
     seq_par = (False, True) if shape.mode == "1d" and shape.tp > 1 else (False,)
-    modes = ("ring", "ulysses") if sp > 1 else ("ring",)
+    modes = (ContextMode.RING, ContextMode.ULYSSES) if sp > 1 else (ContextMode.RING,)
     for sequence_parallel in seq_par:
         for sp_mode in modes:
-            layout = "contiguous"
+            layout = ContextLayout.CONTIGUOUS
             if sp > 1 and seq_len % (2 * sp * (shape.tp if sequence_parallel else 1)) == 0:
-                layout = "zigzag"
+                layout = ContextLayout.ZIGZAG
             yield dataclasses.replace(
                 base, sequence_parallel=sequence_parallel, sp_mode=sp_mode, sp_layout=layout
             )
