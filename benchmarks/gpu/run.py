@@ -137,17 +137,23 @@ def mfu_check(run: Run) -> list[Record]:
 
 def checks() -> list[tuple[str, bool, Callable[[Run], list[Record]]]]:
     """(name, needs CUDA, check), in the order they run: the kernels and the MFU first, as
-    the figures a GPU session is lent for, then the modes that only a GPU runs, then the rest
-    (those whose point-to-point messages gloo may not carry for CUDA tensors last)."""
-    out: list[tuple[str, bool, Callable[[Run], list[Record]]]] = [
-        ("cp-kernels", False, kernels_check),
-        ("mfu", False, mfu_check),
-    ]
-    out += [(f"collective:{name}", False, collective_check(name)) for name in collectives.PROBES]
-    order = sorted(modes.MODES, key=lambda m: (not modes.MODES[m][2], m in modes.P2P_MODES))
-    out += [(f"mode:{name}", modes.MODES[name][2], mode_check(name)) for name in order]
-    out += [(f"overlap:{name}", False, overlap_check(name)) for name in ("dp2-zero3", "tp2-sp")]
-    return out
+    the figures a GPU session is lent for, then the collectives, the modes that only a GPU
+    runs, the other modes and the overlap traces; last what rests on point-to-point messages
+    (the ring shift, ring attention, the pipeline), which gloo may not carry for CUDA
+    tensors: a hang there (``--check-timeout-s``) then costs no other check its turn."""
+    Check = tuple[str, bool, Callable[[Run], list[Record]]]
+    first: list[Check] = [("cp-kernels", False, kernels_check), ("mfu", False, mfu_check)]
+    last: list[Check] = []
+    for name in collectives.PROBES:
+        (last if name == "ring_shift" else first).append(
+            (f"collective:{name}", False, collective_check(name))
+        )
+    for name in sorted(modes.MODES, key=lambda m: not modes.MODES[m][2]):  # the CUDA-only ones first
+        (last if name in modes.P2P_MODES else first).append(
+            (f"mode:{name}", modes.MODES[name][2], mode_check(name))
+        )
+    first += [(f"overlap:{name}", False, overlap_check(name)) for name in ("dp2-zero3", "tp2-sp")]
+    return first + last
 
 
 def emit(record: Record) -> None:
