@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, ParallelConfig, TrainConfig, boost
+from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, boost
 from tessera.launcher.recompute import checkpoint_layers
 from tessera.models import GPT, GPTConfig, make_batch
 
@@ -87,13 +87,13 @@ def test_recomputing_fewer_layers_keeps_more() -> None:
 
 def test_the_settings_are_checked() -> None:
     every = TrainConfig(recompute_every=0, activation_checkpointing=True)
-    assert Config(train=every).validate(model=False) == ["train.recompute_every must be >= 1, got 0"]
-    assert Config(train=TrainConfig(recompute_policy="some")).validate(model=False) == [
+    assert BoostConfig(train=every).validate() == ["train.recompute_every must be >= 1, got 0"]
+    assert BoostConfig(train=TrainConfig(recompute_policy="some")).validate() == [
         "train.recompute_policy='some' is not one of full, save-matmuls",
         "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
     ]
     keep = TrainConfig(activation_checkpointing=True, recompute_policy="save-matmuls")
-    assert Config(parallel=ParallelConfig(tp=2), train=keep).validate(model=False) == [
+    assert BoostConfig(parallel=ParallelConfig(tp=2), train=keep).validate() == [
         "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that reduces "
         "a product in place would change the product it keeps"
     ]

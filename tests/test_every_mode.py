@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.models import ForeignConfig, GPT2ish, Llamaish
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
@@ -159,7 +159,7 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
         data=dataclasses.replace(base.data, batch_size=BATCH),
         optim=dataclasses.replace(base.optim, clip_grad_norm=0.0),  # the serial run does not clip
     )
-    assert config.validate(model=False) == []  # the degrees are checked against the model given
+    assert BoostConfig.validate(config) == []  # the core: the degrees are checked against the model given
     if heads == 8:  # ... not against [model], the main job's GPT, which tp=8 would not split
         assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
     results = worker_pools(config.world_size).run(_parallel, kv, heads, adamw, config, timeout=240)

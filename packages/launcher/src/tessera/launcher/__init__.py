@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tessera.comm import lazy_exports
 from tessera.launcher.config import (
+    BoostConfig,
     Config,
     DataConfig,
     LoggingConfig,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoostConfig",
     "Config",
     "ConfigError",
     "DataConfig",

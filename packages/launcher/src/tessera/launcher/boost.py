@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, TPMode
 from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
 from tessera.launcher.objective import objective
@@ -50,7 +50,7 @@ __all__ = ["boost", "rebuild_optimizer"]
 log = logging.getLogger(__name__)
 
 
-def chunk_config(config: Config, rank: int) -> ChunkConfig | None:
+def chunk_config(config: BoostConfig, rank: int) -> ChunkConfig | None:
     """The chunk memory manager's settings for global rank ``rank`` (None when the job does not
     use it); each rank's disk chunks go under ``<zero.disk_dir>/rank<k>``."""
     z = config.zero
@@ -149,7 +149,7 @@ def _position_roles(plan: PlanLike | None) -> str | None:
 def boost(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    config: Config,
+    config: BoostConfig,
     *,
     spec: ModelSpec | None = None,
     plan: PlanLike | None = None,
@@ -172,7 +172,7 @@ def boost(
     meta device) is materialized here, each rank only what it holds (``deferred``), by
     ``init(name, module)`` (default ``deferred.default_init``) seeded by ``train.seed``.
     """
-    errors = config.validate(model=False)  # [model] is the main job's; this model is checked itself
+    errors = BoostConfig.validate(config)  # the core only: this model is checked against the degrees itself
     if errors:
         raise ValueError("; ".join(errors))
     p = config.parallel

@@ -67,9 +67,12 @@ _READ_ERRORS = (OSError, ValueError, KeyError, json.JSONDecodeError, safetensors
 
 def _differences(saved: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> list[str]:
     """What differs, for the keys this run's fingerprint has (a key only an older checkpoint
-    recorded, such as ``parallel.auto``, no longer shapes the state)."""
+    recorded, such as ``parallel.auto``, no longer shapes the state; a section the saved one
+    lacks, ``[model]`` of a job saved from a `BoostConfig`, was not the saver's to shape)."""
     lines = []
     for key in sorted(mine):
+        if not prefix and key not in saved:
+            continue
         a, b = saved.get(key), mine.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             lines += _differences(a, b, f"{prefix}{key}.")

@@ -1,14 +1,19 @@
 """One typed configuration for a Tessera job, and its validation.
 
-Sections are frozen dataclasses; ``Config.validate()`` returns every mistake as one line
-naming the field and the numbers, so a launcher can refuse a job before anything spawns.
+Sections are frozen dataclasses. `BoostConfig` holds what ``boost()`` and the engine read
+(``[parallel]``, ``[zero]``, ``[optim]``, ``[train]``, ``[logging]``); `Config`, the one
+``tessera`` resolves, adds the main job's ``[model]`` and ``[data]``. ``validate()`` returns
+every mistake as one line naming the field and the numbers (or the allowed names of a choice:
+``tessera.launcher.choices``), so a launcher can refuse a job before anything spawns.
 Loading (TOML file, then environment, then command-line flags) lives in ``config_io``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tessera.comm import Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
@@ -19,6 +24,7 @@ from tessera.zero.chunks.config import Policy, chunk_problems
 from tessera.zero.precisions import Precision
 
 __all__ = [
+    "BoostConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",
@@ -237,14 +243,13 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    """The whole configuration of a job."""
+class BoostConfig:
+    """What ``boost()`` and the `Engine` read: the degrees, ZeRO, the optimizer's settings, the
+    training loop and logging. ``load_config()`` gives a script a `Config`, which is one."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -253,29 +258,141 @@ class Config:
         """The number of processes the job needs: dp * pp * tp * sp."""
         return self.parallel.topology().world_size
 
-    def _check_modes(self, *, model: bool = True) -> list[str]:
-        """The tensor-parallel mode and context parallelism against the degrees and (``model``)
-        the ``[model]`` section."""
-        p, errors = self.parallel, list[str]()
+    def _sections(self) -> tuple[Any, ...]:
+        return (self.parallel, self.zero, self.optim, self.train, self.logging)
+
+    def validate(self) -> list[str]:
+        """Every mistake in the core sections, one line each (empty when it can run);
+        ``BoostConfig.validate(config)`` checks only these of a `Config`."""
+        return self._lines(BoostConfig._sections(self), lambda modes: BoostConfig._rules(self, modes=modes))
+
+    def _lines(self, sections: tuple[Any, ...], rules: Callable[[bool], list[str]]) -> list[str]:
+        """Each field of ``sections`` (numbers, choices), then, when they hold, ``rules``."""
+        errors: list[str] = []
+        choices: list[str] = []  # a name that is no member of its enum
+
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                errors.append(message)
+
+        for section in sections:
+            prefix = type(section).__name__.removesuffix("Config").lower()
+            choices += choice_problems(section, prefix)
+            for f in fields(section):
+                value = getattr(section, f.name)
+                name = f"{prefix}.{f.name}"
+                if isinstance(value, int) and not isinstance(value, bool):
+                    least = (
+                        0
+                        if f.name
+                        in (
+                            "seed",
+                            "vocab_size",
+                            "checkpoint_every",
+                            "warmup_steps",
+                            "stage",
+                            "max_skipped_steps",
+                            "max_restarts",
+                            "chunk_numel",
+                            "tune_splits",
+                        )
+                        else 1
+                    )
+                    need(value >= least, f"{name} must be >= {least}, got {value}")
+                if isinstance(value, float):
+                    need(math.isfinite(value), f"{name}={value} must be a finite number")
+        if errors:  # the checks below divide by these numbers
+            return choices + errors
+        modes = not any(line.startswith("parallel.") for line in choices)  # the degrees' own rules
+        return list(dict.fromkeys(choices + rules(modes)))  # zero.policy: the chunks' rule too
+
+    def _rules(self, *, modes: bool) -> list[str]:
+        """The rules between fields, once each field holds a number or a member."""
+        p, t, errors = self.parallel, self.train, list[str]()
+
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                errors.append(message)
+
+        if modes:
+            try:
+                p.topology()
+            except ValueError as e:
+                errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
+            else:
+                need(
+                    p.tp_mode is TPMode.ONE_D or not (p.sequence_parallel or p.sp > 1),
+                    f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built",
+                )
+        need(
+            p.schedule in SCHEDULES,
+            f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
+        )
+        if p.schedule in SCHEDULES:
+            rules = schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages)
+            errors += [f"parallel (pp={p.pp}, microbatches={p.microbatches}): {line}" for line in rules]
+        need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
+        errors += self.zero.check_chunks()
+        need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
+        need(t.watchdog_s >= 0, f"train.watchdog_s={t.watchdog_s} must be >= 0 (0: off)")
+        need(
+            t.activation_checkpointing
+            or (t.recompute_every == 1 and t.recompute_policy is RecomputePolicy.FULL),
+            "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
+        )
+        need(
+            t.recompute_policy is not RecomputePolicy.SAVE_MATMULS or (p.tp == 1 and p.sp == 1),
+            "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
+            "reduces a product in place would change the product it keeps",
+        )
+        return errors
+
+
+@dataclass(frozen=True, slots=True)
+class Config(BoostConfig):
+    """The configuration ``tessera`` resolves (TOML, environment, ``--set``): the core sections
+    of `BoostConfig` and the main job's own ``[model]`` (the reference GPT's sizes) and
+    ``[data]`` (its text and global batch). ``boost()`` reads only the core: a user's model is
+    checked against the degrees by ``boost()`` itself; ``validate()`` here also checks the
+    degrees against ``[model]`` and ``[data]`` for ``tessera train``, ``plan`` and
+    ``prepare-data``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> list[str]:
+        """Every mistake in the configuration, the main job's sections included, one line each."""
+        return self._lines(self._sections(), lambda modes: self._rules(modes=modes))
+
+    def _sections(self) -> tuple[Any, ...]:
+        return (*BoostConfig._sections(self), self.model, self.data)
+
+    def _rules(self, *, modes: bool) -> list[str]:
+        p, d = self.parallel, self.data
+        errors = BoostConfig._rules(self, modes=modes)
         try:
+            grid = p.grid() if modes else None
             p.topology()
-        except ValueError as e:
-            errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
-            return errors
-        if p.tp_mode is not TPMode.ONE_D:
-            blocks = p.grid().row_blocks
-            rows = self.data.batch_size // max(1, p.dp * p.microbatches)
-            if rows % blocks:
+        except ValueError:  # reported by the core rules
+            grid = None
+        if grid is not None and grid.row_blocks > 1:
+            rows = d.batch_size // max(1, p.dp * p.microbatches)
+            if rows % grid.row_blocks:
                 errors.append(
                     f"tp_mode {p.tp_mode} splits each microbatch's {rows} rows (data.batch_size / (dp * "
-                    f"microbatches)) into {blocks} blocks: not divisible"
+                    f"microbatches)) into {grid.row_blocks} blocks: not divisible"
                 )
-            if p.sequence_parallel or p.sp > 1:
-                errors.append(
-                    f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built"
-                )
-        if p.sp > 1 and model:
+        if grid is not None and p.sp > 1:
             errors += self._check_context_model()
+        errors += self._check_model()
+        per_step = p.dp * p.microbatches
+        if d.batch_size % per_step:
+            errors.append(
+                f"data.batch_size={d.batch_size} is not divisible by parallel.dp * parallel.microbatches "
+                f"= {p.dp} * {p.microbatches} = {per_step}"
+            )
+        if not 0.0 < d.val_fraction < 1.0:
+            errors.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
         return errors
 
     def _check_context_model(self) -> list[str]:
@@ -316,7 +433,7 @@ class Config:
         )
         try:  # how many ways heads and widths split
             split = p.grid().width_split
-        except ValueError:  # no valid grid: _check_modes reports it
+        except ValueError:  # no valid grid: the core rules report it
             split = p.tp if p.tp_mode is TPMode.ONE_D else 1
         need(
             m.n_heads % split == 0,
@@ -334,83 +451,3 @@ class Config:
             )
         need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
         return errors
-
-    def validate(self, *, model: bool = True) -> list[str]:
-        """Every mistake in the configuration, one line each (empty when it can run).
-
-        ``model=False`` leaves out the checks of the degrees against the ``[model]`` section,
-        which describes only the main job's model: ``boost()`` checks them against the model
-        it is given instead (its plan, heads, widths, vocabulary and blocks)."""
-        errors: list[str] = []
-        choices: list[str] = []  # a name that is no member of its enum
-        p, m = self.parallel, self.model
-
-        def need(cond: bool, message: str) -> None:
-            if not cond:
-                errors.append(message)
-
-        for section in (p, self.zero, m, self.optim, self.data, self.train, self.logging):
-            prefix = type(section).__name__.removesuffix("Config").lower()
-            choices += choice_problems(section, prefix)
-            for f in fields(section):
-                value = getattr(section, f.name)
-                name = f"{prefix}.{f.name}"
-                if isinstance(value, int) and not isinstance(value, bool):
-                    least = (
-                        0
-                        if f.name
-                        in (
-                            "seed",
-                            "vocab_size",
-                            "checkpoint_every",
-                            "warmup_steps",
-                            "stage",
-                            "max_skipped_steps",
-                            "max_restarts",
-                            "chunk_numel",
-                            "tune_splits",
-                        )
-                        else 1
-                    )
-                    need(value >= least, f"{name} must be >= {least}, got {value}")
-                if isinstance(value, float):
-                    need(math.isfinite(value), f"{name}={value} must be a finite number")
-        if errors:  # the checks below divide by these numbers
-            return choices + errors
-        errors = choices
-        if not any(line.startswith("parallel.") for line in choices):  # the degrees' own rules
-            errors += self._check_modes(model=model)
-        need(
-            p.schedule in SCHEDULES,
-            f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",
-        )
-        if p.schedule in SCHEDULES:
-            rules = schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages)
-            errors += [f"parallel (pp={p.pp}, microbatches={p.microbatches}): {line}" for line in rules]
-        if model:
-            errors += self._check_model()
-        per_step = p.dp * p.microbatches
-        need(
-            self.data.batch_size % per_step == 0,
-            f"data.batch_size={self.data.batch_size} is not divisible by parallel.dp * parallel.microbatches "
-            f"= {p.dp} * {p.microbatches} = {per_step}",
-        )
-        need(0 <= self.zero.stage <= 3, f"zero.stage={self.zero.stage} must be 0, 1, 2 or 3")
-        errors += self.zero.check_chunks()
-        need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
-        need(self.train.watchdog_s >= 0, f"train.watchdog_s={self.train.watchdog_s} must be >= 0 (0: off)")
-        need(
-            self.train.activation_checkpointing
-            or (self.train.recompute_every == 1 and self.train.recompute_policy is RecomputePolicy.FULL),
-            "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
-        )
-        need(
-            self.train.recompute_policy is not RecomputePolicy.SAVE_MATMULS or (p.tp == 1 and p.sp == 1),
-            "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
-            "reduces a product in place would change the product it keeps",
-        )
-        need(
-            0.0 < self.data.val_fraction < 1.0,
-            f"data.val_fraction={self.data.val_fraction} must be in (0, 1)",
-        )
-        return list(dict.fromkeys(errors))  # zero.policy is also a rule of the chunk manager's own

@@ -40,7 +40,7 @@ from tessera.comm import shm_env
 from tessera.comm.waiting import ENV as POLL_WAIT_ENV
 from tessera.comm.waiting import budget_from_env
 from tessera.launcher.choices import choice_line, choice_of
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig, Config
 
 __all__ = [
     "HEARTBEAT_ENV",
@@ -201,10 +201,22 @@ def _from_flags(sets: Sequence[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def _problems(config: Config, main_job: bool) -> list[str]:
+    """``validate()`` of the main job's whole `Config`, or of its core (`BoostConfig`: what a
+    script's ``boost()`` reads, which checks the script's own model itself)."""
+    return config.validate() if main_job else BoostConfig.validate(config)
+
+
 def resolve_config(
-    path: str | Path | None = None, sets: Sequence[str] = (), env: Mapping[str, str] | None = None
+    path: str | Path | None = None,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    *,
+    main_job: bool = True,
 ) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``env``, then ``sets``; validated.
+    """Defaults, then the TOML file at ``path``, then ``env``, then ``sets``; validated: for the
+    main job (``tessera train``, ``plan``, ``prepare-data``) with its ``[model]`` and ``[data]``,
+    else (``main_job=False``: ``tessera run`` of a script) the core sections only.
 
     Raises ConfigError listing every mistake (unknown keys, wrong types, impossible values).
     """
@@ -224,7 +236,7 @@ def resolve_config(
         config = _apply(config, data, str(p), errors)
     config = _apply(config, _from_env(env), "environment", errors, text=True)
     config = _apply(config, _from_flags(sets), "--set", errors, text=True)
-    errors += config.validate()
+    errors += _problems(config, main_job)
     if errors:
         raise ConfigError(errors)
     return config
@@ -233,38 +245,39 @@ def resolve_config(
 def load_config(env: Mapping[str, str] | None = None) -> Config:
     """Inside a worker of ``tessera run``: the resolved config it was started with.
 
-    Outside one (no ``TESSERA_RESOLVED_CONFIG``), defaults plus the environment.
+    Outside one (no ``TESSERA_RESOLVED_CONFIG``), defaults plus the environment. Validated as a
+    script's (the core sections): the launcher checked the main job's whole before spawning.
     """
     env = os.environ if env is None else env
     resolved = env.get(RESOLVED_ENV)
     if resolved:
         return config_from_dict(json.loads(Path(resolved).read_text()))
-    return resolve_config(None, (), env)
+    return resolve_config(None, (), env, main_job=False)
 
 
 def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, StrEnum) else value
 
 
-def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+def config_to_dict(config: BoostConfig) -> dict[str, dict[str, Any]]:
     """The config as plain nested dicts (JSON- and TOML-friendly: a choice is its name)."""
     return {
         f.name: {k: _plain(v) for k, v in dataclasses.asdict(getattr(config, f.name)).items()}
-        for f in dataclasses.fields(Config)
+        for f in dataclasses.fields(config)
     }
 
 
-def config_from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
-    """Inverse of config_to_dict (validated)."""
+def config_from_dict(data: Mapping[str, Mapping[str, Any]], *, main_job: bool = False) -> Config:
+    """Inverse of config_to_dict (validated as ``resolve_config`` does; by default the core)."""
     errors: list[str] = []
     config = _apply(Config(), data, "resolved config", errors)
-    errors += config.validate()
+    errors += _problems(config, main_job)
     if errors:
         raise ConfigError(errors)
     return config
 
 
-def config_to_toml(config: Config) -> str:
+def config_to_toml(config: BoostConfig) -> str:
     """The config as a TOML document that resolve_config reads back to the same Config."""
     lines: list[str] = []
     for section, values in config_to_dict(config).items():

@@ -26,7 +26,7 @@ from tessera.comm import Mesh, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import BackgroundSave, load_engine, save_engine
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig
 from tessera.launcher.consolidate import consolidate, export_sharded, local_full_parameters
 from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
@@ -66,7 +66,7 @@ class Engine:
     def __init__(
         self,
         *,
-        config: Config,
+        config: BoostConfig,
         mesh: Mesh,
         module: nn.Module,
         zero: ZeroOptimizer,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig, Config
 from tessera.launcher.corpus import load_corpus
 from tessera.launcher.disk_space import disk_problems
 from tessera.launcher.generations import MANIFEST, read_manifest, resolve_generation
@@ -58,7 +58,7 @@ def _writable_dir(field: str, value: str) -> list[str]:
     return []
 
 
-def verify_problems(config: Config, *, main_job: bool) -> list[str]:
+def verify_problems(config: BoostConfig, *, main_job: bool) -> list[str]:
     """Why ``train.verify`` cannot compare a step of ``config``'s job with a serial one, one line
     each (``tessera.launcher.verify`` also refuses a model with dropout; ``main_job``: the main
     job's model dropout is ``model.dropout``)."""
@@ -68,7 +68,7 @@ def verify_problems(config: Config, *, main_job: bool) -> list[str]:
             "train.verify with the chunk memory manager (zero.*budget_mb, zero.disk_dir): it steps "
             "chunk by chunk; verify without it"
         )
-    if main_job and config.model.dropout > 0:
+    if main_job and isinstance(config, Config) and config.model.dropout > 0:
         errors.append(
             f"train.verify with model.dropout={config.model.dropout}: the random streams differ between "
             "the serial and the parallel model; verify with model.dropout=0"

@@ -27,7 +27,6 @@ before.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -45,7 +44,8 @@ from torch import Tensor
 from tessera.comm import group_rank
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig, Config
+from tessera.launcher.config_io import config_to_dict
 from tessera.launcher.generations import FORMAT, LATEST, MANIFEST, committed_generations, generation_name
 from tessera.launcher.placement import Boosted
 from tessera.launcher.reshard import snapshot_portable, write_portable
@@ -62,7 +62,7 @@ class Checkpointable(Boosted, Protocol):
     @property
     def scheduler(self) -> Any: ...
     @property
-    def config(self) -> Config: ...
+    def config(self) -> BoostConfig: ...
 
 
 # Fields that choose where or how the state lives but not what it is: a resume may change them
@@ -74,16 +74,20 @@ _PLACEMENT_ONLY = {
 }
 
 
-def fingerprint(config: Config) -> dict[str, Any]:
-    """The configuration that shapes the saved state: a resume under another one is refused."""
-    out = {name: dataclasses.asdict(getattr(config, name)) for name in ("parallel", "zero", "model", "optim")}
+def fingerprint(config: BoostConfig) -> dict[str, Any]:
+    """The configuration that shapes the saved state, as plain values (a choice is its name): a
+    resume under another one is refused. A `Config` adds the main job's ``[model]`` and what
+    its data position counts."""
+    plain = config_to_dict(config)
+    out: dict[str, Any] = {n: plain[n] for n in ("parallel", "zero", "model", "optim") if n in plain}
     for section, names in _PLACEMENT_ONLY.items():
         for name in names:
             out[section].pop(name, None)
-    out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
-    if config.data.path:  # the user's own data: its samples are what the data position counts
-        out["data"].update(path=config.data.path, tokenizer=config.data.tokenizer)
-    out["train"] = {"seed": config.train.seed, "precision": config.train.precision}
+    if isinstance(config, Config):
+        out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
+        if config.data.path:  # the user's own data: its samples are what the data position counts
+            out["data"].update(path=config.data.path, tokenizer=config.data.tokenizer)
+    out["train"] = {"seed": config.train.seed, "precision": str(config.train.precision)}
     return out
 
 

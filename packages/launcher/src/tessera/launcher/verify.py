@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from tessera.comm import Group, all_reduce
 from tessera.comm.consensus import RemoteFailure, raise_together
 from tessera.launcher.batches import split_inputs
-from tessera.launcher.config import Config
+from tessera.launcher.config import BoostConfig
 from tessera.launcher.consolidate import local_full_gradients, local_full_parameters
 from tessera.launcher.placement import Boosted
 from tessera.launcher.preflight import verify_problems
@@ -110,7 +110,7 @@ def compare_gradients(
     return [d for d in out if not d.rel <= rtol], out[0] if out else None
 
 
-def _unverifiable(model: nn.Module, config: Config) -> list[str]:
+def _unverifiable(model: nn.Module, config: BoostConfig) -> list[str]:
     problems = verify_problems(config, main_job=False)
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
@@ -158,7 +158,7 @@ class Verifier:
     (see the module docstring); ``done`` once a step was compared and matched."""
 
     def __init__(
-        self, model: nn.Module, config: Config, *, loss: Loss | None, output: Callable[[Any], Tensor]
+        self, model: nn.Module, config: BoostConfig, *, loss: Loss | None, output: Callable[[Any], Tensor]
     ) -> None:
         problems = _unverifiable(model, config)
         if problems:
