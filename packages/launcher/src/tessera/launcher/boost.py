@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -244,9 +243,9 @@ def boost(
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}
-    # how many tp ranks hold each element, from the shapes: tp for a parameter no style split,
-    # 1 for a partition (1D, 2D, 3D), the depth for 2.5D's depth replicas
-    copies = {param: tp * param.numel() // math.prod(full_shapes[name]) for name, param in named.items()}
+    # how many tp ranks hold each element: tp for a parameter no style split, else what its
+    # spec says (1 for a partition, the depth for 2.5D's depth replicas, ...)
+    copies = {param: specs[name].replicas(tp) if name in specs else tp for name, param in named.items()}
 
     stage_to_rank: tuple[int, ...] = ()
     tied: list[tuple[str, nn.Parameter]] = []
