@@ -160,6 +160,22 @@ def test_parallel_auto_runs_the_planners_choice(
         auto_config(auto, 2, dataclasses.replace(PRESETS["cpu"], memory_gib=1e-6))
 
 
+def test_parallel_auto_runs_recomputation_when_its_choice_needs_it() -> None:
+    """Under a budget that only recomputation fits, the chosen configuration turns activation
+    checkpointing on (its memory was predicted with it); with room, it stays off."""
+    base = Config(
+        model=ModelConfig(vocab_size=64, seq_len=256, d_model=256, n_heads=4, n_layers=8),
+        data=DataConfig(batch_size=64),
+        parallel=ParallelConfig(auto=True),
+    )
+    roomy, best = auto_config(base, 2, dataclasses.replace(PRESETS["cpu"], memory_gib=4))
+    assert not best.layout.recompute and roomy.train.activation_checkpointing is False
+    tight, best = auto_config(base, 2, dataclasses.replace(PRESETS["cpu"], memory_gib=0.03))
+    assert best.layout.recompute, best.label()
+    assert tight.train.activation_checkpointing is True
+    assert tight.validate() == []
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     world=st.sampled_from([2, 4, 6, 8, 12]),

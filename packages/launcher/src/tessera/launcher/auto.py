@@ -15,8 +15,9 @@ Before anything spawns, `auto_launch` resolves the cluster the configuration nam
 --calibrate`` wrote at `calibrated_path`, else the ``cpu`` preset, whose device count is this
 machine's core count), refusing an unknown one with a ValueError; the world is the
 launcher's processes per node (default: the cluster's devices per node) times its nodes.
-`auto_config` then replaces the ``[parallel]`` and ``[zero]`` sections by those of the
-fastest candidate that fits (``search``) for that world. The result has ``parallel.auto =
+`auto_config` then replaces the ``[parallel]`` and ``[zero]`` sections and
+``train.activation_checkpointing`` by those of the fastest candidate that fits (``search``)
+for that world. The result has ``parallel.auto =
 false`` and concrete degrees, so every rank's ``load_config()`` and every checkpoint see
 exactly what runs.
 """
@@ -174,7 +175,8 @@ def auto_config(config: Config, world: int, cluster: Cluster | None = None) -> t
         )
     planned = config_of(config, best.layout)
     parallel = dataclasses.replace(planned.parallel, auto=False, cluster=config.parallel.cluster)
-    chosen = dataclasses.replace(config, parallel=parallel, zero=planned.zero)
+    # the candidate's memory was predicted with or without recomputation: run it the same way
+    chosen = dataclasses.replace(config, parallel=parallel, zero=planned.zero, train=planned.train)
     return chosen, best
 
 

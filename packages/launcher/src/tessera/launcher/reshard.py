@@ -216,6 +216,8 @@ def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: di
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     if zero.scaler is not None and header.get("loss_scaler") is not None:
         zero.scaler.load_state_dict(header["loss_scaler"])
+    elif zero.scaler is not None and header.get("loss_scale") is not None:  # a header with the scale only
+        zero.scaler.scale = float(header["loss_scale"])
 
 
 class _AsParams(Mapping[str, Tensor]):
