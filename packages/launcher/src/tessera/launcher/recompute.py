@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tessera.launcher.choices import RecomputePolicy
 from tessera.tensor_parallel import ParallelDropout
 
 __all__ = ["POLICIES", "checkpoint_layers", "offload_layers"]
@@ -105,7 +106,7 @@ def _contexts(generators: Sequence[torch.Generator], policy: str) -> tuple[Any, 
     return _Both(replay.record, forward), _Both(replay.replay, recompute)
 
 
-POLICIES = ("full", "save-matmuls")
+POLICIES = tuple(RecomputePolicy)  # the names train.recompute_policy takes
 
 
 def checkpoint_layers(layers: Sequence[nn.Module], *, every: int = 1, policy: str = "full") -> None:
