@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from tessera.comm import TPMode, integer_root
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
+from tessera.comm.sequence_modes import sequence_chunks
 from tessera.pipeline import SCHEDULES
 from tessera.planner.cluster import Cluster
 from tessera.planner.estimate import Estimate, memory_floor, overheads, predict, shape_of
@@ -130,7 +131,8 @@ def _parallel_variants(
     for sequence_parallel in seq_par:
         for sp_mode in modes:
             layout = ContextLayout.CONTIGUOUS
-            if sp > 1 and seq_len % (2 * sp * (shape.tp if sequence_parallel else 1)) == 0:
+            zigzag = sequence_chunks(sp, ContextLayout.ZIGZAG, tp=shape.tp, sequence_parallel=sequence_parallel)
+            if sp > 1 and seq_len % zigzag == 0:
                 layout = ContextLayout.ZIGZAG
             yield dataclasses.replace(
                 base, sequence_parallel=sequence_parallel, sp_mode=sp_mode, sp_layout=layout
