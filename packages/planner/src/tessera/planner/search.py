@@ -131,7 +131,9 @@ def _parallel_variants(
     for sequence_parallel in seq_par:
         for sp_mode in modes:
             layout = ContextLayout.CONTIGUOUS
-            zigzag = sequence_chunks(sp, ContextLayout.ZIGZAG, tp=shape.tp, sequence_parallel=sequence_parallel)
+            zigzag = sequence_chunks(
+                sp, ContextLayout.ZIGZAG, tp=shape.tp, sequence_parallel=sequence_parallel
+            )
             if sp > 1 and seq_len % zigzag == 0:
                 layout = ContextLayout.ZIGZAG
             yield dataclasses.replace(
