@@ -18,6 +18,7 @@ from typing import Any
 from tessera.comm import Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
+from tessera.comm.sequence_modes import sequence_chunks
 from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy, choice_problems, coerce_choices
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.zero.chunks.config import Policy, chunk_problems
@@ -398,7 +399,7 @@ class Config(BoostConfig):
     def _check_context_model(self) -> list[str]:
         """Context parallelism against the ``[model]`` section (the main job's model)."""
         p, m, errors = self.parallel, self.model, []
-        chunks = p.sp * (2 if p.sp_layout == "zigzag" else 1) * (p.tp if p.sequence_parallel else 1)
+        chunks = sequence_chunks(p.sp, p.sp_layout, tp=p.tp, sequence_parallel=p.sequence_parallel)
         if m.seq_len % chunks:
             errors.append(
                 f"model.seq_len={m.seq_len} does not split into {chunks} equal chunks (sp={p.sp}, "
