@@ -73,14 +73,22 @@ def test_a_failing_rank_ends_the_job_with_its_traceback(job: Path) -> None:
 
 
 def test_a_config_mistake_exits_2_before_anything_spawns(job: Path) -> None:
-    proc = _tessera("run", "--set", "parallel.dp=2", "--set", "parallel.tp=3", "job.py", str(job), cwd=job)
+    proc = _tessera("run", "--set", "parallel.dp=2", "--set", "zero.stage=7", "job.py", str(job), cwd=job)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert out.strip().splitlines() == ["tessera: zero.stage=7 must be 0, 1, 2 or 3"]
+    assert not (job / "pid0").exists()
+    # the main job's [model] is checked for the main job, never for a script with its own model
+    proc = _tessera("train", "--dry-run", "--set", "parallel.tp=3", cwd=job)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert out.strip().splitlines() == [
         "tessera: model.n_heads=4 does not split 3 ways (parallel.tp=3)",
         "tessera: model.mlp_ratio * model.d_model = 256 does not split 3 ways (parallel.tp=3)",
     ]
-    assert not (job / "pid0").exists()
+    proc = _tessera("run", "--dry-run", "--set", "parallel.tp=3", "job.py", cwd=job)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
     proc = _tessera("run", "--nproc-per-node", "3", "--set", "parallel.dp=2", "job.py", cwd=job)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2

@@ -337,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "verify", False):
         args.sets.append("train.verify=true")
     try:
-        config = resolve_config(args.config, args.sets)
+        # a script of one's own brings its own model: `tessera run` checks the core sections only
+        # (the script's boost() checks its model); the other commands are the main job's
+        config = resolve_config(args.config, args.sets, main_job=args.command != "run")
     except ConfigError as exc:
         return _fail(exc.lines)
     if args.command == "config":

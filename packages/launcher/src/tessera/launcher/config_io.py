@@ -202,9 +202,10 @@ def _from_flags(sets: Sequence[str]) -> dict[str, dict[str, str]]:
 
 
 def _problems(config: Config, main_job: bool) -> list[str]:
-    """``validate()`` of the main job's whole `Config`, or of its core (`BoostConfig`: what a
-    script's ``boost()`` reads, which checks the script's own model itself)."""
-    return config.validate() if main_job else BoostConfig.validate(config)
+    """``validate()`` of the main job's whole `Config`, or ``validate_fields()``: the core's
+    rules (`BoostConfig`: what a script's ``boost()`` reads; it checks the script's own model
+    itself) and each field of ``[model]`` and ``[data]`` alone."""
+    return config.validate() if main_job else config.validate_fields()
 
 
 def resolve_config(
@@ -216,7 +217,8 @@ def resolve_config(
 ) -> Config:
     """Defaults, then the TOML file at ``path``, then ``env``, then ``sets``; validated: for the
     main job (``tessera train``, ``plan``, ``prepare-data``) with its ``[model]`` and ``[data]``,
-    else (``main_job=False``: ``tessera run`` of a script) the core sections only.
+    else (``main_job=False``: ``tessera run`` of a script) the core sections' rules and each
+    field alone (`Config.validate_fields`).
 
     Raises ConfigError listing every mistake (unknown keys, wrong types, impossible values).
     """

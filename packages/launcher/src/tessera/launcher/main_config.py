@@ -68,6 +68,13 @@ class Config(BoostConfig):
         """Every mistake in the configuration, the main job's sections included, one line each."""
         return self._lines(self._sections(), lambda modes: self._rules(modes=modes))
 
+    def validate_fields(self) -> list[str]:
+        """For a script with its own model (``tessera run``): the core's mistakes and each field
+        of ``[model]`` and ``[data]`` on its own (a script may read them), without the main
+        job's rules that tie its model and batch to the degrees (the script's ``boost()``
+        checks its own model)."""
+        return self._lines(self._sections(), lambda modes: BoostConfig._rules(self, modes=modes))
+
     def _sections(self) -> tuple[Any, ...]:
         return (*BoostConfig._sections(self), self.model, self.data)
 
