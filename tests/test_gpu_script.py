@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from gpu.rank_probes import dies_on_rank_one, fails_on_rank_one, rank_and_sum  # noqa: E402
 from gpu.ranks import RankError, run_ranks  # noqa: E402
 
 NEEDS_CUDA = {"mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
@@ -59,30 +60,9 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
             assert Path(r["trace"]).is_file() and 0.0 <= r["overlap_fraction"] <= 1.0
 
 
-def _rank_and_sum(rank: int, scale: int) -> tuple[int, float]:
-    import torch
-    import torch.distributed as dist
-
-    x = torch.tensor([float(rank + 1) * scale])
-    dist.all_reduce(x)
-    return rank, float(x)
-
-
-def _fails_on_rank_one(rank: int) -> int:
-    if rank == 1:
-        raise ValueError("rank one refuses")
-    return rank
-
-
-def _dies_on_rank_one(rank: int) -> int:
-    if rank == 1:
-        os._exit(3)  # as a crash in a kernel would end it
-    return rank
-
-
 def test_fresh_ranks_run_a_function_and_report_a_failure() -> None:
-    assert run_ranks(2, "gloo", _rank_and_sum, 10, timeout=120) == [(0, 30.0), (1, 30.0)]
+    assert run_ranks(2, "gloo", rank_and_sum, 10, timeout=120) == [(0, 30.0), (1, 30.0)]
     with pytest.raises(RankError, match="rank 1 of 2: ValueError: rank one refuses"):
-        run_ranks(2, "gloo", _fails_on_rank_one, timeout=120)
+        run_ranks(2, "gloo", fails_on_rank_one, timeout=120)
     with pytest.raises(RankError, match=r"rank 1 of 2 died \(exit code 3\)"):
-        run_ranks(2, "gloo", _dies_on_rank_one, timeout=120)
+        run_ranks(2, "gloo", dies_on_rank_one, timeout=120)
