@@ -56,18 +56,22 @@ class PortableZero(Protocol):
 def _kinds_and_scalars(
     zero: PortableZero, store: ChunkStore | None, fi: int
 ) -> tuple[list[str], dict[str, Tensor]]:
-    """FlatParam ``fi``'s kinds (``param``, ``optim.<key>``) and its scalar state by key."""
+    """FlatParam ``fi``'s kinds (``param``, then ``optim.<key>`` by name) and its scalar state
+    by key (by name). The order is the names', never the order the optimizer's state dict was
+    filled in: that differs between ranks after a load, and each kind is one collective."""
     flat = zero.flats[fi]
     if store is not None:
-        kinds = ["param"] + [f"optim.{n}" for n in flat_streams(store, fi)]
+        streams = flat_streams(store, fi)
         items: list[tuple[str, object]] = list(flat_scalars(store, fi).items())
     else:
-        kinds, items = ["param"], []
+        streams, items = [], []
         for key, value in zero.optimizer.state.get(flat.master, {}).items():
             if isinstance(value, Tensor) and value.shape == flat.master.shape:
-                kinds.append(f"optim.{key}")
+                streams.append(key)
             else:
                 items.append((key, value))
+    kinds = ["param"] + [f"optim.{n}" for n in sorted(streams)]
+    items.sort(key=lambda item: item[0])
     scalars: dict[str, Tensor] = {}
     for key, value in items:
         if not (isinstance(value, Tensor) and value.dim() == 0):
