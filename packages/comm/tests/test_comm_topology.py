@@ -121,3 +121,56 @@ def test_world_size_check_and_bad_axes() -> None:
         t.groups("tp_row")
     with pytest.raises(ValueError, match="rank 4 is outside"):
         t.coordinates(4)
+
+
+@st.composite
+def expert_topologies(draw: st.DrawFn) -> Topology:
+    ep = draw(st.integers(2, 8))
+    dp = ep * draw(st.integers(1, 4))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.integers(1, 3))
+    sp = draw(st.integers(1, 2))
+    return Topology(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+
+
+@settings(max_examples=150)
+@given(expert_topologies(), st.data())
+def test_expert_groups_subdivide_the_data_parallel_group(t: Topology, data: st.DataObject) -> None:
+    assert Axis.EP in t.axes and Axis.EDP in t.axes
+    assert t.size("ep") == t.ep and t.size("edp") == t.dp // t.ep
+    rank = data.draw(st.integers(0, t.world_size - 1))
+    dp_group = t.group_of(rank, "dp")
+    ep_group, edp_group = t.group_of(rank, "ep"), t.group_of(rank, "edp")
+    # the ep group: the ep consecutive dp coordinates of this rank's block, in dp order
+    block = t.coordinate(rank, "dp") // t.ep
+    assert ep_group == dp_group[block * t.ep : (block + 1) * t.ep], (ep_group, dp_group)
+    # the edp group: the ranks at the same place of every block (the same experts)
+    where = t.coordinate(rank, "ep")
+    assert edp_group == dp_group[where :: t.ep], (edp_group, dp_group)
+    assert t.coordinate(rank, "ep") == t.coordinate(rank, "dp") % t.ep
+    assert t.coordinate(rank, "edp") == t.coordinate(rank, "dp") // t.ep
+    # one rank in common, and together they span the dp group
+    assert set(ep_group) & set(edp_group) == {rank}
+    assert set(t.group_of(rank, ["ep", "edp"])) == set(dp_group)
+    # the other coordinates stay fixed along both
+    for peer in (*ep_group, *edp_group):
+        for axis in ("pp", "sp", "tp"):
+            assert t.coordinate(peer, axis) == t.coordinate(rank, axis), (peer, axis)
+
+
+def test_expert_groups_by_hand() -> None:
+    t = Topology(dp=4, tp=2, ep=2)
+    assert t.groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert t.groups("ep") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert t.groups("edp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert t.describe() == "pp=1 dp=4 ep=2 sp=1 tp=2 (1d)"
+
+
+def test_expert_degree_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"ep \(3\) must divide dp \(4\)"):
+        Topology(dp=4, ep=3)
+    with pytest.raises(ValueError, match="ep must be a positive integer, got 0"):
+        Topology(dp=4, ep=0)
+    with pytest.raises(ValueError, match=r"'ep' exists only with expert parallelism \(ep > 1\)"):
+        Topology(dp=4).groups("ep")
+    assert Axis.EP not in Topology(dp=4).axes

@@ -21,6 +21,8 @@ class Axis(StrEnum):
 
     PP = "pp"
     DP = "dp"
+    EP = "ep"
+    EDP = "edp"
     SP = "sp"
     TP = "tp"
     TP_ROW = "tp_row"

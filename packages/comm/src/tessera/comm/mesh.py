@@ -3,7 +3,8 @@
 A Mesh is built collectively (every rank constructs it, in the same order, after
 ``torch.distributed`` is initialised) and owns its groups: ``close()`` destroys them. The
 four main axes come from a torch ``DeviceMesh`` of shape (pp, dp, sp, tp), so DTensor-based
-code can share it; tp sub-axes and combined axes are extra groups over the same ranks.
+code can share it; tp sub-axes, the expert axes ``ep`` and ``edp`` (when the topology has
+ep > 1) and combined axes are extra groups over the same ranks.
 """
 
 from __future__ import annotations

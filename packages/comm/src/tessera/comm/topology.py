@@ -3,7 +3,13 @@
 Everything here is pure arithmetic over integers: no process group is touched.
 
 Ranks are laid out in the order (pp, dp, sp, tp) from slowest to fastest varying, so the
-ranks of one tensor-parallel group are contiguous (one node keeps its TP traffic). Tensor
+ranks of one tensor-parallel group are contiguous (one node keeps its TP traffic).
+
+Expert parallelism subdivides the data-parallel ranks: ``ep`` divides dp, and the dp
+coordinate is ``e * ep + p``. The ``ep`` consecutive dp coordinates with the same ``e`` form
+one expert-parallel group (``ep``: they split the experts between them, index ``p``); the
+``dp / ep`` ranks with the same ``p`` form the expert-data-parallel group (``edp``: they hold
+the same experts, index ``e``). Both axes exist only when ep > 1. Tensor
 parallelism of mode 2d, 2.5d and 3d decomposes the tp coordinate further:
 
 - 2d (SUMMA), tp = q*q: tp = i*q + j. ``tp_row`` holds the ranks of one row (same i,
@@ -42,7 +48,8 @@ class Topology:
     """An immutable, validated description of the degrees of a job.
 
     ``world_size = pp * dp * sp * tp``. ``depth`` is the 2.5d depth d (tp = q*q*d) and must
-    be 1 for every other mode.
+    be 1 for every other mode. ``ep`` (expert parallelism) must divide ``dp``; with ep > 1
+    the topology has the ``ep`` and ``edp`` axes (module docstring).
 
     >>> t = Topology(dp=2, tp=4, tp_mode="2d")
     >>> t.world_size, t.groups("tp_row")[:2]
@@ -55,14 +62,20 @@ class Topology:
     sp: int = 1
     tp_mode: TPMode = TPMode.ONE_D
     depth: int = 1
+    ep: int = 1
     _grid: TPGrid = field(init=False, repr=False, compare=False)
     _atoms: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "sp", "depth"):
+        for name in ("dp", "pp", "tp", "sp", "depth", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"Topology.ep ({self.ep}) must divide dp ({self.dp}): the expert-parallel ranks are "
+                "data-parallel ranks"
+            )
         grid = TPGrid.of(self.tp_mode, self.tp, self.depth)
         object.__setattr__(self, "tp_mode", grid.mode)
         object.__setattr__(self, "_grid", grid)
@@ -83,7 +96,8 @@ class Topology:
         }[grid.mode]
         names = (name for name, _ in _TP_ATOMS[grid.mode])
         tp_atoms = tuple(zip(names, sizes, strict=True))
-        return (("pp", self.pp), ("dp", self.dp), ("sp", self.sp), *tp_atoms)
+        dp_atoms = (("dp.e", self.dp // self.ep), ("dp.p", self.ep))
+        return (("pp", self.pp), *dp_atoms, ("sp", self.sp), *tp_atoms)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -95,7 +109,8 @@ class Topology:
     def axes(self) -> tuple[Axis, ...]:
         """The axes this topology has groups for (tp sub-axes only for the modes that have them)."""
         subs = tuple(a for _, a in _TP_ATOMS[self.tp_mode] if a is not None)
-        return (Axis.PP, Axis.DP, Axis.SP, Axis.TP, *subs)
+        experts = (Axis.EP, Axis.EDP) if self.ep > 1 else ()
+        return (Axis.PP, Axis.DP, Axis.SP, Axis.TP, *subs, *experts)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless ``world_size`` is exactly what the degrees multiply to."""
@@ -113,10 +128,18 @@ class Topology:
                 axis = Axis(raw)
             except ValueError:
                 raise ValueError(f"unknown axis {raw!r}; known: {[a.value for a in Axis]}") from None
+            if axis in (Axis.EP, Axis.EDP) and self.ep == 1:
+                raise ValueError(f"axis {axis.value!r} exists only with expert parallelism (ep > 1), ep is 1")
             if axis not in self.axes:
                 raise ValueError(f"axis {axis.value!r} does not exist for tp_mode {self.tp_mode.value}")
             if axis is Axis.TP:
                 chosen.update(n for n, _ in self._atoms if n.startswith("tp"))
+            elif axis is Axis.DP:
+                chosen.update(("dp.e", "dp.p"))
+            elif axis is Axis.EP:
+                chosen.add("dp.p")
+            elif axis is Axis.EDP:
+                chosen.add("dp.e")
             elif axis.value.startswith("tp_"):
                 chosen.update(n for n, a in _TP_ATOMS[self.tp_mode] if a is axis)
             else:
@@ -200,6 +223,8 @@ class Topology:
         return tuple(group)
 
     def describe(self) -> str:
-        """One line naming the degrees, e.g. ``pp=2 dp=2 sp=1 tp=4 (2d)``."""
+        """One line naming the degrees, e.g. ``pp=2 dp=2 sp=1 tp=4 (2d)`` (and ``ep=2`` after dp
+        under expert parallelism)."""
         extra = f", depth={self.depth}" if self.tp_mode is TPMode.TWO_P5_D else ""
-        return f"pp={self.pp} dp={self.dp} sp={self.sp} tp={self.tp} ({self.tp_mode.value}{extra})"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"pp={self.pp} dp={self.dp}{ep} sp={self.sp} tp={self.tp} ({self.tp_mode.value}{extra})"
