@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
-from tessera.moe.layer import MoE, MoEStats, shard_experts
+from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
 from tessera.moe.router import Routing, TopKRouter, route
@@ -32,6 +32,7 @@ __all__ = [
     "plan_dispatch",
     "reduce_gradients",
     "route",
+    "set_aux_grad_scale",
     "shard_experts",
     "z_loss",
 ]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.comm import group_rank, group_size
+from tessera.moe.aux import attach_aux
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_STREAM, expert_stream
@@ -29,7 +30,7 @@ from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import TopKRouter
 
-__all__ = ["MoE", "MoEStats", "shard_experts"]
+__all__ = ["MoE", "MoEStats", "set_aux_grad_scale", "shard_experts"]
 
 _log = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class MoE(nn.Module):
 
     After each forward: ``aux_loss`` (load balancing, `load_balancing_loss`), ``z_loss``
     (router z-loss) and ``stats`` (`MoEStats`) describe that call on this rank.
+    ``aux_loss_coef`` / ``z_loss_coef``: train the router on ``coef * loss`` of each call from
+    inside the layer's backward (`tessera.moe.aux`), scaled by ``aux_grad_scale`` (1: set it
+    with `set_aux_grad_scale` to the factor the caller's backward multiplies its loss by); 0:
+    the caller adds the losses itself, if at all.
     """
 
     def __init__(
@@ -94,6 +99,8 @@ class MoE(nn.Module):
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
         if experts < 1:
@@ -101,6 +108,9 @@ class MoE(nn.Module):
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
         capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
+        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not coef >= 0:
+                raise ValueError(f"{name} must be >= 0, got {coef}")
         if ep_group is not None and seed is None:
             raise ValueError("an ep_group needs an explicit seed: every ep rank must build the same router")
         if seed is None:
@@ -108,6 +118,7 @@ class MoE(nn.Module):
         start, stop = (0, experts) if ep_group is None else _ep_split(experts, ep_group)
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.grouped, self.ep_group = grouped, ep_group
+        self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
         self.first_expert = start
         self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed)
         self.experts = Experts(
@@ -142,7 +153,11 @@ class MoE(nn.Module):
         self.aux_loss = load_balancing_loss(routing.probs, plan.routed)
         self.z_loss = z_loss(routing.logits)
         self.stats = MoEStats(routed=plan.routed, kept=plan.kept)
-        return out.view(x.shape)
+        out = out.view(x.shape)
+        if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
+            weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
+            out = attach_aux(out, weighted, self)
+        return out
 
 
 def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
@@ -156,3 +171,15 @@ def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
     layer.first_expert, layer.ep_group = start, group
     _log.debug("experts %d..%d of %d on this rank", start, stop - 1, layer.num_experts)
     return layer
+
+
+def set_aux_grad_scale(module: nn.Module, scale: float) -> int:
+    """Set ``aux_grad_scale`` of every `MoE` in ``module`` to ``scale``: the factor the
+    caller's next backward multiplies its loss by (``loss_scale / microbatches``), so the
+    attached auxiliary losses weigh what they would in that loss. Returns how many layers."""
+    if not scale > 0:
+        raise ValueError(f"the auxiliary gradient scale must be > 0, got {scale}")
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.aux_grad_scale = float(scale)
+    return len(layers)
