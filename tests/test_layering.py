@@ -1,7 +1,7 @@
 """Tier 0: the layering of the packages. Each imports only the Tessera packages below it
 (models and comm at the bottom, importing no other; tensor_parallel, pipeline, zero and moe
 need only comm; the planner comm, pipeline, zero and, for its calibrator, models; the launcher
-all but moe), in any module, including imports inside functions and under
+all of them), in any module, including imports inside functions and under
 TYPE_CHECKING; nobody imports the launcher."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ALLOWED = {
     "zero": {"comm"},
     "moe": {"comm"},
     "planner": {"models", "comm", "pipeline", "zero"},
-    "launcher": {"models", "comm", "tensor_parallel", "pipeline", "zero", "planner"},
+    "launcher": {"models", "comm", "tensor_parallel", "pipeline", "zero", "planner", "moe"},
 }
 
 
