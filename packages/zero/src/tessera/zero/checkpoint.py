@@ -9,7 +9,9 @@ fsync), so ``meta.json`` commits a complete checkpoint. Nothing is unpickled.
 
 At stage 0 (plain data parallelism) masters and optimizer state are the same on every rank,
 so rank 0 writes the one file ``rank-00000-of-00001.safetensors`` (``"replicated": true`` in
-``meta.json``) and every rank loads it.
+``meta.json``) and every rank loads it; unless some FlatParams are sharded over another
+group (expert parameters, ``tessera.zero.groups``), whose values differ between the ranks:
+then every rank writes its own file, as in the other stages.
 
 Loading reads ``meta.json`` and checks, before touching any state: the format, the world
 size (a different one is refused naming both numbers), the stage, the optimizer class and
@@ -70,6 +72,7 @@ __all__ = [
     "load_groups",
     "optimizer_index",
     "read_meta",
+    "replicated_checkpoint",
     "save",
     "snapshot_writer",
     "write_tensors",
@@ -111,8 +114,10 @@ class Checkpointable(Protocol):
     def steps(self) -> int: ...
 
 
-def _replicated(zero: Checkpointable) -> bool:
-    return zero.stage == 0
+def replicated_checkpoint(zero: Checkpointable) -> bool:
+    """Whether rank 0 alone writes the checkpoint (module docstring): stage 0, every FlatParam
+    over the optimizer's group."""
+    return zero.stage == 0 and all(f.group is zero.group for f in zero.flats)
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -294,7 +299,7 @@ def begin_save(zero: Checkpointable, path: Path, write_rank: RankWriter | None =
     """The first half of a save under ``path`` (no I/O): what ``meta.json`` will record, as of
     now, and this rank's ``write_rank`` (default: the flat optimizer's, built in memory)."""
     rank, world = group_rank(zero.group), zero.world_size
-    replicated = _replicated(zero)
+    replicated = replicated_checkpoint(zero)
     files = [rank_file(0, 1)] if replicated else [rank_file(r, world) for r in range(world)]
     meta = {
         "format": FORMAT,

@@ -52,16 +52,17 @@ from tessera.zero.chunks import ChunkConfig, ChunkedFlatParam, ChunkStore
 from tessera.zero.chunks.build import build_store
 from tessera.zero.chunks.checkpoint import rank_opener, rank_snapshot, rank_writer
 from tessera.zero.chunks.step import chunk_grad_stats, step_chunks
-from tessera.zero.clip import clip_coefficient, global_grad_stats, shard_weights
-from tessera.zero.flat import BUCKET_BYTES, bucketize
+from tessera.zero.clip import clip_coefficient, global_grad_stats
+from tessera.zero.flat import BUCKET_BYTES
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.grads import GradReducer, HookRunner
+from tessera.zero.groups import build_flats, mixed_groups, norm_weights
 from tessera.zero.offload import sync_device
 from tessera.zero.pool import BufferPool
 from tessera.zero.portable import full_state_layout, iter_full_state, load_full_state
 from tessera.zero.precision import DynamicLossScaler, Precision, cast_buffers_, compute_dtype
 from tessera.zero.stage3 import ParamGatherer
-from tessera.zero.units import assign_params, default_units
+from tessera.zero.units import default_units
 from tessera.zero.validate import ZeroOptions, collect_params
 
 __all__ = ["ZeroOptimizer"]
@@ -103,6 +104,10 @@ class ZeroOptimizer:
     ``memory``: the chunk memory manager (``tessera.zero.chunks``): masters, gradient shards
     and optimizer state (and at stage 3 in fp32 the parameter shards) in chunks on the
     device, host and disk under the budgets of a ``ChunkConfig``, stepped chunk by chunk.
+
+    ``sharding``: parameters sharded and reduced over another group than ``group`` (expert
+    parameters over their expert-data-parallel group, ``tessera.zero.groups``), still divided
+    by ``average_over``; their full state is per group, so ``full_state`` and its kin refuse.
     """
 
     def __init__(
@@ -126,7 +131,10 @@ class ZeroOptimizer:
         replication: Mapping[nn.Parameter, int] | None = None,
         average_over: int | None = None,
         memory: ChunkConfig | None = None,
+        sharding: Mapping[nn.Parameter, Group] | None = None,
     ) -> None:
+        if memory is not None and sharding:
+            raise ValueError("sharding= (parameters over another group) with memory=ChunkConfig(...) is not built")
         if memory is not None and offload:
             raise ValueError(
                 "offload=True and memory=ChunkConfig(...) exclude each other: "
@@ -151,12 +159,12 @@ class ZeroOptimizer:
         align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
         n_groups = len(optimizer.param_groups)
 
-        def make(pairs: list[tuple[str, nn.Parameter]], gi: int, sharded: bool) -> FlatParam:
+        def make(pairs: list[tuple[str, nn.Parameter]], gi: int, sharded: bool, over: Group) -> FlatParam:
             return (ChunkedFlatParam if memory is not None else FlatParam)(
                 [p for _, p in pairs],
                 [n for n, _ in pairs],
                 group_index=gi,
-                group=group,
+                group=over,
                 compute_dtype=dtype,
                 offload=offload,
                 sharded=sharded,
@@ -164,24 +172,11 @@ class ZeroOptimizer:
                 align=align,
             )
 
-        self.flats: list[FlatParam] = []
-        self.units: list[tuple[nn.Module, list[FlatParam]]] = []
-        if stage in (0, 1, 2):
-            for gi in range(n_groups):
-                mine = [(n, p) for n, p in reversed(named) if group_of[id(p)] == gi]
-                sizes = [p.numel() * dtype.itemsize for _, p in mine]
-                for bucket in bucketize(sizes, bucket_bytes):
-                    self.flats.append(make([mine[i] for i in reversed(bucket)], gi, False))
-        else:
-            chosen = default_units(model) if units is None else list(units)
-            for unit, pairs in assign_params(model, chosen):
-                unit_flats = []
-                for gi in range(n_groups):
-                    mine = [(n, p) for n, p in pairs if group_of[id(p)] == gi]
-                    if mine:
-                        unit_flats.append(make(mine, gi, True))
-                self.units.append((unit, unit_flats))
-                self.flats.extend(unit_flats)
+        self.flats, self.units = build_flats(
+            model, named, group_of, stage=stage, n_groups=n_groups, bucket_bytes=bucket_bytes,
+            itemsize=dtype.itemsize, units=default_units(model) if units is None else list(units),
+            group=group, sharding=sharding or {}, make=make,
+        )  # fmt: skip
         cast_buffers_(model, dtype)
         self._pool = BufferPool() if stage == 3 and reuse_buffers and memory is None else None
         for flat in self.flats if self._pool is not None else []:
@@ -208,15 +203,11 @@ class ZeroOptimizer:
         self.scaler = (
             loss_scaler if loss_scaler is not None else (DynamicLossScaler() if precision == "fp16" else None)
         )
-        self._norm_weights = [
-            shard_weights(f.layout, f.shard_rank, [1.0 / (replication or {}).get(p, 1) for p in f.params])
-            if replication
-            else None
-            for f in self.flats
-        ]
+        self._mixed = mixed_groups(self.flats, group)  # some parameters sharded over ``sharding``'s groups
+        self._norm_weights = norm_weights(self.flats, group, stage=stage, replication=replication)
         self._chunks: ChunkStore | None = None
         if memory is not None:
-            weights = self._norm_weights if replication else None
+            weights = self._norm_weights if replication else None  # (no ``sharding`` with memory)
             self._chunks = build_store(
                 model, self.flats, optimizer, memory, stage=stage, group=group, weights=weights
             )
@@ -324,7 +315,7 @@ class ZeroOptimizer:
                 self.device,
                 extra_groups=self.norm_groups,
                 weights=self._norm_weights,
-                replicated=self.stage == 0,
+                replicated=self.stage == 0 and not self._mixed,
             )
         if stats.overflow:
             return self._skip()
@@ -388,7 +379,7 @@ class ZeroOptimizer:
 
     def full_parameters(self) -> dict[str, Tensor]:
         """Every parameter's fp32 master value in full, by name (collective in stages 1-3:
-        all-gathers)."""
+        all-gathers; a ``sharding`` parameter's over its own group)."""
         if self._chunks is not None:
             return self._by_name([self._chunks.master(i) for i in range(len(self.flats))])
         return self._by_name([f.master for f in self.flats])
@@ -403,6 +394,10 @@ class ZeroOptimizer:
         if any(g is None for g in grads):
             raise RuntimeError("full_gradients() is only valid inside step(), before the optimizer steps")
         return self._by_name([g for g in grads if g is not None])
+
+    def _whole(self, what: str) -> None:
+        if self._mixed:
+            raise ValueError(f"{what}() of parameters sharded over another group (sharding=) is not built")
 
     def _by_name(self, shards: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -455,17 +450,20 @@ class ZeroOptimizer:
         the host) and each group's scalar state, one at a time, in ``full_state_layout()``'s
         order (``tessera.zero.portable``). Collective (an all-gather per flat buffer and
         kind): every rank consumes it to the end."""
+        self._whole("iter_full_state")
         return iter_full_state(self, self._chunks)
 
     def full_state_layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(key, shape)`` of what ``iter_full_state()`` yields now, in order; no communication.
         Optimizer state exists once the optimizer has stepped: before the first step only the
         ``param/`` keys."""
+        self._whole("full_state_layout")
         return full_state_layout(self, self._chunks)
 
     def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
         """Restore what ``iter_full_state`` yielded, saved under any stage and world size, reading
         ``state`` one parameter at a time (a lazy mapping is never loaded whole); local."""
+        self._whole("load_full_state")
         load_full_state(self, state, self._chunks)
         self._restored(steps)
 
