@@ -11,6 +11,10 @@ A checkpoint root holds one directory per save, ``step-NNNNNNNN/``:
   placement, the ZeRO stage and the configuration that shapes the state.
 
 ``latest`` in the root names the newest committed generation (a convenience; loading scans).
+Without shared storage (each node its own folder, ``tessera.launcher.storage``) every file
+is kept in two nodes' folders and each folder has the manifest; a load first copies into
+each folder what it lacks of the generation it loads, so a node that lost its disk, or a
+job restarted on fewer nodes, loads the same generation.
 A save uncommits a committed generation of the same step before rewriting it; after the
 commit, generations beyond ``keep_last`` and torn saves older than the new one are removed.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,6 @@ from torch import Tensor
 
 from tessera.comm.consensus import raise_together
 from tessera.comm.safefile import SafeFile
-from tessera.launcher.experts import refuse_experts
 from tessera.launcher.generations import (
     FORMAT,
     MANIFEST,
@@ -49,6 +53,7 @@ from tessera.launcher.generations import (
 from tessera.launcher.reshard import PORTABLE, load_portable_state, read_portable
 from tessera.launcher.saving import BackgroundSave, Checkpointable, begin_save, layout, sha256, zero_dir
 from tessera.launcher.saving import fingerprint as _fingerprint
+from tessera.launcher.storage import gather_generation
 
 __all__ = [
     "FORMAT",
@@ -156,8 +161,6 @@ def _check_portable(
 ) -> tuple[Path, dict[str, Any], Mapping[str, Tensor], dict[str, Any]]:
     """The checks of a generation saved under another topology: the configuration but its
     parallel and zero sections, and the checksums of the portable parts every rank reads."""
-    for ep in (int(manifest["topology"].get("ep", 1)), engine.mesh.topology.ep):  # experts split per rank
-        refuse_experts(ep, f"loading {gen} (saved under {manifest['topology']}) under another topology")
     ignored = ("parallel", "zero")
     saved = {k: v for k, v in manifest["config"].items() if k not in ignored}
     mine = {k: v for k, v in _fingerprint(engine.config).items() if k not in ignored}
@@ -193,10 +196,16 @@ def load_engine(engine: Checkpointable, path: str | Path) -> tuple[int, Path]:
     collective."""
     path = Path(path)
     device = engine.mesh.device
+    named = re.fullmatch(r"step-(\d{8})", path.name)  # a generation, by name: it may not be here yet
+    root = path.parent if named else path
+    storage = engine.checkpoint_storage(root)
     error: BaseException | None = None
     same = True
     try:
-        gen = resolve_generation(path)
+        if storage.shared:
+            gen = resolve_generation(path)
+        else:  # the generation is made whole in every node's folder first (collective)
+            gen = gather_generation(root, storage, int(named.group(1)) if named else None, device)
         manifest = read_manifest(gen)
         same = _same_layout(engine, manifest)
         check = _check if same else _check_portable

@@ -16,14 +16,13 @@ from tessera.launcher.boost_config import (
     TrainConfig,
     ZeroConfig,
 )
-from tessera.launcher.main_config import Config, DataConfig, ModelConfig, MoEConfig
+from tessera.launcher.main_config import Config, DataConfig, ModelConfig
 
 __all__ = [
     "BoostConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",
-    "MoEConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

@@ -32,6 +32,7 @@ from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
 from tessera.launcher.spec import logits_of
+from tessera.launcher.storage import Storage, probe_storage
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, forward_loss, split_microbatches
 from tessera.tensor_parallel import (
@@ -99,6 +100,7 @@ class Engine:
         self.partial_over_tp = bool(sequence_parallel_params(module))
         self.coverage_proved = mesh.size("tp") == 1
         self._pending_save: BackgroundSave | None = None  # save(background=True) until committed
+        self._storage: dict[Path, Storage] = {}  # checkpoint folder -> which ranks share it
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -327,6 +329,14 @@ class Engine:
             return done
         self._pending_save = done
         return done.generation
+
+    def checkpoint_storage(self, root: str | Path) -> Storage:
+        """Which ranks share the checkpoint folder ``root`` (``tessera.launcher.storage``);
+        found out at the first save or load under it (collective then), and logged."""
+        key = Path(root)
+        if key not in self._storage:
+            self._storage[key] = probe_storage(key, self.mesh.device)
+        return self._storage[key]
 
     def wait_for_save(self) -> Path | None:
         """Wait for the save pending in the background and commit it; its directory (None if

@@ -16,6 +16,11 @@ A save has three phases:
    write failed; the ZeRO groups agree on their shards (``meta.json``); rank 0 merges the
    checksums into the manifest, the commit point, and prunes.
 
+Without shared storage (``storage``: the ranks of each node write into their own node's
+folder), the commit first copies every file to a second node's folder (``storage.spread``),
+then the lowest rank of each folder writes the same manifest there, listing which folders
+hold each file, and prunes its folder.
+
 The writer thread never runs a collective: gloo's groups are not safe under concurrent
 operations from two threads, and training's collectives go on meanwhile. The agreement is
 made from the training thread instead, when it next saves, waits (``Engine.wait_for_save``)
@@ -42,6 +47,7 @@ import torch
 from torch import Tensor
 
 from tessera.comm import group_rank
+from tessera.comm.blobs import all_gather_bytes
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.launcher.config import BoostConfig, Config
@@ -49,7 +55,8 @@ from tessera.launcher.config_io import config_to_dict
 from tessera.launcher.generations import FORMAT, LATEST, MANIFEST, committed_generations, generation_name
 from tessera.launcher.placement import Boosted
 from tessera.launcher.reshard import snapshot_portable, write_portable
-from tessera.zero.checkpoint import ShardSave, rank_file, replicated_checkpoint, write_tensors
+from tessera.launcher.storage import REPLICAS, Storage, spread
+from tessera.zero.checkpoint import ShardSave, rank_file, write_tensors
 
 __all__ = ["BackgroundSave", "Checkpointable", "PendingSave", "begin_save", "fingerprint", "layout"]
 
@@ -63,6 +70,7 @@ class Checkpointable(Boosted, Protocol):
     def scheduler(self) -> Any: ...
     @property
     def config(self) -> BoostConfig: ...
+    def checkpoint_storage(self, root: Path) -> Storage: ...
 
 
 # Fields that choose where or how the state lives but not what it is: a resume may change them
@@ -83,8 +91,6 @@ def fingerprint(config: BoostConfig) -> dict[str, Any]:
     for section, names in _PLACEMENT_ONLY.items():
         for name in names:
             out[section].pop(name, None)
-    if out["parallel"].get("ep") == 1:  # without expert parallelism: as saved before parallel.ep
-        del out["parallel"]["ep"]
     if isinstance(config, Config):
         out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
         if config.data.path:  # the user's own data: its samples are what the data position counts
@@ -105,7 +111,6 @@ def layout(engine: Checkpointable) -> dict[str, Any]:
             "sp": t.sp,
             "tp_mode": str(t.tp_mode),
             "depth": t.depth,
-            **({"ep": t.ep} if t.ep > 1 else {}),
         },
         "stage_to_rank": list(engine.placement.stage_to_rank),
         "zero_stage": engine.zero.stage,
@@ -159,6 +164,7 @@ class PendingSave:
     root: Path
     generation: Path
     keep_last: int
+    storage: Storage  # who shares the folder ``root``
     writes: list[tuple[str, Write]]  # (path in the generation, what writes it)
     copied: int = 0  # bytes copied to host memory for the writer
     shard: ShardSave | None = None  # background: the ZeRO shard's agreement is the commit's
@@ -181,15 +187,29 @@ class PendingSave:
 
     def commit(self) -> Path:
         """Collective over every rank, from the training thread: agree every rank wrote, the
-        ZeRO shards' ``meta.json``, then rank 0 writes the manifest and prunes."""
-        gen, device = self.generation, self.engine.mesh.device
+        ZeRO shards' ``meta.json``; without shared storage copy each file to a second folder;
+        then rank 0 (each folder's lowest rank) writes the manifest and prunes."""
+        gen, device, storage = self.generation, self.engine.mesh.device, self.storage
         raise_together(self.error, None, f"writing the checkpoint {gen}", device)
         if self.shard is not None:
             self.shard.commit()
+        holders = None if storage.shared else spread(gen, storage, REPLICAS, device)
+        sums: dict[str, str] = {}
         error = None
-        if self.engine.mesh.rank == 0:
+        if storage.leader:
             try:
-                _commit(self.engine, self.step, self.root, gen, self.keep_last)
+                sums = _local_sums(gen)
+            except OSError as e:
+                error = e
+        raise_together(error, None, f"reading the checksums ({gen})", device)
+        if holders is not None:  # every folder's checksums, merged
+            for text in all_gather_bytes(
+                json.dumps(sums).encode() if storage.leader else b"{}", None, device
+            ):
+                sums.update(json.loads(text))
+        if storage.leader:
+            try:
+                _commit(self.engine, self.step, self.root, gen, self.keep_last, sums, holders, storage)
             except OSError as e:
                 error = e
         raise_together(error, None, f"committing ({gen})", device)
@@ -204,24 +224,20 @@ def begin_save(
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     gen = root / generation_name(step)
     device = engine.mesh.device
-
-    def together(what: str, fn: Callable[[], None], only_rank_0: bool = False) -> None:
-        error = None
-        try:
-            if engine.mesh.rank == 0 or not only_rank_0:
-                fn()
-        except OSError as e:
-            error = e
-        raise_together(error, None, f"{what} ({gen})", device)
-
-    # a generation of the same step is uncommitted before any of its files is rewritten
-    together("uncommitting", lambda: (gen / MANIFEST).unlink(missing_ok=True), only_rank_0=True)
+    storage = engine.checkpoint_storage(root)
+    error: BaseException | None = None
+    try:  # a generation of the same step is uncommitted before any of its files is rewritten
+        if storage.leader:
+            (gen / MANIFEST).unlink(missing_ok=True)
+    except OSError as e:
+        error = e
+    raise_together(error, None, f"uncommitting ({gen})", device)
     tensors, metadata = _rank_tensors(engine, step, copy=background)
     rank_rel = f"rank-{engine.mesh.rank:05d}.safetensors"
     writes: list[tuple[str, Write]] = [
         (rank_rel, lambda: write_tensors(gen / rank_rel, tensors, metadata).hex())
     ]
-    pending = PendingSave(engine, step, root, gen, keep_last, writes)
+    pending = PendingSave(engine, step, root, gen, keep_last, storage, writes)
     if background:
         pending.shard, shard_bytes = engine.zero.begin_save(zero_dir(engine, gen))
         portable = snapshot_portable(engine, gen, step)
@@ -239,11 +255,9 @@ def begin_save(
     engine.zero.save(zdir)  # collective; its meta.json is hashed by rank 0 at the commit
     zero = engine.zero
     zrank = group_rank(zero.group)
-    replicated = replicated_checkpoint(zero)  # stage 0, unless expert parameters differ per rank
-    mine = rank_file(0, 1) if replicated else rank_file(zrank, zero.world_size)
-    if not replicated or zrank == 0:
+    mine = rank_file(0, 1) if zero.stage == 0 else rank_file(zrank, zero.world_size)
+    if zero.stage != 0 or zrank == 0:
         writes.append((str((zdir / mine).relative_to(gen)), lambda: sha256(zdir / mine)))
-    error: BaseException | None = None
     part = None
     try:
         part = write_portable(engine, gen, step)
@@ -261,21 +275,34 @@ def _write_shard(shard: ShardSave) -> str:
     return shard.digest.hex()
 
 
-def _commit(engine: Checkpointable, step: int, root: Path, gen: Path, keep_last: int) -> None:
-    """Rank 0: merge the ranks' checksums (and hash the ZeRO groups' ``meta.json``) into the
-    manifest (the commit), point ``latest``, prune."""
-    files = generation_files(gen)
+def _local_sums(gen: Path) -> dict[str, str]:
+    """The checksums in this folder's copy of ``gen``: the ranks' ``.sha-RRRRR.json`` files it
+    holds, and the hash of each ZeRO ``meta.json`` it holds."""
     sums: dict[str, str] = {}
-    for r in range(engine.mesh.topology.world_size):
-        part = gen / f".sha-{r:05d}.json"
+    for part in sorted(gen.glob(".sha-*.json")):
         sums.update(json.loads(part.read_text()))
-        part.unlink()
-    for rel in files:
+    for rel in generation_files(gen):
         if rel not in sums and rel.startswith("zero/") and rel.endswith("/meta.json"):
             sums[rel] = sha256(gen / rel)
+    return sums
+
+
+def _commit(
+    engine: Checkpointable,
+    step: int,
+    root: Path,
+    gen: Path,
+    keep_last: int,
+    sums: dict[str, str],
+    holders: dict[str, list[int]] | None,
+    storage: Storage,
+) -> None:
+    """Rank 0, or each folder's lowest rank without shared storage: write the manifest of the
+    ranks' checksums ``sums`` (the commit), point ``latest``, prune."""
+    files = generation_files(gen) if holders is None else sorted(r for r in holders if not r.startswith("."))
     if sorted(sums) != files:
         raise OSError(f"{gen}: the ranks hashed {len(sums)} files, the generation holds {len(files)}")
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
         "data_position": step,
@@ -283,7 +310,16 @@ def _commit(engine: Checkpointable, step: int, root: Path, gen: Path, keep_last:
         "config": fingerprint(engine.config),
         "files": sums,
     }
+    if holders is not None:  # which folder (node) holds each file
+        manifest["storage"] = {
+            "folders": [
+                {"host": h, "ranks": list(d)} for h, d in zip(storage.hosts, storage.domains, strict=True)
+            ],
+            "holders": {rel: holders[rel] for rel in files},
+        }
     atomic_write(gen / MANIFEST, json.dumps(manifest, indent=1).encode())
+    for part in gen.glob(".sha-*.json"):
+        part.unlink()
     atomic_write(root / LATEST, f"{gen.name}\n".encode())
     committed = committed_generations(root)
     for old in committed[:-keep_last]:
