@@ -40,7 +40,9 @@ sharded (stage 3) and the process group it is sharded over."""
 Pairs = list[tuple[str, nn.Parameter]]
 
 
-def _by_group(pairs: Pairs, sharding: Mapping[nn.Parameter, Group], group: Group) -> list[tuple[Group, Pairs]]:
+def _by_group(
+    pairs: Pairs, sharding: Mapping[nn.Parameter, Group], group: Group
+) -> list[tuple[Group, Pairs]]:
     """``pairs`` split by process group, the default ``group`` first, then the others in
     order of first appearance; each keeps the order of ``pairs``."""
     split: dict[int, tuple[Group, Pairs]] = {id(group): (group, [])}
