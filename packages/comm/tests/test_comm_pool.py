@@ -97,7 +97,13 @@ def _mesh_groups(rank: int, kwargs: dict[str, object]) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"dp": 2, "tp": 2}, {"pp": 2, "tp": 2}, {"tp": 4, "tp_mode": "2d"}, {"dp": 2, "sp": 2}, {"dp": 4, "ep": 2}],
+    [
+        {"dp": 2, "tp": 2},
+        {"pp": 2, "tp": 2},
+        {"tp": 4, "tp_mode": "2d"},
+        {"dp": 2, "sp": 2},
+        {"dp": 4, "ep": 2},
+    ],
 )
 def test_mesh_builds_every_axis_on_gloo(worker_pools: PoolFactory, kwargs: dict[str, object]) -> None:
     for per_axis in worker_pools(4).run(_mesh_groups, kwargs):

@@ -25,7 +25,14 @@ from tessera.moe import MoE, reduce_gradients, set_aux_grad_scale
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 A, Z = 0.3, 0.05
-CONFIG: dict[str, Any] = {"d_model": 6, "hidden": 8, "experts": 4, "top_k": 2, "capacity_factor": 1.0, "seed": 3}
+CONFIG: dict[str, Any] = {
+    "d_model": 6,
+    "hidden": 8,
+    "experts": 4,
+    "top_k": 2,
+    "capacity_factor": 1.0,
+    "seed": 3,
+}
 
 
 def _pair() -> tuple[MoE, MoE]:
@@ -52,7 +59,8 @@ def _assert_same(got: dict[str, Tensor], want: dict[str, Tensor], **tol: float) 
 
 def _data(tokens: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, CONFIG["d_model"], generator=gen), torch.randn(tokens, CONFIG["d_model"], generator=gen)
+    shape = (tokens, CONFIG["d_model"])
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
 def test_attached_losses_equal_adding_them_by_hand() -> None:
@@ -107,7 +115,7 @@ def test_no_attachment_without_gradients_and_refusals() -> None:
     with torch.no_grad():
         y = attached(_data(4)[0])
     assert y.grad_fn is None
-    with pytest.raises(ValueError, match="aux_loss_coef must be >= 0, got -0.1"):
+    with pytest.raises(ValueError, match=r"aux_loss_coef must be >= 0, got -0\.1"):
         MoE(**CONFIG, aux_loss_coef=-0.1)
     with pytest.raises(ValueError, match="z_loss_coef must be >= 0, got -1"):
         MoE(**CONFIG, z_loss_coef=-1)

@@ -8,7 +8,10 @@ their sharded twins (in place, keeping the serial weights' slices), context para
 swaps the attention cores for ring or Ulysses attention, the pipeline partitioner then cuts
 the blocks into this rank's stages, and the optimizer is rebuilt over the
 parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
-under context parallelism, whose ranks hold partial sums of one replica's gradient).
+under context parallelism, whose ranks hold partial sums of one replica's gradient). Under
+expert parallelism (``parallel.ep``) every MoE layer's experts are split over the ep group
+before tensor parallelism (``tessera.launcher.experts``), and ZeRO shards the expert
+parameters over the expert-data-parallel group instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tessera.launcher import known  # noqa: F401  (registers the specs of the mo
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
+from tessera.launcher.experts import check_experts, refuse_experts, shard_moe
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.recompute import checkpoint_layers, offload_layers
@@ -176,6 +180,9 @@ def boost(
         raise ValueError("; ".join(errors))
     p = config.parallel
     topology = p.topology()
+    check_experts(model, topology.ep)  # before anything changes the model
+    if config.train.verify if verify is None else verify:
+        refuse_experts(topology.ep, "train.verify (the serial first step)")
     mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
     tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
@@ -187,6 +194,7 @@ def boost(
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
     serial = None
     if has_deferred(model):  # built by ``deferred_parameters``: kept as meta, before tp converts it
+        refuse_experts(topology.ep, "deferred initialization")
         if topology.tp_mode is not TPMode.ONE_D and tp > 1:
             raise ValueError(f"deferred initialization works with tp_mode 1d, not {topology.tp_mode.value}")
         serial = copy.deepcopy(model)
@@ -199,6 +207,7 @@ def boost(
             )
         if example is not None:
             check_blocks(model, serial_blocks, example, spec.output)
+    expert_groups = shard_moe(model, mesh)  # ep > 1: this rank's experts, sharded by ZeRO over edp
     if tp > 1:
         parallelize(
             model,
@@ -287,6 +296,7 @@ def boost(
         norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],
         replication=placement.replicated,
         memory=chunk_config(config, mesh.rank),
+        sharding={param: g for param, g in expert_groups.items() if id(param) in local_ids},
     )
     runtime = None
     if pp > 1:

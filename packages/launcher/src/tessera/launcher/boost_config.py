@@ -52,6 +52,9 @@ class ParallelConfig:
     for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
     ``tessera plan --calibrate`` writes (``plan.cluster.calibrated_path``) if there is one,
     else the ``cpu`` preset. The launcher refuses an unknown cluster before anything spawns.
+    ``ep`` > 1: expert parallelism over the data-parallel ranks (ep divides dp): every
+    ``tessera.moe.MoE`` layer's experts are split over ``ep`` consecutive dp ranks, and ZeRO
+    shards expert parameters over the ``dp / ep`` ranks that hold the same experts.
     """
 
     dp: int = 1
@@ -69,6 +72,7 @@ class ParallelConfig:
     tune_splits: int = 2
     auto: bool = False
     cluster: str = ""
+    ep: int = 1
 
     def __post_init__(self) -> None:
         coerce_choices(self)
@@ -82,7 +86,13 @@ class ParallelConfig:
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree or mode)."""
         return Topology(
-            dp=self.dp, pp=self.pp, tp=self.tp, sp=self.sp, tp_mode=self.tp_mode, depth=self.tp_depth
+            dp=self.dp,
+            pp=self.pp,
+            tp=self.tp,
+            sp=self.sp,
+            tp_mode=self.tp_mode,
+            depth=self.tp_depth,
+            ep=self.ep,
         )
 
 
@@ -266,6 +276,24 @@ class BoostConfig:
         modes = not any(line.startswith("parallel.") for line in choices)  # the degrees' own rules
         return list(dict.fromkeys(choices + rules(modes)))  # zero.policy: the chunks' rule too
 
+    def _expert_rules(self) -> list[str]:
+        """What expert parallelism (parallel.ep > 1) does not compose with yet."""
+        p, z = self.parallel, self.zero
+        if p.ep == 1:
+            return []
+        refused = [
+            (p.sp > 1, f"parallel.ep={p.ep} with parallel.sp={p.sp} (context parallelism) is not built"),
+            (p.auto, f"parallel.ep={p.ep} with parallel.auto is not built: the planner places no experts"),
+            (z.chunked, f"parallel.ep={p.ep} with the chunk memory manager (budgets, disk_dir) is not built"),
+            (z.offload, f"parallel.ep={p.ep} with zero.offload is not built"),
+            (
+                p.sequence_parallel and p.tp > 1,
+                f"parallel.ep={p.ep} with parallel.sequence_parallel is not built: the tp ranks would route "
+                "different tokens",
+            ),
+        ]
+        return [message for bad, message in refused if bad]
+
     def _rules(self, *, modes: bool) -> list[str]:
         """The rules between fields, once each field holds a number or a member."""
         p, t, errors = self.parallel, self.train, list[str]()
@@ -284,6 +312,7 @@ class BoostConfig:
                     p.tp_mode is TPMode.ONE_D or not (p.sequence_parallel or p.sp > 1),
                     f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built",
                 )
+                errors += self._expert_rules()
         need(
             p.schedule in SCHEDULES,
             f"parallel.schedule={p.schedule!r} is not one of {', '.join(sorted(SCHEDULES))}",

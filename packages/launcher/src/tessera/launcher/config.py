@@ -16,13 +16,14 @@ from tessera.launcher.boost_config import (
     TrainConfig,
     ZeroConfig,
 )
-from tessera.launcher.main_config import Config, DataConfig, ModelConfig
+from tessera.launcher.main_config import Config, DataConfig, ModelConfig, MoEConfig
 
 __all__ = [
     "BoostConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

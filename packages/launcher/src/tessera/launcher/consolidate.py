@@ -21,6 +21,7 @@ from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import SafeFile
+from tessera.launcher.experts import refuse_experts
 from tessera.launcher.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
@@ -47,7 +48,8 @@ def unshard(
 def local_full_parameters(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 serial tensors of this rank's pipeline stages, by serial name (collective
     over tp and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
-    parameters that ZeRO-3 frees again after gathering."""
+    parameters that ZeRO-3 frees again after gathering. Refused under expert parallelism."""
+    refuse_experts(engine.mesh.topology.ep, "the full serial parameters")
     placement = engine.placement
     names, shapes, specs = placement.names, placement.full_shapes, placement.shard_specs
     tp, group = engine.mesh.size("tp"), engine.mesh.group("tp")
@@ -65,7 +67,9 @@ def local_full_gradients(engine: Boosted) -> dict[str, Tensor]:
     is about to step them (summed over tp and pipeline copies, averaged over dp, unscaled,
     clipped): call it from an optimizer step pre-hook, on every rank. Collective: ZeRO's
     all-gathers over dp (``ZeroOptimizer.full_gradients``), then the tp shards joined as each
-    parameter's ``ShardSpec`` says (``unshard``), in serial-name order on every rank."""
+    parameter's ``ShardSpec`` says (``unshard``), in serial-name order on every rank.
+    Refused under expert parallelism."""
+    refuse_experts(engine.mesh.topology.ep, "the full serial gradients")
     placement = engine.placement
     local = dict(engine.module.named_parameters())
     grads = {placement.names[local[n]]: g for n, g in engine.zero.full_gradients().items()}
@@ -108,7 +112,9 @@ def export_sharded(engine: Boosted, directory: str | Path) -> Path:
     (dp 0, tp 0) rank with only its own stages' parameters, then ``model.safetensors.index.json``
     (written last, by rank 0, from the shards' headers: the commit point). No rank holds more
     than its stages. A name held by two stages (a tied weight) is listed from the first shard.
-    Collective over every rank; returns the index's path."""
+    Collective over every rank; returns the index's path. Refused under expert parallelism
+    (``tessera.launcher.experts``)."""
+    refuse_experts(engine.mesh.topology.ep, f"exporting the serial model to {directory}")
     directory = Path(directory)
     mesh = engine.mesh
     pp = mesh.size("pp")

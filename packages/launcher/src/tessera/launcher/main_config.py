@@ -1,7 +1,7 @@
 """The main job's configuration (``tessera train``, ``plan``, ``prepare-data``): `Config`, the
-core `BoostConfig` with the reference GPT's ``[model]`` and the text and global batch of
-``[data]``, and the rules between them and the degrees. ``tessera`` resolves a `Config`;
-``boost()`` reads only its core.
+core `BoostConfig` with the reference GPT's ``[model]``, the text and global batch of
+``[data]``, its mixture of experts ``[moe]``, and the rules between them and the degrees.
+``tessera`` resolves a `Config`; ``boost()`` reads only its core.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tessera.comm import TPMode
 from tessera.comm.sequence_modes import sequence_chunks
 from tessera.launcher.boost_config import BoostConfig
 
-__all__ = ["Config", "DataConfig", "ModelConfig"]
+__all__ = ["Config", "DataConfig", "MoEConfig", "ModelConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,24 @@ class DataConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The main job's mixture of experts (``enabled``: every layer's MLP is a
+    ``tessera.moe.MoE`` of ``experts`` SwiGLU experts of width ``model.mlp_ratio * d_model``,
+    each token to ``top_k`` of them). ``capacity_factor``: each expert keeps at most
+    ``ceil(factor * tokens * top_k / experts)`` of a call's assignments (``dropless``: all).
+    ``aux_loss_coef`` / ``z_loss_coef``: the load-balancing and router z-losses' weights,
+    trained from inside each layer (``tessera.moe.aux``)."""
+
+    enabled: bool = False
+    experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+
+@dataclass(frozen=True, slots=True)
 class Config(BoostConfig):
     """The configuration ``tessera`` resolves (TOML, environment, ``--set``): the core sections
     of `BoostConfig` and the main job's own ``[model]`` (the reference GPT's sizes) and
@@ -63,6 +81,7 @@ class Config(BoostConfig):
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> list[str]:
         """Every mistake in the configuration, the main job's sections included, one line each."""
@@ -76,7 +95,7 @@ class Config(BoostConfig):
         return self._lines(self._sections(), lambda modes: BoostConfig._rules(self, modes=modes))
 
     def _sections(self) -> tuple[Any, ...]:
-        return (*BoostConfig._sections(self), self.model, self.data)
+        return (*BoostConfig._sections(self), self.model, self.data, self.moe)
 
     def _rules(self, *, modes: bool) -> list[str]:
         p, d = self.parallel, self.data
@@ -96,6 +115,7 @@ class Config(BoostConfig):
         if grid is not None and p.sp > 1:
             errors += self._check_context_model()
         errors += self._check_model()
+        errors += self._check_moe()
         per_step = p.dp * p.microbatches
         if d.batch_size % per_step:
             errors.append(
@@ -162,3 +182,23 @@ class Config(BoostConfig):
             )
         need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
         return errors
+
+    def _check_moe(self) -> list[str]:
+        """The ``[moe]`` section, when on, and the degrees it composes with."""
+        p, e = self.parallel, self.moe
+        if not e.enabled:
+            return []
+        refused = [
+            (e.top_k > e.experts, f"moe.top_k={e.top_k} is more than moe.experts={e.experts}"),
+            (e.capacity_factor <= 0, f"moe.capacity_factor={e.capacity_factor} must be > 0"),
+            (e.aux_loss_coef < 0, f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0"),
+            (e.z_loss_coef < 0, f"moe.z_loss_coef={e.z_loss_coef} must be >= 0"),
+            (
+                e.experts % getattr(p, "ep", 1) != 0,
+                f"moe.experts={e.experts} is not divisible by parallel.ep={getattr(p, 'ep', 1)}",
+            ),
+            (p.tp > 1, f"moe.enabled with parallel.tp={p.tp}: tensor parallelism in experts is not built"),
+            (p.pp > 1, f"moe.enabled with parallel.pp={p.pp}: the main job's MoE runs without a pipeline"),
+            (p.sp > 1, f"moe.enabled with parallel.sp={p.sp}: context parallelism with MoE is not built"),
+        ]
+        return [message for bad, message in refused if bad]

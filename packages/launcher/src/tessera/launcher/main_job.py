@@ -10,7 +10,9 @@ TensorBoard event files, when the ``tensorboard`` package is installed: ``runlog
 model), ``tokenizer.json`` and ``sample.txt`` (text the trained model generates). Before a
 fresh run trains, rank 0 times plain single-process PyTorch training of the same model on
 every core (``serial_tokens_per_s`` in ``metrics.jsonl``, a reference line in the plot) and
-the end of the run logs the parallel job's throughput as a multiple of it.
+the end of the run logs the parallel job's throughput as a multiple of it. With ``[moe]`` on,
+every layer's MLP is a mixture of experts (``moe_model``) and each logged step also records
+each expert's share of the routed tokens and the fraction dropped for capacity.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
 from tessera.launcher.engine import Engine
+from tessera.launcher.moe_model import ExpertLoad, moe_gpt
 from tessera.launcher.preflight import committed_checkpoint, saved_vocab
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
 from tessera.launcher.serial_speed import best_serial_tokens_per_s
 from tessera.launcher.token_data import Data, TokenData, open_data
 from tessera.models import GPT, GPTConfig
+from tessera.moe import set_aux_grad_scale
 
 __all__ = ["main", "sample"]
 
@@ -81,6 +85,11 @@ def sample(model: GPT, data: Data, *, prompt: str, chars: int, seed: int, temper
     return data.tokenizer.decode(ids)
 
 
+def build_model(gpt_cfg: GPTConfig, config: Config, *, seed: int) -> GPT:
+    """The main job's model: the reference GPT, with mixture-of-experts MLPs when ``[moe]`` is on."""
+    return moe_gpt(gpt_cfg, config.moe, seed=seed) if config.moe.enabled else GPT(gpt_cfg, seed=seed)
+
+
 def _run_dir(config: Config, device: torch.device) -> Path:
     return run_folder(config, device)
 
@@ -107,7 +116,7 @@ def _serial_reference(
     """The ``serial_tokens_per_s`` record: plain PyTorch training of the same model, one process."""
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        model = GPT(gpt_cfg, seed=config.train.seed).to(device)
+        model = build_model(gpt_cfg, config, seed=config.train.seed).to(device)
         return model, _optimizer(config, model)
 
     speed = best_serial_tokens_per_s(
@@ -164,7 +173,8 @@ def main() -> None:
     config, vocab = _with_vocab(config, data.vocab_size, resume)
     m = config.model
     gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
-    model = GPT(gpt_cfg, seed=config.train.seed).to(device)
+    model = build_model(gpt_cfg, config, seed=config.train.seed).to(device)
+    load = ExpertLoad(model) if config.moe.enabled else None
     factor = _lr_lambda(config)
     engine = boost(
         model,
@@ -206,6 +216,8 @@ def main() -> None:
     started = time.perf_counter()
     window_start, window_steps = started, 0
     for step in range(engine.step, config.train.steps):
+        if load is not None:  # the attached router losses follow the loss's scale and microbatches
+            set_aux_grad_scale(engine.module, engine.zero.loss_scale / config.parallel.microbatches)
         out = engine.train_step(*_rank_batch(engine, data, "train", step, config.data.batch_size), local=True)
         window_steps += 1
         done = step + 1
@@ -213,6 +225,7 @@ def main() -> None:
             now = time.perf_counter()
             speed = tokens * window_steps / (now - window_start)
             window_start, window_steps = now, 0
+            moe = {} if load is None else load.collect(device=engine.mesh.device)  # collective
             if metrics is not None and progress is not None:
                 metrics.write(
                     step=done,
@@ -222,6 +235,7 @@ def main() -> None:
                     tokens_per_s=speed,
                     elapsed_s=now - started,
                     skipped=out.skipped,
+                    **moe,
                 )
                 progress.update(done, loss=out.loss, tok_s=speed)
         if done % config.train.eval_every == 0 or done == config.train.steps:
@@ -240,7 +254,7 @@ def main() -> None:
     if rank == 0 and metrics is not None:
         metrics.close()
         assert full is not None
-        serial = GPT(gpt_cfg, seed=0)
+        serial = build_model(gpt_cfg, config, seed=0)
         serial.load_state_dict(full)
         # a function definition at the start of a line; 0.6 keeps the sample in code rather than prose
         chars, seed = config.train.sample_chars, config.train.seed

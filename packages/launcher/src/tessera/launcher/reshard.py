@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
 from tessera.launcher.consolidate import unshard
+from tessera.launcher.experts import refuse_experts
 from tessera.launcher.placement import Boosted
 from tessera.launcher.tensorfile import LazyTensors, weight_files
 
@@ -102,7 +103,10 @@ def write_portable(engine: Boosted, gen: Path, step: int) -> Path | None:
     """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
     over ZeRO's group and tp; one rank per pipeline rank writes); the file this rank wrote.
     The tensors stream into the file one at a time behind a header laid out beforehand
-    (``full_state_layout``), so no rank holds more than one flat buffer's state in full."""
+    (``full_state_layout``), so no rank holds more than one flat buffer's state in full.
+    None on every rank under expert parallelism, whose generations load only at their layout."""
+    if engine.mesh.topology.ep > 1:
+        return None
     plan = _portable_plan(engine, gen, step)
     with contextlib.ExitStack() as stack:
         writer = None if plan is None else stack.enter_context(StreamWriter(*plan))
@@ -118,7 +122,9 @@ def snapshot_portable(engine: Boosted, gen: Path, step: int) -> tuple[Path, Call
     """``write_portable`` in halves: the gathers now (collective) into one host copy of this
     pipeline rank's part on the rank that writes it; there, the file, what writes that copy
     later (no collective, any thread; returns the file's hex sha256) and the bytes copied.
-    None on the other ranks."""
+    None on the other ranks, and on every rank under expert parallelism (``write_portable``)."""
+    if engine.mesh.topology.ep > 1:
+        return None
     plan = _portable_plan(engine, gen, step)
     values = [v.detach().to("cpu", copy=True) if plan is not None else None for v in _portable_values(engine)]
     if plan is None:
@@ -246,6 +252,7 @@ def import_weights(engine: Boosted, path: Path) -> None:
     parameter at a time; the optimizer state starts
     fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
     parameter."""
+    refuse_experts(engine.mesh.topology.ep, f"importing {path}")
     with LazyTensors(weight_files(path)) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
         missing = sorted(wanted - set(weights))

@@ -5,7 +5,9 @@ falls back to one log line per update elsewhere (CI logs, files). When the ``ten
 package is importable (the launcher's ``tensorboard`` extra), ``MetricsWriter`` also writes
 the records' scalars as TensorBoard event files (``torch.utils.tensorboard``) into a folder
 of the run (``TAGS``: loss, learning rate, gradient norm, tokens/s, validation loss, the
-single-process reference); without it, one log line says so and nothing else changes.
+single-process reference, a mixture of experts' dropped fraction, and each expert's share of
+the routed tokens as ``moe/expert_<e>_share``); without it, one log line says so and nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ TAGS = {
     "tokens_per_s": "train/tokens_per_s",
     "val_loss": "val/loss",
     "serial_tokens_per_s": "reference/serial_tokens_per_s",
+    "dropped_fraction": "moe/dropped_fraction",
 }
 _said_absent = False
 
@@ -87,6 +90,8 @@ class MetricsWriter:
                 value = record.get(field)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._board.add_scalar(tag, float(value), step)
+            for e, share in enumerate(record.get("expert_share") or []):
+                self._board.add_scalar(f"moe/expert_{e}_share", float(share), step)
             self._board.flush()
 
     def close(self) -> None:
@@ -144,7 +149,8 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> None:
     """Training and validation loss, and tokens/s, against step, as a PNG.
 
     A ``serial_tokens_per_s`` record (the single-process reference of the same model) is drawn
-    as a dashed line on the tokens/s axis."""
+    as a dashed line on the tokens/s axis. Records with ``expert_share`` (a mixture of experts)
+    add a third panel: each expert's share of the routed tokens and the dropped fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +158,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> None:
 
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
-    fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    load = [r for r in train if r.get("expert_share")]
+    fig, axes = plt.subplots(3 if load else 2, 1, figsize=(7, 9 if load else 6), sharex=True)
+    ax_loss, ax_speed = axes[0], axes[1]
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
@@ -173,10 +181,27 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> None:
             break
     ax_speed.set_ylim(bottom=0)
     ax_speed.set_ylabel("tokens / s")
-    ax_speed.set_xlabel("step")
     ax_speed.grid(alpha=0.3)
+    if load:
+        _plot_expert_load(axes[2], load)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def _plot_expert_load(ax: Any, load: list[dict[str, Any]]) -> None:
+    """Each expert's share of the routed tokens (uniform: 1 / experts, dotted) and the
+    fraction of assignments dropped for capacity, against step."""
+    steps = [r["step"] for r in load]
+    experts = len(load[0]["expert_share"])
+    for e in range(experts):
+        ax.plot(steps, [r["expert_share"][e] for r in load], label=f"expert {e}")
+    ax.axhline(1 / experts, color="tab:gray", linestyle=":", label="uniform")
+    ax.plot(steps, [r.get("dropped_fraction", 0.0) for r in load], "k--", label="dropped fraction")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("share of routed tokens")
+    ax.legend(fontsize="small", ncol=2)
+    ax.grid(alpha=0.3)

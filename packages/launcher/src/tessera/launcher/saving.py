@@ -56,7 +56,7 @@ from tessera.launcher.generations import FORMAT, LATEST, MANIFEST, committed_gen
 from tessera.launcher.placement import Boosted
 from tessera.launcher.reshard import snapshot_portable, write_portable
 from tessera.launcher.storage import REPLICAS, Storage, spread
-from tessera.zero.checkpoint import ShardSave, rank_file, write_tensors
+from tessera.zero.checkpoint import ShardSave, rank_file, replicated_checkpoint, write_tensors
 
 __all__ = ["BackgroundSave", "Checkpointable", "PendingSave", "begin_save", "fingerprint", "layout"]
 
@@ -91,6 +91,8 @@ def fingerprint(config: BoostConfig) -> dict[str, Any]:
     for section, names in _PLACEMENT_ONLY.items():
         for name in names:
             out[section].pop(name, None)
+    if out["parallel"].get("ep") == 1:  # without expert parallelism: as saved before parallel.ep
+        del out["parallel"]["ep"]
     if isinstance(config, Config):
         out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
         if config.data.path:  # the user's own data: its samples are what the data position counts
@@ -111,6 +113,7 @@ def layout(engine: Checkpointable) -> dict[str, Any]:
             "sp": t.sp,
             "tp_mode": str(t.tp_mode),
             "depth": t.depth,
+            **({"ep": t.ep} if t.ep > 1 else {}),
         },
         "stage_to_rank": list(engine.placement.stage_to_rank),
         "zero_stage": engine.zero.stage,
@@ -255,8 +258,9 @@ def begin_save(
     engine.zero.save(zdir)  # collective; its meta.json is hashed by rank 0 at the commit
     zero = engine.zero
     zrank = group_rank(zero.group)
-    mine = rank_file(0, 1) if zero.stage == 0 else rank_file(zrank, zero.world_size)
-    if zero.stage != 0 or zrank == 0:
+    replicated = replicated_checkpoint(zero)  # stage 0, unless expert parameters differ per rank
+    mine = rank_file(0, 1) if replicated else rank_file(zrank, zero.world_size)
+    if not replicated or zrank == 0:
         writes.append((str((zdir / mine).relative_to(gen)), lambda: sha256(zdir / mine)))
     part = None
     try:

@@ -134,7 +134,7 @@ class ZeroOptimizer:
         sharding: Mapping[nn.Parameter, Group] | None = None,
     ) -> None:
         if memory is not None and sharding:
-            raise ValueError("sharding= (parameters over another group) with memory=ChunkConfig(...) is not built")
+            raise ValueError("sharding= (other groups) with memory=ChunkConfig() is not built")
         if memory is not None and offload:
             raise ValueError(
                 "offload=True and memory=ChunkConfig(...) exclude each other: "

@@ -1,0 +1,82 @@
+"""Expert parallelism in ``boost()``: every ``tessera.moe.MoE`` layer split over the ep group.
+
+With ``parallel.ep`` > 1 the data-parallel ranks form expert-parallel groups of ``ep``
+consecutive ranks (`tessera.comm.Topology`). ``check_experts`` finds the model's MoE layers
+by type (whatever the model calls them) and refuses, before anything changes, a model
+without one, a layer whose experts ``ep`` does not divide (naming the layer, its experts
+and ep) and a layer already built expert-parallel. ``shard_moe`` then keeps on each rank
+its ``experts / ep`` experts of every layer (`tessera.moe.shard_experts`: tokens travel to
+their experts by all-to-all over the ep group) and returns what ZeRO shards over the
+expert-data-parallel group: every expert bank's parameters (`tessera.moe.expert_parameters`;
+the routers and shared experts are dense, reduced over the whole data-parallel group).
+
+An expert-parallel engine holds each layer's experts split over the ep ranks under the
+serial parameter names, so what would assemble the serial model from one rank's view (the
+portable state of a checkpoint, consolidation, export, import, the first step's serial
+verification) refuses it (``refuse_experts``) rather than return a wrong model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from torch import nn
+
+from tessera.comm import Mesh
+from tessera.moe import MoE, expert_parameters, shard_experts
+
+__all__ = ["check_experts", "moe_layers", "refuse_experts", "shard_moe"]
+
+log = logging.getLogger(__name__)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every ``tessera.moe.MoE`` module of ``model`` with its name, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def check_experts(model: nn.Module, ep: int) -> None:
+    """Refuse (ValueError naming the values) what ``shard_moe`` cannot split over ``ep`` ranks."""
+    if ep == 1:
+        return
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(
+            f"parallel.ep={ep} but {type(model).__name__} has no tessera.moe.MoE layer: nothing to split"
+        )
+    uneven = [f"{name} ({m.num_experts} experts)" for name, m in layers if m.num_experts % ep]
+    if uneven:
+        raise ValueError(f"parallel.ep={ep} must divide the experts of every MoE layer: {', '.join(uneven)}")
+    built = [name for name, m in layers if m.ep_group is not None]
+    if built:
+        raise ValueError(
+            f"MoE layers {built} are already expert-parallel (built with ep_group=): with parallel.ep "
+            "build them serial and let boost() shard them"
+        )
+
+
+def shard_moe(model: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGroup]:
+    """Split every MoE layer's experts over this rank's ep group (checked by ``check_experts``);
+    the expert parameters, each mapped to the expert-data-parallel group (empty when ep = 1)."""
+    ep = mesh.topology.ep
+    if ep == 1:
+        return {}
+    group, edp = mesh.group("ep"), mesh.group("edp")
+    layers = moe_layers(model)
+    for _, layer in layers:
+        shard_experts(layer, group)
+    log.info(
+        "expert parallelism: %d MoE layers split over ep=%d (this rank: ep %d of %d, edp %d of %d)",
+        len(layers), ep, mesh.coordinate("ep"), ep, mesh.coordinate("edp"), mesh.size("edp"),
+    )  # fmt: skip
+    return {param: edp for param in expert_parameters(model)}
+
+
+def refuse_experts(ep: int, what: str) -> None:
+    """Raise ValueError when ``what`` would need the whole serial model under ``ep`` > 1."""
+    if ep > 1:
+        raise ValueError(
+            f"{what} with parallel.ep={ep} is not built: each rank holds 1/{ep} of every MoE layer's "
+            "experts under the serial names (a checkpoint resumes only at the same layout)"
+        )

@@ -1,0 +1,295 @@
+"""A user's mixture-of-experts model through boost() with expert parallelism, against serial.
+
+The model is not ours: a small pre-norm transformer (its own names: ``stem``, ``trunk``,
+``mix``, ``readout``) whose feed-forward is a ``tessera.moe.MoE`` (drop-less top-2 of 4
+experts, a shared expert, a router per layer). ``parallel.ep`` splits the experts of every
+layer over ``ep`` consecutive data-parallel ranks, found by type. Each composition trains
+three SGD-with-momentum steps and is compared with the serial model trained in plain
+PyTorch on the same chunks: the loss of a step is the mean over the (dp rank, microbatch)
+chunks of the batch of ``cross-entropy + AUX * sum of the layers' aux_loss`` (the
+load-balancing loss is a per-call statistic: the serial run computes it per chunk too).
+Under pp the loss function runs on the last stage, which cannot see the layers' aux
+losses: those cases train the cross-entropy alone.
+
+Bounds: losses and the gradient norm the engine reports rel 1e-5 (fp32 means summed in
+another order across ranks and microbatches); the weights after three steps atol 1e-6 +
+rtol 1e-5 (SGD with momentum is linear in the gradient, so they stay at round-off, as in
+``test_user_models``; drop-less routing makes each token's experts the serial ones as long
+as no router score is within round-off of a tie, which these seeds are far from). A lost
+expert contribution, a gradient averaged over the wrong ranks (an expert's over dp instead
+of edp, or divided by the edp size instead of dp) or a norm counting an expert shard twice
+is off by far more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm import all_gather
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.consolidate import unshard
+from tessera.moe import MoE, expert_parameters
+from tessera.tensor_parallel import Plan, Style
+
+VOCAB, SEQ, BATCH, STEPS, LR, AUX = 48, 8, 8, 3, 0.1, 0.05
+D, HEADS = 16, 2
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+
+
+class Attend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, D // HEADS).transpose(1, 2) for w in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+
+
+class Layer(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.pre, self.attend = Norm(), Attend()
+        self.post = Norm()
+        self.mix = MoE(d_model=D, hidden=24, experts=4, top_k=2, shared_hidden=8, seed=seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attend(self.pre(x))
+        return x + self.mix(self.post(x))
+
+
+class TinyMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Embedding(VOCAB, D)
+        self.trunk = nn.ModuleList(Layer(seed=11 + i) for i in range(2))
+        self.readout = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.stem(ids)
+        for layer in self.trunk:
+            h = layer(h)
+        return self.readout(h)  # type: ignore[no-any-return]
+
+
+# tp splits the attention only: the experts (and the router, the shared expert, the head) stay whole
+PLAN = Plan.of(
+    {
+        "trunk.*.attend": Style.ATTENTION,
+        "trunk.*.attend.q": Style.COLWISE,
+        "trunk.*.attend.k": Style.COLWISE,
+        "trunk.*.attend.v": Style.COLWISE,
+        "trunk.*.attend.o": Style.ROWWISE,
+    },
+    name="tiny-moe",
+)
+
+
+def build() -> TinyMoE:
+    torch.manual_seed(0)
+    return TinyMoE()
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def aux_of(model: nn.Module) -> Tensor:
+    return sum((m.aux_loss for m in model.modules() if isinstance(m, MoE)), torch.zeros(()))
+
+
+def serial(chunks: int, aux: float) -> tuple[list[float], list[float], dict[str, Tensor]]:
+    """Losses, gradient norms and final weights of the serial model on ``chunks`` chunks a step."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, targets = batch(step)
+        total = 0.0
+        opt.zero_grad()
+        for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + aux * aux_of(model)
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        opt.step()
+        losses.append(total)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def config(parallel: ParallelConfig, stage: int) -> BoostConfig:
+    return BoostConfig(
+        parallel=parallel,
+        zero=ZeroConfig(stage=stage),
+        train=TrainConfig(precision="fp32"),
+        optim=dataclasses.replace(BoostConfig().optim, clip_grad_norm=0.0),  # serial does not clip
+    )
+
+
+def full_weights(engine: Any) -> dict[str, Tensor]:
+    """This rank's stages' weights in full by serial name: tp shards joined by their specs, each
+    expert bank gathered over the ep group (the engine's own consolidation refuses ep > 1)."""
+    placement, mesh = engine.placement, engine.mesh
+    experts = {id(p) for p in expert_parameters(engine.module)}
+    out = {}
+    with engine.zero.gathered():
+        for param in engine.module.parameters():
+            name, value = placement.names[param], param.detach()
+            if id(param) in experts:
+                value = all_gather(value.contiguous(), mesh.group("ep"))
+            else:
+                spec = placement.shard_specs.get(name)
+                value = unshard(value, spec, placement.full_shapes[name], mesh.size("tp"), mesh.group("tp"))
+            out[name] = value.to("cpu", torch.float32, copy=True)
+    return out
+
+
+def _rank(rank: int, cfg: BoostConfig, aux: float) -> tuple[list[float], list[float], dict[str, Tensor]]:
+    model = build()
+
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux * aux_of(model)
+
+    spec = ModelSpec(plans={"1d": PLAN}, loss=loss if aux else None)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
+    outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
+    weights = full_weights(engine)
+    engine.close()
+    return [o.loss for o in outs], [float(o.grad_norm or 0.0) for o in outs], weights
+
+
+CASES = [
+    (ParallelConfig(dp=2, ep=2, microbatches=1), 0),
+    (ParallelConfig(dp=4, ep=2, microbatches=1), 1),
+    (ParallelConfig(dp=4, ep=2, microbatches=1), 3),
+    (ParallelConfig(dp=4, ep=4, microbatches=1), 3),
+    (ParallelConfig(dp=2, ep=2, microbatches=2), 2),
+    (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 1),
+    (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 1),
+]
+
+
+def _id(case: Any) -> str:
+    if isinstance(case, ParallelConfig):
+        return f"dp{case.dp}-ep{case.ep}-tp{case.tp}-pp{case.pp}-mb{case.microbatches}"
+    return f"zero{case}"
+
+
+@pytest.mark.parametrize(("parallel", "stage"), CASES, ids=_id)
+def test_an_moe_model_follows_its_serial_run(
+    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int
+) -> None:
+    cfg = config(parallel, stage)
+    assert cfg.validate() == []
+    aux = AUX if parallel.pp == 1 else 0.0  # under pp the loss runs on the last stage only
+    want_losses, want_norms, want = serial(parallel.dp * parallel.microbatches, aux)
+    merged: dict[str, Tensor] = {}
+    for rank, (losses, norms, weights) in enumerate(
+        worker_pools(cfg.world_size).run(_rank, cfg, aux, timeout=180)
+    ):
+        assert losses == pytest.approx(want_losses, rel=1e-5), (
+            f"rank {rank}: losses {losses} vs {want_losses}"
+        )
+        assert norms == pytest.approx(want_norms, rel=1e-5), (
+            f"rank {rank}: grad norms {norms} vs {want_norms}"
+        )
+        for name, value in weights.items():
+            if name in merged:  # every rank of a stage holds the same full weights
+                torch.testing.assert_close(
+                    value, merged[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
+                )
+        merged.update(weights)
+    assert merged.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(
+            merged[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _resume(rank: int, cfg: BoostConfig, root: str, other: BoostConfig) -> dict[str, Any]:
+    def engine_of(c: BoostConfig) -> Any:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        return boost(model, opt, c, spec=ModelSpec(plans={"1d": PLAN}))
+
+    first = engine_of(cfg)
+    first.train_step(*batch(0))
+    first.save(root)
+    straight = [first.train_step(*batch(s)).loss for s in (1, 2)]
+    straight_weights = full_weights(first)
+    first.close()
+    again = engine_of(cfg)
+    again.load(root)
+    resumed = [again.train_step(*batch(s)).loss for s in (1, 2)]
+    resumed_weights = full_weights(again)
+    refusals = {}
+    for what, call in (
+        ("consolidate", lambda: again.consolidate(Path(root) / "whole.safetensors")),
+        ("full_state_dict", again.full_state_dict),
+    ):
+        try:
+            call()
+            refusals[what] = ""
+        except ValueError as e:
+            refusals[what] = str(e)
+    again.close()
+    elsewhere = engine_of(other)
+    try:
+        elsewhere.load(root)
+        refusals["load"] = ""
+    except ValueError as e:
+        refusals["load"] = str(e)
+    elsewhere.close()
+    return {
+        "straight": (straight, straight_weights),
+        "resumed": (resumed, resumed_weights),
+        "refusals": refusals,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpoint_resumes_bit_for_bit_at_ep2_and_refuses_another_ep(
+    worker_pools: PoolFactory, tmp_path: Path, stage: int
+) -> None:
+    """Saved after one step at dp=2 x ep=2, the two steps after a load equal the two steps
+    without one exactly (losses and weights). A load under ep=1 (same world) refuses naming
+    ep, and so do consolidation and the full state dict."""
+    cfg = config(ParallelConfig(dp=2, ep=2, microbatches=1), stage)
+    other = config(ParallelConfig(dp=2, microbatches=1), stage)
+    for rank, run in enumerate(worker_pools(2).run(_resume, cfg, str(tmp_path / "ckpt"), other, timeout=180)):
+        (a, wa), (b, wb) = run["straight"], run["resumed"]
+        assert a == b, f"rank {rank}: losses after the resume {b} vs {a}"
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), f"rank {rank}: {name} differs after the resume"
+        for what, message in run["refusals"].items():
+            assert "parallel.ep=2" in message or "parallel.ep: saved 2" in message, f"{what}: {message!r}"
+
+
+# ---------------------------------------------------------------------------- refusals, no ranks
+def test_bad_expert_degrees_are_refused_naming_them() -> None:
+    assert any(
+        "ep (3) must divide dp (4)" in line for line in config(ParallelConfig(dp=4, ep=3), 0).validate()
+    )
+    sp = config(ParallelConfig(dp=2, ep=2, sp=2), 0).validate()
+    assert sp == ["parallel.ep=2 with parallel.sp=2 (context parallelism) is not built"], sp
