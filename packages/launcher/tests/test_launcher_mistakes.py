@@ -58,6 +58,17 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "script missing": (["run", "nope.py"], {}, ["script", "nope.py"]),
     "no script": (["run"], {}, ["exactly one of"]),
     "dp 0": (["run", "--set", "parallel.dp=0", "job.py"], {}, ["parallel.dp", "got 0"]),
+    "ep 0": (["run", *_sets("parallel.dp=2", "parallel.ep=0"), "job.py"], {}, ["parallel.ep", "got 0"]),
+    "ep not dividing dp": (
+        ["run", *_sets("parallel.dp=4", "parallel.ep=3"), "job.py"],
+        {},
+        ["ep (3) must divide dp (4)"],
+    ),
+    "ep with sp": (
+        ["train", *_sets("parallel.dp=2", "parallel.ep=2", "parallel.sp=2")],
+        {},
+        ["parallel.ep=2 with parallel.sp=2"],
+    ),
     "tp -1": (["run", "--set", "parallel.tp=-1", "job.py"], {}, ["parallel.tp", "got -1"]),
     "schedule": (["run", "--set", "parallel.schedule=zbx", "job.py"], {}, ["parallel.schedule", "zbx"]),
     "interleaved m<p": (
