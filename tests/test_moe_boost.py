@@ -293,3 +293,22 @@ def test_bad_expert_degrees_are_refused_naming_them() -> None:
     )
     sp = config(ParallelConfig(dp=2, ep=2, sp=2), 0).validate()
     assert sp == ["parallel.ep=2 with parallel.sp=2 (context parallelism) is not built"], sp
+
+
+def test_boost_refuses_experts_it_cannot_split_before_touching_the_model() -> None:
+    """Checked before any process group is made (no ranks here) and before the model changes."""
+    cfg = config(ParallelConfig(dp=2, ep=2, microbatches=1), 0)
+    model = build()
+    model.trunk[1].mix = MoE(d_model=D, hidden=24, experts=3, top_k=2, seed=5)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=r"parallel.ep=2 must divide .*: trunk.1.mix \(3 experts\)"):
+        boost(model, opt, cfg)
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items()), "the model changed"
+    dense = nn.Sequential(nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB))
+    with pytest.raises(ValueError, match=r"parallel.ep=2 but Sequential has no tessera.moe.MoE layer"):
+        boost(dense, torch.optim.SGD(dense.parameters(), lr=LR), cfg)
+    verify = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, verify=True))
+    with pytest.raises(ValueError, match=r"train.verify .* with parallel.ep=2 is not built"):
+        fresh = build()
+        boost(fresh, torch.optim.SGD(fresh.parameters(), lr=LR), verify)
