@@ -9,7 +9,10 @@ PyTorch on the same chunks: the loss of a step is the mean over the (dp rank, mi
 chunks of the batch of ``cross-entropy + AUX * sum of the layers' aux_loss`` (the
 load-balancing loss is a per-call statistic: the serial run computes it per chunk too).
 Under pp the loss function runs on the last stage, which cannot see the layers' aux
-losses: those cases train the cross-entropy alone.
+losses: there the layers are built with ``aux_loss_coef=AUX`` (the router trains on it from
+inside each layer's backward, ``tessera.moe.aux``, scaled by ``set_aux_grad_scale`` to the
+engine's ``1 / microbatches``), against the same serial run that adds it by hand; the
+engine's loss is then the cross-entropy alone.
 
 Bounds: losses and the gradient norm the engine reports rel 1e-5 (fp32 means summed in
 another order across ranks and microbatches); the weights after three steps atol 1e-6 +
@@ -36,7 +39,7 @@ from tessera.comm import all_gather
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.consolidate import unshard
-from tessera.moe import MoE, expert_parameters
+from tessera.moe import MoE, expert_parameters, set_aux_grad_scale
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 48, 8, 8, 3, 0.1, 0.05
@@ -66,11 +69,13 @@ class Attend(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, coef: float) -> None:
         super().__init__()
         self.pre, self.attend = Norm(), Attend()
         self.post = Norm()
-        self.mix = MoE(d_model=D, hidden=24, experts=4, top_k=2, shared_hidden=8, seed=seed)
+        self.mix = MoE(
+            d_model=D, hidden=24, experts=4, top_k=2, shared_hidden=8, seed=seed, aux_loss_coef=coef
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attend(self.pre(x))
@@ -78,10 +83,10 @@ class Layer(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, coef: float = 0.0) -> None:
         super().__init__()
         self.stem = nn.Embedding(VOCAB, D)
-        self.trunk = nn.ModuleList(Layer(seed=11 + i) for i in range(2))
+        self.trunk = nn.ModuleList(Layer(seed=11 + i, coef=coef) for i in range(2))
         self.readout = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -104,9 +109,10 @@ PLAN = Plan.of(
 )
 
 
-def build() -> TinyMoE:
+def build(coef: float = 0.0) -> TinyMoE:
+    """``coef``: each layer trains its router on ``coef * aux_loss`` itself."""
     torch.manual_seed(0)
-    return TinyMoE()
+    return TinyMoE(coef)
 
 
 def batch(step: int) -> tuple[Tensor, Tensor]:
@@ -118,23 +124,30 @@ def aux_of(model: nn.Module) -> Tensor:
     return sum((m.aux_loss for m in model.modules() if isinstance(m, MoE)), torch.zeros(()))
 
 
-def serial(chunks: int, aux: float) -> tuple[list[float], list[float], dict[str, Tensor]]:
-    """Losses, gradient norms and final weights of the serial model on ``chunks`` chunks a step."""
+Serial = tuple[list[float], list[float], list[float], dict[str, Tensor]]
+
+
+def serial(chunks: int, aux: float) -> Serial:
+    """Losses (with and without ``aux``), gradient norms and final weights of the serial
+    model on ``chunks`` chunks a step, adding ``aux * aux_loss`` to each chunk's loss by hand."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, norms = [], []
+    losses, plain, norms = [], [], []
     for step in range(STEPS):
         ids, targets = batch(step)
-        total = 0.0
+        total = ce = 0.0
         opt.zero_grad()
         for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + aux * aux_of(model)
+            entropy = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = entropy + aux * aux_of(model)
             (loss / chunks).backward()
             total += loss.item() / chunks
+            ce += entropy.item() / chunks
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
         opt.step()
         losses.append(total)
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+        plain.append(ce)
+    return losses, plain, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def config(parallel: ParallelConfig, stage: int) -> BoostConfig:
@@ -164,14 +177,16 @@ def full_weights(engine: Any) -> dict[str, Tensor]:
     return out
 
 
-def _rank(rank: int, cfg: BoostConfig, aux: float) -> tuple[list[float], list[float], dict[str, Tensor]]:
-    model = build()
+def _rank(rank: int, cfg: BoostConfig, inside: bool) -> tuple[list[float], list[float], dict[str, Tensor]]:
+    """``inside``: the layers train on the aux loss themselves; else the loss function adds it."""
+    model = build(AUX if inside else 0.0)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux * aux_of(model)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + AUX * aux_of(model)
 
-    spec = ModelSpec(plans={"1d": PLAN}, loss=loss if aux else None)
+    spec = ModelSpec(plans={"1d": PLAN}, loss=None if inside else loss)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
+    set_aux_grad_scale(engine.module, 1.0 / cfg.parallel.microbatches)  # the engine's loss / microbatches
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
     weights = full_weights(engine)
     engine.close()
@@ -201,11 +216,13 @@ def test_an_moe_model_follows_its_serial_run(
 ) -> None:
     cfg = config(parallel, stage)
     assert cfg.validate() == []
-    aux = AUX if parallel.pp == 1 else 0.0  # under pp the loss runs on the last stage only
-    want_losses, want_norms, want = serial(parallel.dp * parallel.microbatches, aux)
+    inside = parallel.pp > 1  # the loss runs on the last stage only: the layers add their aux loss
+    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX)
+    if inside:
+        want_losses = plain  # the engine's loss: the cross-entropy
     merged: dict[str, Tensor] = {}
     for rank, (losses, norms, weights) in enumerate(
-        worker_pools(cfg.world_size).run(_rank, cfg, aux, timeout=180)
+        worker_pools(cfg.world_size).run(_rank, cfg, inside, timeout=180)
     ):
         assert losses == pytest.approx(want_losses, rel=1e-5), (
             f"rank {rank}: losses {losses} vs {want_losses}"
