@@ -157,3 +157,15 @@ def test_bad_configurations_are_refused_naming_the_values(kwargs: dict[str, obje
     args: dict[str, object] = {"d_model": 4, "hidden": 6, "experts": 4, "top_k": 2, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
         MoE(**args)  # type: ignore[arg-type]
+
+
+def test_a_shared_gate_scales_the_shared_expert_per_token() -> None:
+    gated = MoE(d_model=4, hidden=6, experts=3, top_k=2, shared_hidden=5, shared_gate=True, seed=4)
+    plain = MoE(d_model=4, hidden=6, experts=3, top_k=2, shared_hidden=5, seed=4)  # the same weights
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
+    assert gated.shared is not None and gated.shared_gate is not None
+    shared = gated.shared.expert(0, x)
+    want = plain(x) - shared + torch.sigmoid(x @ gated.shared_gate.t()) * shared
+    torch.testing.assert_close(gated(x), want, **TOL)
+    with pytest.raises(ValueError, match="shared_gate needs a shared expert"):
+        MoE(d_model=4, hidden=6, experts=3, shared_gate=True)

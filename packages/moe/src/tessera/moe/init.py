@@ -2,9 +2,9 @@
 
 Every parameter tensor of a layer is drawn from its own generator, one *stream* of the
 layer's seed: the router is stream 0, the shared expert stream 1, expert ``e`` stream
-``2 + e``. So a rank that holds only some experts draws exactly the weights the serial
-layer has for them, without drawing the others, and threads acting as ranks never race on
-torch's default generator.
+``2 + e``, the shared expert's gate stream -1. So a rank that holds only some experts
+draws exactly the weights the serial layer has for them, without drawing the others, and
+threads acting as ranks never race on torch's default generator.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["ROUTER_STREAM", "SHARED_STREAM", "expert_stream", "generator", "uniform"]
+__all__ = ["ROUTER_STREAM", "SHARED_GATE_STREAM", "SHARED_STREAM", "expert_stream", "generator", "uniform"]
 
 ROUTER_STREAM = 0
 SHARED_STREAM = 1
+SHARED_GATE_STREAM = -1
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, stream) pairs get distinct seeds
 
 

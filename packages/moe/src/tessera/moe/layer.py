@@ -25,7 +25,7 @@ from tessera.comm import group_rank, group_size
 from tessera.moe.aux import attach_aux
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
-from tessera.moe.init import SHARED_STREAM, expert_stream
+from tessera.moe.init import SHARED_GATE_STREAM, SHARED_STREAM, expert_stream, generator, uniform
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import TopKRouter
@@ -71,11 +71,12 @@ class MoE(nn.Module):
     ``capacity_factor``: each expert keeps at most ``ceil(factor * T * top_k / experts)``
     assignments of a call's ``T`` tokens (on this rank), the first in token order; None keeps
     all (drop-less). ``renormalize``: the ``top_k`` weights of a token sum to 1.
-    ``shared_hidden``: add an always-on MLP of that width. ``grouped=False`` runs the experts
-    one by one (the reference of the batched path). ``seed``: the initialisation
-    (`tessera.moe.init`; None draws one from torch's global generator). ``ep_group``: hold
-    only this rank's ``experts / ep`` experts and exchange tokens over the group (None:
-    serial); every rank must pass the same ``seed``.
+    ``shared_hidden``: add an always-on MLP of that width; ``shared_gate``: scale its output
+    per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate [1, d_model]``, as Qwen2-MoE).
+    ``grouped=False`` runs the experts one by one (the reference of the batched path).
+    ``seed``: the initialisation (`tessera.moe.init`; None draws one from torch's global
+    generator). ``ep_group``: hold only this rank's ``experts / ep`` experts and exchange
+    tokens over the group (None: serial); every rank must pass the same ``seed``.
 
     After each forward: ``aux_loss`` (load balancing, `load_balancing_loss`), ``z_loss``
     (router z-loss) and ``stats`` (`MoEStats`) describe that call on this rank.
@@ -96,6 +97,7 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         renormalize: bool = True,
         shared_hidden: int | None = None,
+        shared_gate: bool = False,
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
@@ -108,6 +110,8 @@ class MoE(nn.Module):
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
         capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
+        if shared_gate and shared_hidden is None:
+            raise ValueError("shared_gate needs a shared expert (shared_hidden)")
         for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
             if not coef >= 0:
                 raise ValueError(f"{name} must be >= 0, got {coef}")
@@ -129,6 +133,11 @@ class MoE(nn.Module):
             if shared_hidden is None
             else Experts(d_model, shared_hidden, activation, seed=seed, streams=[SHARED_STREAM])
         )
+        self.shared_gate = (
+            nn.Parameter(uniform((1, d_model), d_model, generator(seed, SHARED_GATE_STREAM)))
+            if shared_gate
+            else None
+        )
         self.aux_loss: Tensor = torch.zeros(())
         self.z_loss: Tensor = torch.zeros(())
         self.stats = MoEStats(torch.zeros(experts, dtype=torch.long), torch.zeros(experts, dtype=torch.long))
@@ -149,7 +158,10 @@ class MoE(nn.Module):
         weights = routing.weights.reshape(-1).index_select(0, plan.assignment).to(out_rows.dtype)
         out = tokens.new_zeros(tokens.shape).index_add(0, plan.token, out_rows * weights[:, None])
         if self.shared is not None:
-            out = out + self.shared.expert(0, tokens)
+            shared = self.shared.expert(0, tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(tokens @ self.shared_gate.t()) * shared
+            out = out + shared
         self.aux_loss = load_balancing_loss(routing.probs, plan.routed)
         self.z_loss = z_loss(routing.logits)
         self.stats = MoEStats(routed=plan.routed, kept=plan.kept)

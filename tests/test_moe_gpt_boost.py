@@ -1,0 +1,92 @@
+"""Tier 2 (the worker pool): the main job's mixture-of-experts GPT (``moe_model.moe_gpt``,
+capacity 1.0 so tokens drop, router losses attached inside the layers) trains through
+``boost()`` at dp=2 with 2 microbatches, ZeRO 1 and 3, as the serial model trains when it
+runs the same ``dp * microbatches`` chunks one after the other with the losses' backward
+scale ``1 / chunks`` (``set_aux_grad_scale``; the engine's ranks use ``loss_scale /
+microbatches`` and the data-parallel mean does the rest).
+
+Capacity and the balancing loss are per call, so the chunks are the oracle's unit: rank ``r``
+trains rows ``r * B / dp ...``, each split into microbatches in order. Bounds as in
+``test_user_models.py``: losses rel 1e-5, SGD weights rtol 1e-5, atol 1e-6. An unscaled
+attachment (scale 1 per chunk instead of 1 / chunks) moves the routers by 4x the losses'
+share, far outside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import Config, MoEConfig, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.moe_model import moe_gpt
+from tessera.models import GPT, GPTConfig
+from tessera.moe import set_aux_grad_scale
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, mlp_ratio=2)
+MOE = MoEConfig(enabled=True, experts=4, top_k=2, capacity_factor=1.0, aux_loss_coef=0.5, z_loss_coef=0.05)
+BATCH, STEPS, LR, DP, MICRO = 8, 3, 0.3, 2, 2
+
+Run = tuple[list[float], dict[str, Tensor]]
+
+
+def _build() -> GPT:
+    return moe_gpt(CFG, MOE, seed=7)
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(
+        0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _serial() -> Run:
+    model = _build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    chunks = DP * MICRO
+    set_aux_grad_scale(model, 1 / chunks)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = _batch(step)
+        opt.zero_grad()
+        total = 0.0
+        for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        opt.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _parallel(rank: int, config: Config) -> Run:
+    model = _build()
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    losses = []
+    for step in range(STEPS):
+        set_aux_grad_scale(engine.module, engine.zero.loss_scale / config.parallel.microbatches)
+        losses.append(engine.train_step(*_batch(step)).loss)
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(worker_pools: PoolFactory, zero: int) -> None:
+    c = Config(
+        parallel=ParallelConfig(dp=DP, microbatches=MICRO),
+        zero=ZeroConfig(stage=zero),
+        train=TrainConfig(precision="fp32"),
+        moe=MOE,
+    )
+    config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
+    results = worker_pools(DP).run(_parallel, config, timeout=180)
+    losses, weights = _serial()
+    for curve, part in results:
+        assert curve == pytest.approx(losses, rel=1e-5)
+        torch.testing.assert_close(part, weights, rtol=1e-5, atol=1e-6)
