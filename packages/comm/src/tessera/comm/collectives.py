@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.comm import gloo_ring, shm
+from tessera.comm.eager import never_compiled
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import WAIT, profiled, profiler_enabled
 from tessera.comm.waiting import poll_budget, poll_then_wait
@@ -96,6 +97,7 @@ class Handle(Generic[T]):
         self._wait_name = wait_name  # the profiler range of wait(): see tessera.comm.profiling
         self._poll_s = poll_s  # how long wait() polls before it blocks: tessera.comm.waiting
 
+    @never_compiled
     def wait(self) -> T:
         """Wait for completion (idempotent) and return the result."""
         if not self._done:
@@ -132,6 +134,7 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group)
 
 
+@never_compiled  # a question about the group, answered eagerly (it may set up shared memory)
 def overlappable(x: Tensor, group: Group) -> bool:
     """Whether an ``*_async`` collective of tensors like ``x`` on ``group`` proceeds while the
     caller computes. Not on one rank, nor where the ranks share memory (`tessera.comm.shm`:
@@ -186,6 +189,7 @@ def _all_reduce(x: Tensor, group: Group, op: ReduceOpName, inplace: bool, async_
     return Handle([work], finish, poll_s=poll_budget(buffer.device))
 
 
+@never_compiled
 @profiled("tessera.comm.all_reduce_async")
 def all_reduce_async(
     x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False
@@ -198,6 +202,7 @@ def all_reduce_async(
     return _all_reduce(x, group, op, inplace, async_op=True)
 
 
+@never_compiled
 @profiled("tessera.comm.all_reduce")
 def all_reduce(x: Tensor, group: Group = None, op: ReduceOpName = "sum", *, inplace: bool = False) -> Tensor:
     """Reduce ``x`` over the group (sum by default) and return the result on every rank."""
@@ -276,6 +281,7 @@ def _all_gather(x: Tensor, group: Group, dim: int, out: Tensor | None, async_op:
     return Handle([work], finish, poll_s=poll_budget(flat.device))
 
 
+@never_compiled
 @profiled("tessera.comm.all_gather_async")
 def all_gather_async(
     x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None
@@ -287,6 +293,7 @@ def all_gather_async(
     return _all_gather(x, group, dim, out, async_op=True)
 
 
+@never_compiled
 @profiled("tessera.comm.all_gather")
 def all_gather(x: Tensor, group: Group = None, dim: int = 0, *, out: Tensor | None = None) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
@@ -333,6 +340,7 @@ def _reduce_scatter(
     return Handle([work], lambda: out, poll_s=poll_s)
 
 
+@never_compiled
 @profiled("tessera.comm.reduce_scatter_async")
 def reduce_scatter_async(
     x: Tensor,
@@ -349,6 +357,7 @@ def reduce_scatter_async(
     return _reduce_scatter(x, group, dim, op, out, async_op=True)
 
 
+@never_compiled
 @profiled("tessera.comm.reduce_scatter")
 def reduce_scatter(
     x: Tensor, group: Group = None, dim: int = 0, op: ReduceOpName = "sum", *, out: Tensor | None = None
@@ -357,6 +366,7 @@ def reduce_scatter(
     return _reduce_scatter(x, group, dim, op, out, async_op=False).wait()
 
 
+@never_compiled
 @profiled("tessera.comm.all_to_all")
 def all_to_all(x: Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0) -> Tensor:
     """Send chunk j of ``x`` (split along ``scatter_dim``) to rank j; concatenate what arrives
@@ -385,6 +395,7 @@ def _check_rows(rows: Sequence[int], n: int, what: str) -> list[int]:
     return rows
 
 
+@never_compiled
 @profiled("tessera.comm.all_to_all_rows")
 def all_to_all_rows(
     x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], group: Group = None
@@ -439,6 +450,7 @@ def _broadcast(x: Tensor, src: int, group: Group, async_op: bool) -> Handle[Tens
     return Handle([work], lambda: out, poll_s=poll_budget(out.device))
 
 
+@never_compiled
 @profiled("tessera.comm.broadcast_async")
 def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
     """Start sending the group rank ``src``'s ``x`` to every rank (shapes and dtypes must
@@ -446,6 +458,7 @@ def broadcast_async(x: Tensor, src: int, group: Group = None) -> Handle[Tensor]:
     return _broadcast(x, src, group, async_op=True)
 
 
+@never_compiled
 @profiled("tessera.comm.broadcast")
 def broadcast(x: Tensor, src: int, group: Group = None) -> Tensor:
     """Return the group rank ``src``'s ``x`` on every rank (shapes and dtypes must agree)."""

@@ -31,6 +31,7 @@ from torch.autograd.function import FunctionCtx
 
 from tessera.comm import collectives as C
 from tessera.comm.collectives import Group
+from tessera.comm.eager import never_compiled
 
 __all__ = [
     "all_gather_along",
@@ -44,9 +45,14 @@ __all__ = [
 ]
 
 
+@never_compiled
 def apply_function(fn: type[torch.autograd.Function], *args: object) -> Tensor:
     """``fn.apply(*args)`` for a Function whose forward returns one tensor, typed: the one
-    typed entry to autograd Functions for every package (``Function.apply`` is untyped)."""
+    typed entry to autograd Functions for every package (``Function.apply`` is untyped).
+
+    Never traced by torch.compile (`tessera.comm.eager`): a compiled caller breaks its graph
+    here and the Function (its collectives, shared memory, locks) runs eagerly, forward and
+    backward, as it does uncompiled."""
     return cast(Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
 
 

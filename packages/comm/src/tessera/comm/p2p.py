@@ -21,6 +21,7 @@ from torch import Tensor
 
 from tessera.comm import links, shm_p2p
 from tessera.comm.collectives import Group, Handle, Waitable, group_rank, group_size
+from tessera.comm.eager import never_compiled
 from tessera.comm.meters import CommOp, record
 from tessera.comm.profiling import P2P_WAIT, profiled
 from tessera.comm.shm_p2p import share_memory
@@ -40,6 +41,7 @@ def _global(peer: int, group: Group) -> int:
     return peer if group is None else dist.get_global_rank(group, peer)
 
 
+@never_compiled
 @profiled("tessera.comm.batch_isend_irecv")
 def batch_isend_irecv(
     sends: Sequence[tuple[Tensor, int]],

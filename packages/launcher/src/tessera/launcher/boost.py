@@ -17,6 +17,7 @@ parameters over the expert-data-parallel group instead.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterable, Mapping
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, TPMode
 from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
+from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
@@ -160,6 +162,7 @@ def boost(
     scheduler_fn: Any = None,
     verify: bool | None = None,
     init: InitFn | None = None,
+    compile: bool | None = None,
 ) -> Engine:
     """Compose dp x pp x tp x sp x ZeRO for any ``model`` per ``config``; collective over the
     default process group.
@@ -174,7 +177,11 @@ def boost(
     ``tessera.launcher.verify``). A model built by ``deferred_parameters`` (parameters on the
     meta device) is materialized here, each rank only what it holds (``deferred``), by
     ``init(name, module)`` (default ``deferred.default_init``) seeded by ``train.seed``.
+    ``compile``: torch.compile each layer of the layer stack on its own, inside checkpointing
+    and offload (None: ``train.compile``; see ``tessera.launcher.compiling``).
     """
+    if compile is not None:  # it stands for train.compile, and is validated as that
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile=compile))
     errors = BoostConfig.validate(config)  # the core only: this model is checked against the degrees itself
     if errors:
         raise ValueError("; ".join(errors))
@@ -241,9 +248,11 @@ def boost(
         )  # fmt: skip
         log.info("deferred initialization: this rank made %d parameter elements", made)
     t = config.train
-    if t.activation_checkpointing or t.activation_offload:
+    if t.activation_checkpointing or t.activation_offload or t.compile:
         stack = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
         layers = list(model.get_submodule(stack).children())
+        if t.compile:  # innermost: checkpointing's recomputation replays its random streams eagerly
+            compile_layers(layers)
         if t.activation_offload:
             offload_layers(layers)
         if t.activation_checkpointing:

@@ -18,6 +18,7 @@ from tessera.comm import Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy, choice_problems, coerce_choices
+from tessera.launcher.compiling import compile_problems
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.zero.chunks.config import Policy, chunk_problems
 from tessera.zero.precisions import Precision
@@ -196,6 +197,7 @@ class TrainConfig:
     recompute_policy: RecomputePolicy = RecomputePolicy.FULL  # or save-matmuls: keep products, attention
     activation_offload: bool = False  # each layer keeps what backward needs in host memory
     verify: bool = False  # compare the first step with a serial one; refuse on a mismatch
+    compile: bool = False  # torch.compile each layer of the layer stack on its own (launcher.compiling)
 
     def __post_init__(self) -> None:
         coerce_choices(self)
@@ -334,4 +336,6 @@ class BoostConfig:
             "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
             "reduces a product in place would change the product it keeps",
         )
+        if t.compile:
+            errors += compile_problems(p)
         return errors

@@ -1,0 +1,72 @@
+"""torch.compile per block (``train.compile``, ``boost(..., compile=True)``), as torchtitan does.
+
+``boost()`` compiles each layer of the model's layer stack (the layers activation
+checkpointing wraps) on its own, after tensor and context parallelism have replaced its
+modules and the pipeline cut has chosen this rank's layers. Each layer's ``forward`` is
+compiled, not its ``__call__``, so the hooks on the layer (ZeRO-3 gathers and frees its
+parameters there) stay eager, and the modules and their parameter names stay as they are
+(no ``_orig_mod`` wrapper). Activation checkpointing and offload then wrap the compiled
+forward (torchtitan compiles around its checkpointing instead): the checkpoint replays the
+tensor-parallel dropout streams around its recomputation through a ``context_fn`` of plain
+context managers, which torch's compiled checkpoint does not take, so it stays eager and
+calls the compiled forward twice, once in forward and once to recompute.
+
+Collectives are not traced: ``tessera.comm`` marks its collectives, point-to-point
+transfers, handles' waits and the autograd Functions around them (every package enters
+them through ``comm.ops.apply_function``) ``never_compiled`` (``tessera.comm.eager``), so a
+compiled layer breaks its graph at each and they run eagerly, forward and backward, as they
+do uncompiled; what lies between them is compiled. Graphs are therefore partial
+(``fullgraph=False``). The layers of a stack share one class and so their compiled code
+(dynamo guards on shapes, not on which layer it runs).
+
+Refused (`compile_problems`, part of the config's validation): a pipeline schedule that
+splits the backward (input and weight gradients apart: zb-h1, zbv). A compiled layer's
+backward is one node that computes both, and the split runs it with ``retain_graph``, which
+the compiled backward refuses (its buffers are donated); run those schedules eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tessera.pipeline import SCHEDULES, ActionKind, build_schedule, schedule_spec
+
+if TYPE_CHECKING:
+    from tessera.launcher.boost_config import ParallelConfig
+
+__all__ = ["compile_layers", "compile_problems"]
+
+log = logging.getLogger(__name__)
+
+
+def compile_layers(layers: Sequence[nn.Module], *, backend: str = "inductor") -> int:
+    """Compile the ``forward`` of each module of ``layers`` with ``torch.compile`` on its own,
+    in place (compiled on first call; the modules, their hooks and parameter names stay);
+    returns how many were compiled."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend)  # type: ignore[method-assign]
+    log.info("torch.compile (%s): %d layers, each on its own", backend, len(layers))
+    return len(layers)
+
+
+def compile_problems(parallel: ParallelConfig) -> list[str]:
+    """Why ``train.compile`` cannot run with these degrees and this schedule, one line each
+    (empty when it can): a pipeline schedule that splits the backward is refused."""
+    p = parallel
+    if p.pp == 1 or p.schedule not in SCHEDULES:  # an unknown schedule is reported on its own
+        return []
+    if schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages):
+        return []  # so are its rules
+    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    if any(a.kind is ActionKind.W for actions in schedule.actions for a in actions):
+        return [
+            f"train.compile=true with parallel.schedule={p.schedule!r} is not built: it splits the "
+            "backward (input and weight gradients apart), which a compiled layer's backward cannot "
+            "do; pick a schedule that does not split (1f1b, interleaved-1f1b, ...) or train.compile=false"
+        ]
+    return []
