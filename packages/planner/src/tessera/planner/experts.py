@@ -1,0 +1,225 @@
+"""Mixture-of-experts layers in the planner: what experts cost in memory per rank under
+expert parallelism, and what their all-to-alls cost in bytes and time.
+
+The layer is ``tessera.moe.MoE`` (`ExpertShape`): a router ``[E, d]``, ``E`` experts of width
+``h`` (SwiGLU: three ``d x h`` matrices each; GELU: two), an optional shared expert, each
+token to ``top_k`` experts. Under expert parallelism over ``ep`` of the ``dp`` data-parallel
+ranks, each rank holds ``E / ep`` experts of every MoE layer; the router and the shared
+expert are dense (on every rank). ZeRO shards the expert parameters over their
+expert-data-parallel group (the ``dp / ep`` ranks holding the same experts) and the dense
+ones over all ``dp``: `expert_memory` gives both parts with the planner's own
+``model_state_bytes``, so ``ep = 1`` is plain data parallelism of the whole model.
+
+Each MoE layer's forward moves the rows twice (dispatch to the experts' ranks, combine back)
+and its backward twice more (their gradients): four all-to-alls per layer and microbatch. A
+rank's dispatch buffer is its ``tokens * top_k`` assignments of ``d`` elements (at most
+``E * capacity`` of them under a capacity factor); with routing spread evenly, ``(ep - 1) /
+ep`` of it leaves the rank (`all_to_all_bytes`; `tessera.moe`'s meters count exactly the
+rows that change rank), and each call first exchanges the per-expert counts (``8 * (E - E /
+ep)`` bytes). `all_to_all_seconds` prices them on the cluster's link (`Link.all_to_all`).
+
+`with_experts` turns the dense model's `Estimate` (``tessera.planner.estimate``) into the
+mixture's: each MoE layer's dense MLP state is replaced by the expert memory above, and the
+all-to-alls join the compute they block (``StepTime.compute`` and ``tensor_comm``). It models
+experts without tensor or pipeline parallelism (what the main job runs) and refuses others.
+The compute of the experts is the dense MLP's when ``top_k * hidden`` equals its width (each
+token runs ``top_k`` experts); otherwise the difference is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tessera.planner.cluster import Cluster
+from tessera.planner.estimate import Estimate, _link, estimate
+from tessera.planner.layout import Job, Layout
+from tessera.planner.links import Link
+from tessera.planner.memory import DTYPE_BYTES, model_state_bytes
+
+__all__ = [
+    "A2A_PER_LAYER",
+    "ExpertMemory",
+    "ExpertShape",
+    "all_to_all_bytes",
+    "all_to_all_seconds",
+    "expert_memory",
+    "kept_assignments",
+    "with_experts",
+]
+
+A2A_PER_LAYER = 4  # dispatch and combine forward, their gradients backward
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShape:
+    """The MoE layers of a model: ``layers`` of them, each ``experts`` MLPs ``d -> hidden ->
+    d`` (``swiglu``: three matrices, else two) with ``top_k`` routing, ``capacity_factor``
+    (None: drop-less) and a shared expert of ``shared_hidden`` (0: none)."""
+
+    layers: int
+    experts: int
+    top_k: int
+    hidden: int
+    swiglu: bool = True
+    shared_hidden: int = 0
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
+
+    def expert_params(self, d: int) -> int:
+        """Elements of one expert of one layer."""
+        return (3 if self.swiglu else 2) * d * self.hidden
+
+    def dense_params(self, d: int) -> int:
+        """Elements of one layer's router and shared expert (replicated on every rank)."""
+        shared = (3 if self.swiglu else 2) * d * self.shared_hidden
+        return self.experts * d + shared
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMemory:
+    """Bytes one rank holds for the MoE layers at the peak of a step: ``experts`` (its
+    ``E / ep`` experts' parameters, gradients and optimizer state) and ``dense`` (routers
+    and shared experts), and the expert elements it holds (``psi``)."""
+
+    experts: float
+    dense: float
+    psi: int
+
+    @property
+    def total(self) -> float:
+        """Both parts."""
+        return self.experts + self.dense
+
+
+def _state(psi: float, stage: int, n: int, precision: str, optimizer: str, offload: bool) -> float:
+    params, grads, state, host = model_state_bytes(
+        psi, stage=stage, n=n, precision=precision, offload=offload, optimizer=optimizer
+    )
+    return params + grads + state - host
+
+
+def expert_memory(
+    moe: ExpertShape,
+    d: int,
+    *,
+    ep: int,
+    dp: int,
+    stage: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    offload: bool = False,
+) -> ExpertMemory:
+    """What one rank holds of ``moe``'s layers (width ``d``) at ``ep`` of ``dp`` ranks and
+    ZeRO ``stage``: ``E / ep`` experts per layer, their state sharded over ``dp / ep``
+    ranks; routers and shared experts whole, sharded over ``dp``. Device bytes (offloaded
+    state not counted)."""
+    if ep < 1 or dp % ep or moe.experts % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp} and the experts ({moe.experts})")
+    psi = moe.layers * (moe.experts // ep) * moe.expert_params(d)
+    dense = moe.layers * moe.dense_params(d)
+    return ExpertMemory(
+        experts=_state(psi, stage, dp // ep, precision, optimizer, offload),
+        dense=_state(dense, stage, dp, precision, optimizer, offload),
+        psi=psi,
+    )
+
+
+def kept_assignments(moe: ExpertShape, tokens: int) -> int:
+    """Assignments of a call's ``tokens`` that reach an expert: ``tokens * top_k``, at most
+    ``E * ceil(factor * tokens * top_k / E)`` (each expert's capacity) with a capacity factor."""
+    routed = tokens * moe.top_k
+    if moe.capacity_factor is None:
+        return routed
+    return min(routed, moe.experts * math.ceil(moe.capacity_factor * routed / moe.experts))
+
+
+def all_to_all_bytes(moe: ExpertShape, tokens: int, d: int, *, ep: int, precision: str = "fp32") -> float:
+    """Bytes one rank sends to other ranks in one MoE layer's dispatch of ``tokens`` tokens
+    with evenly spread routing: ``(ep - 1) / ep`` of its kept assignments' rows of ``d``
+    elements, plus ``8 * (E - E / ep)`` bytes of counts. The combine returns as many rows,
+    and the backward moves both again (`A2A_PER_LAYER`)."""
+    if ep == 1:
+        return 0.0
+    rows = kept_assignments(moe, tokens) * (ep - 1) / ep
+    return rows * d * DTYPE_BYTES[precision] + 8 * (moe.experts - moe.experts // ep)
+
+
+def all_to_all_seconds(
+    moe: ExpertShape, tokens: int, d: int, *, ep: int, microbatches: int, link: Link, precision: str = "fp32"
+) -> float:
+    """Seconds of one step's expert all-to-alls on one rank: per MoE layer and microbatch of
+    ``tokens`` tokens, four all-to-alls of the kept rows' buffer (``Link.all_to_all``, which
+    sends ``(ep - 1) / ep`` of it) and one of the counts."""
+    if ep == 1:
+        return 0.0
+    rows = kept_assignments(moe, tokens) * d * DTYPE_BYTES[precision]
+    counts = 8 * moe.experts
+    per_layer = A2A_PER_LAYER * link.all_to_all(rows, ep) + link.all_to_all(counts, ep)
+    return moe.layers * microbatches * per_layer
+
+
+def with_experts(layout: Layout, job: Job, cluster: Cluster, moe: ExpertShape, *, ep: int) -> Estimate:
+    """`estimate` of ``job``'s model with the MLPs of its first ``moe.layers`` layers made
+    mixtures of experts, ``ep`` of ``layout.dp`` ranks splitting them: the fullest rank's
+    memory with the experts' state in place of those MLPs', and the step time with the
+    all-to-alls (`all_to_all_seconds` on the data-parallel link). ValueError naming the
+    values for what it does not model (tp, pp or sp > 1, more MoE layers than layers)."""
+    model = job.model
+    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
+        raise ValueError(
+            f"experts are modelled at tp = pp = sp = 1, got tp={layout.tp} pp={layout.pp} sp={layout.sp}"
+        )
+    if moe.layers > model.layers:
+        raise ValueError(f"moe.layers={moe.layers} is more than the model's {model.layers} layers")
+    dense = estimate(layout, job, cluster)
+    d, f, b = model.hidden, model.ffn, int(model.bias)
+    mlp = moe.layers * (d * f + b * f + f * d + b * d)  # the dense MLPs the experts replace
+    if ep < 1 or layout.dp % ep or moe.experts % ep:
+        raise ValueError(f"ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
+
+    def state(psi: float, n: int) -> tuple[float, float, float, float]:
+        return model_state_bytes(
+            psi,
+            stage=layout.zero,
+            n=n,
+            precision=job.precision,
+            offload=layout.offload,
+            optimizer=job.optimizer,
+        )
+
+    minus = state(mlp, layout.dp)
+    plus_experts = state(moe.layers * (moe.experts // ep) * moe.expert_params(d), layout.dp // ep)
+    plus_dense = state(moe.layers * moe.dense_params(d), layout.dp)
+    delta = [e + r - m for e, r, m in zip(plus_experts, plus_dense, minus, strict=True)]
+    mem = dense.memory
+    memory = dataclasses.replace(
+        mem,
+        parameters=mem.parameters + delta[0],
+        gradients=mem.gradients + delta[1],
+        optimizer_state=mem.optimizer_state + delta[2],
+        host=mem.host + delta[3],
+    )
+    tokens = model.batch // (layout.dp * layout.microbatches) * model.seq
+    span = ep  # the ep group is the ep consecutive data-parallel ranks
+    a2a = all_to_all_seconds(
+        moe,
+        tokens,
+        d,
+        ep=ep,
+        microbatches=layout.microbatches,
+        link=_link(cluster, span, layout.world),
+        precision=job.precision,
+    )
+    time = dataclasses.replace(
+        dense.time, compute=dense.time.compute + a2a, tensor_comm=dense.time.tensor_comm + a2a
+    )
+    psi = dense.psi - mlp + moe.layers * ((moe.experts // ep) * moe.expert_params(d) + moe.dense_params(d))
+    most = dense.model_state + sum(delta[:3])
+    return dataclasses.replace(dense, memory=memory, time=time, psi=psi, model_state=most)
