@@ -40,6 +40,14 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     ),
     "nnodes 0": (["run", "--nnodes", "0", "job.py"], {}, ["--nnodes", "got 0"]),
     "nnodes 2 no endpoint": (["run", "--nnodes", "2", "job.py"], {}, ["--nnodes 2", "--rdzv-endpoint"]),
+    "nnodes max < min": (["run", "--nnodes", "3:2", "job.py"], {}, ["--nnodes 3:2", "got MIN 3 and MAX 2"]),
+    "nnodes not a number": (["run", "--nnodes", "two", "job.py"], {}, ["--nnodes 'two'", "N or MIN:MAX"]),
+    "elastic world too small": (
+        ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29500"]
+        + ["--set", "parallel.tp=2", "job.py"],
+        {},
+        ["--nnodes 1:2: at 1 processes", "replicas of tp * pp * sp = 2 * 1 * 1 = 2"],
+    ),
     "node rank": (
         ["run", "--nnodes", "2", "--node-rank", "3", "--rdzv-endpoint", "h0:29500", "job.py"],
         {},
@@ -232,7 +240,7 @@ def test_each_mistake_exits_2_with_one_line(
     def spawn(*args: object, **kwargs: object) -> int:
         raise AssertionError("a refused job spawned")
 
-    monkeypatch.setattr(cli, "_spawn", spawn)
+    monkeypatch.setattr(cli, "spawn", spawn)
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()

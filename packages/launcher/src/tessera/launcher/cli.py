@@ -10,13 +10,10 @@ mistake (found before anything spawns, and before torch is imported), 130 interr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import os
 import shlex
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,23 +22,19 @@ from tessera.launcher import netif
 from tessera.launcher.auto import auto_launch
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import (
-    HEARTBEAT_ENV,
-    LAUNCHER_PID_ENV,
-    RESOLVED_ENV,
-    RESTART_ENV,
     RUN_FOLDER_ENV,
     ConfigError,
-    config_to_dict,
     config_to_toml,
     resolve_config,
 )
-from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, plan_nodes
+from tessera.launcher.elastic import elastic_problems
+from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, parse_nnodes, plan_nodes
 from tessera.launcher.plan_command import add_arguments as add_plan_arguments
 from tessera.launcher.plan_command import run as run_plan
 from tessera.launcher.preflight import preflight
 from tessera.launcher.prepare import ensure_prepared, prepare_command
 from tessera.launcher.runs import RunFolderError, create_run_folder
-from tessera.launcher.watchdog import Watchdog
+from tessera.launcher.spawn import build_torchrun_argv, spawn
 
 __all__ = ["build_torchrun_argv", "main", "rank_table"]
 
@@ -75,7 +68,9 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="processes per node (default: the hostfile's slots=, else the config's world size / nodes)",
     )
-    p.add_argument("--nnodes", type=int, help="number of nodes")
+    p.add_argument(
+        "--nnodes", help="number of nodes, or MIN:MAX: the job may restart on as few as MIN (elastic)"
+    )
     p.add_argument(
         "--node-rank", type=int, help="this node's rank (default: from a hostfile, SLURM or OpenMPI, else 0)"
     )
@@ -139,32 +134,6 @@ def rank_table(config: Config, plan: NodePlan) -> str:
     return "\n".join(lines)
 
 
-def build_torchrun_argv(plan: NodePlan, *, log_dir: str, target: Sequence[str]) -> list[str]:
-    """Arguments for torch.distributed.run: no restarts of its own (the launcher restarts a
-    failed job itself, see ``_spawn``), per-rank logs, rank 0 on the console."""
-    argv = [f"--nproc-per-node={plan.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
-    if plan.source == "local":
-        argv += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={plan.rdzv_endpoint}",
-            "--nnodes=1",
-            "--local-addr=127.0.0.1",
-        ]
-    else:
-        argv += [
-            f"--nnodes={plan.nnodes}",
-            f"--node-rank={plan.node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={plan.rdzv_endpoint}",
-            f"--rdzv-id={plan.rdzv_id}",
-            # node 0 hosts the store (``netif``): torch would match the endpoint to the hostname
-            f"--rdzv-conf=is_host={int(plan.node_rank == 0)}",
-        ]
-        argv += [f"--local-addr={plan.local_addr}"] if plan.local_addr else []
-    argv += [f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0"]
-    return [*argv, "-m", "tessera.launcher.worker", *target]
-
-
 def _say(line: str) -> None:
     print(f"tessera: {line}", file=sys.stderr, flush=True)
 
@@ -176,6 +145,12 @@ def _fail(lines: Sequence[str]) -> int:
 
 
 def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
+    min_nodes = None
+    if args.nnodes is not None:
+        try:
+            min_nodes, args.nnodes = parse_nnodes(args.nnodes)
+        except ValueError as exc:
+            return _fail([str(exc)])
     nnodes_hint = args.nnodes or 1
     if config.parallel.auto:  # the planner's choice for the world about to start
         try:
@@ -194,6 +169,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
             env=os.environ,
             world_size=config.world_size,
             is_me=netif.owns_address,
+            min_nodes=min_nodes if min_nodes != args.nnodes else None,
         )
     except ValueError as exc:
         return _fail([str(exc)])
@@ -201,6 +177,11 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         config.parallel.topology().check_world_size(plan.world_size)
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
+    if plan.elastic:  # every smaller world the job may restart on must work too
+        worlds = [n * plan.nproc_per_node for n in plan.node_counts]
+        lines = elastic_problems(config, worlds, main_job=main_job)
+        if lines:
+            return _fail([f"--nnodes {plan.min_nodes}:{plan.nnodes}: {line}" for line in lines])
     errors = preflight(config, main_job=main_job, processes=plan.nproc_per_node)
     if main_job and not args.dry_run and not errors:
         errors = ensure_prepared(config, _say)  # data.path's text tokenized once, before spawning
@@ -230,12 +211,13 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         os.environ[RUN_FOLDER_ENV] = str(folder)
         log_dir = args.log_dir or str(folder / "logs")
     loopback = plan.source == "local" and (args.rdzv_endpoint is None or is_loopback(args.rdzv_endpoint))
-    return _spawn(
+    return spawn(
         plan,
         config,
         target=target,
         log_dir=log_dir,
         loopback_port=endpoint_port(plan.rdzv_endpoint) if loopback else None,
+        say=_say,
     )
 
 
@@ -259,74 +241,6 @@ def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
         os.environ["GLOO_SOCKET_IFNAME"] = name
         _say(f"node {plan.node_rank}: gloo uses {name} ({source}), the interface that reaches {host}")
     return dataclasses.replace(plan, local_addr=source), []
-
-
-def _spawn(
-    plan: NodePlan, config: Config, *, target: list[str], log_dir: str, loopback_port: int | None
-) -> int:
-    """Run torch.distributed.run in this process, with the watchdog watching its ranks; after
-    a rank failure, launch every rank again, up to ``train.max_restarts`` times."""
-    with tempfile.TemporaryDirectory(prefix="tessera-run-") as tmp:
-        resolved = Path(tmp, "config.json")
-        resolved.write_text(json.dumps(config_to_dict(config)))
-        heartbeats = Path(tmp, "heartbeats")
-        heartbeats.mkdir()
-        os.environ[RESOLVED_ENV] = str(resolved)
-        os.environ[HEARTBEAT_ENV] = str(heartbeats)
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with this process
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.makedirs(log_dir, exist_ok=True)
-        for attempt in range(config.train.max_restarts + 1):
-            os.environ[RESTART_ENV] = str(attempt)
-            code, failed = _attempt(plan, config, target, log_dir, loopback_port, heartbeats)
-            if not failed or attempt == config.train.max_restarts:
-                return code
-            _say(
-                f"a rank failed; restart {attempt + 1} of {config.train.max_restarts} "
-                "(every rank, from the newest committed checkpoint generation)"
-            )
-    return 1
-
-
-def _attempt(
-    plan: NodePlan,
-    config: Config,
-    target: list[str],
-    log_dir: str,
-    loopback_port: int | None,
-    heartbeats: Path,
-) -> tuple[int, bool]:
-    """One launch of every rank: (exit code, whether a rank failed, so a restart may help).
-
-    Each attempt is a fresh torch.distributed.run (its own rendezvous and stores): torch's own
-    ``--max-restarts`` hung here on this torch version (the restarted workers never met)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
-
-    from tessera.launcher.loopback import loopback_rendezvous
-
-    for beat in heartbeats.glob("*"):
-        beat.unlink()
-    watchdog = Watchdog(heartbeats, config.train.watchdog_s, _say)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(watchdog)
-            if loopback_port is not None:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
-                endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
-                plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
-            argv = build_torchrun_argv(plan, log_dir=log_dir, target=target)
-            torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]  # torch: run() unannotated
-    except ChildFailedError as exc:
-        if not watchdog.fired:
-            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]  # torch: format_msg unannotated
-        return 1, not watchdog.fired
-    except (KeyboardInterrupt, SignalException) as exc:
-        _say(f"interrupted ({exc}); every rank was stopped")
-        return 130, False
-    return (1 if watchdog.fired else 0), False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

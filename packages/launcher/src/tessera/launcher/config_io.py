@@ -41,6 +41,7 @@ from tessera.comm.waiting import ENV as POLL_WAIT_ENV
 from tessera.comm.waiting import budget_from_env
 from tessera.launcher.choices import choice_line, choice_of
 from tessera.launcher.config import BoostConfig, Config
+from tessera.launcher.elastic import ELASTIC_ENV, at_world
 
 __all__ = [
     "HEARTBEAT_ENV",
@@ -64,7 +65,15 @@ RESTART_ENV = "TESSERA_RESTART_COUNT"  # which attempt of the job this is (0: th
 # TESSERA_* variables that are not configuration fields: the launcher's own, and the
 # workspace's hatch environments' (TESSERA_PKG_TESTS names a package's tests).
 LAUNCHER_ENV = frozenset(
-    {RESOLVED_ENV, RUN_FOLDER_ENV, HEARTBEAT_ENV, LAUNCHER_PID_ENV, RESTART_ENV, "TESSERA_PKG_TESTS"}
+    {
+        RESOLVED_ENV,
+        RUN_FOLDER_ENV,
+        HEARTBEAT_ENV,
+        LAUNCHER_PID_ENV,
+        RESTART_ENV,
+        ELASTIC_ENV,
+        "TESSERA_PKG_TESTS",
+    }
 )
 # TESSERA_* variables of the packages below, read where they act; checked here before spawning
 # (each checker raises ValueError naming the variable)
@@ -252,9 +261,12 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     """
     env = os.environ if env is None else env
     resolved = env.get(RESOLVED_ENV)
-    if resolved:
-        return config_from_dict(json.loads(Path(resolved).read_text()))
-    return resolve_config(None, (), env, main_job=False)
+    if not resolved:
+        return resolve_config(None, (), env, main_job=False)
+    config = config_from_dict(json.loads(Path(resolved).read_text()))
+    if env.get(ELASTIC_ENV) == "1" and "WORLD_SIZE" in env:  # restarted on fewer nodes: dp follows
+        config = at_world(config, int(env["WORLD_SIZE"]))
+    return config
 
 
 def _plain(value: Any) -> Any:

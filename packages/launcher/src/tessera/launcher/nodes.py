@@ -10,7 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NodePlan", "endpoint_port", "expand_slurm_nodelist", "is_loopback", "plan_nodes", "read_hostfile"]
+__all__ = [
+    "NodePlan",
+    "endpoint_port",
+    "expand_slurm_nodelist",
+    "is_loopback",
+    "parse_nnodes",
+    "plan_nodes",
+    "read_hostfile",
+]
 
 DEFAULT_PORT = 29500
 
@@ -27,11 +35,36 @@ class NodePlan:
     rdzv_id: str
     source: str  # "local", "flags", "hostfile", "slurm" or "openmpi"
     local_addr: str | None = None  # this node's address on the route to the endpoint (several nodes)
+    min_nodes: int | None = None  # ``--nnodes MIN:MAX``: the job may go on with MIN of its nnodes
 
     @property
     def world_size(self) -> int:
-        """Processes in the whole job."""
+        """Processes in the whole job (all of its nodes)."""
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may restart on fewer nodes than it started with."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def node_counts(self) -> range:
+        """How many nodes the job may run on."""
+        return range(self.min_nodes or self.nnodes, self.nnodes + 1)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's form) as (min, max); ValueError naming the text."""
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r}: expected N or MIN:MAX, two positive integers") from None
+    if not sep and lo < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {lo}")
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--nnodes {text}: expected 1 <= MIN <= MAX, got MIN {lo} and MAX {hi}")
+    return lo, hi
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -102,17 +135,21 @@ def plan_nodes(
     env: Mapping[str, str],
     world_size: int | None = None,
     is_me: Callable[[str], bool] | None = None,
+    min_nodes: int | None = None,
 ) -> NodePlan:
     """Decide the node layout: explicit flags win, then a hostfile, then SLURM, then OpenMPI,
     else one local node whose rendezvous binds to loopback.
 
     Processes per node: ``nproc_per_node``, else the hostfile's ``slots=`` (the same on every
     host), else ``world_size`` (the configuration's) over the nodes. A hostfile's node rank,
-    when not given, is the line of the first host ``is_me`` accepts (this machine's address)."""
+    when not given, is the line of the first host ``is_me`` accepts (this machine's address).
+    ``min_nodes`` (``--nnodes MIN:MAX``'s MIN): the job may restart on that many nodes."""
     if nproc_per_node is not None and nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if nnodes is not None and nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if min_nodes is not None and not 1 <= min_nodes <= (nnodes or min_nodes):
+        raise ValueError(f"--nnodes {min_nodes}:{nnodes}: MIN must be in [1, MAX]")
     job = env.get("SLURM_JOB_ID", "tessera")
     if hostfile is not None:
         listed = read_hostfile(hostfile)
@@ -161,4 +198,4 @@ def plan_nodes(
     if rdzv_endpoint is None:
         rdzv_endpoint = "127.0.0.1:0" if count == 1 else f"{hosts[0]}:{DEFAULT_PORT}"
     endpoint_port(rdzv_endpoint)
-    return NodePlan(count, rank, nproc_per_node, hosts, rdzv_endpoint, job, source)
+    return NodePlan(count, rank, nproc_per_node, hosts, rdzv_endpoint, job, source, min_nodes=min_nodes)

@@ -1,0 +1,176 @@
+"""Nodes watch each other: a node that stops answering is named, and its job ends everywhere.
+
+On several nodes every ``tessera run`` keeps a ``NodeWatch`` for the whole run. Node 0's hosts
+a small key-value store (torch's TCPStore) at the rendezvous host, on the port after the
+rendezvous port; every node's watch connects to it, says which node it is (its host and the
+global ranks of its workers, read from the local heartbeats) and counts up a heartbeat every
+``interval`` seconds, per attempt of the job (a restart is a new attempt). It reads the other
+nodes' counts: a node of the current attempt whose count has not moved for ``timeout_s`` (the
+watchdog's ``train.watchdog_s``), or a store that stops answering (node 0 is gone), is lost:
+the watch says so in one line, naming the node, its host and its ranks, and calls
+``on_lost`` (the launcher kills its own workers, so the step ends here too instead of waiting
+in a collective for gloo's timeout). A node that finishes says so, and is not missed.
+
+The watch never stops a launch: if it cannot reach the store, it logs why and watches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tessera.launcher.watchdog import read_beats
+
+__all__ = ["NodeWatch", "watch_port"]
+
+log = logging.getLogger(__name__)
+
+
+def watch_port(rdzv_port: int) -> int:
+    """The port of node 0's watch store: the one after the rendezvous port."""
+    return rdzv_port + 1
+
+
+class NodeWatch:
+    """One node's side (module docstring); a context manager around the whole run."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        node_rank: int,
+        nnodes: int,
+        timeout_s: float,
+        heartbeats: Path,
+        report: Callable[[str], None],
+        on_lost: Callable[[], None],
+        interval: float | None = None,
+    ) -> None:
+        self.host, self.port, self.node, self.nnodes = host, port, node_rank, nnodes
+        self.timeout_s = timeout_s
+        self.interval = interval if interval is not None else max(0.2, min(2.0, timeout_s / 10))
+        self.heartbeats, self.report, self.on_lost = heartbeats, report, on_lost
+        self.attempt = 0
+        self.lost: list[str] = []  # the lines said about lost nodes, this attempt
+        self._store: Any = None
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> (count, when it last moved)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tessera-node-watch", daemon=True)
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> NodeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def begin(self, attempt: int) -> None:
+        """A new attempt of the job starts on this node (every node counts its attempts alike)."""
+        with self._lock:
+            self.attempt, self.lost, self._seen = attempt, [], {}
+
+    def finish(self) -> None:
+        """This node's workers ended normally in this attempt: the others do not miss it."""
+        with self._lock, contextlib.suppress(Exception):
+            if self._store is not None:
+                self._store.set(f"done/{self.attempt}/{self.node}", "1")
+
+    # ------------------------------------------------------------------ the loop
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + max(30.0, self.timeout_s)
+        while not self._stop.is_set():
+            try:
+                return dist.TCPStore(
+                    self.host,
+                    self.port,
+                    is_master=self.node == 0,
+                    timeout=timedelta(seconds=max(2.0, min(10.0, self.timeout_s / 2))),
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, OSError) as exc:  # node 0 not up yet, or its port is taken
+                if self.node == 0 or time.monotonic() > deadline:
+                    log.warning("node watch off: no store at %s:%d (%s)", self.host, self.port, exc)
+                    return None
+                self._stop.wait(0.5)
+        return None
+
+    def _loop(self) -> None:
+        store = self._connect()
+        with self._lock:
+            self._store = store
+        if store is None:
+            return
+        while not self._stop.wait(self.interval):
+            try:
+                with self._lock:
+                    lines = self._beat(store, time.monotonic())
+            except (RuntimeError, OSError) as exc:  # the store stopped answering: node 0 is gone
+                if self.node == 0:
+                    log.warning("node watch: its own store failed (%s)", exc)
+                    return
+                lines = [
+                    f"node 0 ({self.host}) is lost: its store at {self.host}:{self.port} stopped answering"
+                ]
+            if lines and not self.lost:
+                self.lost = lines
+                for line in lines:
+                    self.report(line)
+                self.on_lost()
+
+    def _beat(self, store: Any, now: float) -> list[str]:
+        a = self.attempt
+        ranks = sorted(b.rank for b in read_beats(self.heartbeats))
+        me = {"host": socket.gethostname(), "ranks": ranks}
+        store.set(f"node/{a}/{self.node}", json.dumps(me))
+        store.add(f"beat/{a}/{self.node}", 1)
+        lines = []
+        for node in range(self.nnodes):  # the nodes of this attempt: those that said who they are
+            if node == self.node or not store.check([f"node/{a}/{node}"]):
+                continue
+            if store.check([f"done/{a}/{node}"]):
+                continue
+            count = int(store.add(f"beat/{a}/{node}", 0))
+            last = self._seen.get(node)
+            if last is None or last[0] != count:
+                self._seen[node] = (count, now)
+            elif now - last[1] > self.timeout_s:
+                info = json.loads(_get(store, f"node/{a}/{node}", "{}"))
+                where = info.get("host", "?")
+                held = _ranks(info.get("ranks", []))
+                lines.append(
+                    f"node {node} ({where}, ranks {held}) is lost: no heartbeat for {now - last[1]:.0f} s "
+                    f"(train.watchdog_s = {self.timeout_s:g}); ending this attempt on node {self.node}"
+                )
+        return lines
+
+
+def _get(store: Any, key: str, default: str) -> str:
+    if not store.check([key]):
+        return default
+    value: bytes = store.get(key)
+    return value.decode()
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "unknown"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
