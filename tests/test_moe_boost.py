@@ -310,6 +310,10 @@ def test_bad_expert_degrees_are_refused_naming_them() -> None:
     )
     sp = config(ParallelConfig(dp=2, ep=2, sp=2), 0).validate()
     assert sp == ["parallel.ep=2 with parallel.sp=2 (context parallelism) is not built"], sp
+    grid = config(ParallelConfig(dp=2, ep=2, tp=4, tp_mode="2d"), 0).validate()
+    assert grid == ["parallel.ep=2 with tp_mode 2d is not built: its grid splits the tokens"], grid
+    megatron = config(ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True), 0).validate()
+    assert megatron and "parallel.sequence_parallel is not built" in megatron[0], megatron
 
 
 def test_boost_refuses_experts_it_cannot_split_before_touching_the_model() -> None:

@@ -293,6 +293,10 @@ class BoostConfig:
                 f"parallel.ep={p.ep} with parallel.sequence_parallel is not built: the tp ranks would route "
                 "different tokens",
             ),
+            (
+                p.tp_mode is not TPMode.ONE_D and p.tp > 1,
+                f"parallel.ep={p.ep} with tp_mode {p.tp_mode} is not built: its grid splits the tokens",
+            ),
         ]
         return [message for bad, message in refused if bad]
 
