@@ -56,6 +56,10 @@ def test_compositions_not_built_are_refused() -> None:
     ]:
         config = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]
         assert any(line.startswith(message) for line in config.validate()), config.validate()
+    ep = dataclasses.replace(Config(), parallel=ParallelConfig(dp=2, ep=2))
+    assert "parallel.ep=2 needs moe.enabled: the main job's model has no experts" in ep.validate()
+    uneven = dataclasses.replace(_moe(experts=3, top_k=1), parallel=ParallelConfig(dp=2, ep=2))
+    assert "moe.experts=3 is not divisible by parallel.ep=2" in uneven.validate()
     # the same top_k off: nothing about [moe] is checked
     assert dataclasses.replace(Config(), moe=MoEConfig(enabled=False, top_k=9)).validate() == []
 

@@ -187,16 +187,17 @@ class Config(BoostConfig):
         """The ``[moe]`` section, when on, and the degrees it composes with."""
         p, e = self.parallel, self.moe
         if not e.enabled:
-            return []
+            return (
+                [f"parallel.ep={p.ep} needs moe.enabled: the main job's model has no experts"]
+                if p.ep > 1
+                else []
+            )
         refused = [
             (e.top_k > e.experts, f"moe.top_k={e.top_k} is more than moe.experts={e.experts}"),
             (e.capacity_factor <= 0, f"moe.capacity_factor={e.capacity_factor} must be > 0"),
             (e.aux_loss_coef < 0, f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0"),
             (e.z_loss_coef < 0, f"moe.z_loss_coef={e.z_loss_coef} must be >= 0"),
-            (
-                e.experts % getattr(p, "ep", 1) != 0,
-                f"moe.experts={e.experts} is not divisible by parallel.ep={getattr(p, 'ep', 1)}",
-            ),
+            (e.experts % p.ep != 0, f"moe.experts={e.experts} is not divisible by parallel.ep={p.ep}"),
             (p.tp > 1, f"moe.enabled with parallel.tp={p.tp}: tensor parallelism in experts is not built"),
             (p.pp > 1, f"moe.enabled with parallel.pp={p.pp}: the main job's MoE runs without a pipeline"),
             (p.sp > 1, f"moe.enabled with parallel.sp={p.sp}: context parallelism with MoE is not built"),
