@@ -1,8 +1,8 @@
 """HF Mixtral and Qwen2-MoE (built from tiny configs, random weights, nothing downloaded):
 their sparse MoE blocks converted to ``tessera.moe.MoE`` compute the same outputs and
 gradients (tier 0), the converted models the same logits, and a converted Mixtral trains
-through ``boost()`` at dp=2 (ZeRO 1 and 3) and tp=2 (its experts whole on both ranks) as it
-does serially (tier 2, the worker pool).
+through ``boost()`` at dp=2 (ZeRO 1 and 3), tp=2 (its experts whole on both ranks) and
+dp=2 x ep=2 (its experts split, ZeRO 1 and 3) as it does serially (tier 2, the worker pool).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.comm import all_gather
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.hf_moe import MIXTRAL_PLAN, convert_hf_moe, is_hf_sparse_moe, moe_from_hf
-from tessera.moe import MoE
+from tessera.moe import MoE, expert_parameters
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
 
@@ -167,11 +168,25 @@ def _serial() -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _expert_parallel_weights(engine: Any) -> dict[str, Tensor]:
+    """Every weight in full by serial name at tp = pp = 1: the expert banks gathered over the
+    ep group (the engine's own ``full_state_dict`` refuses ep > 1)."""
+    experts = {id(p) for p in expert_parameters(engine.module)}
+    out = {}
+    with engine.zero.gathered():
+        for param in engine.module.parameters():
+            value = param.detach().contiguous()
+            if id(param) in experts:
+                value = all_gather(value, engine.mesh.group("ep"))
+            out[engine.placement.names[param]] = value.clone()
+    return out
+
+
 def _parallel(rank: int, config: Config) -> Run:
     model = _build()
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
+    weights = engine.full_state_dict() if config.parallel.ep == 1 else _expert_parallel_weights(engine)
     engine.mesh.close()
     return losses, weights
 
@@ -182,6 +197,8 @@ def _parallel(rank: int, config: Config) -> Run:
         (ParallelConfig(dp=2, microbatches=2), 1),
         (ParallelConfig(dp=2, microbatches=1), 3),
         (ParallelConfig(tp=2, microbatches=1), 0),
+        (ParallelConfig(dp=2, ep=2, microbatches=1), 1),
+        (ParallelConfig(dp=2, ep=2, microbatches=2), 3),
     ],
 )
 def test_a_converted_mixtral_trains_through_boost_as_serially(
