@@ -32,10 +32,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather
+from tessera.comm.testing import run_threaded
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.consolidate import unshard
@@ -334,6 +336,23 @@ def test_boost_refuses_experts_it_cannot_split_before_touching_the_model() -> No
     with pytest.raises(ValueError, match=r"train.verify .* with parallel.ep=2 is not built"):
         fresh = build()
         boost(fresh, torch.optim.SGD(fresh.parameters(), lr=LR), verify)
+
+
+def _prebuilt(rank: int) -> str:
+    model = build()
+    model.trunk[0].mix = MoE(d_model=D, hidden=24, experts=4, top_k=2, seed=5, ep_group=dist.group.WORLD)
+    try:
+        boost(model, torch.optim.SGD(model.parameters(), lr=LR), config(ParallelConfig(dp=2), 0))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_layer_built_expert_parallel_is_refused_at_any_ep() -> None:
+    """boost() would average its expert gradients over every dp rank: refused, naming it."""
+    for message in run_threaded(2, _prebuilt):
+        assert "MoE layers ['trunk.0.mix'] are already expert-parallel" in message, message
+        assert "parallel.ep (now 1)" in message, message
 
 
 # ---------------------------------------------------------------------------- HF Mixtral

@@ -4,7 +4,7 @@ With ``parallel.ep`` > 1 the data-parallel ranks form expert-parallel groups of 
 consecutive ranks (`tessera.comm.Topology`). ``check_experts`` finds the model's MoE layers
 by type (whatever the model calls them) and refuses, before anything changes, a model
 without one, a layer whose experts ``ep`` does not divide (naming the layer, its experts
-and ep) and a layer already built expert-parallel. ``shard_moe`` then keeps on each rank
+and ep) and, at any ep, a layer already built expert-parallel. ``shard_moe`` then keeps on each rank
 its ``experts / ep`` experts of every layer (`tessera.moe.shard_experts`: tokens travel to
 their experts by all-to-all over the ep group) and returns what ZeRO shards over the
 expert-data-parallel group: every expert bank's parameters (`tessera.moe.expert_parameters`;
@@ -23,7 +23,7 @@ import logging
 import torch.distributed as dist
 from torch import nn
 
-from tessera.comm import Mesh
+from tessera.comm import Mesh, group_size
 from tessera.moe import MoE, expert_parameters, shard_experts
 
 __all__ = ["check_experts", "moe_layers", "refuse_experts", "shard_moe"]
@@ -37,10 +37,18 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 
 def check_experts(model: nn.Module, ep: int) -> None:
-    """Refuse (ValueError naming the values) what ``shard_moe`` cannot split over ``ep`` ranks."""
+    """Refuse (ValueError naming the values) what ``shard_moe`` cannot split over ``ep`` ranks,
+    and (at any ep) a layer already built expert-parallel, whose expert gradients boost()
+    would average over the wrong ranks."""
+    layers = moe_layers(model)
+    built = [name for name, m in layers if m.ep_group is not None and group_size(m.ep_group) > 1]
+    if built:
+        raise ValueError(
+            f"MoE layers {built} are already expert-parallel (built with ep_group=): build them serial "
+            f"and set parallel.ep (now {ep}) to let boost() shard them"
+        )
     if ep == 1:
         return
-    layers = moe_layers(model)
     if not layers:
         raise ValueError(
             f"parallel.ep={ep} but {type(model).__name__} has no tessera.moe.MoE layer: nothing to split"
@@ -48,12 +56,6 @@ def check_experts(model: nn.Module, ep: int) -> None:
     uneven = [f"{name} ({m.num_experts} experts)" for name, m in layers if m.num_experts % ep]
     if uneven:
         raise ValueError(f"parallel.ep={ep} must divide the experts of every MoE layer: {', '.join(uneven)}")
-    built = [name for name, m in layers if m.ep_group is not None]
-    if built:
-        raise ValueError(
-            f"MoE layers {built} are already expert-parallel (built with ep_group=): with parallel.ep "
-            "build them serial and let boost() shard them"
-        )
 
 
 def shard_moe(model: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGroup]:
