@@ -1,0 +1,221 @@
+"""A mixture-of-experts GPT on 2 gloo ranks (``--world``): its experts split over the ranks
+(expert parallelism, ``ep = world``) beside the same model with every expert on every rank
+(data parallelism, ``ep = 1``), in one run on the same batches; and the all-to-all bytes
+``CommMeter`` measures beside the formulas.
+
+The model is the main job's (``tessera.launcher.moe_model.moe_gpt``: the reference GPT with
+a ``tessera.moe.MoE`` of SwiGLU experts as each layer's MLP, router losses attached). Both
+systems are ``boost()`` engines on the same model and global batch, AdamW, ZeRO-1, one
+microbatch, differing only in ``parallel.ep`` (``world`` or 1), so the difference is expert
+parallelism alone. Steps alternate between the systems (ABBA), so background load hits both
+alike; the step time is the slowest rank's median.
+
+Per step and rank, the measured all-to-all bytes (``CommMeter.sent_bytes`` of the step's
+all-to-alls) are set beside ``exact``: the moe README's count from the step's own routing
+(per layer, the counts ``8 * (E - E / ep)``, then ``4 * d`` bytes for each row sent to
+another rank's expert and each row returned to another rank, and the same rows' gradients
+backward), and ``planner``: ``tessera.planner.experts.all_to_all_bytes`` with evenly spread
+routing (dispatch rows and counts; combine as many rows; the backward both again).
+
+DeepSpeed-MoE is a row "not available" with the reason when no DeepSpeed Python is found
+(``--deepspeed-python``). A "token" is one sequence position of the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import emit, peak_rss_mb, table
+from _memory_peers import DEFAULT_DS_PYTHON, deepspeed_version
+
+from tessera.comm import CommMeter, CommOp
+from tessera.comm.testing import WorkerPool
+from tessera.launcher import BoostConfig, Engine, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.main_config import MoEConfig
+from tessera.launcher.moe_model import moe_gpt
+from tessera.models import GPTConfig
+from tessera.moe import MoE, set_aux_grad_scale
+from tessera.planner.experts import ExpertShape, all_to_all_bytes
+
+SYSTEMS = ("tessera-ep", "tessera-dp")
+
+
+def _engine(args: argparse.Namespace, ep: int) -> tuple[Engine, list[MoE]]:
+    cfg = GPTConfig(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.mlp_ratio)
+    moe = MoEConfig(
+        enabled=True, experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor
+    )
+    model = moe_gpt(cfg, moe, seed=0)
+    config = BoostConfig(
+        parallel=ParallelConfig(dp=dist.get_world_size(), ep=ep, microbatches=1),
+        zero=ZeroConfig(stage=1),
+        train=TrainConfig(precision="fp32"),
+    )
+    engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    set_aux_grad_scale(engine.module, engine.zero.loss_scale)  # one microbatch
+    return engine, [m for m in engine.module.modules() if isinstance(m, MoE)]
+
+
+def _exact(layers: list[MoE], d: int, world: int, rank: int, kept: list[list[torch.Tensor]]) -> int:
+    """The README's count for this rank: every layer's counts, the rows it sends to other ranks'
+    experts and returns to other ranks, forward and backward (``kept``: each rank's kept
+    assignments per expert, per layer)."""
+    total = 0
+    for i, layer in enumerate(layers):
+        local = layer.num_experts // world
+        to = [
+            [int(kept[q][i][j * local : (j + 1) * local].sum()) for j in range(world)] for q in range(world)
+        ]
+        sent = sum(to[rank][j] for j in range(world) if j != rank)
+        served = sum(to[q][rank] for q in range(world) if q != rank)
+        total += 8 * (layer.num_experts - local) + 2 * 4 * d * (sent + served)
+    return total
+
+
+def _bench(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    world = dist.get_world_size()
+    systems = {name: _engine(args, world if name == "tessera-ep" else 1) for name in SYSTEMS}
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    measured: dict[str, list[int]] = {name: [] for name in SYSTEMS}
+    exact: list[int] = []
+    routed: dict[str, list[torch.Tensor]] = {name: [] for name in SYSTEMS}  # per step: [layer, E]
+    losses: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for i in range(args.warmup + args.iters):
+        for name in SYSTEMS if i % 2 == 0 else tuple(reversed(SYSTEMS)):
+            engine, layers = systems[name]
+            dist.barrier()
+            with CommMeter() as meter:
+                t0 = time.perf_counter()
+                out = engine.train_step(*batch(i))
+                elapsed = time.perf_counter() - t0
+            losses[name].append(out.loss)
+            routed[name].append(torch.stack([layer.stats.routed for layer in layers]))
+            if i < args.warmup:
+                continue
+            times[name].append(elapsed)
+            measured[name].append(sum(r.sent_bytes for r in meter.records if r.op is CommOp.ALL_TO_ALL))
+            if name == "tessera-ep":
+                kept = [layer.stats.kept.clone() for layer in layers]
+                everyone: list[list[torch.Tensor]] = [[] for _ in range(world)]
+                dist.all_gather_object(everyone, kept)
+                exact.append(_exact(layers, args.d_model, world, rank, everyone))
+    held = {
+        name: sum(p.numel() * p.element_size() for p in e.module.parameters())
+        for name, (e, _) in systems.items()
+    }
+    for engine, _ in systems.values():
+        engine.close()
+    same = [bool(torch.equal(a, b)) for a, b in zip(*routed.values(), strict=True)]
+    return {
+        "same_routing": same,
+        "times": {n: statistics.median(t) for n, t in times.items()},
+        "a2a": measured,
+        "exact": exact,
+        "loss": losses,
+        "param_bytes": held,
+        "rss": peak_rss_mb(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--mlp-ratio", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.batch % args.world or args.experts % args.world:
+        raise SystemExit(
+            f"--batch {args.batch} and --experts {args.experts} must divide by --world {args.world}"
+        )
+    with WorkerPool(args.world, timeout=1200) as pool:
+        results = pool.run(_bench, args, timeout=1200)
+    tokens = args.batch * args.seq
+    moe = ExpertShape(
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.mlp_ratio * args.d_model,
+        capacity_factor=args.capacity_factor,
+    )
+    per_rank = tokens // args.world
+    counts = 8 * (args.experts - args.experts // args.world)
+    dispatch = all_to_all_bytes(moe, per_rank, args.d_model, ep=args.world)  # rows and counts
+    planner = args.layers * (4 * (dispatch - counts) + counts)  # combine, and both backward
+    config = (
+        f"world={args.world} d={args.d_model} layers={args.layers} experts={args.experts} top_k={args.top_k} "
+        f"capacity={args.capacity_factor:g} batch={args.batch}x{args.seq} fp32 gloo AdamW"
+    )
+    records = []
+    for system in SYSTEMS:
+        step = max(r["times"][system] for r in results)  # the slowest rank sets the step
+        measured = [statistics.median(r["a2a"][system]) for r in results]
+        rec: dict[str, Any] = {
+            "bench": "moe",
+            "system": system,
+            "ep": args.world if system == "tessera-ep" else 1,
+            "config": config,
+            "step_time_s": round(step, 5),
+            "tokens_per_s": round(tokens / step, 1),
+            "a2a_sent_bytes_per_rank": measured,
+            "param_bytes_per_rank": results[0]["param_bytes"][system],
+            "peak_rss_mb": round(max(r["rss"] for r in results), 1),
+            "final_loss": round(results[0]["loss"][system][-1], 6),
+            "losses": [round(v, 6) for v in results[0]["loss"][system]],
+        }
+        if system == "tessera-ep":
+            rec["a2a_exact_bytes_per_rank"] = [statistics.median(r["exact"]) for r in results]
+            rec["a2a_exact_equal"] = all(r["a2a"][system] == r["exact"] for r in results)
+            rec["a2a_planner_bytes_per_rank"] = round(planner, 1)
+        records.append(rec)
+    same = [all(step) for step in zip(*(r["same_routing"] for r in results), strict=True)]
+    records[0]["routing_same_as_dp_until_step"] = same.index(False) if False in same else len(same)
+    records[0]["ratio_vs_dp"] = round(records[1]["step_time_s"] / records[0]["step_time_s"], 3)
+    ds = (
+        deepspeed_version(args.deepspeed_python)
+        if args.deepspeed_python
+        else "not available: no DeepSpeed python"
+    )
+    records.append(
+        {
+            "bench": "moe",
+            "system": "deepspeed-moe",
+            "ep": args.world,
+            "config": config,
+            "step_time_s": None,
+            "tokens_per_s": None,
+            "status": ds
+            if ds.startswith("not available")
+            else f"{ds}: not run (no CPU DeepSpeed-MoE peer here)",
+        }
+    )
+    for rec in records:
+        emit(rec)
+    table(records, ("system", "ep", "step_time_s", "tokens_per_s", "ratio_vs_dp"))
+
+
+if __name__ == "__main__":
+    main()
