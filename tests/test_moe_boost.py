@@ -288,16 +288,18 @@ def _resume(rank: int, cfg: BoostConfig, root: str, other: BoostConfig) -> dict[
     }
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize(("dp", "stage"), [(2, 0), (4, 1), (4, 3)])
 def test_a_checkpoint_resumes_bit_for_bit_at_ep2_and_refuses_another_ep(
-    worker_pools: PoolFactory, tmp_path: Path, stage: int
+    worker_pools: PoolFactory, tmp_path: Path, dp: int, stage: int
 ) -> None:
-    """Saved after one step at dp=2 x ep=2, the two steps after a load equal the two steps
-    without one exactly (losses and weights). A load under ep=1 (same world) refuses naming
-    ep, and so do consolidation and the full state dict."""
-    cfg = config(ParallelConfig(dp=2, ep=2, microbatches=1), stage)
-    other = config(ParallelConfig(dp=2, microbatches=1), stage)
-    for rank, run in enumerate(worker_pools(2).run(_resume, cfg, str(tmp_path / "ckpt"), other, timeout=180)):
+    """Saved after one step at dp x ep=2 (at dp=4 ZeRO shards each expert bank over its two
+    edp ranks), the two steps after a load equal the two steps without one exactly (losses
+    and weights). A load under ep=1 (same world) refuses naming ep, and so do consolidation
+    and the full state dict."""
+    cfg = config(ParallelConfig(dp=dp, ep=2, microbatches=1), stage)
+    other = config(ParallelConfig(dp=dp, microbatches=1), stage)
+    runs = worker_pools(dp).run(_resume, cfg, str(tmp_path / "ckpt"), other, timeout=180)
+    for rank, run in enumerate(runs):
         (a, wa), (b, wb) = run["straight"], run["resumed"]
         assert a == b, f"rank {rank}: losses after the resume {b} vs {a}"
         for name in wa:
