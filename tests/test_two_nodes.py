@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,36 +39,6 @@ if dist.get_rank() == 0:
         json.dump(losses, f)
 dist.destroy_process_group()
 """
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def two_namespaces() -> Iterator[tuple[str, str, str]]:
-    """Namespaces ``(node0, node1)`` and node 0's address; removed after the test."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and the ip command")
-    k = os.getpid() % 250 + 1
-    names = (f"tessera-n0-{os.getpid()}", f"tessera-n1-{os.getpid()}")
-    veth = (f"tsv{os.getpid()}a"[-15:], f"tsv{os.getpid()}b"[-15:])
-    try:
-        _ip("netns", "add", names[0])
-    except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot create a network namespace here: {exc}")
-    try:
-        _ip("netns", "add", names[1])
-        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for i in (0, 1):
-            _ip("link", "set", veth[i], "netns", names[i])
-            _ip("-n", names[i], "addr", "add", f"10.231.{k}.{i + 1}/24", "dev", veth[i])
-            _ip("-n", names[i], "link", "set", "lo", "up")
-            _ip("-n", names[i], "link", "set", veth[i], "up")
-        yield names[0], names[1], f"10.231.{k}.1"
-    finally:
-        for name in names:  # deleting a namespace removes its end of the veth pair, and the pair
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
 def _tessera(*args: str) -> list[str]:

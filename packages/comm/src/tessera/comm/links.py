@@ -35,6 +35,7 @@ import os
 import threading
 import weakref
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,17 @@ class Work:
         return self._work is None or self._error is not None or self._work.is_completed()
 
 
+def gloo_device() -> Any:
+    """The gloo device a new group of this process uses: on the interface ``GLOO_SOCKET_IFNAME``
+    names (its first, as torch's own groups do), else the one of this host's name (a machine
+    whose name resolves to a loopback address then reaches only itself: across nodes the
+    launcher sets ``GLOO_SOCKET_IFNAME``)."""
+    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if names:
+        return dist.ProcessGroupGloo.create_device(interface=names.split(",")[0])
+    return dist.ProcessGroupGloo.create_default_device()
+
+
 def _done() -> Work:
     work = Work()
     work._issue(None)
@@ -108,7 +120,7 @@ class _Pair:
             options._threads = 1  # a link's messages run one after another, in post order
             built = []
             for direction in ("lo-hi", "hi-lo"):
-                options._devices = [dist.ProcessGroupGloo.create_default_device()]
+                options._devices = [gloo_device()]
                 prefixed = PrefixStore(f"{key}/{n}/{direction}/", store)
                 built.append(dist.ProcessGroupGloo(prefixed, side, 2, options))
             links = (built[0], built[1])

@@ -83,6 +83,8 @@ class Storage:
 
 
 def _span(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
     return (
         f"{ranks[0]}-{ranks[-1]}" if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) else str(list(ranks))
     )
