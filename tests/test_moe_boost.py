@@ -201,6 +201,7 @@ CASES = [
     (ParallelConfig(dp=4, ep=2, microbatches=1), 3),
     (ParallelConfig(dp=4, ep=4, microbatches=1), 3),
     (ParallelConfig(dp=2, ep=2, microbatches=2), 2),
+    (ParallelConfig(dp=4, ep=2, microbatches=2), 2),
     (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 1),
     (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 0),
     (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 1),
