@@ -21,13 +21,13 @@ def veth_name(pid: int, node: int) -> str:
 
 
 @pytest.fixture
-def unplug() -> Callable[[str], None]:
+def unplug() -> Callable[..., None]:
     """``unplug(namespace)``: the link of one of ``two_namespaces``' nodes goes down (nothing
-    it sends reaches the other node any more)."""
+    it sends reaches the other node any more); ``unplug(namespace, up=True)`` plugs it back."""
 
-    def down(namespace: str) -> None:
+    def down(namespace: str, up: bool = False) -> None:
         _, node, pid = namespace.split("-")
-        ip("-n", namespace, "link", "set", veth_name(int(pid), int(node[1:])), "down")
+        ip("-n", namespace, "link", "set", veth_name(int(pid), int(node[1:])), "up" if up else "down")
 
     return down
 

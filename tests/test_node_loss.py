@@ -116,7 +116,7 @@ def test_two_nodes_without_shared_storage_train_as_one(
 
 
 def test_a_lost_node_is_named_and_the_job_finishes_on_the_node_left(
-    tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[[str], None]
+    tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[..., None]
 ) -> None:
     node0, node1, address = two_namespaces
     settings = [*SETTINGS, "train.steps=10", "train.max_restarts=1", "train.watchdog_s=10"]
@@ -151,3 +151,32 @@ def test_a_lost_node_is_named_and_the_job_finishes_on_the_node_left(
     after = {s: v for s, v in _losses(run).items() if s > step}
     want = {s: v for s, v in _losses(tmp_path / "fresh" / "job").items() if s > step}
     assert sorted(after) == list(range(step + 1, 11)) and after == want, (after, want)
+
+
+def test_a_partition_shorter_than_the_watchdog_loses_nothing(
+    tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[..., None]
+) -> None:
+    """Node 1's link goes down for 3 s, well under ``train.watchdog_s`` (20 s), then up again:
+    TCP carries on, nobody is named, and the losses equal an undisturbed run's."""
+    node0, node1, address = two_namespaces
+    settings = [*SETTINGS, "train.steps=12", "train.watchdog_s=20"]
+    procs = [_node(ns, k, address, "2", settings, tmp_path) for k, ns in enumerate((node0, node1))]
+    run = tmp_path / "disk0" / "job"
+    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
+    while time.monotonic() < deadline and procs[0].poll() is None:
+        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 3:
+            break
+        time.sleep(0.1)
+    unplug(node1)
+    time.sleep(3)
+    stalled_at = max(_losses(run))
+    unplug(node1, up=True)
+    assert procs[0].poll() is None and stalled_at < 12, "the job was over before the partition ended"
+    codes = [_finish(p, 300) for p in procs]
+    logs = [(tmp_path / f"node{k}.log").read_text() for k in (0, 1)]
+    assert codes == [0, 0], f"exit codes {codes}; logs: {[t[-3000:] for t in logs]}"
+    assert not any("is lost" in t for t in logs), logs
+    together = _train("--nproc-per-node", "2", settings=[*settings, f"train.run_dir={tmp_path}/one"])
+    one = subprocess.run(together, env=ENV, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert _losses(run) == _losses(tmp_path / "one" / "job")
