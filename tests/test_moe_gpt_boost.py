@@ -1,7 +1,8 @@
 """Tier 2 (the worker pool): the main job's mixture-of-experts GPT (``moe_model.moe_gpt``,
 capacity 1.0 so tokens drop, router losses attached inside the layers) trains through
-``boost()`` at dp=2 with 2 microbatches, ZeRO 1 and 3, as the serial model trains when it
-runs the same ``dp * microbatches`` chunks one after the other with the losses' backward
+``boost()`` with its spec (``MOE_GPT_SPEC``) at dp=2 with 2 microbatches, ZeRO 1 and 3, and at
+tp=2 (the mixtures whole on both ranks), as the serial model trains when it runs the same
+``dp * microbatches`` chunks one after the other with the losses' backward
 scale ``1 / chunks`` (``set_aux_grad_scale``; the engine's ranks use ``loss_scale /
 microbatches`` and the data-parallel mean does the rest).
 
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, MoEConfig, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.moe_model import moe_gpt
+from tessera.launcher.moe_model import MOE_GPT_SPEC, moe_gpt
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
 
@@ -45,10 +46,9 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _serial() -> Run:
+def _serial(chunks: int) -> Run:
     model = _build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    chunks = DP * MICRO
     set_aux_grad_scale(model, 1 / chunks)
     losses = []
     for step in range(STEPS):
@@ -66,7 +66,8 @@ def _serial() -> Run:
 
 def _parallel(rank: int, config: Config) -> Run:
     model = _build()
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    engine = boost(model, opt, config, spec=MOE_GPT_SPEC)
     losses = []
     for step in range(STEPS):
         set_aux_grad_scale(engine.module, engine.zero.loss_scale / config.parallel.microbatches)
@@ -76,17 +77,23 @@ def _parallel(rank: int, config: Config) -> Run:
     return losses, weights
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(worker_pools: PoolFactory, zero: int) -> None:
-    c = Config(
-        parallel=ParallelConfig(dp=DP, microbatches=MICRO),
-        zero=ZeroConfig(stage=zero),
-        train=TrainConfig(precision="fp32"),
-        moe=MOE,
-    )
+@pytest.mark.parametrize(
+    ("parallel", "zero"),
+    [
+        (ParallelConfig(dp=DP, microbatches=MICRO), 1),
+        (ParallelConfig(dp=DP, microbatches=MICRO), 3),
+        (ParallelConfig(tp=2, microbatches=MICRO), 1),  # MOE_GPT_PLAN: attention split, mixtures whole
+    ],
+    ids=["dp2-zero1", "dp2-zero3", "tp2-zero1"],
+)
+def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(
+    worker_pools: PoolFactory, parallel: ParallelConfig, zero: int
+) -> None:
+    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"), moe=MOE)
     config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
-    results = worker_pools(DP).run(_parallel, config, timeout=180)
-    losses, weights = _serial()
+    assert config.validate() == []
+    results = worker_pools(config.world_size).run(_parallel, config, timeout=180)
+    losses, weights = _serial(parallel.dp * parallel.microbatches)
     for curve, part in results:
         assert curve == pytest.approx(losses, rel=1e-5)
         torch.testing.assert_close(part, weights, rtol=1e-5, atol=1e-6)

@@ -198,8 +198,15 @@ class Config(BoostConfig):
             (e.aux_loss_coef < 0, f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0"),
             (e.z_loss_coef < 0, f"moe.z_loss_coef={e.z_loss_coef} must be >= 0"),
             (e.experts % p.ep != 0, f"moe.experts={e.experts} is not divisible by parallel.ep={p.ep}"),
-            (p.tp > 1, f"moe.enabled with parallel.tp={p.tp}: tensor parallelism in experts is not built"),
-            (p.pp > 1, f"moe.enabled with parallel.pp={p.pp}: the main job's MoE runs without a pipeline"),
+            (
+                p.tp > 1 and p.tp_mode is not TPMode.ONE_D,
+                f"moe.enabled with parallel.tp_mode={p.tp_mode}: the mixtures stay whole under 1D tp only",
+            ),
+            (
+                p.sequence_parallel,
+                "moe.enabled with parallel.sequence_parallel: the mixtures are replicated over tp and "
+                "would see a slice of the sequence",
+            ),
             (p.sp > 1, f"moe.enabled with parallel.sp={p.sp}: context parallelism with MoE is not built"),
         ]
         return [message for bad, message in refused if bad]

@@ -35,7 +35,7 @@ from tessera.launcher.boost import boost
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import RESTART_ENV, config_to_toml, load_config
 from tessera.launcher.engine import Engine
-from tessera.launcher.moe_model import ExpertLoad, moe_gpt
+from tessera.launcher.moe_model import MOE_GPT_SPEC, ExpertLoad, moe_gpt
 from tessera.launcher.preflight import committed_checkpoint, saved_vocab
 from tessera.launcher.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.runs import run_folder
@@ -180,6 +180,7 @@ def main() -> None:
         model,
         _optimizer(config, model),
         config,
+        spec=MOE_GPT_SPEC if config.moe.enabled else None,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
     )
     if resume:
@@ -217,7 +218,7 @@ def main() -> None:
     window_start, window_steps = started, 0
     for step in range(engine.step, config.train.steps):
         if load is not None:  # the attached router losses follow the loss's scale and microbatches
-            set_aux_grad_scale(engine.module, engine.zero.loss_scale / config.parallel.microbatches)
+            set_aux_grad_scale(model, engine.zero.loss_scale / config.parallel.microbatches)
         out = engine.train_step(*_rank_batch(engine, data, "train", step, config.data.batch_size), local=True)
         window_steps += 1
         done = step + 1
