@@ -129,9 +129,10 @@ def aux_of(model: nn.Module) -> Tensor:
 Serial = tuple[list[float], list[float], list[float], dict[str, Tensor]]
 
 
-def serial(chunks: int, aux: float) -> Serial:
+def serial(chunks: int, aux: float, clip: float = 0.0) -> Serial:
     """Losses (with and without ``aux``), gradient norms and final weights of the serial
-    model on ``chunks`` chunks a step, adding ``aux * aux_loss`` to each chunk's loss by hand."""
+    model on ``chunks`` chunks a step, adding ``aux * aux_loss`` to each chunk's loss by hand;
+    ``clip`` > 0: the gradient norm clipped to it (``clip_grad_norm_``)."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, plain, norms = [], [], []
@@ -145,19 +146,19 @@ def serial(chunks: int, aux: float) -> Serial:
             (loss / chunks).backward()
             total += loss.item() / chunks
             ce += entropy.item() / chunks
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
         opt.step()
         losses.append(total)
         plain.append(ce)
     return losses, plain, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def config(parallel: ParallelConfig, stage: int) -> BoostConfig:
+def config(parallel: ParallelConfig, stage: int, clip: float = 0.0) -> BoostConfig:
     return BoostConfig(
         parallel=parallel,
         zero=ZeroConfig(stage=stage),
         train=TrainConfig(precision="fp32"),
-        optim=dataclasses.replace(BoostConfig().optim, clip_grad_norm=0.0),  # serial does not clip
+        optim=dataclasses.replace(BoostConfig().optim, clip_grad_norm=clip),  # 0: no clipping
     )
 
 
@@ -195,33 +196,38 @@ def _rank(rank: int, cfg: BoostConfig, inside: bool) -> tuple[list[float], list[
     return [o.loss for o in outs], [float(o.grad_norm or 0.0) for o in outs], weights
 
 
+CLIP = 0.4  # below every step's gradient norm here (0.64-0.66): each step is clipped
+
 CASES = [
-    (ParallelConfig(dp=2, ep=2, microbatches=1), 0),
-    (ParallelConfig(dp=4, ep=2, microbatches=1), 1),
-    (ParallelConfig(dp=4, ep=2, microbatches=1), 3),
-    (ParallelConfig(dp=4, ep=4, microbatches=1), 3),
-    (ParallelConfig(dp=2, ep=2, microbatches=2), 2),
-    (ParallelConfig(dp=4, ep=2, microbatches=2), 2),
-    (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 1),
-    (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 0),
-    (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 1),
+    (ParallelConfig(dp=2, ep=2, microbatches=1), 0, 0.0),
+    (ParallelConfig(dp=4, ep=2, microbatches=1), 1, 0.0),
+    (ParallelConfig(dp=4, ep=2, microbatches=1), 3, CLIP),
+    (ParallelConfig(dp=4, ep=4, microbatches=1), 3, 0.0),
+    (ParallelConfig(dp=2, ep=2, microbatches=2), 2, 0.0),
+    (ParallelConfig(dp=4, ep=2, microbatches=2), 2, 0.0),
+    (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 1, 0.0),
+    (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 0, CLIP),
+    (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 1, 0.0),
 ]
 
 
 def _id(case: Any) -> str:
     if isinstance(case, ParallelConfig):
         return f"dp{case.dp}-ep{case.ep}-tp{case.tp}-pp{case.pp}-mb{case.microbatches}"
-    return f"zero{case}"
+    return f"clip{case}" if isinstance(case, float) else f"zero{case}"
 
 
-@pytest.mark.parametrize(("parallel", "stage"), CASES, ids=_id)
+@pytest.mark.parametrize(("parallel", "stage", "clip"), CASES, ids=_id)
 def test_an_moe_model_follows_its_serial_run(
-    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int
+    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int, clip: float
 ) -> None:
-    cfg = config(parallel, stage)
+    """With ``clip``, the engine clips by a norm that must count every expert element once
+    (each ep rank holds other experts): a norm off by an expert shard's share scales the
+    whole step and fails the weights as well as the reported norm."""
+    cfg = config(parallel, stage, clip)
     assert cfg.validate() == []
     inside = parallel.pp > 1  # the loss runs on the last stage only: the layers add their aux loss
-    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX)
+    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX, clip)
     if inside:
         want_losses = plain  # the engine's loss: the cross-entropy
     merged: dict[str, Tensor] = {}
