@@ -42,6 +42,7 @@ from tessera.launcher.moe_model import moe_gpt
 from tessera.models import GPTConfig
 from tessera.moe import MoE, set_aux_grad_scale
 from tessera.planner.experts import ExpertShape, all_to_all_bytes
+from tessera.zero import Precision
 
 SYSTEMS = ("tessera-ep", "tessera-dp")
 
@@ -55,7 +56,7 @@ def _engine(args: argparse.Namespace, ep: int) -> tuple[Engine, list[MoE]]:
     config = BoostConfig(
         parallel=ParallelConfig(dp=dist.get_world_size(), ep=ep, microbatches=1),
         zero=ZeroConfig(stage=1),
-        train=TrainConfig(precision="fp32"),
+        train=TrainConfig(precision=Precision.FP32),
     )
     engine = boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     set_aux_grad_scale(engine.module, engine.zero.loss_scale)  # one microbatch

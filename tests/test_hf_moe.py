@@ -2,12 +2,14 @@
 their sparse MoE blocks converted to ``tessera.moe.MoE`` compute the same outputs and
 gradients (tier 0), the converted models the same logits, and a converted Mixtral trains
 through ``boost()`` at dp=2 (ZeRO 1 and 3), tp=2 (its experts whole on both ranks) and
-dp=2 x ep=2 (its experts split, ZeRO 1 and 3) as it does serially (tier 2, the worker pool).
+dp=2 x ep=2 (its experts split, ZeRO 1 and 3) as it does serially, and its consolidated
+weights load back into transformers (tier 2, the worker pool).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
 so only the summation order differs. Losses rel 1e-5 and SGD weights rtol 1e-5, atol 1e-6, as
-in ``test_user_models.py``. A wrong weight mapping (gate and up swapped, a missing transpose,
+in ``test_user_models.py``; the consolidated model's logits in transformers rtol and atol
+1e-5 (logits of order 1 from weights equal to 1e-6 after 3 SGD steps). A wrong weight mapping (gate and up swapped, a missing transpose,
 no renormalisation, no shared gate) changes outputs at order 1.
 """
 
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -25,7 +29,13 @@ from torch import Tensor, nn
 from tessera.comm import all_gather
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
-from tessera.launcher.hf_moe import MIXTRAL_PLAN, convert_hf_moe, is_hf_sparse_moe, moe_from_hf
+from tessera.launcher.hf_moe import (
+    MIXTRAL_PLAN,
+    convert_hf_moe,
+    hf_moe_state_dict,
+    is_hf_sparse_moe,
+    moe_from_hf,
+)
 from tessera.moe import MoE, expert_parameters
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -121,6 +131,19 @@ def test_a_converted_model_gives_the_same_logits(build: Any) -> None:
     torch.testing.assert_close(converted(ids).logits, model(ids).logits, **TOL)
 
 
+@pytest.mark.parametrize("build", [_mixtral, _qwen2_moe], ids=["mixtral", "qwen2-moe"])
+def test_a_converted_models_weights_load_back_into_transformers(build: Any) -> None:
+    converted = build()
+    convert_hf_moe(converted)
+    with torch.no_grad():  # weights of its own, so a load that kept the old ones would show
+        for p in converted.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    fresh = build()
+    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict()), strict=True)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(fresh(ids).logits, converted(ids).logits, **TOL)
+
+
 def test_blocks_it_cannot_reproduce_are_refused() -> None:
     with pytest.raises(ValueError, match=r"router_jitter_noise=0\.1 is not reproduced"):
         moe_from_hf(_blocks(_mixtral(router_jitter_noise=0.1))[0])
@@ -189,6 +212,37 @@ def _parallel(rank: int, config: Config) -> Run:
     weights = engine.full_state_dict() if config.parallel.ep == 1 else _expert_parallel_weights(engine)
     engine.mesh.close()
     return losses, weights
+
+
+def _train_and_consolidate(rank: int, config: Config, path: str) -> list[float]:
+    model = _build()
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    engine.consolidate(path)
+    engine.close()
+    return losses
+
+
+def test_a_mixtral_trained_through_boost_loads_into_transformers(
+    worker_pools: PoolFactory, tmp_path: Path
+) -> None:
+    """dp=2 x tp=2: consolidated, mapped back to HF names, loaded strictly into a fresh
+    ``MixtralForCausalLM``: its logits are the serially trained model's."""
+    c = Config(
+        parallel=ParallelConfig(dp=2, tp=2, microbatches=1),
+        zero=ZeroConfig(stage=1),
+        train=TrainConfig(precision="fp32"),
+    )
+    config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
+    path = str(tmp_path / "model.safetensors")
+    worker_pools(config.world_size).run(_train_and_consolidate, config, path, timeout=180)
+    fresh = _mixtral()
+    fresh.load_state_dict(hf_moe_state_dict(safetensors.torch.load_file(path)), strict=True)
+    _, weights = _serial()
+    trained = _build()
+    trained.load_state_dict(weights)
+    ids, _ = _batch(99)
+    torch.testing.assert_close(fresh(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ Qwen2-MoE adds a shared SwiGLU expert scaled per token by ``sigmoid(shared_exper
 token), and `convert_hf_moe` swaps every such block of a model for one, in place, so that
 ``boost()`` trains it and ``parallel.ep`` can split its experts. HF's own router loss (from
 ``output_router_logits``) is not kept: pass ``aux_loss_coef`` / ``z_loss_coef`` to train the
-routers with the layer's own losses (`tessera.moe.aux`).
+routers with the layer's own losses (`tessera.moe.aux`). `hf_moe_state_dict` maps a
+converted model's weights (what ``consolidate`` writes) back to transformers' names.
 
 `MIXTRAL_PLAN` and `QWEN2_MOE_PLAN` are `LLAMA_PLAN`'s attention, norms, embedding and head
 with each layer's ``mlp`` replicated (``Roles.REPLICATE``): under tensor parallelism every tp
@@ -23,6 +24,7 @@ parallelism (a replicated mixture would see each rank's slice of the sequence).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,7 +34,14 @@ from tessera.moe import MoE
 from tessera.tensor_parallel import LLAMA_PLAN, Plan
 from tessera.tensor_parallel.roles import Roles
 
-__all__ = ["MIXTRAL_PLAN", "QWEN2_MOE_PLAN", "convert_hf_moe", "is_hf_sparse_moe", "moe_from_hf"]
+__all__ = [
+    "MIXTRAL_PLAN",
+    "QWEN2_MOE_PLAN",
+    "convert_hf_moe",
+    "hf_moe_state_dict",
+    "is_hf_sparse_moe",
+    "moe_from_hf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +111,8 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
             layer.shared.w3.copy_(shared.up_proj.weight.t().unsqueeze(0))
             layer.shared.w2.copy_(shared.down_proj.weight.t().unsqueeze(0))
         if layer.shared_gate is not None:
-            layer.shared_gate.copy_(block.shared_expert_gate.weight)  # type: ignore[union-attr]
+            gate_weight: Any = getattr(block, "shared_expert_gate").weight  # noqa: B009  # an HF module
+            layer.shared_gate.copy_(gate_weight)
     return layer
 
 
@@ -131,3 +141,37 @@ def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef:
 
 MIXTRAL_PLAN = _plan("hf-mixtral")
 QWEN2_MOE_PLAN = _plan("hf-qwen2-moe")
+
+
+def hf_moe_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A converted model's state dict (``convert_hf_moe``'s names, e.g. what ``consolidate``
+    writes) under transformers' names again, so ``MixtralForCausalLM`` /
+    ``Qwen2MoeForCausalLM`` load it strictly: per MoE layer ``gate.weight`` (the router),
+    ``experts.gate_up_proj = [w1.T | w3.T]`` and ``experts.down_proj = w2.T`` per expert, the
+    shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` and ``shared_expert_gate``.
+    Every other entry is kept as it is."""
+    out: dict[str, Tensor] = {}
+    layers = {k.removesuffix(".router.weight") for k in state if k.endswith(".router.weight")}
+    for name, value in state.items():
+        prefix = next((p for p in layers if name.startswith(p + ".")), None)
+        if prefix is None:
+            out[name] = value
+            continue
+        rest = name[len(prefix) + 1 :]
+        if rest == "router.weight":
+            out[f"{prefix}.gate.weight"] = value
+        elif rest == "experts.w1":
+            w3 = state[f"{prefix}.experts.w3"]
+            out[f"{prefix}.experts.gate_up_proj"] = torch.cat(
+                [value.transpose(1, 2), w3.transpose(1, 2)], dim=1
+            )
+        elif rest == "experts.w2":
+            out[f"{prefix}.experts.down_proj"] = value.transpose(1, 2).contiguous()
+        elif rest.startswith("shared.w"):
+            hf = {"shared.w1": "gate_proj", "shared.w3": "up_proj", "shared.w2": "down_proj"}[rest]
+            out[f"{prefix}.shared_expert.{hf}.weight"] = value[0].t().contiguous()
+        elif rest == "shared_gate":
+            out[f"{prefix}.shared_expert_gate.weight"] = value
+        elif rest != "experts.w3":
+            raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
+    return out

@@ -54,4 +54,4 @@ class _Attach(torch.autograd.Function):
 def attach_aux(out: Tensor, aux: Tensor, holder: AuxScale) -> Tensor:
     """``out`` unchanged, whose backward also backpropagates ``holder.aux_grad_scale * aux``
     (a scalar). Moves nothing."""
-    return cast(Tensor, _Attach.apply(out, aux, holder))
+    return cast(Tensor, _Attach.apply(out, aux, holder))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
