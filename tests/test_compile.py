@@ -14,21 +14,28 @@ round-off): losses rel 1e-5; weights under SGD with momentum rtol 1e-5, atol 1e-
 at most 1.2e-7, the same as the eager parallel runs); under AdamW atol 1e-4 (its update
 divides by the root of the second moment and so amplifies round-off in near-zero gradients;
 a wrong gradient moves a weight by about lr = 1e-2). A schedule that splits the backward
-(zbv) is refused before anything is built.
+(zbv) is refused before anything is built. The main job resolves ``--set
+train.compile=true`` and trains compiled (in this process, world 1, the launcher's checks
+first) with the losses of its eager run, rel 1e-5.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost, main_job
+from tessera.launcher.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
+from tessera.launcher.preflight import preflight
 from tessera.models import ForeignConfig, Llamaish
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
@@ -104,7 +111,7 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "pp2-1f1b": (P(pp=2, microbatches=2, schedule="1f1b"), {}),
     "dp2-zero1": (P(dp=2), {"stage": 1}),
     "dp2-zero3-adamw": (P(dp=2), {"stage": 3, "adamw": True}),
-    "dp2-zero1-checkpointing": (P(dp=2), {"stage": 1, "checkpointing": True}),
+    "dp2-zero2-checkpointing": (P(dp=2), {"stage": 2, "checkpointing": True}),
 }
 
 
@@ -153,3 +160,56 @@ def test_a_schedule_that_splits_the_backward_is_refused_compiled() -> None:
     model = Llamaish(SIZES, seed=0)
     with pytest.raises(ValueError, match=r"parallel\.schedule='zbv' is not built"):
         boost(model, _optimizer(model, False), _config(zbv, 0, compile=False), compile=True)
+
+
+MAIN_JOB = [
+    "parallel.dp=1",
+    "parallel.microbatches=1",
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_layers=2",
+    "data.batch_size=4",
+    "data.max_chars=20000",
+    "train.steps=4",
+    "train.log_every=1",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "train.sample_chars=8",
+]
+
+
+def _main_job_here(sets: list[str], run: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], int]:
+    """``tessera train --set ...`` resolved and checked as the launcher does, then the main job
+    in this process (world 1): its logged losses and the graphs dynamo compiled."""
+    from torch._dynamo.utils import counters
+
+    config = resolve_config(None, [*MAIN_JOB, f"train.run_dir={run.parent}", f"train.name={run.name}", *sets])
+    assert preflight(config, main_job=True) == []
+    resolved = run.parent / f"{run.name}.json"
+    resolved.write_text(json.dumps(config_to_dict(config)))
+    run.mkdir(parents=True)
+    monkeypatch.setenv(RESOLVED_ENV, str(resolved))
+    monkeypatch.setenv(RUN_FOLDER_ENV, str(run))
+    torch._dynamo.reset()
+    counters.clear()
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(run.parent / f"{run.name}.store"), 1), rank=0, world_size=1
+    )
+    try:
+        main_job.main()  # destroys the process group at its end
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    graphs = int(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [float(r["loss"]) for r in records if "loss" in r], graphs
+
+
+def test_the_main_job_trains_compiled_as_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled, graphs = _main_job_here(["train.compile=true"], tmp_path / "compiled", monkeypatch)
+    eager, none = _main_job_here([], tmp_path / "eager", monkeypatch)
+    assert graphs > 0 and none == 0
+    assert len(compiled) == 4
+    assert compiled == pytest.approx(eager, rel=1e-5)
