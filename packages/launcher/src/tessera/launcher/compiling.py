@@ -49,7 +49,7 @@ def compile_layers(layers: Sequence[nn.Module], *, backend: str = "inductor") ->
     in place (compiled on first call; the modules, their hooks and parameter names stay);
     returns how many were compiled."""
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, backend=backend)  # type: ignore[method-assign]
+        layer.forward = torch.compile(layer.forward, backend=backend)
     log.info("torch.compile (%s): %d layers, each on its own", backend, len(layers))
     return len(layers)
 
