@@ -318,7 +318,8 @@ def test_a_checkpoint_resumes_bit_for_bit_at_ep2_and_refuses_another_ep(
 # ---------------------------------------------------------------------------- refusals, no ranks
 def test_bad_expert_degrees_are_refused_naming_them() -> None:
     assert any(
-        "ep (3) must divide dp (4)" in line for line in config(ParallelConfig(dp=4, ep=3), 0).validate()
+        "parallel.ep=3 must divide parallel.dp=4" in line
+        for line in config(ParallelConfig(dp=4, ep=3), 0).validate()
     )
     sp = config(ParallelConfig(dp=2, ep=2, sp=2), 0).validate()
     assert sp == ["parallel.ep=2 with parallel.sp=2 (context parallelism) is not built"], sp

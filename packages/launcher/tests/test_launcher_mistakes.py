@@ -70,10 +70,10 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "ep not dividing dp": (
         ["run", *_sets("parallel.dp=4", "parallel.ep=3"), "job.py"],
         {},
-        ["ep (3) must divide dp (4)"],
+        ["parallel.ep=3 must divide parallel.dp=4"],
     ),
     "ep with sp": (
-        ["train", *_sets("parallel.dp=2", "parallel.ep=2", "parallel.sp=2")],
+        ["run", *_sets("parallel.dp=2", "parallel.ep=2", "parallel.sp=2"), "job.py"],
         {},
         ["parallel.ep=2 with parallel.sp=2"],
     ),

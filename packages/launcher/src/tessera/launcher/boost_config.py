@@ -308,7 +308,11 @@ class BoostConfig:
             if not cond:
                 errors.append(message)
 
-        if modes:
+        if modes and p.dp % p.ep:
+            errors.append(
+                f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert-parallel ranks are dp ranks)"
+            )
+        elif modes:
             try:
                 p.topology()
             except ValueError as e:
