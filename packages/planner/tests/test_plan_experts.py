@@ -1,17 +1,19 @@
 """Tier 0: the planner's mixture-of-experts formulas written out by hand: expert memory per
 rank under expert parallelism and ZeRO, the kept assignments under a capacity, the
-all-to-all bytes and seconds of a step, and `with_experts` on the dense estimate. Exact (the
+all-to-all bytes and seconds of a step, `estimate` of a job with experts against the dense
+one, and the search over ep. Exact (the
 same float operations, or integers), or rel 1e-9 where a difference of sums is taken."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.planner import PRESETS, Job, Layout, ModelShape, estimate
+from tessera.planner import PRESETS, Job, Layout, ModelShape, check, estimate, search
 from tessera.planner.experts import (
     A2A_PER_LAYER,
     ExpertShape,
@@ -19,7 +21,6 @@ from tessera.planner.experts import (
     all_to_all_seconds,
     expert_memory,
     kept_assignments,
-    with_experts,
 )
 from tessera.planner.links import Link
 from tessera.planner.memory import model_state_bytes
@@ -104,17 +105,23 @@ def test_all_to_all_bytes_and_seconds_by_hand() -> None:
     assert all_to_all_seconds(MOE, tokens, D, ep=1, microbatches=2, link=link) == 0.0
 
 
-JOB = Job(ModelShape(layers=4, hidden=D, heads=4, vocab=64, seq=16, batch=16), precision="fp32", optimizer="adamw")
+JOB = Job(
+    ModelShape(layers=4, hidden=D, heads=4, vocab=64, seq=16, batch=16), precision="fp32", optimizer="adamw"
+)
 
 
-def test_with_experts_adds_the_all_to_alls_to_the_dense_step() -> None:
+def _with(moe: ExpertShape) -> Job:
+    return dataclasses.replace(JOB, moe=moe)
+
+
+def test_experts_add_the_all_to_alls_to_the_dense_step() -> None:
     cluster = PRESETS["a100-80g"].with_world(8)
     layout = Layout(dp=4, microbatches=2, zero=1)
     dense = estimate(layout, JOB, cluster)
     moe = ExpertShape(layers=2, experts=8, top_k=2, hidden=64)
     tokens = 16 // (4 * 2) * 16
     for ep in (1, 2, 4):
-        got = with_experts(layout, JOB, cluster, moe, ep=ep)
+        got = estimate(dataclasses.replace(layout, ep=ep), _with(moe), cluster)
         a2a = all_to_all_seconds(
             moe, tokens, D, ep=ep, microbatches=2, link=Link(*cluster.link(ep, cluster.ranks_per_node(4)))
         )
@@ -122,13 +129,13 @@ def test_with_experts_adds_the_all_to_alls_to_the_dense_step() -> None:
         assert (a2a > 0) == (ep > 1)
 
 
-def test_with_experts_holds_the_experts_state_divided_by_ep() -> None:
+def test_experts_state_is_divided_by_ep() -> None:
     """Stage 0, fp32 AdamW: 16 bytes per element (parameter, gradient, two moments); going
     from ep=1 to ep=4 drops three quarters of every layer's experts from each rank."""
     cluster = PRESETS["a100-80g"].with_world(4)
     layout = Layout(dp=4, microbatches=1, zero=0)
     moe = ExpertShape(layers=3, experts=8, top_k=2, hidden=64)
-    one, four = (with_experts(layout, JOB, cluster, moe, ep=ep) for ep in (1, 4))
+    one, four = (estimate(dataclasses.replace(layout, ep=ep), _with(moe), cluster) for ep in (1, 4))
     dropped = 3 * 6 * moe.expert_params(D)
     assert one.memory.model_state - four.memory.model_state == 16 * dropped
     assert one.psi - four.psi == dropped
@@ -138,7 +145,29 @@ def test_with_experts_holds_the_experts_state_divided_by_ep() -> None:
     # + 4: the step counter of one more flat buffer (the experts'), as model_state_bytes counts it
     assert one.memory.model_state - dense.memory.model_state == 16 * (added - mlp) + 4
     assert one.model_state - dense.model_state == 16 * (added - mlp) + 4
-    with pytest.raises(ValueError, match="experts are modelled at tp = pp = sp = 1, got tp=2"):
-        with_experts(Layout(dp=2, tp=2), JOB, cluster, moe, ep=2)
+
+
+def test_check_refuses_what_it_does_not_model_of_experts() -> None:
+    moe = ExpertShape(layers=3, experts=8, top_k=2, hidden=64)
+    assert "layout.ep=2 but the job has no experts (job.moe)" in check(
+        Layout(dp=2, ep=2, microbatches=1), JOB
+    )
+    lines = check(Layout(dp=4, ep=3, microbatches=1), _with(moe))
+    assert "layout.ep=3 must divide dp=4 and the experts (8)" in lines
+    lines = check(Layout(dp=2, tp=2, microbatches=1), _with(moe))
+    assert "job.moe: experts are modelled at tp = pp = sp = 1, got tp=2 pp=1 sp=1" in lines
+    deep = ExpertShape(layers=9, experts=8, top_k=2, hidden=64)
+    assert "job.moe.layers=9 is more than the model's 4 layers" in check(Layout(microbatches=1), _with(deep))
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
-        with_experts(layout, JOB, cluster, moe, ep=3)
+        estimate(Layout(dp=4, ep=3, microbatches=1), _with(moe), PRESETS["a100-80g"].with_world(4))
+
+
+def test_the_search_tries_every_ep_and_predicts_each_as_estimate_does() -> None:
+    cluster = PRESETS["a100-80g"].with_world(4)
+    job = _with(ExpertShape(layers=4, experts=8, top_k=2, hidden=64))
+    result = search(job, cluster, world=4, keep=200)
+    assert result.ranked and {c.layout.ep for c in result.ranked} == {1, 2, 4}
+    for cand in result.ranked:
+        assert (cand.layout.tp, cand.layout.pp, cand.layout.sp) == (1, 1, 1)
+        assert cand.estimate == estimate(cand.layout, job, cluster)
+    assert "dp4/ep2" in next(c.label() for c in result.ranked if c.layout.ep == 2)

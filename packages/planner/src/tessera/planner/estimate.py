@@ -15,7 +15,9 @@ reduce after the last backward; stage 2 reduce-scatters during the last backward
 also all-gathers parameters before each forward and backward, prefetched under compute),
 plus the optimizer step (streamed from device memory, or from the host after PCIe copies
 with offload). Backward costs twice the forward, split evenly between the input and weight
-gradients (what zero-bubble schedules separate); recomputation adds one forward.
+gradients (what zero-bubble schedules separate); recomputation adds one forward. A job with
+experts (``Job.moe``, ``Layout.ep``) changes the dense estimate as `tessera.planner.experts`
+says: their state in place of their layers' MLPs, and the all-to-alls of the step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tessera.pipeline import schedule_spec
 from tessera.planner.bubble import EXACT_LIMIT, pipeline_profile
 from tessera.planner.cluster import Cluster
 from tessera.planner.cut import Cut, Kind, RankShare, cut_of
+from tessera.planner.experts import expert_change
 from tessera.planner.layout import Job, Layout, check
 from tessera.planner.links import Link
 from tessera.planner.memory import (
@@ -412,6 +415,31 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
     data_comm, optimizer = overheads(p, precision, shape, cluster)
     time = StepTime(busy, shape.tensor_comm, makespan - busy, data_comm, optimizer)
     bubble = (makespan - busy) / makespan if makespan else 0.0
+    if job.moe is not None:  # the experts' state in place of their layers' MLPs, the all-to-alls
+        moe = expert_change(
+            job.moe,
+            model,
+            dp=p.dp,
+            ep=p.ep,
+            microbatches=p.microbatches,
+            stage=p.zero,
+            offload=p.offload,
+            precision=precision,
+            optimizer=job.optimizer,
+            link=_link(cluster, p.ep, p.world),  # the ep group: ep consecutive ranks
+        )
+        dp_, dg, ds, dh = moe.state
+        worst = dataclasses.replace(
+            worst,
+            parameters=worst.parameters + dp_,
+            gradients=worst.gradients + dg,
+            optimizer_state=worst.optimizer_state + ds,
+            host=worst.host + dh,
+        )
+        time = dataclasses.replace(
+            time, compute=time.compute + moe.a2a, tensor_comm=time.tensor_comm + moe.a2a
+        )
+        worst_psi, most_state = worst_psi + moe.psi, most_state + dp_ + dg + ds
     return Estimate(worst, time, worst_psi, bubble, most_state)
 
 

@@ -18,35 +18,33 @@ ep`` of it leaves the rank (`all_to_all_bytes`; `tessera.moe`'s meters count exa
 rows that change rank), and each call first exchanges the per-expert counts (``8 * (E - E /
 ep)`` bytes). `all_to_all_seconds` prices them on the cluster's link (`Link.all_to_all`).
 
-`with_experts` turns the dense model's `Estimate` (``tessera.planner.estimate``) into the
-mixture's: each MoE layer's dense MLP state is replaced by the expert memory above, and the
-all-to-alls join the compute they block (``StepTime.compute`` and ``tensor_comm``). It models
-experts without tensor or pipeline parallelism (what the main job runs) and refuses others.
+`estimate` of a `Job` with ``moe`` at a `Layout` with ``ep`` is the dense model's changed by
+`expert_change`: each MoE layer's dense MLP state replaced by the expert memory above, and
+the all-to-alls added to the compute they block (``StepTime.compute`` and ``tensor_comm``).
+It models experts without tensor, pipeline or context parallelism (`check` refuses those).
 The compute of the experts is the dense MLP's when ``top_k * hidden`` equals its width (each
 token runs ``top_k`` experts); otherwise the difference is not modelled.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from tessera.planner.cluster import Cluster
-from tessera.planner.estimate import Estimate, _link, estimate
-from tessera.planner.layout import Job, Layout
 from tessera.planner.links import Link
 from tessera.planner.memory import DTYPE_BYTES, model_state_bytes
+from tessera.planner.model import ModelShape
 
 __all__ = [
     "A2A_PER_LAYER",
+    "ExpertChange",
     "ExpertMemory",
     "ExpertShape",
     "all_to_all_bytes",
     "all_to_all_seconds",
+    "expert_change",
     "expert_memory",
     "kept_assignments",
-    "with_experts",
 ]
 
 A2A_PER_LAYER = 4  # dispatch and combine forward, their gradients backward
@@ -165,61 +163,47 @@ def all_to_all_seconds(
     return moe.layers * microbatches * per_layer
 
 
-def with_experts(layout: Layout, job: Job, cluster: Cluster, moe: ExpertShape, *, ep: int) -> Estimate:
-    """`estimate` of ``job``'s model with the MLPs of its first ``moe.layers`` layers made
-    mixtures of experts, ``ep`` of ``layout.dp`` ranks splitting them: the fullest rank's
-    memory with the experts' state in place of those MLPs', and the step time with the
-    all-to-alls (`all_to_all_seconds` on the data-parallel link). ValueError naming the
-    values for what it does not model (tp, pp or sp > 1, more MoE layers than layers)."""
-    model = job.model
-    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
-        raise ValueError(
-            f"experts are modelled at tp = pp = sp = 1, got tp={layout.tp} pp={layout.pp} sp={layout.sp}"
-        )
-    if moe.layers > model.layers:
-        raise ValueError(f"moe.layers={moe.layers} is more than the model's {model.layers} layers")
-    dense = estimate(layout, job, cluster)
+@dataclass(frozen=True, slots=True)
+class ExpertChange:
+    """What experts change in the dense model's estimate of one rank: bytes of parameters,
+    gradients, optimizer state and of those on the host (``state``), the all-to-all seconds
+    of a step (``a2a``) and the parameter elements held (``psi``)."""
+
+    state: tuple[float, float, float, float]
+    a2a: float
+    psi: int
+
+
+def expert_change(
+    moe: ExpertShape,
+    model: ModelShape,
+    *,
+    dp: int,
+    ep: int,
+    microbatches: int,
+    stage: int,
+    offload: bool,
+    precision: str,
+    optimizer: str,
+    link: Link,
+) -> ExpertChange:
+    """The mixture against the dense model: ``moe.layers`` MLPs' state (sharded over ``dp``)
+    out, the experts' (``E / ep`` per layer over ``dp / ep``) and the routers' and shared
+    experts' (over ``dp``) in; the all-to-alls of ``microbatches`` microbatches on ``link``."""
+    if ep < 1 or dp % ep or moe.experts % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp} and the experts ({moe.experts})")
     d, f, b = model.hidden, model.ffn, int(model.bias)
     mlp = moe.layers * (d * f + b * f + f * d + b * d)  # the dense MLPs the experts replace
-    if ep < 1 or layout.dp % ep or moe.experts % ep:
-        raise ValueError(f"ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
+    experts = moe.layers * (moe.experts // ep) * moe.expert_params(d)
+    dense = moe.layers * moe.dense_params(d)
 
     def state(psi: float, n: int) -> tuple[float, float, float, float]:
         return model_state_bytes(
-            psi,
-            stage=layout.zero,
-            n=n,
-            precision=job.precision,
-            offload=layout.offload,
-            optimizer=job.optimizer,
+            psi, stage=stage, n=n, precision=precision, offload=offload, optimizer=optimizer
         )
 
-    minus = state(mlp, layout.dp)
-    plus_experts = state(moe.layers * (moe.experts // ep) * moe.expert_params(d), layout.dp // ep)
-    plus_dense = state(moe.layers * moe.dense_params(d), layout.dp)
-    delta = [e + r - m for e, r, m in zip(plus_experts, plus_dense, minus, strict=True)]
-    mem = dense.memory
-    memory = dataclasses.replace(
-        mem,
-        parameters=mem.parameters + delta[0],
-        gradients=mem.gradients + delta[1],
-        optimizer_state=mem.optimizer_state + delta[2],
-        host=mem.host + delta[3],
-    )
-    tokens = model.batch // (layout.dp * layout.microbatches) * model.seq
-    span = ep  # the ep group is the ep consecutive data-parallel ranks
-    a2a = all_to_all_seconds(
-        moe,
-        tokens,
-        d,
-        ep=ep,
-        microbatches=layout.microbatches,
-        link=_link(cluster, span, layout.world),
-        precision=job.precision,
-    )
-    time = dataclasses.replace(
-        dense.time, compute=dense.time.compute + a2a, tensor_comm=dense.time.tensor_comm + a2a
-    )
-    psi = dense.psi - mlp + moe.layers * ((moe.experts // ep) * moe.expert_params(d) + moe.dense_params(d))
-    most = dense.model_state + sum(delta[:3])
-    return dataclasses.replace(dense, memory=memory, time=time, psi=psi, model_state=most)
+    parts = (state(experts, dp // ep), state(dense, dp), state(mlp, dp))
+    p, g, s, h = (e + r - m for e, r, m in zip(*parts, strict=True))
+    tokens = model.batch // (dp * microbatches) * model.seq
+    a2a = all_to_all_seconds(moe, tokens, d, ep=ep, microbatches=microbatches, link=link, precision=precision)
+    return ExpertChange((p, g, s, h), a2a, experts + dense - mlp)

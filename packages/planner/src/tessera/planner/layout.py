@@ -8,7 +8,8 @@ contiguous or zigzag chunks of the sequence; comm's ``sequence_modes`` enums), M
 sequence parallelism, the pipeline schedule (``virtual_stages`` chunks per rank for the
 interleaved ones, ``microbatches`` per step, ``tune_splits``: the zero-bubble split tuning
 steps, 0 off), the ZeRO stage with or without CPU offload, and activation checkpointing per
-layer (``recompute``).
+layer (``recompute``); with a mixture of experts (``Job.moe``), the expert-parallel degree
+``ep`` (of the data-parallel ranks).
 
 `check` refuses what the planner cannot model (degrees below 1, a tensor-parallel degree
 that is no grid of its mode, an unknown schedule or one whose rules refuse the pipeline
@@ -21,6 +22,7 @@ as its ``validate``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tessera.comm import TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
@@ -28,6 +30,9 @@ from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.planner.memory import DTYPE_BYTES, OPTIMIZER_BYTES
 from tessera.planner.model import ModelShape, TPShape
+
+if TYPE_CHECKING:
+    from tessera.planner.experts import ExpertShape
 
 __all__ = ["Job", "Layout", "check"]
 
@@ -52,6 +57,7 @@ class Layout:
     zero: int = 0
     offload: bool = False
     recompute: bool = False
+    ep: int = 1  # expert parallelism over the data-parallel ranks (a job with ``moe``)
 
     def __post_init__(self) -> None:  # names and members alike ("2d", TPMode.TWO_D)
         for name, enum in (("tp_mode", TPMode), ("sp_mode", ContextMode), ("sp_layout", ContextLayout)):
@@ -80,7 +86,7 @@ class Layout:
             + (f"d{self.depth}" if self.depth > 1 else "")
         )
         tp += "+sp" if self.sequence_parallel else ""
-        parts = [f"dp{self.dp}", f"pp{self.pp}", tp]
+        parts = [f"dp{self.dp}" + (f"/ep{self.ep}" if self.ep > 1 else ""), f"pp{self.pp}", tp]
         if self.sp > 1:
             parts.append(f"cp{self.sp}/{self.sp_mode.value}")
         if self.pp > 1:
@@ -96,19 +102,21 @@ class Layout:
 class Job:
     """The model (with its global batch), the compute precision and the optimizer; and
     whether the job as given checkpoints activations (``recompute``: what the search asks
-    ``validate`` about a layout's family with, before it tries both)."""
+    ``validate`` about a layout's family with, before it tries both). ``moe``: the MLPs of
+    the first ``moe.layers`` layers are mixtures of experts (`tessera.planner.experts`)."""
 
     model: ModelShape
     precision: str = "fp32"
     optimizer: str = "adamw"
     recompute: bool = False
+    moe: ExpertShape | None = None
 
 
 def check(layout: Layout, job: Job) -> list[str]:
     """What keeps the planner from modelling ``layout`` for ``job``, one line each naming
     the values (empty when it can)."""
     lines: list[str] = []
-    for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "virtual_stages"):
+    for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "virtual_stages", "ep"):
         value = getattr(layout, name)
         if value < 1:
             lines.append(f"layout.{name} must be >= 1, got {value}")
@@ -132,10 +140,29 @@ def check(layout: Layout, job: Job) -> list[str]:
         lines.append(f"job.precision={job.precision!r} is not one of {', '.join(DTYPE_BYTES)}")
     if job.optimizer not in OPTIMIZER_BYTES:
         lines.append(f"job.optimizer={job.optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    lines += _expert_lines(layout, job)
     per_step = layout.dp * layout.microbatches
     if job.model.batch % per_step:
         lines.append(
             f"job: batch {job.model.batch} is not divisible by dp * microbatches "
             f"= {layout.dp} * {layout.microbatches} = {per_step}"
         )
+    return lines
+
+
+def _expert_lines(layout: Layout, job: Job) -> list[str]:
+    """What the planner cannot model of a layout's experts (`tessera.planner.experts`)."""
+    moe, ep = job.moe, layout.ep
+    if moe is None:
+        return [f"layout.ep={ep} but the job has no experts (job.moe)"] if ep > 1 else []
+    lines = []
+    if layout.dp % ep or moe.experts % ep:
+        lines.append(f"layout.ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
+    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
+        lines.append(
+            "job.moe: experts are modelled at tp = pp = sp = 1, got "
+            f"tp={layout.tp} pp={layout.pp} sp={layout.sp}"
+        )
+    if moe.layers > job.model.layers:
+        lines.append(f"job.moe.layers={moe.layers} is more than the model's {job.model.layers} layers")
     return lines

@@ -141,6 +141,18 @@ def _parallel_variants(
             )
 
 
+def _expert_variants(layouts: Iterator[Layout], job: Job) -> Iterator[Layout]:
+    """Each layout at every expert-parallel degree its data parallelism and the job's experts
+    allow (a job without experts: ep = 1 only)."""
+    for layout in layouts:
+        if job.moe is None:
+            yield layout
+            continue
+        for ep in divisors(layout.dp):
+            if job.moe.experts % ep == 0:
+                yield dataclasses.replace(layout, ep=ep)
+
+
 def _cannot_fit(model: ModelShape, shape: TPShape, pp: int, n: int, precision: str, cluster: Cluster) -> bool:
     """Even fully sharded (ZeRO-3 with offload), the fullest pipeline rank's device-resident
     model state exceeds a device: ``c psi / n`` unpipelined; under a pipeline the engine holds
@@ -246,10 +258,13 @@ def search(
         for sp in divisors(rest):
             for pp in divisors(rest // sp):
                 dp = rest // sp // pp
-                if batch % dp or _cannot_fit(model, shape, pp, dp * sp, precision, cluster):
+                dense_bound = job.moe is None  # the fit prunes bound the dense model only
+                if batch % dp or (dense_bound and _cannot_fit(model, shape, pp, dp * sp, precision, cluster)):
                     pruned += 1  # dp must divide the batch (check says so): skipped here in bulk
                     continue
-                for parallel in _parallel_variants(shape, dp, pp, sp, model.seq, job.recompute):
+                for parallel in _expert_variants(
+                    _parallel_variants(shape, dp, pp, sp, model.seq, job.recompute), job
+                ):
                     for name, v in _schedules(pp, max_chunks):
                         par = dataclasses.replace(parallel, schedule=name, virtual_stages=v, microbatches=1)
                         counts = divisors(batch // dp)
@@ -283,7 +298,7 @@ def search(
             found = shape_of(run, model, cluster, precision)
             if found is None or beaten(found.bound):
                 continue
-            if memory_floor(run, found, precision, job.optimizer) > cluster.memory_bytes:
+            if job.moe is None and memory_floor(run, found, precision, job.optimizer) > cluster.memory_bytes:
                 overflow += 1
                 continue
             for stage in range(4):
