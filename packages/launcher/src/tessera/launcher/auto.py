@@ -41,6 +41,7 @@ from tessera.planner import (
     search,
 )
 from tessera.planner.cluster import calibrated_path, resolve_cluster
+from tessera.planner.experts import ExpertShape
 
 __all__ = [
     "DEFAULT_VOCAB",
@@ -49,6 +50,7 @@ __all__ = [
     "calibrated_path",
     "config_of",
     "estimate_config",
+    "experts_of",
     "job_of",
     "layout_of",
     "model_of",
@@ -81,6 +83,22 @@ def job_of(config: Config) -> Job:
         precision=str(config.train.precision),  # a member's name (StrEnum), or a bad value as given
         optimizer=str(config.optim.name),
         recompute=config.train.activation_checkpointing,
+        moe=experts_of(config),
+    )
+
+
+def experts_of(config: Config) -> ExpertShape | None:
+    """The planner's shape of ``[moe]`` (the main job's mixtures: every layer's MLP, SwiGLU
+    experts of the dense MLP's width), None when it is off."""
+    e, m = config.moe, config.model
+    if not e.enabled:
+        return None
+    return ExpertShape(
+        layers=m.n_layers,
+        experts=e.experts,
+        top_k=e.top_k,
+        hidden=m.mlp_ratio * m.d_model,
+        capacity_factor=None if e.dropless else e.capacity_factor,
     )
 
 
@@ -104,6 +122,7 @@ def layout_of(config: Config) -> Layout:
         zero=z.stage,
         offload=z.offload,
         recompute=config.train.activation_checkpointing,
+        ep=p.ep,
     )
 
 
@@ -125,6 +144,7 @@ def config_of(base: Config, layout: Layout) -> Config:
         microbatches=layout.microbatches,
         virtual_stages=layout.virtual_stages,
         tune_splits=layout.tune_splits,
+        ep=layout.ep,
     )
     train = base.train
     if train.activation_checkpointing != layout.recompute:
