@@ -1,6 +1,6 @@
 """Tiers 0 and 1: the main job's ``[moe]`` section (its refusals name the values), the model it
 builds (`moe_gpt`), and the expert load it logs (`ExpertLoad`), counted on ranks as threads
-and checked against the layers' own statistics."""
+and checked against the layers' own statistics; the planner adapter's view of them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm.testing import run_threaded
+from tessera.launcher.auto import config_of, job_of, layout_of
 from tessera.launcher.config import Config, MoEConfig, ParallelConfig
 from tessera.launcher.config_io import resolve_config
 from tessera.launcher.main_job import build_model
@@ -130,3 +131,14 @@ def test_the_plot_has_an_expert_load_panel(tmp_path: Path) -> None:
     ]
     plot_metrics(records, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_planner_sees_the_experts_and_ep() -> None:
+    config = resolve_config(CONFIGS / "moe.toml", env={})
+    job, layout = job_of(config), layout_of(config)
+    assert job.moe is not None and layout.ep == 2
+    assert (job.moe.layers, job.moe.experts, job.moe.top_k) == (2, 4, 2)
+    assert job.moe.hidden == config.model.mlp_ratio * config.model.d_model
+    assert job.moe.capacity_factor == 1.25
+    assert config_of(config, layout).parallel.ep == 2
+    assert job_of(Config()).moe is None
