@@ -184,10 +184,11 @@ def _rank(rank: int, cfg: BoostConfig, inside: bool) -> tuple[list[float], list[
     """``inside``: the layers train on the aux loss themselves; else the loss function adds it."""
     model = build(AUX if inside else 0.0)
 
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + AUX * aux_of(model)
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:  # the head is whole under tp: plain entropy
+        entropy = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return entropy if inside else entropy + AUX * aux_of(model)
 
-    spec = ModelSpec(plans={"1d": PLAN}, loss=None if inside else loss)
+    spec = ModelSpec(plans={"1d": PLAN}, loss=loss)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
     set_aux_grad_scale(engine.module, 1.0 / cfg.parallel.microbatches)  # the engine's loss / microbatches
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
@@ -208,6 +209,8 @@ CASES = [
     (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 1, 0.0),
     (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 0, CLIP),
     (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 1, 0.0),
+    (ParallelConfig(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), 3, CLIP),
+    (ParallelConfig(dp=2, ep=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 2, 0.0),
 ]
 
 
