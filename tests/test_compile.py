@@ -16,7 +16,8 @@ divides by the root of the second moment and so amplifies round-off in near-zero
 a wrong gradient moves a weight by about lr = 1e-2). A schedule that splits the backward
 (zbv) is refused before anything is built. The main job resolves ``--set
 train.compile=true`` and trains compiled (in this process, world 1, the launcher's checks
-first) with the losses of its eager run, rel 1e-5.
+first) with the losses of its eager run, rel 1e-5. Checkpointing wraps the compiled layers
+and keeps, compiled, exactly the bytes it keeps eagerly (counted by saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -213,3 +214,39 @@ def test_the_main_job_trains_compiled_as_eager(tmp_path: Path, monkeypatch: pyte
     assert graphs > 0 and none == 0
     assert len(compiled) == 4
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def _saved_bytes(checkpointing: bool, compile: bool) -> int:
+    """The bytes autograd keeps for backward in one forward of the boosted model (world 1),
+    after a first forward and backward (the compile)."""
+    model = Llamaish(SIZES, seed=0)
+    config = _config(P(microbatches=1), 0, compile=compile, checkpointing=checkpointing)
+    engine = boost(model, _optimizer(model, False), config, plan=ROLES)
+    ids = _batch(0)[0]
+    engine.module(ids).sum().backward()
+    kept = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal kept
+        kept += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = engine.module(ids)
+    out.sum().backward()
+    engine.mesh.close()
+    return kept
+
+
+def test_checkpointing_keeps_only_the_layer_inputs_when_compiled(tmp_path: Path) -> None:
+    """The checkpoint wraps the compiled forward: what the compiled layers keep for backward
+    goes through its saved-tensor hooks, so it keeps what it keeps eagerly (each layer's input)."""
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        kept = {(ac, c): _saved_bytes(ac, c) for ac, c in ((True, False), (True, True), (False, True))}
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    assert kept[True, True] == kept[True, False], kept
+    assert kept[True, True] < kept[False, True] / 2, kept
