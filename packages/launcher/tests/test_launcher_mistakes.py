@@ -77,6 +77,21 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
         {},
         ["parallel.ep=2 with parallel.sp=2"],
     ),
+    "moe top_k > experts": (
+        ["train", *_sets("moe.enabled=true", "moe.experts=4", "moe.top_k=5")],
+        {},
+        ["moe.top_k=5 is more than moe.experts=4"],
+    ),
+    "moe capacity 0": (
+        ["train", *_sets("moe.enabled=true", "moe.capacity_factor=0")],
+        {},
+        ["moe.capacity_factor=0.0 must be > 0"],
+    ),
+    "ep without moe": (
+        ["train", *_sets("parallel.dp=2", "parallel.ep=2")],
+        {},
+        ["parallel.ep=2 needs moe.enabled"],
+    ),
     "tp -1": (["run", "--set", "parallel.tp=-1", "job.py"], {}, ["parallel.tp", "got -1"]),
     "schedule": (["run", "--set", "parallel.schedule=zbx", "job.py"], {}, ["parallel.schedule", "zbx"]),
     "interleaved m<p": (
