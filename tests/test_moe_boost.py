@@ -290,7 +290,16 @@ def _resume(rank: int, cfg: BoostConfig, root: str, other: BoostConfig) -> dict[
         refusals["load"] = ""
     except ValueError as e:
         refusals["load"] = str(e)
+    elsewhere.train_step(*batch(0))
+    elsewhere.save(Path(root) / "dense")  # saved at ep=1: an ep=2 engine refuses it too
     elsewhere.close()
+    expert = engine_of(cfg)
+    try:
+        expert.load(Path(root) / "dense")
+        refusals["load ep=1 at ep=2"] = ""
+    except ValueError as e:
+        refusals["load ep=1 at ep=2"] = str(e)
+    expert.close()
     return {
         "straight": (straight, straight_weights),
         "resumed": (resumed, resumed_weights),
@@ -304,8 +313,8 @@ def test_a_checkpoint_resumes_bit_for_bit_at_ep2_and_refuses_another_ep(
 ) -> None:
     """Saved after one step at dp x ep=2 (at dp=4 ZeRO shards each expert bank over its two
     edp ranks), the two steps after a load equal the two steps without one exactly (losses
-    and weights). A load under ep=1 (same world) refuses naming ep, and so do consolidation
-    and the full state dict."""
+    and weights). A load under ep=1 (same world) refuses naming ep, and so do consolidation,
+    the full state dict and a load at ep=2 of a generation saved at ep=1."""
     cfg = config(ParallelConfig(dp=dp, ep=2, microbatches=1), stage)
     other = config(ParallelConfig(dp=dp, microbatches=1), stage)
     runs = worker_pools(dp).run(_resume, cfg, str(tmp_path / "ckpt"), other, timeout=180)
