@@ -12,6 +12,8 @@ save and load that must reproduce the uninterrupted run bit for bit.
 Tolerance: 1e-6 absolute and relative on the weights, as ``test_zero_threaded`` (the
 ranks' sums run in another order than the formula's; two steps of SGD keep that within
 round-off: measured spread of two orders there 6e-8). The resume is compared exactly.
+A property test checks how the flat buffers split: every parameter in exactly one, each of
+one optimizer group and one process group.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from tessera.comm.testing import run_threaded
@@ -143,3 +147,38 @@ def test_sharding_with_chunks_is_refused() -> None:
         return ""
 
     assert "with memory=ChunkConfig() is not built" in run_threaded(1, rank_fn)[0]
+
+
+def _layout(
+    rank: int, sizes: list[int], groups: list[int], expert: list[bool], stage: int, bucket: int
+) -> Any:
+    other = dist.new_group([0])  # a second group object (same rank): the flats must not mix them
+    model = nn.ModuleList(nn.Linear(n, 1, bias=False) for n in sizes)
+    params = [m.weight for m in model]
+    opt_groups = [
+        {"params": [p for p, g in zip(params, groups, strict=True) if g == gi]} for gi in sorted(set(groups))
+    ]
+    opt = torch.optim.SGD(opt_groups, lr=LR)
+    gi_of = {id(p): i for i, g in enumerate(opt_groups) for p in g["params"]}
+    sharding = {p: other for p, e in zip(params, expert, strict=True) if e}
+    zero = ZeroOptimizer(model, opt, stage=stage, bucket_bytes=bucket, sharding=sharding)
+    seen = [id(p) for f in zero.flats for p in f.params]
+    assert sorted(seen) == sorted(id(p) for p in params), "every parameter in exactly one flat"
+    for f in zero.flats:
+        assert {gi_of[id(p)] for p in f.params} == {f.group_index}, f
+        want = {other if p in sharding else None for p in f.params}
+        assert len(want) == 1 and f.group is want.pop(), f  # one process group per flat, the right one
+    return len(zero.flats)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 2), st.booleans()), min_size=1, max_size=8),
+    st.integers(0, 3),
+    st.sampled_from([16, 64, 4096]),
+)
+def test_each_flat_holds_one_optimizer_group_of_one_process_group(
+    specs: list[tuple[int, int, bool]], stage: int, bucket: int
+) -> None:
+    sizes, groups, expert = (list(x) for x in zip(*specs, strict=True))
+    run_threaded(1, _layout, sizes, groups, expert, stage, bucket)
