@@ -10,8 +10,9 @@ Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same prod
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
 so only the summation order differs. Losses rel 1e-5 and SGD weights rtol 1e-5, atol 1e-6, as
 in ``test_user_models.py``; the consolidated model's logits in transformers rtol and atol
-1e-5 (logits of order 1 from weights equal to 1e-6 after 3 SGD steps). A wrong weight mapping (gate and up swapped, a missing transpose,
-no renormalisation, no shared gate) changes outputs at order 1.
+1e-5 (logits of order 1 from weights equal to 1e-6 after 3 SGD steps). A wrong weight
+mapping (gate and up swapped, a missing transpose, no renormalisation, no shared gate)
+changes outputs at order 1.
 """
 
 from __future__ import annotations
