@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm.testing import run_threaded
-from tessera.launcher.auto import config_of, job_of, layout_of
+from tessera.launcher.auto import config_of, experts_of, job_of, layout_of, model_of
 from tessera.launcher.config import Config, MoEConfig, ParallelConfig
 from tessera.launcher.config_io import resolve_config
 from tessera.launcher.main_job import build_model
@@ -20,6 +20,8 @@ from tessera.launcher.moe_model import ExpertLoad, moe_gpt
 from tessera.launcher.runlog import plot_metrics
 from tessera.models import GPT, GPTConfig
 from tessera.moe import MoE
+from tessera.planner import PRESETS, SearchResult
+from tessera.planner.report import summary
 
 CFG = GPTConfig(vocab_size=11, seq_len=8, d_model=8, n_heads=2, n_layers=2, mlp_ratio=2)
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -142,3 +144,15 @@ def test_the_planner_sees_the_experts_and_ep() -> None:
     assert job.moe.capacity_factor == 1.25
     assert config_of(config, layout).parallel.ep == 2
     assert job_of(Config()).moe is None
+
+
+def test_the_plan_summary_counts_the_experts_parameters() -> None:
+    config = resolve_config(CONFIGS / "moe.toml", env={})
+    m = config.model
+    model = moe_gpt(
+        GPTConfig(128, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio), config.moe, seed=0
+    )
+    count = sum(p.numel() for p in model.parameters())
+    shape = dataclasses.replace(model_of(config), vocab=128)
+    text = summary(SearchResult((), (), 0, 0, 0, 0), shape, PRESETS["cpu"], 2, experts_of(config))
+    assert f"4 experts top-2 in 2 layers ({count / 1e6:.4g}M parameters)" in text

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tessera.launcher.auto import config_of, model_of, search_config
+from tessera.launcher.auto import config_of, experts_of, model_of, search_config
 from tessera.launcher.config import Config
 from tessera.launcher.config_io import config_to_toml
 from tessera.planner import Candidate
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     keep = max(args.top, 10)
     both = (False, True)  # with and without activation checkpointing
     result = search_config(config, cluster, world=world, tp_modes=modes, recompute=both, keep=keep)
-    print(summary(result, model, cluster, world))
+    print(summary(result, model, cluster, world, experts_of(config)))
     if not result.ranked:
         if result.too_big or result.overflow:
             smallest = min((c.estimate.memory.device for c in result.too_big), default=None)

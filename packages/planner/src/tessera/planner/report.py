@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tessera.planner.cluster import GIB, Cluster
+from tessera.planner.experts import ExpertShape
 from tessera.planner.model import ModelShape
 from tessera.planner.search import Candidate, SearchResult
 
@@ -74,11 +75,21 @@ def table(candidates: Sequence[Candidate], model: ModelShape, world: int) -> str
     )
 
 
-def summary(result: SearchResult, model: ModelShape, cluster: Cluster, world: int) -> str:
-    """One paragraph: the model, the cluster, what was searched and what was found."""
+def summary(
+    result: SearchResult, model: ModelShape, cluster: Cluster, world: int, moe: ExpertShape | None = None
+) -> str:
+    """One paragraph: the model (``moe``: with its mixtures of experts), the cluster, what was
+    searched and what was found."""
+    params, experts = model.params, ""
+    if moe is not None:  # the experts, routers and shared experts in place of those layers' MLPs
+        d, f, b = model.hidden, model.ffn, int(model.bias)
+        params += moe.layers * (
+            moe.experts * moe.expert_params(d) + moe.dense_params(d) - (2 * d * f + b * (f + d))
+        )
+        experts = f", {moe.experts} experts top-{moe.top_k} in {moe.layers} layers"
     return (
         f"model: {model.layers} layers, hidden {model.hidden}, {model.heads} heads, vocab {model.vocab}, "
-        f"seq {model.seq}, batch {model.batch} ({model.params / 1e6:.4g}M parameters)\n"
+        f"seq {model.seq}, batch {model.batch}{experts} ({params / 1e6:.4g}M parameters)\n"
         f"cluster: {cluster.name}, {world} devices of {cluster.memory_gib:g} GiB "
         f"({cluster.devices_per_node} per node)\n"
         f"searched: {result.layouts} layouts examined, {len(result.ranked)} fit, "
