@@ -10,9 +10,9 @@ chunks of the batch of ``cross-entropy + AUX * sum of the layers' aux_loss`` (th
 load-balancing loss is a per-call statistic: the serial run computes it per chunk too).
 Under pp the loss function runs on the last stage, which cannot see the layers' aux
 losses: there the layers are built with ``aux_loss_coef=AUX`` (the router trains on it from
-inside each layer's backward, ``tessera.moe.aux``, scaled by ``set_aux_grad_scale`` to the
-engine's ``1 / microbatches``), against the same serial run that adds it by hand; the
-engine's loss is then the cross-entropy alone.
+inside each layer's backward, ``tessera.moe.aux``, which the Engine scales by
+``set_aux_grad_scale`` to its ``loss scale / microbatches`` every step), against the same
+serial run that adds it by hand; the engine's loss is then the cross-entropy alone.
 
 Bounds: losses and the gradient norm the engine reports rel 1e-5 (fp32 means summed in
 another order across ranks and microbatches); the weights after three steps atol 1e-6 +
@@ -41,7 +41,7 @@ from tessera.comm.testing import run_threaded
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.consolidate import unshard
-from tessera.moe import MoE, expert_parameters, set_aux_grad_scale
+from tessera.moe import MoE, expert_parameters
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 48, 8, 8, 3, 0.1, 0.05
@@ -190,7 +190,6 @@ def _rank(rank: int, cfg: BoostConfig, inside: bool) -> tuple[list[float], list[
 
     spec = ModelSpec(plans={"1d": PLAN}, loss=loss)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
-    set_aux_grad_scale(engine.module, 1.0 / cfg.parallel.microbatches)  # the engine's loss / microbatches
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
     weights = full_weights(engine)
     engine.close()

@@ -34,6 +34,7 @@ from tessera.launcher.reshard import import_weights
 from tessera.launcher.spec import logits_of
 from tessera.launcher.storage import Storage, probe_storage
 from tessera.launcher.verify import Verifier
+from tessera.moe import set_aux_grad_scale
 from tessera.pipeline import PipelineRuntime, forward_loss, split_microbatches
 from tessera.tensor_parallel import (
     sequence_parallel_params,
@@ -205,6 +206,9 @@ class Engine:
             whole_x, whole_y = self._global_batch(inputs, targets, local)
             self.verifier.serial_step(self, whole_x, whole_y)
         x, y = self._local_batch(inputs, targets, local)
+        # MoE layers that train their router losses inside their backward (aux_loss_coef) weigh
+        # them as the backward weighs each microbatch's loss: the loss scale over the microbatches
+        set_aux_grad_scale(self.module, self.zero.loss_scale / self.config.parallel.microbatches)
         # a pipeline runs many backwards in its schedule's order, and partial gradients (norms
         # in the sequence-parallel stream, ...) are summed over tp first: both reduce once, at
         # the step, in every stage
