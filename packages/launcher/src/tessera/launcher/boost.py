@@ -6,8 +6,9 @@ class, or given). The order matters: the pipeline blocks are found (and checked 
 example) on the serial model, tensor parallelism (1D, 2D, 2.5D, 3D) replaces modules by
 their sharded twins (in place, keeping the serial weights' slices), context parallelism
 swaps the attention cores for ring or Ulysses attention, the pipeline partitioner then cuts
-the blocks into this rank's stages, and the optimizer is rebuilt over the
-parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
+the blocks into this rank's stages, the layers are compiled (``train.compile``:
+``tessera.launcher.compiling``) and wrapped for activation checkpointing or offload, and the
+optimizer is rebuilt over the parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
 under context parallelism, whose ranks hold partial sums of one replica's gradient). Under
 expert parallelism (``parallel.ep``) every MoE layer's experts are split over the ep group
 before tensor parallelism (``tessera.launcher.experts``), and ZeRO shards the expert
