@@ -8,8 +8,9 @@ their sharded twins (in place, keeping the serial weights' slices), context para
 swaps the attention cores for ring or Ulysses attention, the pipeline partitioner then cuts
 the blocks into this rank's stages, the layers are compiled (``train.compile``:
 ``tessera.launcher.compiling``) and wrapped for activation checkpointing or offload, and the
-optimizer is rebuilt over the parameters this rank still holds, to be sharded by ZeRO over the data-parallel ranks (dp x sp
-under context parallelism, whose ranks hold partial sums of one replica's gradient). Under
+optimizer is rebuilt over the parameters this rank still holds, to be sharded by ZeRO over
+the data-parallel ranks (dp x sp under context parallelism, whose ranks hold partial sums of
+one replica's gradient). Under
 expert parallelism (``parallel.ep``) every MoE layer's experts are split over the ep group
 before tensor parallelism (``tessera.launcher.experts``), and ZeRO shards the expert
 parameters over the expert-data-parallel group instead.
