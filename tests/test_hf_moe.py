@@ -2,8 +2,8 @@
 their sparse MoE blocks converted to ``tessera.moe.MoE`` compute the same outputs and
 gradients (tier 0), the converted models the same logits, and a converted Mixtral trains
 through ``boost()`` at dp=2 (ZeRO 1 and 3), tp=2 (its experts whole on both ranks),
-dp=2 x ep=2 (its experts split, ZeRO 1 and 3) and pp=2 (Llama's pipeline blocks) as it does
-serially, and its consolidated
+dp=2 x ep=2 (its experts split, ZeRO 1 and 3) and pp=2 (Llama's pipeline blocks), and a
+converted Qwen2-MoE at dp=2 x ep=2 and tp=2, as they do serially, and its consolidated
 weights load back into transformers (tier 2, the worker pool).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
@@ -165,8 +165,8 @@ def test_the_plans_replicate_each_layers_mixture() -> None:
 
 
 # ---------------------------------------------------------------------------- through boost()
-def _build() -> nn.Module:
-    model = _mixtral()
+def _build(name: str = "mixtral") -> nn.Module:
+    model = _mixtral() if name == "mixtral" else _qwen2_moe()
     convert_hf_moe(model)
     return model
 
@@ -179,8 +179,8 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 Run = tuple[list[float], dict[str, Tensor]]
 
 
-def _serial() -> Run:
-    model = _build()
+def _serial(name: str = "mixtral") -> Run:
+    model = _build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
@@ -207,8 +207,8 @@ def _expert_parallel_weights(engine: Any) -> dict[str, Tensor]:
     return out
 
 
-def _parallel(rank: int, config: Config) -> Run:
-    model = _build()
+def _parallel(rank: int, config: Config, name: str) -> Run:
+    model = _build(name)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict() if config.parallel.ep == 1 else _expert_parallel_weights(engine)
@@ -248,23 +248,25 @@ def test_a_mixtral_trained_through_boost_loads_into_transformers(
 
 
 @pytest.mark.parametrize(
-    ("parallel", "zero"),
+    ("name", "parallel", "zero"),
     [
-        (ParallelConfig(dp=2, microbatches=2), 1),
-        (ParallelConfig(dp=2, microbatches=1), 3),
-        (ParallelConfig(tp=2, microbatches=1), 0),
-        (ParallelConfig(dp=2, ep=2, microbatches=1), 1),
-        (ParallelConfig(dp=2, ep=2, microbatches=2), 3),
-        (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),  # llama_blocks cut the decoder
+        ("mixtral", ParallelConfig(dp=2, microbatches=2), 1),
+        ("mixtral", ParallelConfig(dp=2, microbatches=1), 3),
+        ("mixtral", ParallelConfig(tp=2, microbatches=1), 0),
+        ("mixtral", ParallelConfig(dp=2, ep=2, microbatches=1), 1),
+        ("mixtral", ParallelConfig(dp=2, ep=2, microbatches=2), 3),
+        ("mixtral", ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),  # llama_blocks cut it
+        ("qwen2-moe", ParallelConfig(dp=2, ep=2, microbatches=1), 1),  # the gated shared expert is dense
+        ("qwen2-moe", ParallelConfig(tp=2, microbatches=1), 0),
     ],
 )
-def test_a_converted_mixtral_trains_through_boost_as_serially(
-    worker_pools: PoolFactory, parallel: ParallelConfig, zero: int
+def test_a_converted_model_trains_through_boost_as_serially(
+    worker_pools: PoolFactory, name: str, parallel: ParallelConfig, zero: int
 ) -> None:
     c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
     config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
-    results = worker_pools(config.world_size).run(_parallel, config, timeout=180)
-    losses, weights = _serial()
+    results = worker_pools(config.world_size).run(_parallel, config, name, timeout=180)
+    losses, weights = _serial(name)
     merged: dict[str, Tensor] = {}
     for curve, part in results:  # each rank: its pipeline stages' weights in full
         assert curve == pytest.approx(losses, rel=1e-5)
