@@ -10,10 +10,9 @@ the blocks into this rank's stages, the layers are compiled (``train.compile``:
 ``tessera.launcher.compiling``) and wrapped for activation checkpointing or offload, and the
 optimizer is rebuilt over the parameters this rank still holds, to be sharded by ZeRO over
 the data-parallel ranks (dp x sp under context parallelism, whose ranks hold partial sums of
-one replica's gradient). Under
-expert parallelism (``parallel.ep``) every MoE layer's experts are split over the ep group
-before tensor parallelism (``tessera.launcher.experts``), and ZeRO shards the expert
-parameters over the expert-data-parallel group instead.
+one replica's gradient). Under expert parallelism (``parallel.ep``) every MoE layer's
+experts are split over the ep group before tensor parallelism (``tessera.launcher.experts``),
+and ZeRO shards the expert parameters over the expert-data-parallel group instead.
 """
 
 from __future__ import annotations
