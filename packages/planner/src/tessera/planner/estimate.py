@@ -423,10 +423,11 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
             ep=p.ep,
             microbatches=p.microbatches,
             stage=p.zero,
+            tp=p.tp,
             offload=p.offload,
             precision=precision,
             optimizer=job.optimizer,
-            link=_link(cluster, p.ep, p.world),  # the ep group: ep consecutive ranks
+            link=_link(cluster, p.ep * p.tp, p.world),  # the ep group: ep dp ranks, tp apart
         )
         dp_, dg, ds, dh = moe.state
         worst = dataclasses.replace(

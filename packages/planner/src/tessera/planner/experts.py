@@ -21,7 +21,9 @@ ep)`` bytes). `all_to_all_seconds` prices them on the cluster's link (`Link.all_
 `estimate` of a `Job` with ``moe`` at a `Layout` with ``ep`` is the dense model's changed by
 `expert_change`: each MoE layer's dense MLP state replaced by the expert memory above, and
 the all-to-alls added to the compute they block (``StepTime.compute`` and ``tensor_comm``).
-It models experts without tensor, pipeline or context parallelism (`check` refuses those).
+It models experts under 1D tensor parallelism without Megatron SP (each mixture whole on
+every tp rank, as the launcher's plans keep it), not with pipeline or context parallelism
+(`check` refuses those).
 The compute of the experts is the dense MLP's when ``top_k * hidden`` equals its width (each
 token runs ``top_k`` experts); otherwise the difference is not modelled.
 """
@@ -182,18 +184,21 @@ def expert_change(
     ep: int,
     microbatches: int,
     stage: int,
+    tp: int = 1,
     offload: bool,
     precision: str,
     optimizer: str,
     link: Link,
 ) -> ExpertChange:
-    """The mixture against the dense model: ``moe.layers`` MLPs' state (sharded over ``dp``)
-    out, the experts' (``E / ep`` per layer over ``dp / ep``) and the routers' and shared
-    experts' (over ``dp``) in; the all-to-alls of ``microbatches`` microbatches on ``link``."""
+    """The mixture against the dense model: ``moe.layers`` MLPs' state (sharded over ``dp``;
+    under 1D ``tp`` the rank's columns and rows of them, the output bias whole) out, the
+    experts' (``E / ep`` per layer over ``dp / ep``, whole on every tp rank) and the routers'
+    and shared experts' (over ``dp``) in; the all-to-alls of ``microbatches`` microbatches on
+    ``link``."""
     if ep < 1 or dp % ep or moe.experts % ep:
         raise ValueError(f"ep={ep} must divide dp={dp} and the experts ({moe.experts})")
     d, f, b = model.hidden, model.ffn, int(model.bias)
-    mlp = moe.layers * (d * f + b * f + f * d + b * d)  # the dense MLPs the experts replace
+    mlp = moe.layers * (-(-(d * f + b * f + f * d) // tp) + b * d)  # the dense MLPs they replace
     experts = moe.layers * (moe.experts // ep) * moe.expert_params(d)
     dense = moe.layers * moe.dense_params(d)
 

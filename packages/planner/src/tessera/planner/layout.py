@@ -158,10 +158,12 @@ def _expert_lines(layout: Layout, job: Job) -> list[str]:
     lines = []
     if layout.dp % ep or moe.experts % ep:
         lines.append(f"layout.ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
-    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
+    if layout.pp > 1 or layout.sp > 1:
+        lines.append(f"job.moe: experts are modelled at pp = sp = 1, got pp={layout.pp} sp={layout.sp}")
+    if layout.tp > 1 and (layout.tp_mode is not TPMode.ONE_D or layout.sequence_parallel):
         lines.append(
-            "job.moe: experts are modelled at tp = pp = sp = 1, got "
-            f"tp={layout.tp} pp={layout.pp} sp={layout.sp}"
+            f"job.moe: experts are modelled under 1D tp without sequence parallelism, got tp={layout.tp} "
+            f"{layout.tp_mode.value}{' with sequence parallelism' if layout.sequence_parallel else ''}"
         )
     if moe.layers > job.model.layers:
         lines.append(f"job.moe.layers={moe.layers} is more than the model's {job.model.layers} layers")
