@@ -3,7 +3,8 @@ model eager, per mode, on the reference GPT (d=256, 8 heads, 4 layers, V=4096, s
 batch 8 by default), AdamW, fp32, through ``boost()`` / ``Engine.train_step``.
 
 Modes (``--modes``): ``serial`` (world 1, dp 1, ZeRO 0), ``dp2-zero1``, ``tp2`` (1D) and
-``pp2-1f1b`` (2 microbatches) on a worker pool of their world size. In each mode both
+``pp2-1f1b`` on a worker pool of their world size; ``--microbatches`` (default 1, pp2: 2)
+splits each rank's batch into that many microbatches (accumulated, or the pipeline's). In each mode both
 systems (``eager`` and ``compiled``) are built in the same ranks from the same weights and
 fed the same batches, and step alternately (ABAB, so background load hits both alike).
 The inductor caches start empty (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per run, and a reset
@@ -44,7 +45,7 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
 
 
 def _run(
-    rank: int, cfg: GPTConfig, mode: str, batch: int, warmup: int, iters: int, cache: str
+    rank: int, cfg: GPTConfig, mode: str, batch: int, microbatches: int, warmup: int, iters: int, cache: str
 ) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
@@ -52,6 +53,8 @@ def _run(
     torch._dynamo.reset()
     counters.clear()
     parallel, stage = MODES[mode]
+    if microbatches:
+        parallel = dataclasses.replace(parallel, microbatches=microbatches)
     base = Config(
         parallel=parallel,
         zero=ZeroConfig(stage=stage),
@@ -85,6 +88,7 @@ def main() -> None:
     )
     add_gpt_args(parser, seq=128, batch=8, iters=10)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--microbatches", type=int, default=0, help="per step (0: 1, pp2: 2)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cfg = gpt_config(args)
@@ -100,7 +104,7 @@ def main() -> None:
             tempfile.TemporaryDirectory(prefix="tessera-inductor-") as cache,
             WorkerPool(world, timeout=1800) as pool,
         ):
-            res = pool.run(_run, cfg, mode, args.batch, args.warmup, args.iters, cache)[0]
+            res = pool.run(_run, cfg, mode, args.batch, args.microbatches, args.warmup, args.iters, cache)[0]
         med = {s: statistics.median(res["times"][s][args.warmup :]) for s in SYSTEMS}
         worst = max(
             abs(a - b) / max(abs(b), 1e-12)
@@ -115,7 +119,9 @@ def main() -> None:
                     "system": name,
                     "config": (
                         f"{mode} gpt {psi / 1e6:.1f}M d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} "
-                        f"seq={cfg.seq_len} batch={args.batch} AdamW fp32 boost() Engine.train_step"
+                        f"seq={cfg.seq_len} batch={args.batch} "
+                        f"microbatches={args.microbatches or MODES[mode][0].microbatches} "
+                        "AdamW fp32 boost() Engine.train_step"
                     ),
                     "mode": mode,
                     "step_time_s": round(med[name], 5),
