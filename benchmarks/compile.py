@@ -2,11 +2,12 @@
 model eager, per mode, on the reference GPT (d=256, 8 heads, 4 layers, V=4096, seq 128,
 batch 8 by default), AdamW, fp32, through ``boost()`` / ``Engine.train_step``.
 
-Modes (``--modes``): ``serial`` (world 1, dp 1, ZeRO 0), ``dp2-zero1``, ``tp2`` (1D) and
-``pp2-1f1b`` on a worker pool of their world size; ``--microbatches`` (default 1, pp2: 2)
-splits each rank's batch into that many microbatches (accumulated, or the pipeline's). In each mode both
-systems (``eager`` and ``compiled``) are built in the same ranks from the same weights and
-fed the same batches, and step alternately (ABAB, so background load hits both alike).
+Modes (``--modes``): ``serial`` (world 1, dp 1, ZeRO 0), ``dp2-zero1``, ``dp2-zero3``,
+``tp2`` (1D) and ``pp2-1f1b`` on a worker pool of their world size; ``--microbatches``
+(default 1, pp2: 2) splits each rank's batch into that many microbatches (accumulated, or
+the pipeline's). In each mode both systems (``eager`` and ``compiled``) are built in the
+same ranks from the same weights and fed the same batches, and step alternately (ABAB, so
+background load hits both alike).
 The inductor caches start empty (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per run, and a reset
 dynamo in each rank), so ``first_step_s`` of the compiled line is a cold compile of the
 layers' forward and backward plus one step; ``compile_s`` is that less the compiled median
@@ -39,6 +40,7 @@ SYSTEMS = ("eager", "compiled")
 MODES: dict[str, tuple[ParallelConfig, int]] = {
     "serial": (ParallelConfig(microbatches=1), 0),
     "dp2-zero1": (ParallelConfig(dp=2, microbatches=1), 1),
+    "dp2-zero3": (ParallelConfig(dp=2, microbatches=1), 3),
     "tp2": (ParallelConfig(tp=2, microbatches=1), 0),
     "pp2-1f1b": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 0),
 }
