@@ -16,8 +16,10 @@ divides by the root of the second moment and so amplifies round-off in near-zero
 a wrong gradient moves a weight by about lr = 1e-2). A schedule that splits the backward
 (zbv) is refused before anything is built. The main job resolves ``--set
 train.compile=true`` and trains compiled (in this process, world 1, the launcher's checks
-first) with the losses of its eager run, rel 1e-5. Checkpointing wraps the compiled layers
-and keeps, compiled, exactly the bytes it keeps eagerly (counted by saved-tensor hooks).
+first) with the losses of its eager run, rel 1e-5, dropout on (a compiled layer draws its
+masks with torch's kernels, as eagerly: inductor's own generator would draw others).
+Checkpointing wraps the compiled layers and keeps, compiled, exactly the bytes it keeps
+eagerly (counted by saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ MAIN_JOB = [
     "model.d_model=32",
     "model.n_heads=2",
     "model.n_layers=2",
+    "model.dropout=0.1",  # compiled layers draw eager's masks
     "data.batch_size=4",
     "data.max_chars=20000",
     "train.steps=4",
@@ -194,6 +197,7 @@ def _main_job_here(sets: list[str], run: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(RUN_FOLDER_ENV, str(run))
     torch._dynamo.reset()
     counters.clear()
+    torch.manual_seed(0)  # the dropout masks' generator, as a fresh process's default is fixed
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(run.parent / f"{run.name}.store"), 1), rank=0, world_size=1
     )

@@ -19,6 +19,12 @@ do uncompiled; what lies between them is compiled. Graphs are therefore partial
 (``fullgraph=False``). The layers of a stack share one class and so their compiled code
 (dynamo guards on shapes, not on which layer it runs).
 
+Random numbers (dropout) are drawn by torch's own kernels, as eagerly (inductor's
+``fallback_random``), not by inductor's generator: a compiled layer draws the masks its
+eager twin draws from the same generator state, so the tensor-parallel dropout streams and
+checkpointing's replay keep their meaning and a compiled run still equals the serial one
+(inductor's own generator draws other masks).
+
 Refused (`compile_problems`, part of the config's validation): a pipeline schedule that
 splits the backward (input and weight gradients apart: zb-h1, zbv). A compiled layer's
 backward is one node that computes both, and the split runs it with ``retain_graph``, which
@@ -28,8 +34,8 @@ the compiled backward refuses (its buffers are donated); run those schedules eag
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,8 +54,10 @@ def compile_layers(layers: Sequence[nn.Module], *, backend: str = "inductor") ->
     """Compile the ``forward`` of each module of ``layers`` with ``torch.compile`` on its own,
     in place (compiled on first call; the modules, their hooks and parameter names stay);
     returns how many were compiled."""
+    eager_random: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
+    options = eager_random if backend == "inductor" else None  # inductor's option only
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = torch.compile(layer.forward, backend=backend, options=options)
     log.info("torch.compile (%s): %d layers, each on its own", backend, len(layers))
     return len(layers)
 
