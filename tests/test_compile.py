@@ -4,7 +4,7 @@
 A user's model (``tessera.models.foreign.Llamaish``: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention) with a plan of roles, 3 steps on the 2-rank worker pool at tp=2,
 tp=2 with Megatron SP, pp=2 (1F1B), dp=2 under ZeRO-1, under ZeRO-3 (AdamW) and under
-ZeRO-1 with activation checkpointing. Each run starts from a reset dynamo (a mode must
+ZeRO-2 with activation checkpointing. Each run starts from a reset dynamo (a mode must
 compile its own graphs: each rank counts them, so a run that fell back to eager fails)
 and every rank's collectives run eagerly between the compiled pieces
 (``tessera.launcher.compiling``).
