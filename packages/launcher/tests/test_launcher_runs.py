@@ -102,3 +102,16 @@ def test_the_watchdog_names_the_rank_behind_or_all(tmp_path: Path, sleepers: lis
     level = [Beat(0, sleepers[0], 100.0, 8, 90.0), Beat(1, sleepers[2], 100.0, 8, 90.0)]
     lines = Watchdog(tmp_path, timeout_s=5).check(level, now=100.2)
     assert any("every rank is waiting" in line for line in lines), lines
+
+
+def test_the_nodes_of_one_job_share_a_named_folder(tmp_path: Path) -> None:
+    """On a shared disk the nodes' launchers meet in one folder: a joining node (rank > 0) takes
+    it as it is; node 0 takes it when it holds nothing but the other node's ``logs/``, and still
+    refuses another run's outputs."""
+    config = _config(tmp_path, name="job")
+    assert create_run_folder(config, joining=True) == tmp_path / "job"
+    assert create_run_folder(config) == tmp_path / "job"  # node 0, after node 1
+    (tmp_path / "job" / "metrics.jsonl").write_text("{}")
+    with pytest.raises(RunFolderError, match="already exists"):
+        create_run_folder(config)
+

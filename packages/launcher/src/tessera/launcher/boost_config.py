@@ -18,7 +18,7 @@ from tessera.comm import Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy, choice_problems, coerce_choices
-from tessera.launcher.compiling import compile_problems
+from tessera.launcher.compile_rules import compile_problems
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.zero.chunks.config import Policy, chunk_problems
 from tessera.zero.precisions import Precision
@@ -345,5 +345,5 @@ class BoostConfig:
             "reduces a product in place would change the product it keeps",
         )
         if t.compile:
-            errors += compile_problems(p)
+            errors += compile_problems(p.pp, p.schedule, p.microbatches, p.virtual_stages)
         return errors

@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
     folder = None
     if main_job:
         try:
-            folder = create_run_folder(config)
+            folder = create_run_folder(config, joining=plan.node_rank > 0)
         except RunFolderError as exc:
             return _fail([str(exc)])
         os.environ[RUN_FOLDER_ENV] = str(folder)

@@ -35,15 +35,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from tessera.pipeline import SCHEDULES, ActionKind, build_schedule, schedule_spec
-
-if TYPE_CHECKING:
-    from tessera.launcher.boost_config import ParallelConfig
+from tessera.launcher.compile_rules import compile_problems
 
 __all__ = ["compile_layers", "compile_problems"]
 
@@ -60,21 +57,3 @@ def compile_layers(layers: Sequence[nn.Module], *, backend: str = "inductor") ->
         layer.forward = torch.compile(layer.forward, backend=backend, options=options)
     log.info("torch.compile (%s): %d layers, each on its own", backend, len(layers))
     return len(layers)
-
-
-def compile_problems(parallel: ParallelConfig) -> list[str]:
-    """Why ``train.compile`` cannot run with these degrees and this schedule, one line each
-    (empty when it can): a pipeline schedule that splits the backward is refused."""
-    p = parallel
-    if p.pp == 1 or p.schedule not in SCHEDULES:  # an unknown schedule is reported on its own
-        return []
-    if schedule_spec(p.schedule).check(p.pp, p.microbatches, p.virtual_stages):
-        return []  # so are its rules
-    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    if any(a.kind is ActionKind.W for actions in schedule.actions for a in actions):
-        return [
-            f"train.compile=true with parallel.schedule={p.schedule!r} is not built: it splits the "
-            "backward (input and weight gradients apart), which a compiled layer's backward cannot "
-            "do; pick a schedule that does not split (1f1b, interleaved-1f1b, ...) or train.compile=false"
-        ]
-    return []

@@ -6,6 +6,11 @@ it in the same second; an explicit ``train.name`` that exists is refused, unless
 ``train.resume`` lies inside it (resuming into its own folder). The workers find the
 folder in ``TESSERA_RUN_FOLDER``; started another way (torchrun directly), rank 0 creates
 it the same way and broadcasts its name.
+
+On several nodes each node's ``tessera train`` creates the folder for its own ranks. A node
+other than node 0 (``joining``) takes the folder of an explicit ``train.name`` as it finds it;
+node 0 takes one that holds nothing but ``logs/`` (another node of the same job made it first,
+on a shared disk). Give ``train.name`` on several nodes: a generated name is each node's own.
 """
 
 from __future__ import annotations
@@ -36,19 +41,36 @@ def _resumes_into(config: Config, folder: Path) -> bool:
     return bool(resume) and Path(resume).resolve().is_relative_to(folder.resolve())
 
 
-def create_run_folder(config: Config, *, now: float | None = None) -> Path:
-    """Create this job's run folder and return it (RunFolderError when the name is taken)."""
+def _made_by_another_node(folder: Path) -> bool:
+    """Whether ``folder`` holds only the ``logs/`` another node of this job makes with it (the
+    folder may be seen a moment before its ``logs/``)."""
+    for _ in range(2):
+        held = {p.name for p in folder.iterdir()}
+        if held:
+            return held == {"logs"}
+        time.sleep(0.5)
+    return False
+
+
+def create_run_folder(config: Config, *, now: float | None = None, joining: bool = False) -> Path:
+    """Create this job's run folder and return it (RunFolderError when the name is taken);
+    ``joining``: a node other than node 0 of the job (module docstring)."""
     root = Path(config.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = config.train.name
     if name:
         folder = root / name
+        if joining:
+            (folder / "logs").mkdir(parents=True, exist_ok=True)  # what node 0 recognizes
+            return folder
         if _resumes_into(config, folder):
             folder.mkdir(exist_ok=True)
             return folder
         try:
             folder.mkdir()
         except FileExistsError:
+            if _made_by_another_node(folder):
+                return folder
             raise RunFolderError(
                 f"train.name={name!r}: {str(folder)!r} already exists (another run's outputs); choose "
                 f"another name, or resume into it with train.resume={str(folder / 'checkpoint')!r}"

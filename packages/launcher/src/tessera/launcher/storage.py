@@ -20,6 +20,7 @@ import json
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +156,7 @@ def spread(
     n = len(storage.domains)
     names = sorted(set().union(*held)) if only is None else list(only)  # ``only`` in its order
     holders = {rel: [d for d in range(n) if rel in held[d]] for rel in names}
-    moved, error = 0, None
+    moved, error, started = 0, None, time.perf_counter()
     for rel in names:
         have = holders[rel]
         if not have:
@@ -174,7 +175,13 @@ def spread(
             have.append(target)
     raise_together(error, None, f"copying {generation} between nodes", device)
     if moved:
-        log.info("copied %.1f MiB of %s between checkpoint folders", moved / 2**20, generation.name)
+        seconds = time.perf_counter() - started
+        log.info(
+            "copied %.2f MiB of %s between checkpoint folders in %.3f s",
+            moved / 2**20,
+            generation.name,
+            seconds,
+        )
     return holders
 
 
