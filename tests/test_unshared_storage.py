@@ -118,3 +118,25 @@ def _load_error(rank: int, base: str, parallel: ParallelConfig) -> str:
         except (ValueError, RuntimeError) as exc:
             return str(exc)
     return "loaded"
+
+
+def _save_over_torn(rank: int, base: str, per_node: int) -> list[str]:
+    folder = _folder(base, rank, per_node)
+    with _engine(ParallelConfig(dp=4, microbatches=1), 1) as engine:
+        _steps(engine, range(2))
+        torn = folder / "step-00000002"  # what a save of step 2 under another layout left behind
+        (torn / "zero" / "pp-0-tp-0").mkdir(parents=True, exist_ok=True)
+        (torn / "zero" / "pp-0-tp-0" / "rank-00007-of-00008.safetensors").write_bytes(b"torn")
+        (torn / "rank-00007.safetensors").write_bytes(b"torn")
+        return sorted(json.loads((engine.save(folder) / "manifest.json").read_text())["files"])
+
+
+@pytest.mark.parametrize("per_node", [4, 2], ids=["shared", "two-folders"])
+def test_a_save_replaces_a_torn_generation_of_another_layout(
+    worker_pools: PoolFactory, tmp_path: Path, per_node: int
+) -> None:
+    """A job restarted on fewer ranks saves a step whose save was torn by the loss: the files
+    of the old layout go, and the generation commits (this raised "the ranks hashed 4 files,
+    the generation holds 5")."""
+    files = worker_pools(4).run(_save_over_torn, str(tmp_path), per_node)
+    assert all(f == files[0] for f in files) and not any("00007" in f for f in files[0]), files

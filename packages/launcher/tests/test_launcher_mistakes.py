@@ -30,6 +30,7 @@ def _sets(*items: str) -> list[str]:
 
 
 # id: (command line, environment, what the one line must contain); {d} is a scratch folder
+ELASTIC = ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29500"]
 CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "nproc 0": (["run", "--nproc-per-node", "0", "job.py"], {}, ["--nproc-per-node", "got 0"]),
     "nproc -1": (["run", "--nproc-per-node", "-1", "job.py"], {}, ["--nproc-per-node", "got -1"]),
@@ -43,8 +44,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "nnodes max < min": (["run", "--nnodes", "3:2", "job.py"], {}, ["--nnodes 3:2", "got MIN 3 and MAX 2"]),
     "nnodes not a number": (["run", "--nnodes", "two", "job.py"], {}, ["--nnodes 'two'", "N or MIN:MAX"]),
     "elastic world too small": (
-        ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29500"]
-        + ["--set", "parallel.tp=2", "job.py"],
+        [*ELASTIC, "--set", "parallel.tp=2", "job.py"],
         {},
         ["--nnodes 1:2: at 1 processes", "replicas of tp * pp * sp = 2 * 1 * 1 = 2"],
     ),

@@ -90,7 +90,9 @@ def _portable_across_load(rank: int, case: dict[str, Any], path: str) -> list[st
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_full_state_after_a_load_equals_before_the_save(worker_pools: Any, tmp_path: Path, stage: int) -> None:
+def test_full_state_after_a_load_equals_before_the_save(
+    worker_pools: Any, tmp_path: Path, stage: int
+) -> None:
     """The portable state (what reshard saves and consolidation read) of a loaded optimizer is
     the one that was saved, bit for bit: each kind of state is gathered by one collective per
     flat buffer, so every rank must take the kinds in the same order; a load fills each rank's

@@ -92,12 +92,12 @@ class NodeWatch:
 
     # ------------------------------------------------------------------ the loop
     def _connect(self) -> Any:
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import TCPStore  # torch.distributed's, typed
 
         deadline = time.monotonic() + max(30.0, self.timeout_s)
         while not self._stop.is_set():
             try:
-                return dist.TCPStore(
+                return TCPStore(
                     self.host,
                     self.port,
                     is_master=self.node == 0,

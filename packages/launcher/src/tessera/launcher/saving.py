@@ -229,9 +229,11 @@ def begin_save(
     device = engine.mesh.device
     storage = engine.checkpoint_storage(root)
     error: BaseException | None = None
-    try:  # a generation of the same step is uncommitted before any of its files is rewritten
-        if storage.leader:
+    try:  # a generation of the same step is uncommitted, then removed: a torn save of another
+        if storage.leader:  # layout (before a restart on fewer nodes) leaves files this one does not write
             (gen / MANIFEST).unlink(missing_ok=True)
+            if gen.exists():
+                shutil.rmtree(gen)
     except OSError as e:
         error = e
     raise_together(error, None, f"uncommitting ({gen})", device)
