@@ -70,6 +70,8 @@ class NodeWatch:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> NodeWatch:
+        import torch.distributed  # noqa: F401  # here, not first in the watch's thread beside the launcher's imports
+
         self._thread.start()
         return self
 
