@@ -119,3 +119,49 @@ def test_node_0_must_own_the_endpoint_address(tmp_path: Path) -> None:
         "--rdzv-endpoint 192.0.2.7:29500 is not an address of this machine, but node rank 0 hosts"
         in done.stderr
     )
+
+
+FAKE_SSH = """#!/bin/sh
+# a stand-in for ssh: "ssh HOST COMMAND" runs COMMAND inside the namespace that owns HOST
+host="$1"; shift
+case "$host" in
+  {a0}) ns={n0} ;;
+  {a1}) ns={n1} ;;
+  *) echo "no such host $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" sh -c "$*"
+"""
+
+
+def test_one_command_starts_every_node_over_ssh(tmp_path: Path, two_namespaces: tuple[str, str, str]) -> None:
+    """``tessera run --hostfile hosts --ssh``, typed once (here outside both nodes), starts the
+    command on each host with its node rank (``ssh`` replaced by a script that enters the
+    host's namespace, ``--ssh-command``); the losses equal a one-node run's."""
+    node0, node1, address = two_namespaces
+    other = address[:-1] + "2"
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH.format(a0=address, a1=other, n0=node0, n1=node1))
+    ssh.chmod(0o755)
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{address} slots=1\n{other} slots=1\n")
+    env = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1"}
+    dp2 = ["--set", "parallel.dp=2", "--set", f"train.run_dir={tmp_path}/runs"]
+    cmd = _tessera(
+        "--hostfile",
+        str(hosts),
+        "--ssh",
+        "--ssh-command",
+        str(ssh),
+        *dp2,
+        str(job),
+        str(tmp_path / "both.json"),
+    )
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"[{address}] " in done.stdout and f"[{other}] " in done.stdout, done.stdout[-3000:]
+    single = _tessera("--nproc-per-node", "2", *dp2, str(job), str(tmp_path / "one.json"))
+    one = subprocess.run(single, env=env, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert json.loads((tmp_path / "both.json").read_text()) == json.loads((tmp_path / "one.json").read_text())

@@ -41,6 +41,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     ),
     "nnodes 0": (["run", "--nnodes", "0", "job.py"], {}, ["--nnodes", "got 0"]),
     "nnodes 2 no endpoint": (["run", "--nnodes", "2", "job.py"], {}, ["--nnodes 2", "--rdzv-endpoint"]),
+    "ssh without a hostfile": (["run", "--ssh", "job.py"], {}, ["--ssh starts the hosts of a hostfile"]),
     "nnodes max < min": (["run", "--nnodes", "3:2", "job.py"], {}, ["--nnodes 3:2", "got MIN 3 and MAX 2"]),
     "nnodes not a number": (["run", "--nnodes", "two", "job.py"], {}, ["--nnodes 'two'", "N or MIN:MAX"]),
     "elastic world too small": (

@@ -28,6 +28,7 @@ from tessera.launcher.config_io import (
     resolve_config,
 )
 from tessera.launcher.elastic import elastic_problems
+from tessera.launcher.fanout import start_every_node
 from tessera.launcher.nodes import NodePlan, endpoint_port, is_loopback, parse_nnodes, plan_nodes
 from tessera.launcher.plan_command import add_arguments as add_plan_arguments
 from tessera.launcher.plan_command import run as run_plan
@@ -76,6 +77,14 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: 127.0.0.1, any free port)")
     p.add_argument("--hostfile", help="file listing the nodes, one 'host [slots=N]' per line")
+    p.add_argument(
+        "--ssh",
+        action="store_true",
+        help="start this command on every host of --hostfile over ssh, each with its --node-rank",
+    )
+    p.add_argument(
+        "--ssh-command", default="ssh", help="what --ssh runs instead of plain ssh (e.g. 'ssh -p 2222')"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,6 +154,8 @@ def _fail(lines: Sequence[str]) -> int:
 
 
 def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
+    if args.ssh:
+        return _fan_out(args, config)
     min_nodes = None
     if args.nnodes is not None:
         try:
@@ -221,6 +232,24 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
     )
 
 
+def _fan_out(args: argparse.Namespace, config: Config) -> int:
+    """``--ssh``: the hostfile checked here, then this command on every host (``fanout``)."""
+    if args.hostfile is None:
+        return _fail(["--ssh starts the hosts of a hostfile: give --hostfile"])
+    if args.node_rank is not None:
+        return _fail(["--ssh gives each host its own --node-rank: leave --node-rank out"])
+    try:
+        min_nodes, nnodes = parse_nnodes(args.nnodes) if args.nnodes is not None else (None, None)
+        plan = plan_nodes(
+            nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=0, rdzv_endpoint=args.rdzv_endpoint,
+            hostfile=args.hostfile, env=os.environ, world_size=config.world_size,
+            min_nodes=min_nodes if min_nodes != nnodes else None,
+        )  # fmt: skip
+    except ValueError as exc:
+        return _fail([str(exc)])
+    return start_every_node(plan.hosts, args.raw, args.ssh_command, _say)
+
+
 def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
     """Several nodes: node 0 hosts the rendezvous, so it must own the endpoint's address; each
     node advertises its address on the route to the endpoint (torch would take the hostname's),
@@ -245,7 +274,9 @@ def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` command."""
-    args = _parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(raw)
+    args.raw = raw
     if getattr(args, "max_restarts", None) is not None:
         args.sets.append(f"train.max_restarts={args.max_restarts}")
     if getattr(args, "verify", False):
