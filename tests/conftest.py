@@ -16,8 +16,9 @@ def ip(*args: str) -> None:
 
 
 def veth_name(pid: int, node: int) -> str:
-    """The veth end of ``node`` (0 or 1) made by the test process ``pid`` (at most 15 characters)."""
-    return f"tsv{pid}{'ab'[node]}"[-15:]
+    """The veth end inside ``node``'s namespace made by the test process ``pid`` (at most 15
+    characters)."""
+    return f"tsv{pid}{'abc'[node]}"[-15:]
 
 
 @pytest.fixture
@@ -57,4 +58,38 @@ def two_namespaces() -> Iterator[tuple[str, str, str]]:
         yield names[0], names[1], f"10.231.{k}.1"
     finally:
         for name in names:  # deleting a namespace removes its end of the veth pair, and the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def three_namespaces() -> Iterator[tuple[list[str], list[str]]]:
+    """Three "nodes" ``tessera-m<K>-<pid>`` and their addresses 10.233.<k>.1-3, each joined by
+    a veth pair to one bridge inside a fourth namespace of the test's own (no device outside
+    them); ``unplug`` works on them too. Removed after; skipped where they cannot be made."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and the ip command")
+    pid, k = os.getpid(), os.getpid() % 250 + 1
+    hub = f"tessera-hub-{pid}"
+    names = [f"tessera-m{i}-{pid}" for i in range(3)]
+    try:
+        ip("netns", "add", hub)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.skip(f"cannot create a network namespace here: {exc}")
+    try:
+        ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", hub, "link", "set", "br0", "up")
+        for i, name in enumerate(names):
+            ip("netns", "add", name)
+            inner, outer = veth_name(pid, i), f"tsh{pid}{i}"[-15:]
+            ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+            ip("link", "set", inner, "netns", name)
+            ip("link", "set", outer, "netns", hub)
+            ip("-n", hub, "link", "set", outer, "master", "br0")
+            ip("-n", hub, "link", "set", outer, "up")
+            ip("-n", name, "addr", "add", f"10.233.{k}.{i + 1}/24", "dev", inner)
+            ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", name, "link", "set", inner, "up")
+        yield names, [f"10.233.{k}.{i + 1}" for i in range(3)]
+    finally:
+        for name in [*names, hub]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

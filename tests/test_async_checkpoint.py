@@ -234,13 +234,12 @@ if committed_checkpoint(root) is not None:
 if rank == 0:
     with open(out, "a") as f:
         f.write(json.dumps({"attempt": attempt, "resumed": engine.step}) + "\\n")
-saving_step = None
-
 def dying(original, prefix):
     def write(path, *args):
         writer = threading.current_thread() is not threading.main_thread()
         name = os.path.basename(str(path))
-        if attempt == 0 and saving_step == 3 and rank == 1 and writer and name.startswith(prefix):
+        saving_3 = "step-00000003" in str(path)  # the path, not a step the training thread moves on
+        if attempt == 0 and saving_3 and rank == 1 and writer and name.startswith(prefix):
             os.kill(os.getpid(), signal.SIGKILL)
         return original(path, *args)
     return write
@@ -251,7 +250,6 @@ elif point == "rank-file":
     saving.write_tensors = dying(saving.write_tensors, "rank-")
 for step in range(engine.step, 5):
     loss = engine.train_step(*make_batch(cfg, 4, seed=step)).loss
-    saving_step = engine.step
     engine.save(root, background=True)
     if rank == 0:
         with open(out, "a") as f:

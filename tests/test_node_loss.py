@@ -180,3 +180,44 @@ def test_a_partition_shorter_than_the_watchdog_loses_nothing(
     one = subprocess.run(together, env=ENV, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     assert _losses(run) == _losses(tmp_path / "one" / "job")
+
+
+def test_three_nodes_without_shared_storage_lose_one_and_go_on_with_two(
+    tmp_path: Path, three_namespaces: tuple[list[str], list[str]], unplug: Callable[..., None]
+) -> None:
+    """Three nodes (one bridge), each its own disk, ``--nnodes 2:3``: every checkpoint file is
+    kept on two of the three folders; node 2 is lost mid-run; nodes 0 and 1 name it, restart at
+    dp 2 from their folders (node 2's files come from node 0, which held the copy) and finish,
+    their losses after the resume equal to a fresh two-process resume from that generation."""
+    names, addresses = three_namespaces
+    settings = [*SETTINGS, "parallel.dp=3", "data.batch_size=6", "train.steps=10", "train.max_restarts=1"]
+    settings += ["train.watchdog_s=10"]
+    procs = [_node(ns, k, addresses[0], "2:3", settings, tmp_path) for k, ns in enumerate(names)]
+    run = tmp_path / "disk0" / "job"
+    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
+    while time.monotonic() < deadline and procs[0].poll() is None:
+        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 5:
+            break
+        time.sleep(0.1)
+    assert procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
+    unplug(names[2])
+    os.killpg(procs[2].pid, signal.SIGKILL)
+    codes = [_finish(p, 300) for p in procs[:2]]
+    logs = [(tmp_path / f"node{k}.log").read_text() for k in (0, 1)]
+    assert codes == [0, 0], f"exit codes {codes}; logs: {[t[-3000:] for t in logs]}"
+    assert re.search(r"node 2 \(\S+, ranks 2\) is lost", logs[0]), logs[0][-3000:]
+    assert "restart 1 of 1 on the nodes that remain (at least 2)" in logs[1], logs[1][-3000:]
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", logs[0])
+    assert resumed is not None, logs[0][-3000:]
+    step = int(resumed.group(2))
+    gen = run / "checkpoint" / f"step-{step:08d}"
+    fresh = tmp_path / "fresh-from"
+    shutil.copytree(gen, fresh / gen.name)
+    alone = [*settings, "parallel.dp=2", f"train.run_dir={tmp_path}/fresh", f"train.resume={fresh}"]
+    again = subprocess.run(
+        _train("--nproc-per-node", "2", settings=alone), env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = {s: v for s, v in _losses(run).items() if s > step}
+    want = {s: v for s, v in _losses(tmp_path / "fresh" / "job").items() if s > step}
+    assert sorted(after) == list(range(step + 1, 11)) and after == want, (after, want)

@@ -166,3 +166,51 @@ def test_a_receive_of_the_wrong_size_fails_naming_both() -> None:
         sent, error = pool.run(_mismatch, env=TRANSPORTS["shm"])
     assert sent == "sent"
     assert "1200 bytes" in error and "800 bytes" in error, error
+
+
+_TCP_CYCLE = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from tessera.comm import batch_isend_irecv
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=30))
+nxt, prv = (rank + 1) % 3, (rank - 1) % 3
+out = batch_isend_irecv([(torch.full((3,), float(rank)), nxt)], [])
+time.sleep(1.0)  # the link to the next rank is now waiting in the store for that rank
+got = batch_isend_irecv([], [(torch.empty(3), prv)]).wait()[0]
+out.wait()
+assert torch.equal(got, torch.full((3,), float(prv))), got
+print("ok", rank)
+"""
+
+
+def test_links_of_three_ranks_on_a_tcp_store_connect_in_a_cycle() -> None:
+    """As under torchrun, the store is a TCPStore whose client serves one call at a time. Each
+    rank first posts to the next rank, and only a second later receives from the previous
+    one: the first link of every rank waits in the store for a peer whose first link is
+    another pair's, so a link connecting over the rank's shared client holds the second
+    link's address back and the three wait on each other (until the 30 s timeout)."""
+    import os
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TCP_CYCLE, str(rank), str(server.port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]  # a bound on the wait, not a measurement
+    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0 and f"ok {rank}" in text, f"rank {rank} exited {p.returncode}: {text[-3000:]}"

@@ -261,7 +261,7 @@ def test_bad_data_is_refused_in_one_line_before_spawning(
     def spawn(*args: object, **kwargs: object) -> int:
         raise AssertionError("a refused job spawned")
 
-    monkeypatch.setattr(cli, "_spawn", spawn)
+    monkeypatch.setattr(cli, "spawn", spawn)
     assert cli.main(_argv(command, name, tmp_path)) == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from tessera.launcher.config import Config
@@ -73,6 +73,26 @@ def build_torchrun_argv(
     return [*argv, "-m", "tessera.launcher.worker", *target]
 
 
+@contextlib.contextmanager
+def _rendezvous_store(plan: NodePlan) -> Iterator[None]:
+    """Node 0: the rendezvous store for the whole run, not one per attempt. Every attempt's
+    agent reuses it (torch's stores are multi-tenant), so the other nodes' agents never see it
+    vanish when node 0 ends an attempt, and meet again there under the next attempt's id."""
+    from torch._C._distributed_c10d import TCPStore
+
+    store = TCPStore(
+        plan.rdzv_endpoint.rpartition(":")[0].strip("[]"),
+        endpoint_port(plan.rdzv_endpoint),
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+    )
+    try:
+        yield
+    finally:
+        del store
+
+
 def _kill_workers(heartbeats: Path) -> None:
     for beat in read_beats(heartbeats):
         with contextlib.suppress(OSError):
@@ -102,6 +122,8 @@ def spawn(
             os.environ[ELASTIC_ENV] = "1"
         os.makedirs(log_dir, exist_ok=True)
         with contextlib.ExitStack() as stack:
+            if plan.nnodes > 1 and plan.node_rank == 0:
+                stack.enter_context(_rendezvous_store(plan))
             watch = None
             if plan.nnodes > 1 and config.train.watchdog_s > 0:
                 host = plan.rdzv_endpoint.rpartition(":")[0].strip("[]")
@@ -151,6 +173,7 @@ def _attempt(
     ``--max-restarts`` hung here on this torch version (the restarted workers never met)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
@@ -171,6 +194,12 @@ def _attempt(
     except ChildFailedError as exc:
         if not watchdog.fired and not (watch is not None and watch.lost):
             print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]  # torch: format_msg unannotated
+        return 1, True
+    except RendezvousGracefulExitError:
+        return 0, False
+    except RendezvousError as exc:  # the store went away: node 0 ended its attempt (a lost node)
+        _kill_workers(heartbeats)
+        say(f"this attempt's rendezvous failed ({type(exc).__name__}: {exc})")
         return 1, True
     except (KeyboardInterrupt, SignalException) as exc:
         say(f"interrupted ({exc}); every rank was stopped")
