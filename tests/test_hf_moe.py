@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.comm import all_gather
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.hf_moe import (
@@ -38,7 +37,7 @@ from tessera.launcher.hf_moe import (
     is_hf_sparse_moe,
     moe_from_hf,
 )
-from tessera.moe import MoE, expert_parameters
+from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
 
@@ -193,25 +192,11 @@ def _serial(name: str = "mixtral") -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _expert_parallel_weights(engine: Any) -> dict[str, Tensor]:
-    """Every weight in full by serial name at tp = pp = 1: the expert banks gathered over the
-    ep group (the engine's own ``full_state_dict`` refuses ep > 1)."""
-    experts = {id(p) for p in expert_parameters(engine.module)}
-    out = {}
-    with engine.zero.gathered():
-        for param in engine.module.parameters():
-            value = param.detach().contiguous()
-            if id(param) in experts:
-                value = all_gather(value, engine.mesh.group("ep"))
-            out[engine.placement.names[param]] = value.clone()
-    return out
-
-
 def _parallel(rank: int, config: Config, name: str) -> Run:
     model = _build(name)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict() if config.parallel.ep == 1 else _expert_parallel_weights(engine)
+    weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
     return losses, weights
 
@@ -225,13 +210,17 @@ def _train_and_consolidate(rank: int, config: Config, path: str) -> list[float]:
     return losses
 
 
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(dp=2, tp=2, microbatches=1), ParallelConfig(dp=2, ep=2, microbatches=1)]
+)
 def test_a_mixtral_trained_through_boost_loads_into_transformers(
-    worker_pools: PoolFactory, tmp_path: Path
+    worker_pools: PoolFactory, tmp_path: Path, parallel: ParallelConfig
 ) -> None:
-    """dp=2 x tp=2: consolidated, mapped back to HF names, loaded strictly into a fresh
+    """dp=2 x tp=2, and dp=2 x ep=2 (each rank holds half of every layer's experts):
+    consolidated, mapped back to HF names, loaded strictly into a fresh
     ``MixtralForCausalLM``: its logits are the serially trained model's."""
     c = Config(
-        parallel=ParallelConfig(dp=2, tp=2, microbatches=1),
+        parallel=parallel,
         zero=ZeroConfig(stage=1),
         train=TrainConfig(precision="fp32"),
     )

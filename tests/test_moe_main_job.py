@@ -53,10 +53,12 @@ def test_the_moe_config_trains_and_logs_the_expert_load(tmp_path: Path) -> None:
         assert len(r["expert_share_by_layer"]) == 2  # configs/moe.toml: 2 layers
         assert 0.0 <= r["dropped_fraction"] < 1.0  # capacity 1.25: some may drop, never all
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, [r["loss"] for r in train]
-    assert not (tmp_path / "runs" / "ep2" / "model.safetensors").exists()  # not built at ep > 1
+    assert (tmp_path / "runs" / "ep2" / "sample.txt").is_file()  # the consolidated model wrote it
     replicated = [r for r in _train(tmp_path, "ep1", "parallel.ep=1") if "loss" in r]
     assert [r["loss"] for r in replicated] == pytest.approx([r["loss"] for r in train], rel=1e-6)
     for a, b in zip(replicated, train, strict=True):
         assert a["expert_share"] == pytest.approx(b["expert_share"], rel=1e-6)
     state = safetensors.torch.load_file(str(tmp_path / "runs" / "ep1" / "model.safetensors"))
     assert state["layers.0.mlp.experts.w1"].shape == (4, 64, 128)  # every expert, whole
+    gathered = safetensors.torch.load_file(str(tmp_path / "runs" / "ep2" / "model.safetensors"))
+    assert {k: v.shape for k, v in gathered.items()} == {k: v.shape for k, v in state.items()}

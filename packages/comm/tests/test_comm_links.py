@@ -199,7 +199,9 @@ def test_links_of_three_ranks_on_a_tcp_store_connect_in_a_cycle() -> None:
 
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     env = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
@@ -213,4 +215,6 @@ def test_links_of_three_ranks_on_a_tcp_store_connect_in_a_cycle() -> None:
     ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]  # a bound on the wait, not a measurement
     for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0 and f"ok {rank}" in text, f"rank {rank} exited {p.returncode}: {text[-3000:]}"
+        assert p.returncode == 0 and f"ok {rank}" in text, (
+            f"rank {rank} exited {p.returncode}: {text[-3000:]}"
+        )

@@ -21,11 +21,12 @@ a ``broadcast`` from the sender. Its work runs on the link's own gloo thread and
 completion as soon as it has finished, so a waiter can poll.
 
 The two links of a pair are built together, in a thread of their own and over a connection
-to the store of their own, the first time either rank posts a message between them. Posting never blocks: a message posted before its link
-is connected is issued, in order, once it is. So ranks may start talking in any order, as
-with torch's p2p (building links synchronously could deadlock three ranks that each first
-send to the next). Each rank counts the pairs it has built per (group, tag, pair) in the
-store, so a group rebuilt under the same name gets fresh links.
+to the store of their own, the first time either rank posts a message between them.
+Posting never blocks: a message posted before its link is connected is issued, in order,
+once it is. So ranks may start talking in any order, as with torch's p2p (building links
+synchronously could deadlock three ranks that each first send to the next). Each rank
+counts the pairs it has built per (group, tag, pair) in the store, so a group rebuilt under
+the same name gets fresh links.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class _Pair:
             # connect waits in the store for the peer, so on a shared client the waiting link of
             # one pair would hold back another pair's address, and three ranks whose first links
             # differ (a ring) would wait on each other for ever
-            store = dist.distributed_c10d._get_default_store().clone()
+            store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]  # stubs lack clone
             side = 0 if self._me_lo else 1
             # the n-th pair this rank builds under key meets the n-th its peer builds
             n = store.add(f"{key}/built/{side}", 1)

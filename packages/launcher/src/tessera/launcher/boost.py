@@ -34,7 +34,7 @@ from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
-from tessera.launcher.experts import check_experts, refuse_experts, shard_moe
+from tessera.launcher.experts import check_experts, expert_slices, refuse_experts, shard_moe
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.recompute import checkpoint_layers, offload_layers
@@ -189,8 +189,6 @@ def boost(
     p = config.parallel
     topology = p.topology()
     check_experts(model, topology.ep)  # before anything changes the model
-    if config.train.verify if verify is None else verify:
-        refuse_experts(topology.ep, "train.verify (the serial first step)")
     mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
     tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
@@ -216,6 +214,7 @@ def boost(
         if example is not None:
             check_blocks(model, serial_blocks, example, spec.output)
     expert_groups = shard_moe(model, mesh)  # ep > 1: this rank's experts, sharded by ZeRO over edp
+    experts = expert_slices(model)
     if tp > 1:
         parallelize(
             model,
@@ -292,6 +291,7 @@ def boost(
         replicated={param: n for param, n in replicated.items() if id(param) in local_ids},
         shard_specs=specs,
         stage_to_rank=stage_to_rank,
+        experts=experts,
     )
     optimizer = rebuild_optimizer(optimizer, {placement.names[p]: p for p in local}, group_of)
     zero = ZeroOptimizer(

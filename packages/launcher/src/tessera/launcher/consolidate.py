@@ -2,9 +2,10 @@
 
 Tensor-parallel shards are all-gathered over tp and joined as the parameter's ``ShardSpec``
 says (recorded by ``parallelize``, kept in the ``Placement``; nothing is inferred from
-shapes); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``; pipeline stages meet in
-files: the (dp 0, tp 0) rank of every stage writes its part and global rank 0 merges them.
-Every file is written atomically (temp file, fsync, rename).
+shapes); an expert bank split over the ep group is then all-gathered over it along the
+experts (``Placement.experts``); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``;
+pipeline stages meet in files: the (dp 0, tp 0) rank of every stage writes its part and
+global rank 0 merges them. Every file is written atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import SafeFile
-from tessera.launcher.experts import refuse_experts
 from tessera.launcher.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
-__all__ = ["consolidate", "export_sharded", "local_full_gradients", "local_full_parameters", "unshard"]
+__all__ = [
+    "consolidate",
+    "export_sharded",
+    "full_tensor",
+    "local_full_gradients",
+    "local_full_parameters",
+    "unshard",
+]
 
 
 def unshard(
@@ -45,19 +52,35 @@ def unshard(
     return full
 
 
+def full_tensor(engine: Boosted, name: str, local: Tensor) -> Tensor:
+    """The full tensor of serial parameter ``name`` (or of its optimizer state) from this
+    rank's ``local`` part: its tp shards joined as its ``ShardSpec`` says, then, for an expert
+    bank split over the ep group, the ep ranks' experts concatenated in order. Collective over
+    tp and ep where ``name`` is split over them."""
+    placement, mesh = engine.placement, engine.mesh
+    shape = tuple(placement.full_shapes[name])
+    span = placement.experts.get(name)
+    if span is not None:
+        shape = (span[1] - span[0], *shape[1:])
+    full = unshard(local, placement.shard_specs.get(name), shape, mesh.size("tp"), mesh.group("tp"))
+    if span is not None:
+        full = all_gather(full.contiguous(), mesh.group("ep"), 0)
+        if tuple(full.shape) != tuple(placement.full_shapes[name]):
+            raise ValueError(
+                f"{name}: gathering experts {span[0]}..{span[1] - 1} over ep={mesh.size('ep')} gave "
+                f"{tuple(full.shape)}, not {tuple(placement.full_shapes[name])}"
+            )
+    return full
+
+
 def local_full_parameters(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 serial tensors of this rank's pipeline stages, by serial name (collective
-    over tp and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
-    parameters that ZeRO-3 frees again after gathering. Refused under expert parallelism."""
-    refuse_experts(engine.mesh.topology.ep, "the full serial parameters")
-    placement = engine.placement
-    names, shapes, specs = placement.names, placement.full_shapes, placement.shard_specs
-    tp, group = engine.mesh.size("tp"), engine.mesh.group("tp")
+    over tp, ep and, under ZeRO-3, dp). The tensors are fresh host copies, never views of
+    parameters that ZeRO-3 frees again after gathering."""
+    names = engine.placement.names
     with engine.zero.gathered():
         return {
-            names[p]: unshard(p.detach(), specs.get(names[p]), shapes[names[p]], tp, group).to(
-                "cpu", torch.float32, copy=True
-            )
+            names[p]: full_tensor(engine, names[p], p.detach()).to("cpu", torch.float32, copy=True)
             for p in engine.module.parameters()
         }
 
@@ -67,18 +90,15 @@ def local_full_gradients(engine: Boosted) -> dict[str, Tensor]:
     is about to step them (summed over tp and pipeline copies, averaged over dp, unscaled,
     clipped): call it from an optimizer step pre-hook, on every rank. Collective: ZeRO's
     all-gathers over dp (``ZeroOptimizer.full_gradients``), then the tp shards joined as each
-    parameter's ``ShardSpec`` says (``unshard``), in serial-name order on every rank.
-    Refused under expert parallelism."""
-    refuse_experts(engine.mesh.topology.ep, "the full serial gradients")
+    parameter's ``ShardSpec`` says and expert banks gathered over ep (``full_tensor``), in
+    serial-name order on every rank."""
     placement = engine.placement
     local = dict(engine.module.named_parameters())
     grads = {placement.names[local[n]]: g for n, g in engine.zero.full_gradients().items()}
-    tp, group, device = engine.mesh.size("tp"), engine.mesh.group("tp"), engine.mesh.device
-    shapes, specs = placement.full_shapes, placement.shard_specs
+    device = engine.mesh.device
     out = {}
-    for name in sorted(grads):  # (ZeRO hands host copies; the tp all-gather runs on the mesh's device)
-        full = unshard(grads[name].to(device), specs.get(name), shapes[name], tp, group)
-        out[name] = full.to("cpu", torch.float32)
+    for name in sorted(grads):  # (ZeRO hands host copies; the gathers run on the mesh's device)
+        out[name] = full_tensor(engine, name, grads[name].to(device)).to("cpu", torch.float32)
     return out
 
 
@@ -112,9 +132,7 @@ def export_sharded(engine: Boosted, directory: str | Path) -> Path:
     (dp 0, tp 0) rank with only its own stages' parameters, then ``model.safetensors.index.json``
     (written last, by rank 0, from the shards' headers: the commit point). No rank holds more
     than its stages. A name held by two stages (a tied weight) is listed from the first shard.
-    Collective over every rank; returns the index's path. Refused under expert parallelism
-    (``tessera.launcher.experts``)."""
-    refuse_experts(engine.mesh.topology.ep, f"exporting the serial model to {directory}")
+    Collective over every rank; returns the index's path."""
     directory = Path(directory)
     mesh = engine.mesh
     pp = mesh.size("pp")

@@ -11,9 +11,11 @@ expert-data-parallel group: every expert bank's parameters (`tessera.moe.expert_
 the routers and shared experts are dense, reduced over the whole data-parallel group).
 
 An expert-parallel engine holds each layer's experts split over the ep ranks under the
-serial parameter names, so what would assemble the serial model from one rank's view (the
-portable state of a checkpoint, consolidation, export, import, the first step's serial
-verification) refuses it (``refuse_experts``) rather than return a wrong model.
+serial parameter names; ``expert_slices`` says which experts of each bank a rank holds, so
+that what assembles the serial model (the portable state of a checkpoint, consolidation,
+export) gathers the banks over the ep group and what loads one (a resume under another
+layout, an import) keeps each rank's slice. The first step's serial verification and
+deferred initialization are not built for it and refuse it (``refuse_experts``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 from tessera.comm import Mesh, group_size
 from tessera.moe import MoE, expert_parameters, shard_experts
 
-__all__ = ["check_experts", "moe_layers", "refuse_experts", "shard_moe"]
+__all__ = ["check_experts", "expert_slices", "moe_layers", "refuse_experts", "shard_moe"]
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,22 @@ def shard_moe(model: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGr
     return {param: edp for param in expert_parameters(model)}
 
 
+def expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The name of every expert bank parameter of ``model``'s expert-parallel MoE layers and the
+    experts ``(start, stop)`` of the serial bank it holds (none before ``shard_moe``)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, layer in moe_layers(model):
+        if layer.ep_group is None:
+            continue
+        span = (layer.first_expert, layer.first_expert + layer.experts.count)
+        for pname, _ in layer.experts.named_parameters():
+            out[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = span
+    return out
+
+
 def refuse_experts(ep: int, what: str) -> None:
     """Raise ValueError when ``what`` would need the whole serial model under ``ep`` > 1."""
     if ep > 1:
         raise ValueError(
-            f"{what} with parallel.ep={ep} is not built: each rank holds 1/{ep} of every MoE layer's "
-            "experts under the serial names (a checkpoint resumes only at the same layout)"
+            f"{what} with parallel.ep={ep} is not built: each rank holds 1/{ep} of every MoE layer's experts"
         )

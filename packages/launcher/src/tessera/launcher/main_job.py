@@ -251,9 +251,7 @@ def main() -> None:
             engine.save(run / "checkpoint", keep_last=config.train.keep_last, background=background)
     if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
         engine.save(run / "checkpoint", keep_last=config.train.keep_last)  # commits a pending one first
-    # the serial model cannot be assembled from expert-parallel shards yet (boost refuses it)
-    whole = config.parallel.ep == 1
-    full = engine.consolidate(run / "model.safetensors") if whole else None
+    full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()
         text = ""
@@ -265,12 +263,6 @@ def main() -> None:
             prompt = data.prompt() if isinstance(data, TokenData) else "\ndef "
             text = sample(serial, data, prompt=prompt, chars=chars, seed=seed, temperature=0.6)
             (run / "sample.txt").write_text(text)
-        else:
-            log.info(
-                "parallel.ep=%d: no model.safetensors or sample.txt (consolidating expert-parallel shards "
-                "is not built); the checkpoint resumes at this layout",
-                config.parallel.ep,
-            )
         records = read_metrics(run / "metrics.jsonl")
         plot_metrics(records, run / "plot.png")
         reference = next((r["serial_tokens_per_s"] for r in records if "serial_tokens_per_s" in r), 0.0)
@@ -283,9 +275,7 @@ def main() -> None:
                 parallel / reference,
                 reference,
             )
-        files = "metrics.jsonl, plot.png, checkpoint/" + (
-            ", model.safetensors, tokenizer.json, sample.txt" if whole else ", tokenizer.json"
-        )
+        files = "metrics.jsonl, plot.png, checkpoint/, model.safetensors, tokenizer.json, sample.txt"
         log.info(
             "done in %.0f s. Run folder %s: %s. Sample:\n%s",
             time.perf_counter() - started,

@@ -23,7 +23,10 @@ class Placement:
     ``shard_specs`` maps the serial name of each parameter split over tp to its
     ``ShardSpec`` (what ``parallelize`` recorded); every other parameter is whole on each tp
     rank. ``replicated`` maps each parameter held identically by all tp ranks (a norm not
-    split by tensor parallelism) to tp, so that norms count it once.
+    split by tensor parallelism) to tp, so that norms count it once. ``experts`` maps the
+    serial name of every expert bank split over the ep group to the experts this rank holds,
+    ``(start, stop)`` along its first dimension (empty without expert parallelism); its tp
+    split, if any, is of that slice.
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -31,6 +34,7 @@ class Placement:
     replicated: dict[nn.Parameter, int]  # parameters identical on tp ranks -> tp
     shard_specs: dict[str, ShardSpec] = field(default_factory=dict)  # serial name -> tp split
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
+    experts: dict[str, tuple[int, int]] = field(default_factory=dict)  # serial name -> ep slice
 
 
 class Boosted(Protocol):

@@ -5,12 +5,13 @@ another tensor-parallel mode or another ZeRO stage resumes it exactly.
 ``portable/pp-K.safetensors`` (one per pipeline rank, written by its dp 0 / tp 0 / sp 0 rank):
 for every parameter of the stages that rank holds, the fp32 master and each elementwise
 optimizer state tensor (``param/<name>``, ``optim.<key>/<name>``; gathered over ZeRO's group,
-then unsharded over tp by each parameter's ``ShardSpec``) and each optimizer group's scalar
+then unsharded over tp by each parameter's ``ShardSpec`` and, for an expert bank, over the ep
+group: ``consolidate.full_tensor``) and each optimizer group's scalar
 state (``optim.step/group<i>``); its header holds the step, the optimizer groups'
 hyperparameters (the learning rate a schedule reached) and the fp16 loss scaler's state
-(``DynamicLossScaler.state_dict``). Loading reads every part, keeps each rank's
-tensor-parallel shard of each of its parameters and hands them to ZeRO, which keeps its own
-shard (``tessera.zero.portable``). The files are
+(``DynamicLossScaler.state_dict``). Loading reads every part, keeps each rank's experts of
+each expert bank and its tensor-parallel shard of each of its parameters and hands them to
+ZeRO, which keeps its own shard (``tessera.zero.portable``). The files are
 listed with their checksums in the generation's manifest like every other. Not carried
 across topologies: the RNG state (the ranks' streams differ) and module buffers (the
 reference models have none that are saved).
@@ -28,8 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
-from tessera.launcher.consolidate import unshard
-from tessera.launcher.experts import refuse_experts
+from tessera.launcher.consolidate import full_tensor
 from tessera.launcher.placement import Boosted
 from tessera.launcher.tensorfile import LazyTensors, weight_files
 
@@ -89,13 +89,12 @@ def _full(
 
 def _portable_values(engine: Boosted) -> Iterator[Tensor]:
     """The portable state's tensors in file order, full and fp32 (collective: all-gathers over
-    ZeRO's group and tp; every rank consumes it to the end)."""
-    placement, group, tp = engine.placement, engine.mesh.group("tp"), engine.mesh.size("tp")
+    ZeRO's group, tp and ep; every rank consumes it to the end)."""
     full = _namer(engine)
     for key, value in engine.zero.iter_full_state():
         name, full_shape = full(key)
         if full_shape is not None:
-            value = unshard(value, placement.shard_specs.get(name.partition("/")[2]), full_shape, tp, group)
+            value = full_tensor(engine, name.partition("/")[2], value)
         yield value.to(torch.float32)
 
 
@@ -103,10 +102,7 @@ def write_portable(engine: Boosted, gen: Path, step: int) -> Path | None:
     """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
     over ZeRO's group and tp; one rank per pipeline rank writes); the file this rank wrote.
     The tensors stream into the file one at a time behind a header laid out beforehand
-    (``full_state_layout``), so no rank holds more than one flat buffer's state in full.
-    None on every rank under expert parallelism, whose generations load only at their layout."""
-    if engine.mesh.topology.ep > 1:
-        return None
+    (``full_state_layout``), so no rank holds more than one flat buffer's state in full."""
     plan = _portable_plan(engine, gen, step)
     with contextlib.ExitStack() as stack:
         writer = None if plan is None else stack.enter_context(StreamWriter(*plan))
@@ -122,9 +118,7 @@ def snapshot_portable(engine: Boosted, gen: Path, step: int) -> tuple[Path, Call
     """``write_portable`` in halves: the gathers now (collective) into one host copy of this
     pipeline rank's part on the rank that writes it; there, the file, what writes that copy
     later (no collective, any thread; returns the file's hex sha256) and the bytes copied.
-    None on the other ranks, and on every rank under expert parallelism (``write_portable``)."""
-    if engine.mesh.topology.ep > 1:
-        return None
+    None on the other ranks."""
     plan = _portable_plan(engine, gen, step)
     values = [v.detach().to("cpu", copy=True) if plan is not None else None for v in _portable_values(engine)]
     if plan is None:
@@ -155,8 +149,9 @@ def read_portable(gen: Path, pp: int) -> tuple[LazyTensors, dict[str, Any]]:
 
 
 class _TPShards(Mapping[str, Tensor]):
-    """This rank's tensor-parallel shards of the full tensors of ``state``, by the local names
-    ZeRO knows, each read and cut on access (ValueError naming a missing or misshapen one)."""
+    """This rank's parts of the full tensors of ``state`` (its experts of an expert bank, then
+    its tensor-parallel shard), by the local names ZeRO knows, each read and cut on access
+    (ValueError naming a missing or misshapen one)."""
 
     def __init__(self, engine: Boosted, state: Mapping[str, Tensor]) -> None:
         self._state, self._engine = state, engine
@@ -177,13 +172,15 @@ class _TPShards(Mapping[str, Tensor]):
             raise ValueError(f"the saved state lacks {kind}/{full_name}")
         full = self._state[f"{kind}/{full_name}"]
         mesh, placement = self._engine.mesh, self._engine.placement
-        spec = placement.shard_specs.get(full_name)
+        spec, span = placement.shard_specs.get(full_name), placement.experts.get(full_name)
         tp_rank = mesh.coordinate("tp")
-        shard = full if spec is None else spec.shard(full, tp_rank, mesh.size("tp"))
+        mine = full if span is None else full[span[0] : span[1]]
+        shard = mine if spec is None else spec.shard(mine, tp_rank, mesh.size("tp"))
         if tuple(shard.shape) != tuple(param.shape):
+            experts = "" if span is None else f"experts {span[0]}..{span[1] - 1}, "
             raise ValueError(
                 f"{kind}/{full_name}: the saved {tuple(full.shape)} gives a shard of "
-                f"{tuple(shard.shape)} on tp rank {tp_rank}, the parameter is {tuple(param.shape)}"
+                f"{tuple(shard.shape)} on {experts}tp rank {tp_rank}, the parameter is {tuple(param.shape)}"
             )
         return shard
 
@@ -252,7 +249,6 @@ def import_weights(engine: Boosted, path: Path) -> None:
     parameter at a time; the optimizer state starts
     fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
     parameter."""
-    refuse_experts(engine.mesh.topology.ep, f"importing {path}")
     with LazyTensors(weight_files(path)) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
         missing = sorted(wanted - set(weights))

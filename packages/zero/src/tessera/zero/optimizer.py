@@ -188,8 +188,13 @@ class ZeroOptimizer:
         self._runner = HookRunner()
         self._gatherer = (
             ParamGatherer(
-                model, self.units, self._runner, prefetch=prefetch, prefetch_depth=prefetch_depth,
-                keep_for_backward=keep_for_backward, pool=self._pool,
+                model,
+                self.units,
+                self._runner,
+                prefetch=prefetch,
+                prefetch_depth=prefetch_depth,
+                keep_for_backward=keep_for_backward,
+                pool=self._pool,
             )
             if stage == 3
             else None
@@ -395,10 +400,6 @@ class ZeroOptimizer:
             raise RuntimeError("full_gradients() is only valid inside step(), before the optimizer steps")
         return self._by_name([g for g in grads if g is not None])
 
-    def _whole(self, what: str) -> None:
-        if self._mixed:
-            raise ValueError(f"{what}() of parameters sharded over another group (sharding=) is not built")
-
     def _by_name(self, shards: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for flat, shard in zip(self.flats, shards, strict=True):
@@ -449,21 +450,19 @@ class ZeroOptimizer:
         """``(key, tensor)`` for every parameter's master and optimizer state in full (fp32, on
         the host) and each group's scalar state, one at a time, in ``full_state_layout()``'s
         order (``tessera.zero.portable``). Collective (an all-gather per flat buffer and
-        kind): every rank consumes it to the end."""
-        self._whole("iter_full_state")
+        kind, each over the group it is sharded over: a ``sharding`` parameter is whole over
+        its own group, as every rank of that group holds it): every rank consumes it to the end."""
         return iter_full_state(self, self._chunks)
 
     def full_state_layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(key, shape)`` of what ``iter_full_state()`` yields now, in order; no communication.
         Optimizer state exists once the optimizer has stepped: before the first step only the
         ``param/`` keys."""
-        self._whole("full_state_layout")
         return full_state_layout(self, self._chunks)
 
     def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
         """Restore what ``iter_full_state`` yielded, saved under any stage and world size, reading
         ``state`` one parameter at a time (a lazy mapping is never loaded whole); local."""
-        self._whole("load_full_state")
         load_full_state(self, state, self._chunks)
         self._restored(steps)
 
