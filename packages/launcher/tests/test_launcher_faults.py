@@ -4,6 +4,8 @@
 
 - One rank SIGSTOPped: the watchdog ends the job (exit 1), naming that rank as stopped.
 - One rank hung in Python: the watchdog names it and prints its Python stack.
+- The same hang on the first attempt only, with ``train.max_restarts=1``: the watchdog ends
+  that attempt and the job restarts and finishes.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ for step in range(100_000):
     model(torch.ones(1, 2)).sum().backward()
     for p in model.parameters():
         dist.all_reduce(p.grad)
-    if mode == "hang" and rank == 1 and step == 5:
+    first = os.environ.get("TESSERA_RESTART_COUNT") == "0"
+    if (mode == "hang" or (mode == "hang-once" and first)) and rank == 1 and step == 5:
         while True:
             time.sleep(0.1)  # the line the watchdog's stack shows
+    if mode == "hang-once" and step == 20:
+        break
     opt.step()
     opt.zero_grad()
     if step == 2:
@@ -107,4 +112,13 @@ def test_a_rank_hung_in_python_is_named_with_its_stack(job: Path) -> None:
     assert proc.returncode == 1, out
     assert f"rank 1 (pid {workers[1]}) hung: last step 5" in out, out
     assert "its Python stack:" in out and 'File "' in out and "job.py" in out, out
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_a_hang_caught_by_the_watchdog_restarts_the_job(job: Path) -> None:
+    proc, workers = _start(job, "hang-once", "--set", "train.watchdog_s=3", "--set", "train.max_restarts=1")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert f"rank 1 (pid {workers[1]}) hung: last step 5" in out, out
+    assert "restart 1 of 1" in out, out
     assert not any(_alive(pid) for pid in workers)
