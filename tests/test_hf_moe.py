@@ -192,9 +192,14 @@ def _serial(name: str = "mixtral") -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, config: Config, name: str) -> Run:
+# MIXTRAL_PLAN with each mixture split inside its experts over tp (the ``moe`` style), which
+# takes Megatron SP: each layer gathers the sequence and routes the whole tokens
+SPLIT = {**MIXTRAL_PLAN.as_dict(), "model.layers.*.mlp": "moe"}
+
+
+def _parallel(rank: int, config: Config, name: str, plan: Any = None) -> Run:
     model = _build(name)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
@@ -247,6 +252,8 @@ def test_a_mixtral_trained_through_boost_loads_into_transformers(
         ("mixtral", ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),  # llama_blocks cut it
         ("qwen2-moe", ParallelConfig(dp=2, ep=2, microbatches=1), 1),  # the gated shared expert is dense
         ("qwen2-moe", ParallelConfig(tp=2, microbatches=1), 0),
+        ("mixtral-split", ParallelConfig(tp=2, sequence_parallel=True, microbatches=1), 1),
+        ("mixtral-split", ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1), 3),
     ],
 )
 def test_a_converted_model_trains_through_boost_as_serially(
@@ -254,7 +261,9 @@ def test_a_converted_model_trains_through_boost_as_serially(
 ) -> None:
     c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
     config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
-    results = worker_pools(config.world_size).run(_parallel, config, name, timeout=180)
+    plan = SPLIT if name == "mixtral-split" else None
+    name = name.removesuffix("-split")
+    results = worker_pools(config.world_size).run(_parallel, config, name, plan, timeout=180)
     losses, weights = _serial(name)
     merged: dict[str, Tensor] = {}
     for curve, part in results:  # each rank: its pipeline stages' weights in full

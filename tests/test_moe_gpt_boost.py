@@ -1,7 +1,8 @@
 """Tier 2 (the worker pool): the main job's mixture-of-experts GPT (``moe_model.moe_gpt``,
 capacity 1.0 so tokens drop, router losses attached inside the layers) trains through
-``boost()`` with its spec (``MOE_GPT_SPEC``) at dp=2 with 2 microbatches, ZeRO 1 and 3, and at
-tp=2 (the mixtures whole on both ranks), as the serial model trains when it runs the same
+``boost()`` with its spec (``MOE_GPT_SPEC``) at dp=2 with 2 microbatches, ZeRO 1 and 3, at
+tp=2 (every expert's hidden units split, the ``moe`` style), with Megatron SP, and at dp=2 x
+ep=2 x tp=2 with SP under ZeRO-3, as the serial model trains when it runs the same
 ``dp * microbatches`` chunks one after the other with the losses' backward
 scale ``1 / chunks`` (``set_aux_grad_scale``; the engine's ranks use ``loss_scale /
 microbatches`` and the data-parallel mean does the rest).
@@ -82,9 +83,11 @@ def _parallel(rank: int, config: Config) -> Run:
     [
         (ParallelConfig(dp=DP, microbatches=MICRO), 1),
         (ParallelConfig(dp=DP, microbatches=MICRO), 3),
-        (ParallelConfig(tp=2, microbatches=MICRO), 1),  # MOE_GPT_PLAN: attention split, mixtures whole
+        (ParallelConfig(tp=2, microbatches=MICRO), 1),  # MOE_GPT_PLAN: attention and experts split
+        (ParallelConfig(tp=2, sequence_parallel=True, microbatches=MICRO), 1),
+        (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3),
     ],
-    ids=["dp2-zero1", "dp2-zero3", "tp2-zero1"],
+    ids=["dp2-zero1", "dp2-zero3", "tp2-zero1", "tp2-sp-zero1", "dp2-ep2-tp2-sp-zero3"],
 )
 def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(
     worker_pools: PoolFactory, parallel: ParallelConfig, zero: int

@@ -53,12 +53,12 @@ def test_bad_moe_sections_are_refused_naming_the_values(changes: dict[str, objec
 
 
 def test_compositions_not_built_are_refused() -> None:
-    for degrees in ({"tp": 2}, {"pp": 2}, {"dp": 2, "ep": 2}):  # these compose
+    compose = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"dp": 2, "ep": 2})
+    for degrees in compose:
         ok = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]
         assert not [line for line in ok.validate() if line.startswith("moe.")], ok.validate()
     for degrees, message in [
         ({"tp": 4, "tp_mode": "2d"}, "moe.enabled with parallel.tp_mode=2d"),
-        ({"tp": 2, "sequence_parallel": True}, "moe.enabled with parallel.sequence_parallel"),
         ({"sp": 2}, "moe.enabled with parallel.sp=2"),
     ]:
         config = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]

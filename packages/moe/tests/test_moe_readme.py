@@ -29,6 +29,11 @@ def test_the_readme_expert_parallel_example_runs() -> None:
     assert run("## Expert parallelism")["shapes"] == [torch.Size([2, 16, 32])] * 2
 
 
+def test_the_readme_tensor_parallel_example_runs() -> None:
+    namespace = run("## Tensor parallelism inside the experts")
+    assert namespace["shape"] == torch.Size([4, 16, 16])
+
+
 def test_the_readme_usage_example_runs() -> None:
     namespace = run("## Usage")
     y, x, layer = namespace["y"], namespace["x"], namespace["layer"]

@@ -147,7 +147,7 @@ def test_experts_state_is_divided_by_ep() -> None:
     assert one.model_state - dense.model_state == 16 * (added - mlp) + 4
 
 
-def test_under_tp_the_rank_holds_its_share_of_the_mlps_and_every_expert() -> None:
+def test_under_tp_the_rank_holds_its_share_of_the_mlps_and_of_every_expert() -> None:
     cluster = PRESETS["a100-80g"].with_world(4)
     layout = Layout(dp=2, tp=2, microbatches=1, zero=0)
     moe = ExpertShape(layers=2, experts=4, top_k=2, hidden=64)
@@ -155,7 +155,9 @@ def test_under_tp_the_rank_holds_its_share_of_the_mlps_and_every_expert() -> Non
     dense = estimate(layout, JOB, cluster)
     f = JOB.model.ffn
     mlp = 2 * ((2 * D * f + f) // 2 + D)  # fc_in and fc_out's weight split two ways, fc_out's bias whole
-    added = 2 * (2 * moe.expert_params(D) + moe.dense_params(D))  # 2 of 4 experts, whole on both tp ranks
+    # 2 of 4 experts, half of each one's hidden units on each tp rank; the router whole
+    added = 2 * (2 * (3 * D * 32) + 4 * D)
+    assert added == 2 * (2 * moe.expert_params(D, 2) + moe.dense_params(D, 2))
     assert got.memory.model_state - dense.memory.model_state == 16 * (added - mlp) + 4
 
 
@@ -166,7 +168,7 @@ def test_check_refuses_what_it_does_not_model_of_experts() -> None:
     )
     lines = check(Layout(dp=4, ep=3, microbatches=1), _with(moe))
     assert "layout.ep=3 must divide dp=4 and the experts (8)" in lines
-    assert check(Layout(dp=2, tp=2, microbatches=1), _with(moe)) == []  # 1D tp: the mixtures whole
+    assert check(Layout(dp=2, tp=2, microbatches=1), _with(moe)) == []  # 1D tp: the experts split
     lines = check(Layout(dp=1, tp=2, sequence_parallel=True, microbatches=1), _with(moe))
     assert "job.moe: experts are modelled under 1D tp without sequence parallelism, got tp=2 1d" in lines[0]
     lines = check(Layout(dp=1, pp=2, microbatches=2), _with(moe))
@@ -182,7 +184,7 @@ def test_the_search_tries_every_ep_and_predicts_each_as_estimate_does() -> None:
     job = _with(ExpertShape(layers=4, experts=8, top_k=2, hidden=64))
     result = search(job, cluster, world=4, keep=200)
     assert result.ranked and {c.layout.ep for c in result.ranked} == {1, 2, 4}
-    assert {1, 2} <= {c.layout.tp for c in result.ranked}  # 1D tp keeps the mixtures whole
+    assert {1, 2} <= {c.layout.tp for c in result.ranked}  # 1D tp splits the experts
     for cand in result.ranked:
         assert (cand.layout.pp, cand.layout.sp) == (1, 1) and not cand.layout.sequence_parallel
         assert cand.estimate == estimate(cand.layout, job, cluster)

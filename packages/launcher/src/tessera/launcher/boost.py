@@ -34,7 +34,8 @@ from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import InitFn, has_deferred, materialize
 from tessera.launcher.engine import Engine
-from tessera.launcher.experts import check_experts, expert_slices, refuse_experts, shard_moe
+from tessera.launcher.experts import check_experts, expert_sharding, expert_slices, refuse_experts, shard_moe
+from tessera.launcher.moe_style import check_moe_plan
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.recompute import checkpoint_layers, offload_layers
@@ -49,6 +50,7 @@ from tessera.launcher.spec import (
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import Plan, PlanLike, context_parallelize, parallelize, shard_specs
+from tessera.tensor_parallel.plan import resolve_plan
 from tessera.zero import ChunkConfig, ZeroOptimizer
 
 __all__ = ["boost", "rebuild_optimizer"]
@@ -189,13 +191,20 @@ def boost(
     p = config.parallel
     topology = p.topology()
     check_experts(model, topology.ep)  # before anything changes the model
+    spec = spec if spec is not None else model_spec(model)
+    tp_plan = None
+    if topology.tp > 1:  # resolved on the serial model: the MoE layers' styles are checked before any group
+        tp_plan = (spec if plan is None else ModelSpec(roles=plan)).plan(
+            topology.tp_mode, model, depth=topology.depth
+        )
+        resolved = resolve_plan(model, tp_plan, tp=topology.tp, sequence_parallel=p.sequence_parallel)
+        check_moe_plan(model, resolved, sequence_parallel=p.sequence_parallel)
     mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
     tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     group_of = _groups_by_name(model, optimizer)
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
-    spec = spec if spec is not None else model_spec(model)
     verify = config.train.verify if verify is None else verify
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
     serial = None
@@ -213,14 +222,12 @@ def boost(
             )
         if example is not None:
             check_blocks(model, serial_blocks, example, spec.output)
-    expert_groups = shard_moe(model, mesh)  # ep > 1: this rank's experts, sharded by ZeRO over edp
+    shard_moe(model, mesh)  # ep > 1: this rank's experts (ZeRO shards them over edp: expert_sharding)
     experts = expert_slices(model)
-    if tp > 1:
+    if tp_plan is not None:
         parallelize(
             model,
-            plan=(spec if plan is None else ModelSpec(roles=plan)).plan(
-                topology.tp_mode, model, depth=topology.depth
-            ),
+            plan=tp_plan,
             mesh=mesh,
             sequence_parallel=p.sequence_parallel,
             seed=config.train.seed,
@@ -306,7 +313,7 @@ def boost(
         norm_groups=[g for g, n in ((tp_group, tp), (pp_group, pp)) if n > 1],
         replication=placement.replicated,
         memory=chunk_config(config, mesh.rank),
-        sharding={param: g for param, g in expert_groups.items() if id(param) in local_ids},
+        sharding=expert_sharding(module, mesh),
     )
     runtime = None
     if pp > 1:

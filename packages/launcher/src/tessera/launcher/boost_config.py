@@ -289,11 +289,6 @@ class BoostConfig:
             (z.chunked, f"parallel.ep={p.ep} with the chunk memory manager (budgets, disk_dir) is not built"),
             (z.offload, f"parallel.ep={p.ep} with zero.offload is not built"),
             (
-                p.sequence_parallel and p.tp > 1,
-                f"parallel.ep={p.ep} with parallel.sequence_parallel is not built: the tp ranks would route "
-                "different tokens",
-            ),
-            (
                 p.tp_mode is not TPMode.ONE_D and p.tp > 1,
                 f"parallel.ep={p.ep} with tp_mode {p.tp_mode} is not built: its grid splits the tokens",
             ),

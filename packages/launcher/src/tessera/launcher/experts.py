@@ -7,7 +7,8 @@ without one, a layer whose experts ``ep`` does not divide (naming the layer, its
 and ep) and, at any ep, a layer already built expert-parallel. ``shard_moe`` then keeps on each rank
 its ``experts / ep`` experts of every layer (`tessera.moe.shard_experts`: tokens travel to
 their experts by all-to-all over the ep group) and returns what ZeRO shards over the
-expert-data-parallel group: every expert bank's parameters (`tessera.moe.expert_parameters`;
+expert-data-parallel group (``expert_sharding``, asked once tensor parallelism has replaced
+what it splits): every expert bank's parameters (`tessera.moe.expert_parameters`;
 the routers and shared experts are dense, reduced over the whole data-parallel group).
 
 An expert-parallel engine holds each layer's experts split over the ep ranks under the
@@ -28,7 +29,7 @@ from torch import nn
 from tessera.comm import Mesh, group_size
 from tessera.moe import MoE, expert_parameters, shard_experts
 
-__all__ = ["check_experts", "expert_slices", "moe_layers", "refuse_experts", "shard_moe"]
+__all__ = ["check_experts", "expert_sharding", "expert_slices", "moe_layers", "refuse_experts", "shard_moe"]
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,12 @@ def check_experts(model: nn.Module, ep: int) -> None:
         raise ValueError(f"parallel.ep={ep} must divide the experts of every MoE layer: {', '.join(uneven)}")
 
 
-def shard_moe(model: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGroup]:
-    """Split every MoE layer's experts over this rank's ep group (checked by ``check_experts``);
-    the expert parameters, each mapped to the expert-data-parallel group (empty when ep = 1)."""
+def shard_moe(model: nn.Module, mesh: Mesh) -> None:
+    """Split every MoE layer's experts over this rank's ep group (checked by ``check_experts``)."""
     ep = mesh.topology.ep
     if ep == 1:
-        return {}
-    group, edp = mesh.group("ep"), mesh.group("edp")
+        return
+    group = mesh.group("ep")
     layers = moe_layers(model)
     for _, layer in layers:
         shard_experts(layer, group)
@@ -74,7 +74,15 @@ def shard_moe(model: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGr
         "expert parallelism: %d MoE layers split over ep=%d (this rank: ep %d of %d, edp %d of %d)",
         len(layers), ep, mesh.coordinate("ep"), ep, mesh.coordinate("edp"), mesh.size("edp"),
     )  # fmt: skip
-    return {param: edp for param in expert_parameters(model)}
+
+
+def expert_sharding(module: nn.Module, mesh: Mesh) -> dict[nn.Parameter, dist.ProcessGroup]:
+    """Every expert parameter ``module`` holds now (after tensor parallelism replaced some), mapped
+    to the expert-data-parallel group ZeRO shards it over (empty when ep = 1)."""
+    if mesh.topology.ep == 1:
+        return {}
+    edp = mesh.group("edp")
+    return {param: edp for param in expert_parameters(module)}
 
 
 def expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -18,7 +18,9 @@ converted model's weights (what ``consolidate`` writes) back to transformers' na
 with each layer's ``mlp`` replicated (``Roles.REPLICATE``): under tensor parallelism every tp
 rank runs the whole mixture on the same tokens, so no expert is cut; a dense Qwen2-MoE layer
 (``mlp_only_layers``, ``decoder_sparse_step``) is replicated too. They refuse sequence
-parallelism (a replicated mixture would see each rank's slice of the sequence).
+parallelism (a replicated mixture would see each rank's slice of the sequence). A converted
+Mixtral whose plan gives ``model.layers.*.mlp`` the ``moe`` style (`moe_style`) has every
+expert split over tp instead, and takes sequence parallelism.
 """
 
 from __future__ import annotations

@@ -200,12 +200,7 @@ class Config(BoostConfig):
             (e.experts % p.ep != 0, f"moe.experts={e.experts} is not divisible by parallel.ep={p.ep}"),
             (
                 p.tp > 1 and p.tp_mode is not TPMode.ONE_D,
-                f"moe.enabled with parallel.tp_mode={p.tp_mode}: the mixtures stay whole under 1D tp only",
-            ),
-            (
-                p.sequence_parallel,
-                "moe.enabled with parallel.sequence_parallel: the mixtures are replicated over tp and "
-                "would see a slice of the sequence",
+                f"moe.enabled with parallel.tp_mode={p.tp_mode}: the experts are split under 1D tp only",
             ),
             (p.sp > 1, f"moe.enabled with parallel.sp={p.sp}: context parallelism with MoE is not built"),
         ]

@@ -1,7 +1,7 @@
 """The main job's mixture of experts: the reference GPT with a ``tessera.moe.MoE`` as each
 layer's MLP (``[moe]``, `moe_gpt`), its model spec (`MOE_GPT_SPEC`: the reference GPT's
-roles with each mixture replicated whole on every tp rank), and the expert load it logs
-(`ExpertLoad`).
+roles with each mixture split inside its experts over tp, `moe_style`), and the expert load
+it logs (`ExpertLoad`).
 
 The reference GPT (``tessera.models``) knows nothing of experts; this module builds it and
 replaces each ``layers.i.mlp`` by an ``MoE`` of ``[moe].experts`` SwiGLU experts of the
@@ -25,20 +25,19 @@ from torch.utils.hooks import RemovableHandle
 from tessera.comm import all_reduce
 from tessera.launcher.known import REFERENCE_GPT_SPEC
 from tessera.launcher.main_config import MoEConfig
+from tessera.launcher.moe_style import MOE_STYLE
 from tessera.models import GPT, GPTConfig
 from tessera.moe import MoE
 from tessera.tensor_parallel import GPT_PLAN, Plan
-from tessera.tensor_parallel.roles import Roles
 
 __all__ = ["MOE_GPT_PLAN", "MOE_GPT_SPEC", "ExpertLoad", "moe_gpt"]
 
 MOE_GPT_PLAN = Plan.of(
     {
         **{p: s for p, s in GPT_PLAN.as_dict().items() if not p.startswith("layers.*.mlp")},
-        "layers.*.mlp": Roles.REPLICATE,  # the mixture whole on every tp rank: no expert is cut
+        "layers.*.mlp": MOE_STYLE,  # a tp region of its own: every expert's hidden units split over tp
     },
     name="tessera-moe-gpt",
-    supports_sequence_parallel=False,  # a replicated mixture would see a slice of the sequence
 )
 MOE_GPT_SPEC = dataclasses.replace(REFERENCE_GPT_SPEC, roles=MOE_GPT_PLAN)
 

@@ -3,7 +3,8 @@
 `MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
 matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
 shared experts; with an ``ep_group`` (or `shard_experts`) its experts are split over the
-group's ranks and tokens travel to them by uneven all-to-all. Depends on torch and
+group's ranks and tokens travel to them by uneven all-to-all; with `split_hidden` every
+expert's hidden units are split over a tensor-parallel group. Depends on torch and
 ``tessera.comm`` only.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
-from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts
+from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
 from tessera.moe.router import Routing, TopKRouter, route
@@ -34,5 +35,6 @@ __all__ = [
     "route",
     "set_aux_grad_scale",
     "shard_experts",
+    "split_hidden",
     "z_loss",
 ]

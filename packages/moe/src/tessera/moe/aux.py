@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["AuxScale", "attach_aux"]
+__all__ = ["AuxScale", "attach_aux", "scale_grad"]
 
 
 class AuxScale(Protocol):
@@ -55,3 +55,21 @@ def attach_aux(out: Tensor, aux: Tensor, holder: AuxScale) -> Tensor:
     """``out`` unchanged, whose backward also backpropagates ``holder.aux_grad_scale * aux``
     (a scalar). Moves nothing."""
     return cast(Tensor, _Attach.apply(out, aux, holder))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor  # type: ignore[attr-defined]  # FunctionCtx takes attributes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: Tensor, factor: float) -> Tensor:
+    """``x`` unchanged, whose backward multiplies the gradient by ``factor``: a loss that every
+    rank of a tensor-parallel group computes whole, from the same tokens, weighs ``1 / tp`` on
+    each, so that the gradients the group sums over its ranks count it once."""
+    return cast(Tensor, _ScaleGrad.apply(x, factor))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated

@@ -62,6 +62,20 @@ class Experts(nn.Module):
             if w is not None:
                 setattr(self, name, nn.Parameter(w.detach()[start:stop].clone()))
 
+    def keep_hidden(self, start: int, stop: int) -> None:
+        """Keep only hidden units ``start:stop`` of every expert (``w1`` / ``w3`` columns,
+        ``w2`` rows; new parameters holding copies): the bank then computes, per expert, its
+        share of the output, which summed over the shares is the whole expert's."""
+        for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
+            w = getattr(self, name)
+            if w is not None:
+                setattr(self, name, nn.Parameter(w.detach().narrow(dim, start, stop - start).clone()))
+
+    @property
+    def hidden(self) -> int:
+        """The hidden width each expert holds (its share under tensor parallelism)."""
+        return self.w1.shape[2]
+
     def _mlp(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> Tensor:
         """The MLP on ``x [..., m, d]`` with weights batched like ``x``'s leading dims."""
         up = x @ w1

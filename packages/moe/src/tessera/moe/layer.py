@@ -1,4 +1,5 @@
-"""The mixture-of-experts layer, serial or expert-parallel, and `shard_experts`.
+"""The mixture-of-experts layer, serial, expert-parallel or tensor-parallel inside its
+experts, with `shard_experts` and `split_hidden`.
 
 One call routes each token to its ``top_k`` experts, drops assignments beyond the
 capacity (`tessera.moe.plan`), runs the kept rows through their experts (here, or on the
@@ -10,6 +11,17 @@ Under expert parallelism every rank holds its own tokens (as in data parallelism
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
 The capacity, the losses and the statistics are those of the rank's own tokens, so each
 rank computes exactly what the serial layer computes on that rank's tokens.
+
+Tensor parallelism inside the experts (`split_hidden`, Megatron's expert tensor
+parallelism) splits every expert's hidden units, and the shared expert's, over a tp group.
+The layer is then a tp region of its own: its input enters it once (with sequence
+parallelism, each rank's slice of the sequence is all-gathered), so every tp rank routes
+the same whole tokens, with the serial layer's capacity and losses; each rank computes its
+share of every expert's output, and the sum over the group (with sequence parallelism, a
+reduce-scatter back to each rank's slice) leaves the region. The router and the shared
+gate are whole on every tp rank and their gradients are partial sums to be summed over tp
+(as any whole parameter inside a tp region); the losses, which every tp rank computes whole,
+weigh ``1 / tp`` on each in the backward so that sum counts them once (`aux.scale_grad`).
 """
 
 from __future__ import annotations
@@ -21,8 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tessera.comm import group_rank, group_size
-from tessera.moe.aux import attach_aux
+from tessera.comm import (
+    all_gather_along,
+    copy_to_region,
+    group_rank,
+    group_size,
+    reduce_from_region,
+    reduce_scatter_along,
+)
+from tessera.moe.aux import attach_aux, scale_grad
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, SHARED_STREAM, expert_stream, generator, uniform
@@ -30,7 +49,7 @@ from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import TopKRouter
 
-__all__ = ["MoE", "MoEStats", "set_aux_grad_scale", "shard_experts"]
+__all__ = ["MoE", "MoEStats", "set_aux_grad_scale", "shard_experts", "split_hidden"]
 
 _log = logging.getLogger(__name__)
 
@@ -124,6 +143,8 @@ class MoE(nn.Module):
         self.grouped, self.ep_group = grouped, ep_group
         self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
         self.first_expert = start
+        self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
+        self.sequence_parallel, self.seq_dim = False, -2
         self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed)
         self.experts = Experts(
             d_model, hidden, activation, seed=seed, streams=[expert_stream(e) for e in range(start, stop)]
@@ -142,7 +163,18 @@ class MoE(nn.Module):
         self.z_loss: Tensor = torch.zeros(())
         self.stats = MoEStats(torch.zeros(experts, dtype=torch.long), torch.zeros(experts, dtype=torch.long))
 
+    @property
+    def tp(self) -> int:
+        """How many ranks share every expert's hidden units (`split_hidden`; 1: none)."""
+        return 1 if self.tp_group is None else group_size(self.tp_group)
+
     def forward(self, x: Tensor) -> Tensor:
+        tp = self.tp
+        if tp > 1:  # enter the layer's tp region: every rank routes the same whole tokens
+            if self.sequence_parallel:
+                x = all_gather_along(x, self.seq_dim, self.tp_group)
+            else:
+                x = copy_to_region(x, self.tp_group)
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
         routing = self.router(tokens)
@@ -164,8 +196,15 @@ class MoE(nn.Module):
             out = out + shared
         self.aux_loss = load_balancing_loss(routing.probs, plan.routed)
         self.z_loss = z_loss(routing.logits)
+        if tp > 1:  # computed whole on every tp rank, whose router gradients are summed over tp
+            self.aux_loss, self.z_loss = scale_grad(self.aux_loss, 1 / tp), scale_grad(self.z_loss, 1 / tp)
         self.stats = MoEStats(routed=plan.routed, kept=plan.kept)
         out = out.view(x.shape)
+        if tp > 1:  # leave the region: the shares of every expert's output summed
+            if self.sequence_parallel:
+                out = reduce_scatter_along(out, self.seq_dim, self.tp_group)
+            else:
+                out = reduce_from_region(out, self.tp_group)
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
             out = attach_aux(out, weighted, self)
@@ -182,6 +221,29 @@ def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
     layer.experts.keep(start, stop)
     layer.first_expert, layer.ep_group = start, group
     _log.debug("experts %d..%d of %d on this rank", start, stop - 1, layer.num_experts)
+    return layer
+
+
+def split_hidden(
+    layer: MoE, group: dist.ProcessGroup, *, sequence_parallel: bool = False, seq_dim: int = -2
+) -> MoE:
+    """Make ``layer`` tensor-parallel inside its experts over ``group`` in place (module
+    docstring): keep this rank's ``hidden / tp`` hidden units of every expert and of the
+    shared expert. ``sequence_parallel``: the layer's input and output hold this rank's slice
+    of dim ``seq_dim``. Every rank must hold the same serial layer; refuses (ValueError naming
+    the widths, nothing changed) a hidden width ``tp`` does not divide. Returns the layer."""
+    if layer.tp_group is not None:
+        raise ValueError("the layer's experts are already split over a tp group")
+    tp, rank = group_size(group), group_rank(group)
+    banks = [("experts", layer.experts)] + ([("shared", layer.shared)] if layer.shared is not None else [])
+    uneven = [f"{name} hidden {bank.hidden}" for name, bank in banks if bank.hidden % tp]
+    if uneven:
+        raise ValueError(f"tp={tp} must divide the hidden width of every expert: {', '.join(uneven)}")
+    for _, bank in banks:
+        share = bank.hidden // tp
+        bank.keep_hidden(rank * share, (rank + 1) * share)
+    layer.tp_group, layer.sequence_parallel, layer.seq_dim = group, sequence_parallel, seq_dim
+    _log.debug("expert hidden units split over tp=%d (rank %d)", tp, rank)
     return layer
 
 

@@ -21,9 +21,9 @@ ep)`` bytes). `all_to_all_seconds` prices them on the cluster's link (`Link.all_
 `estimate` of a `Job` with ``moe`` at a `Layout` with ``ep`` is the dense model's changed by
 `expert_change`: each MoE layer's dense MLP state replaced by the expert memory above, and
 the all-to-alls added to the compute they block (``StepTime.compute`` and ``tensor_comm``).
-It models experts under 1D tensor parallelism without Megatron SP (each mixture whole on
-every tp rank, as the launcher's plans keep it), not with pipeline or context parallelism
-(`check` refuses those).
+It models experts under 1D tensor parallelism without Megatron SP (every expert's and the
+shared expert's hidden units split over tp, the router whole: the launcher's ``moe`` style),
+not with pipeline or context parallelism (`check` refuses those).
 The compute of the experts is the dense MLP's when ``top_k * hidden`` equals its width (each
 token runs ``top_k`` experts); otherwise the difference is not modelled.
 """
@@ -72,13 +72,14 @@ class ExpertShape:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
 
-    def expert_params(self, d: int) -> int:
-        """Elements of one expert of one layer."""
-        return (3 if self.swiglu else 2) * d * self.hidden
+    def expert_params(self, d: int, tp: int = 1) -> int:
+        """Elements of one expert of one layer (one tp rank's share of its hidden units)."""
+        return (3 if self.swiglu else 2) * d * -(-self.hidden // tp)
 
-    def dense_params(self, d: int) -> int:
-        """Elements of one layer's router and shared expert (replicated on every rank)."""
-        shared = (3 if self.swiglu else 2) * d * self.shared_hidden
+    def dense_params(self, d: int, tp: int = 1) -> int:
+        """Elements of one layer's router (whole on every rank) and shared expert (one tp
+        rank's share of its hidden units; every dp rank holds it)."""
+        shared = (3 if self.swiglu else 2) * d * -(-self.shared_hidden // tp)
         return self.experts * d + shared
 
 
@@ -192,15 +193,15 @@ def expert_change(
 ) -> ExpertChange:
     """The mixture against the dense model: ``moe.layers`` MLPs' state (sharded over ``dp``;
     under 1D ``tp`` the rank's columns and rows of them, the output bias whole) out, the
-    experts' (``E / ep`` per layer over ``dp / ep``, whole on every tp rank) and the routers'
-    and shared experts' (over ``dp``) in; the all-to-alls of ``microbatches`` microbatches on
+    experts' (``E / ep`` per layer over ``dp / ep``, each rank its share of their hidden units)
+    and the routers' and shared experts' (over ``dp``) in; the all-to-alls of ``microbatches`` microbatches on
     ``link``."""
     if ep < 1 or dp % ep or moe.experts % ep:
         raise ValueError(f"ep={ep} must divide dp={dp} and the experts ({moe.experts})")
     d, f, b = model.hidden, model.ffn, int(model.bias)
     mlp = moe.layers * (-(-(d * f + b * f + f * d) // tp) + b * d)  # the dense MLPs they replace
-    experts = moe.layers * (moe.experts // ep) * moe.expert_params(d)
-    dense = moe.layers * moe.dense_params(d)
+    experts = moe.layers * (moe.experts // ep) * moe.expert_params(d, tp)
+    dense = moe.layers * moe.dense_params(d, tp)
 
     def state(psi: float, n: int) -> tuple[float, float, float, float]:
         return model_state_bytes(

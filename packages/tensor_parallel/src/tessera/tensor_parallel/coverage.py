@@ -13,6 +13,9 @@ tp group before the optimizer steps. The rule, decided before anything runs:
   this rank's slice of the sequence: the norms Megatron marks).
 - 2D, 2.5D, 3D: every element of an activation lives on exactly one rank, so every whole
   parameter is partial.
+- A self-contained region (``plan.self_contained``, e.g. a mixture of experts split inside
+  its experts) declares every parameter inside it: split where its ``shard_spec`` says,
+  partial otherwise.
 - A style may say better for its module's parameters: ``grad_complete = True`` (e.g.
   ``sequence_split``, whose output is split after the module, so backward all-gathers its
   whole gradient; ``replicate``, the user's word that the module sees whole activations).
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from tessera.comm import Group, all_reduce
-from tessera.tensor_parallel.plan import Assignment
+from tessera.tensor_parallel.plan import Assignment, assigned_spec
 from tessera.tensor_parallel.sequence import is_sequence_parallel
 from tessera.tensor_parallel.style import Role
 
@@ -76,10 +79,9 @@ def cover(
     split, complete, undeclared = [], [], []
     partial: dict[str, str] = {}
     for full, _ in model.named_parameters():
-        owner, _, pname = full.rpartition(".")
-        a = by_name.get(owner)
-        module = model.get_submodule(owner) if owner else model
-        if a is not None and a.style.shard_spec(module, pname) is not None:
+        owner = full.rpartition(".")[0]
+        a, spec = assigned_spec(by_name, model, full)  # a self-contained region decides inside it
+        if spec is not None:
             split.append(full)
             continue
         if a is not None and getattr(a.style, "grad_complete", False):
@@ -117,9 +119,7 @@ def _fingerprints(params: Sequence[torch.Tensor], device: torch.device) -> torch
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
 
 
-def tp_gradient_problems(
-    named: Mapping[str, nn.Parameter], group: Group, *, rtol: float = 1e-5
-) -> list[str]:
+def tp_gradient_problems(named: Mapping[str, nn.Parameter], group: Group, *, rtol: float = 1e-5) -> list[str]:
     """Check, on one backward and before partial gradients are summed, that each whole
     parameter in ``named`` (serial name -> parameter; pass only those no style split) has the
     gradient its tag says: untagged ones the same on every rank of ``group``, tagged

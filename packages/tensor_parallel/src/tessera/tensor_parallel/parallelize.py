@@ -21,7 +21,14 @@ from tessera.tensor_parallel.coverage import Coverage, cover
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.partition import ShardSpec
-from tessera.tensor_parallel.plan import Assignment, PlanLike, resolve_plan, unplanned_dropouts
+from tessera.tensor_parallel.plan import (
+    Assignment,
+    PlanLike,
+    assigned_spec,
+    resolve_plan,
+    self_contained,
+    unplanned_dropouts,
+)
 from tessera.tensor_parallel.probe import probe_attention
 from tessera.tensor_parallel.rng import DropoutRNG
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
@@ -35,17 +42,14 @@ _SPECS_ATTRIBUTE = "_tessera_shard_specs"
 _COVERAGE_ATTRIBUTE = "_tessera_coverage"
 
 
-def _split(a: Assignment | None, module: nn.Module, pname: str) -> ShardSpec | None:
-    return None if a is None else a.style.shard_spec(module, pname)
-
-
 def _check_ties(model: nn.Module, assignments: list[Assignment]) -> None:
     """A weight shared by several modules must be split the same way by all of them."""
     by_name = {a.name: a for a in assignments}
     owners: dict[int, list[tuple[str, str, ShardSpec | None]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((name, pname, _split(by_name.get(name), module, pname)))
+            split = assigned_spec(by_name, model, f"{name}.{pname}" if name else pname)[1]
+            owners.setdefault(id(p), []).append((name, pname, split))
     for entries in owners.values():
         if len({split for *_, split in entries}) > 1:
             desc = ", ".join(
@@ -55,11 +59,12 @@ def _check_ties(model: nn.Module, assignments: list[Assignment]) -> None:
 
 
 def _record_specs(model: nn.Module, assignments: list[Assignment]) -> dict[str, ShardSpec]:
-    """The shard spec of every parameter the plan splits, by its serial name (tied aliases too)."""
+    """The shard spec of every parameter the plan splits, by its serial name (tied aliases too;
+    a self-contained region's descendants' too)."""
     out = {}
     for a in assignments:
         module = model.get_submodule(a.name)
-        for pname, _ in module.named_parameters(recurse=False):
+        for pname, _ in module.named_parameters(recurse=self_contained(a.style)):
             spec = a.style.shard_spec(module, pname)
             if spec is not None:
                 out[f"{a.name}.{pname}"] = spec
@@ -133,8 +138,8 @@ def parallelize(
     from ``rng``, or a DropoutRNG seeded ``seed`` for this tp rank. Raises ValueError
     (nothing changed, nothing communicated) if the plan does not fit the model or tp; see
     ``resolve_plan``, or if an attention module's shards would not add up to it
-(``probe.probe_attention``). ``shard_specs(model)`` then
-    says how each split parameter maps to its shards.
+    (``probe.probe_attention``). ``shard_specs(model)`` then says how each split parameter
+    maps to its shards.
     """
     tp = mesh.size(axis)
     assignments = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)

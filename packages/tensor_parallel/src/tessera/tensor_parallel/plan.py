@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.style import RefinesInner, Role, TPStyle, style_named
 from tessera.tensor_parallel.styles import HEAD_ATTRIBUTES, Style, attention_heads
 
@@ -29,9 +30,11 @@ __all__ = [
     "Plan",
     "PlanLike",
     "Style",
+    "assigned_spec",
     "attention_heads",
     "match_pattern",
     "resolve_plan",
+    "self_contained",
     "unplanned_dropouts",
 ]
 
@@ -95,6 +98,33 @@ def _is_within(name: str, ancestor: str) -> bool:
     return name.startswith(ancestor + ".")
 
 
+def self_contained(style: TPStyle) -> bool:
+    """Whether ``style`` (a REGION-role one) converts its module's whole subtree: it enters and
+    leaves the tp region itself and says how its descendants' parameters are split
+    (``shard_spec(module, "child.weight")``), so no plan entry names a module inside it (e.g.
+    a mixture of experts split inside its experts). A style says so with ``self_contained = True``."""
+    return bool(getattr(style, "self_contained", False))
+
+
+def assigned_spec(
+    by_name: Mapping[str, Assignment], model: nn.Module, full: str
+) -> tuple[Assignment | None, ShardSpec | None]:
+    """The assignment that decides serial parameter ``full``'s split, and the split (None:
+    whole): its module's own, else that of the nearest self-contained ancestor region."""
+    owner, _, pname = full.rpartition(".")
+    a = by_name.get(owner)
+    if a is not None:
+        return a, a.style.shard_spec(model.get_submodule(owner) if owner else model, pname)
+    parts = owner.split(".") if owner else []
+    for i in range(len(parts) - 1, -1, -1):
+        ancestor = ".".join(parts[:i])
+        b = by_name.get(ancestor)
+        if b is not None and self_contained(b.style):
+            module = model.get_submodule(ancestor) if ancestor else model
+            return b, b.style.shard_spec(module, full[len(ancestor) + 1 :] if ancestor else full)
+    return None, None
+
+
 def resolve_plan(
     model: nn.Module, plan: PlanLike, *, tp: int, sequence_parallel: bool = False
 ) -> list[Assignment]:
@@ -143,7 +173,14 @@ def resolve_plan(
             raise ValueError(
                 f"conflicting plan entries: region {name!r} ({style.name}) lies inside region {outer[0]!r}"
             )
-        if style.role is Role.REGION:
+        if style.role is Role.REGION and self_contained(style):
+            inside = sorted(n for n in chosen if _is_within(n, name))
+            if inside:
+                raise ValueError(
+                    f"{name} ({style.name}) converts its whole sublayer; the plan also gives modules "
+                    f"inside it: {', '.join(inside[:4])}"
+                )
+        elif style.role is Role.REGION:
             inner = {chosen[n][0] for n in chosen if _is_within(n, name)}
             if not {Role.ENTER, Role.EXIT} <= {s.role for s in inner}:
                 raise ValueError(
