@@ -45,7 +45,6 @@ from typing import Any
 from _common import status_kb
 
 PEERS = ("fsdp2-offload", "deepspeed-nvme", "deepspeed-cpu")
-DEFAULT_DS_PYTHON = "/work/.venvs/deepspeed/bin/python"
 HERE = Path(__file__).resolve().parent
 MODELS_SRC = HERE.parent / "packages" / "models" / "src"
 
@@ -56,7 +55,9 @@ def peer_command(system: str, ds_python: str | None) -> tuple[list[str], dict[st
     if system == "fsdp2-offload":
         return [sys.executable, str(Path(__file__).resolve())], {}
     if not ds_python:
-        return f"not available: no DeepSpeed python (pass --deepspeed-python; tried {DEFAULT_DS_PYTHON})"
+        return "not available: no DeepSpeed python (pass --deepspeed-python, or `hatch run bench peers`)"
+    if ds_python.startswith("not available"):
+        return ds_python
     if not Path(ds_python).exists():
         return f"not available: {ds_python} does not exist"
     env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(MODELS_SRC), str(HERE)])}
@@ -64,8 +65,12 @@ def peer_command(system: str, ds_python: str | None) -> tuple[list[str], dict[st
 
 
 def deepspeed_version(ds_python: str) -> str:
-    """``import deepspeed`` in ``ds_python``: its version, or 'not available: <last error line>'."""
+    """``import deepspeed`` in ``ds_python``: its version, or 'not available: <last error line>'
+    (``ds_python`` may itself be such a line: ``peers.peer_python`` could not make one)."""
     import subprocess
+
+    if ds_python.startswith("not available"):
+        return ds_python
 
     code = "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}

@@ -47,11 +47,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from _common import emit, table
-from _memory_peers import DEFAULT_DS_PYTHON, PEERS, deepspeed_version, peer_command
+from _memory_peers import PEERS, deepspeed_version, peer_command
+from peers import peer_python
 
 SYSTEMS = ("zero3", "offload", "disk")
 ALL = (*SYSTEMS, *PEERS)
@@ -273,8 +273,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, of {', '.join(ALL)}")
     parser.add_argument(
         "--deepspeed-python",
-        default=DEFAULT_DS_PYTHON if Path(DEFAULT_DS_PYTHON).exists() else None,
-        help=f"a Python with DeepSpeed installed (default: {DEFAULT_DS_PYTHON} if present)",
+        default=None,
+        help="a Python with DeepSpeed installed (default: benchmarks/out/peers/deepspeed, made if missing)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -297,7 +297,9 @@ def main() -> None:
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="tessera-bench-memory-")
     widths = [int(w) for w in args.widths.split(",")]
     ds_version = ""
-    if any(s.startswith("deepspeed") for s in systems) and args.deepspeed_python:
+    if any(s.startswith("deepspeed") for s in systems):
+        if args.deepspeed_python is None:
+            args.deepspeed_python = str(peer_python("deepspeed"))
         ds_version = deepspeed_version(args.deepspeed_python)
     records: list[dict[str, Any]] = []
     ran: list[str] = []

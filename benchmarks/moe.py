@@ -17,22 +17,33 @@ another rank's expert and each row returned to another rank, and the same rows' 
 backward), and ``planner``: ``tessera.planner.experts.all_to_all_bytes`` with evenly spread
 routing (dispatch rows and counts; combine as many rows; the backward both again).
 
-DeepSpeed-MoE is a row "not available" with the reason when no DeepSpeed Python is found
-(``--deepspeed-python``). A "token" is one sequence position of the global batch.
+``deepspeed-moe``: the same GPT with ``deepspeed.moe.layer.MoE`` layers (the same experts,
+top-k, capacity and expert parallelism over every rank; ZeRO-1, AdamW, gloo;
+``_moe_deepspeed.py``), run after the Tessera engines on the same batches in DeepSpeed's own
+Python (``peers.peer_python``: ``benchmarks/out/peers/deepspeed``, made on first use, or
+``--deepspeed-python``); ``ratio_vs_deepspeed`` on the ep line is its step time over
+Tessera's. When it cannot run, its row says "not available" with the reason. A "token" is
+one sequence position of the global batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _common import emit, peak_rss_mb, table
-from _memory_peers import DEFAULT_DS_PYTHON, deepspeed_version
+from _memory_peers import deepspeed_version
+from peers import peer_python
 
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import WorkerPool
@@ -145,7 +156,11 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
+    parser.add_argument(
+        "--deepspeed-python",
+        default=None,
+        help="a Python with DeepSpeed (default: benchmarks/out/peers/deepspeed, made if missing)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.batch % args.world or args.experts % args.world:
@@ -195,27 +210,66 @@ def main() -> None:
     same = [all(step) for step in zip(*(r["same_routing"] for r in results), strict=True)]
     records[0]["routing_same_as_dp_until_step"] = same.index(False) if False in same else len(same)
     records[0]["ratio_vs_dp"] = round(records[1]["step_time_s"] / records[0]["step_time_s"], 3)
-    ds = (
-        deepspeed_version(args.deepspeed_python)
-        if args.deepspeed_python
-        else "not available: no DeepSpeed python"
-    )
-    records.append(
-        {
-            "bench": "moe",
-            "system": "deepspeed-moe",
-            "ep": args.world,
-            "config": config,
-            "step_time_s": None,
-            "tokens_per_s": None,
-            "status": ds
-            if ds.startswith("not available")
-            else f"{ds}: not run (no CPU DeepSpeed-MoE peer here)",
-        }
-    )
+    records.append(_deepspeed(args, config, tokens))
+    if records[-1]["step_time_s"]:
+        records[0]["ratio_vs_deepspeed"] = round(records[-1]["step_time_s"] / records[0]["step_time_s"], 3)
     for rec in records:
         emit(rec)
-    table(records, ("system", "ep", "step_time_s", "tokens_per_s", "ratio_vs_dp"))
+    table(records, ("system", "ep", "step_time_s", "tokens_per_s", "ratio_vs_dp", "ratio_vs_deepspeed"))
+
+
+def _deepspeed(args: argparse.Namespace, config: str, tokens: int) -> dict[str, Any]:
+    """The ``deepspeed-moe`` row: ``_moe_deepspeed.py`` on ``args.world`` processes of DeepSpeed's
+    Python, or why it did not run."""
+    rec: dict[str, Any] = {"bench": "moe", "system": "deepspeed-moe", "ep": args.world, "config": config}
+    python = args.deepspeed_python or str(peer_python("deepspeed"))
+    version = deepspeed_version(python)
+    rec["version"] = version
+    if version.startswith("not available"):
+        return {**rec, "step_time_s": None, "tokens_per_s": None, "status": version}
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(here.parent / "packages" / "models" / "src"), str(here)]),
+    }
+    flags = [
+        f"--{k}={v}"
+        for k, v in {
+            "world": args.world, "d-model": args.d_model, "heads": args.heads, "layers": args.layers,
+            "mlp-ratio": args.mlp_ratio, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
+            "experts": args.experts, "top-k": args.top_k, "warmup": args.warmup, "iters": args.iters,
+            "capacity-factor": args.capacity_factor, "aux-coef": MoEConfig().aux_loss_coef,
+        }.items()
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-moe-ds-") as store:
+        procs = [
+            subprocess.Popen(
+                [python, str(here / "_moe_deepspeed.py"), f"--rank={r}", f"--store={store}/store", *flags],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(args.world)
+        ]
+        outs = [p.communicate(timeout=1800) for p in procs]
+    results = []
+    for p, (out, err) in zip(procs, outs, strict=True):
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if p.returncode != 0 or not lines:
+            tail = (err.strip().splitlines() or ["(no output)"])[-1]
+            return {**rec, "step_time_s": None, "tokens_per_s": None, "status": f"failed: {tail}"}
+        results.append(json.loads(lines[-1]))
+    step = max(r["step_s"] for r in results)
+    return {
+        **rec,
+        "step_time_s": round(step, 5),
+        "tokens_per_s": round(tokens / step, 1),
+        "param_bytes_per_rank": results[0]["param_bytes"],
+        "final_loss": round(results[0]["losses"][-1], 6),
+        "losses": [round(v, 6) for v in results[0]["losses"]],
+    }
 
 
 if __name__ == "__main__":
