@@ -3,13 +3,17 @@
 Tensor-parallel shards are all-gathered over tp and joined as the parameter's ``ShardSpec``
 says (recorded by ``parallelize``, kept in the ``Placement``; nothing is inferred from
 shapes); an expert bank split over the ep group is then all-gathered over it along the
-experts (``Placement.experts``); ZeRO-3 shards are gathered by ``ZeroOptimizer.gathered``;
-pipeline stages meet in files: the (dp 0, tp 0) rank of every stage writes its part and
-global rank 0 merges them. Every file is written atomically (temp file, fsync, rename).
+experts (``Placement.experts``). ``local_full_parameters`` (a rank's stages at once) has ZeRO-3
+gather them (``ZeroOptimizer.gathered``); an export streams ZeRO's fp32 masters one flat
+buffer at a time instead (``ZeroOptimizer.iter_full_state(params_only=True)``), into shards
+that the ranks of each pipeline stage group write in turn, so no rank holds the whole model;
+``consolidate`` merges those shards on rank 0 into one file. Every file is written
+atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -21,11 +25,12 @@ from torch import Tensor
 from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.comm.safefile import SafeFile
+from tessera.comm.safefile import Entry, SafeFile, StreamWriter, tensor_bytes
 from tessera.launcher.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
 __all__ = [
+    "MAX_SHARD_BYTES",
     "consolidate",
     "export_sharded",
     "full_tensor",
@@ -126,32 +131,79 @@ def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
     return merged
 
 
-def export_sharded(engine: Boosted, directory: str | Path) -> Path:
+MAX_SHARD_BYTES = 2**30  # an export's shard holds at most this many bytes (or one larger tensor)
+
+
+def _split(entries: list[Entry], limit: int) -> list[list[Entry]]:
+    """``entries`` cut in order into runs of at most ``limit`` bytes (a larger tensor alone)."""
+    out: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if out[-1] and size + e.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += e.nbytes
+    return out if out[0] else []
+
+
+def _write_shards(engine: Boosted, directory: Path, max_shard_bytes: int) -> tuple[int, BaseException | None]:
+    """Stream this pipeline rank's fp32 masters, one ZeRO flat buffer at a time, each gathered
+    over tp and ep (``full_tensor``), into its shards; shard ``j`` is written by the ``j``-th
+    rank of the pipeline rank's group (round robin). Collective; returns how many shards the
+    model has in all and this rank's error, if any (it still takes part to the end)."""
+    mesh, placement, zero = engine.mesh, engine.placement, engine.zero
+    serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
+    names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
+    entries = [Entry(n, torch.float32, tuple(placement.full_shapes[n])) for n in names]
+    shards = _split(entries, max_shard_bytes)
+    counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
+    p, topology = mesh.coordinate("pp"), mesh.topology
+    first, total = int(counts[:p].sum()), int(counts.sum())
+    group = [r for r in range(topology.world_size) if topology.coordinate(r, "pp") == p]
+    owner = [j for j, shard in enumerate(shards) for _ in shard]  # each entry's shard
+    error: BaseException | None = None
+    with contextlib.ExitStack() as stack:
+        writer: StreamWriter | None = None
+        for i, (_, value) in enumerate(zero.iter_full_state(params_only=True)):
+            full = full_tensor(engine, names[i], value.to(mesh.device))  # collective over tp and ep
+            j = owner[i]
+            if group[j % len(group)] != mesh.rank or error is not None:
+                continue
+            try:
+                if writer is None:
+                    target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
+                    meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
+                    writer = stack.enter_context(StreamWriter(target, shards[j], meta))
+                writer.write(tensor_bytes(full.to("cpu", torch.float32).contiguous()))
+                if i + 1 == len(owner) or owner[i + 1] != j:
+                    writer.commit()
+                    writer = None
+            except (OSError, RuntimeError, ValueError) as e:
+                error = e
+    return total, error
+
+
+def export_sharded(engine: Boosted, directory: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the serial model as a sharded safetensors checkpoint in Hugging Face's layout:
-    ``model-0000K-of-0000P.safetensors`` per pipeline stage group, written by that group's
-    (dp 0, tp 0) rank with only its own stages' parameters, then ``model.safetensors.index.json``
-    (written last, by rank 0, from the shards' headers: the commit point). No rank holds more
-    than its stages. A name held by two stages (a tied weight) is listed from the first shard.
-    Collective over every rank; returns the index's path."""
+    ``model-0000K-of-0000N.safetensors`` of at most ``max_shard_bytes`` each (a larger tensor
+    alone), every pipeline rank's parameters in shards of their own, each shard written by one
+    rank of that pipeline rank's group in turn as the fp32 masters stream past one ZeRO flat
+    buffer at a time (each tensor gathered over tp and ep), so no rank holds more than one flat
+    buffer's parameters; then ``model.safetensors.index.json`` (written last, by rank 0, from
+    the shards' headers: the commit point). A name held by two stages (a tied weight) is
+    listed from the first shard. Collective over every rank; returns the index's path."""
     directory = Path(directory)
     mesh = engine.mesh
-    pp = mesh.size("pp")
-    full = local_full_parameters(engine)
-    error: BaseException | None = None
-    if mesh.coordinate("dp") == 0 and mesh.coordinate("tp") == 0:
-        try:
-            shard = directory / f"model-{mesh.coordinate('pp') + 1:05d}-of-{pp:05d}.safetensors"
-            atomic_write(shard, safetensors.torch.save(full, metadata={"format": "pt"}))
-        except (OSError, RuntimeError) as e:
-            error = e
+    shards, error = _write_shards(engine, directory, max_shard_bytes)
     raise_together(error, None, f"writing a shard under {directory}", mesh.device)
     index = directory / "model.safetensors.index.json"
     if mesh.rank == 0:
         try:
             weight_map: dict[str, str] = {}
             total = 0
-            for k in range(pp):
-                name = f"model-{k + 1:05d}-of-{pp:05d}.safetensors"
+            for k in range(shards):
+                name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
                 for tensor, entry in SafeFile(directory / name).entries.items():
                     if tensor not in weight_map:
                         weight_map[tensor] = name

@@ -27,7 +27,7 @@ from tessera.comm.consensus import raise_together
 from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import BackgroundSave, load_engine, save_engine
 from tessera.launcher.config import BoostConfig
-from tessera.launcher.consolidate import consolidate, export_sharded, local_full_parameters
+from tessera.launcher.consolidate import MAX_SHARD_BYTES, consolidate, export_sharded, local_full_parameters
 from tessera.launcher.objective import Objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
@@ -386,11 +386,12 @@ class Engine:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""
         return consolidate(self, path)
 
-    def export(self, directory: str | Path) -> Path:
-        """Write the serial model to ``directory`` as a sharded Hugging Face checkpoint (one
-        shard per pipeline stage group, each written by a rank holding it, and the index);
-        collective; returns the index's path (``consolidate.export_sharded``)."""
-        return export_sharded(self, directory)
+    def export(self, directory: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+        """Write the serial model to ``directory`` as a sharded Hugging Face checkpoint (shards
+        of at most ``max_shard_bytes``, each written by one rank as the parameters stream past
+        one ZeRO flat buffer at a time, and the index); collective; returns the index's path
+        (``consolidate.export_sharded``)."""
+        return export_sharded(self, directory, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
