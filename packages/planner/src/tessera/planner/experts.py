@@ -21,9 +21,10 @@ ep)`` bytes). `all_to_all_seconds` prices them on the cluster's link (`Link.all_
 `estimate` of a `Job` with ``moe`` at a `Layout` with ``ep`` is the dense model's changed by
 `expert_change`: each MoE layer's dense MLP state replaced by the expert memory above, and
 the all-to-alls added to the compute they block (``StepTime.compute`` and ``tensor_comm``).
-It models experts under 1D tensor parallelism without Megatron SP (every expert's and the
-shared expert's hidden units split over tp, the router whole: the launcher's ``moe`` style),
-not with pipeline or context parallelism (`check` refuses those).
+It models experts under 1D tensor parallelism, with or without Megatron SP (every expert's
+and the shared expert's hidden units split over tp, the router whole: the launcher's ``moe``
+style, whose region gathers the sequence as the MLP's it replaces does), not with pipeline
+or context parallelism (`check` refuses those).
 The compute of the experts is the dense MLP's when ``top_k * hidden`` equals its width (each
 token runs ``top_k`` experts); otherwise the difference is not modelled.
 """

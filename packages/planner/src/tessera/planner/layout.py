@@ -160,11 +160,8 @@ def _expert_lines(layout: Layout, job: Job) -> list[str]:
         lines.append(f"layout.ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
     if layout.pp > 1 or layout.sp > 1:
         lines.append(f"job.moe: experts are modelled at pp = sp = 1, got pp={layout.pp} sp={layout.sp}")
-    if layout.tp > 1 and (layout.tp_mode is not TPMode.ONE_D or layout.sequence_parallel):
-        lines.append(
-            f"job.moe: experts are modelled under 1D tp without sequence parallelism, got tp={layout.tp} "
-            f"{layout.tp_mode.value}{' with sequence parallelism' if layout.sequence_parallel else ''}"
-        )
+    if layout.tp > 1 and layout.tp_mode is not TPMode.ONE_D:
+        lines.append(f"job.moe: experts are modelled under 1D tp, got tp={layout.tp} {layout.tp_mode.value}")
     if moe.layers > job.model.layers:
         lines.append(f"job.moe.layers={moe.layers} is more than the model's {job.model.layers} layers")
     return lines
