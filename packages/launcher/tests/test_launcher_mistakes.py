@@ -1,4 +1,4 @@
-"""Tier 0-1: 60 configuration and usage mistakes, each refused by ``tessera`` before anything
+"""Tier 0-1: 77 configuration and usage mistakes, each refused by ``tessera`` before anything
 spawns: exit code 2 and one line naming the field (or flag) and the value.
 
 Each case runs ``cli.main`` in this process with the spawner replaced by a failure, and the
@@ -92,6 +92,11 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
         ["train", *_sets("parallel.dp=2", "parallel.ep=2")],
         {},
         ["parallel.ep=2 needs moe.enabled"],
+    ),
+    "chunk working set": (
+        ["run", *_sets("zero.host_budget_mb=1", "zero.chunk_numel=65536", "zero.disk_dir={d}"), "job.py"],
+        {},
+        ["zero.host_budget_mb=1 cannot hold the chunk manager's working set", "= 1.5 MiB"],
     ),
     "tp -1": (["run", "--set", "parallel.tp=-1", "job.py"], {}, ["parallel.tp", "got -1"]),
     "schedule": (["run", "--set", "parallel.schedule=zbx", "job.py"], {}, ["parallel.schedule", "zbx"]),

@@ -253,8 +253,13 @@ def test_budget_that_cannot_hold_the_model_is_one_line_error_before_training() -
     assert (
         str(e.value).splitlines()[0].endswith("raise a budget or give disk_dir")
     )  # one line (the rest: the harness's note)
+    # below the working set counted at its least (8 bytes an element): refused by the config itself
+    lowest = r"host_budget_mb=0.01 cannot hold the chunk manager's working set: .* = 0.09375 MiB"
+    with pytest.raises(ValueError, match=lowest):
+        ChunkConfig(host_budget_mb=0.01, disk_dir="/tmp", chunk_numel=4096)
+    # above that, below AdamW's (16 bytes an element: 0.1875 MiB): refused when the store is built
     with pytest.raises(ValueError, match="cannot hold the working set"):
-        run_threaded(1, _zero, ChunkConfig(host_budget_mb=0.01, disk_dir="/tmp", chunk_numel=4096))
+        run_threaded(1, _zero, ChunkConfig(host_budget_mb=0.15, disk_dir="/tmp", chunk_numel=4096))
 
 
 def test_offload_and_memory_exclude_each_other() -> None:

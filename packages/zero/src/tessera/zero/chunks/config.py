@@ -64,6 +64,7 @@ class ChunkConfig:
             policy=self.policy,
             fractions=self.fractions,
             chunk_numel=self.chunk_numel,
+            prefetch=self.prefetch,
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -97,6 +98,7 @@ def chunk_problems(
     fractions: tuple[float, ...] | None,
     chunk_numel: int | None,
     prefix: str = "",
+    prefetch: bool = True,
 ) -> list[str]:
     """Every mistake in these chunk manager settings, one line each naming ``prefix`` + the
     field and its value (the launcher checks its ``[zero]`` section with ``prefix="zero."``
@@ -122,4 +124,37 @@ def chunk_problems(
             )
         if len(fractions) == 3 and fractions[2] > 0 and not disk_dir:
             errors.append(f"{prefix}fractions={shares} puts chunks on disk but {prefix}disk_dir is empty")
+    if chunk_numel is not None and chunk_numel > 0:
+        staging = (2 if prefetch else 1) if disk_dir else 0
+        errors += _working_set_problems(host_budget_mb, device_budget_mb, staging, chunk_numel, prefix)
+    return errors
+
+
+def _working_set_problems(
+    host_mb: float | None, device_mb: float | None, staging: int, numel: int, prefix: str
+) -> list[str]:
+    """A budget below the smallest working set a chunk size needs, counting each chunk element
+    at 8 bytes (fp32 master and gradient: any optimizer's state adds to it, so this never refuses
+    what would fit): the ``staging`` chunks of a disk tier (the one in use and the one
+    prefetched) and one chunk of the optimizer's scratch on the host; the scratch on the device."""
+    chunk = -(-numel // _ALIGN) * _ALIGN * 8
+    errors = []
+    host_chunks = staging + 1
+    if host_mb is not None and host_mb > 0 and host_mb * MIB < host_chunks * chunk:
+        what = (
+            f"{staging} staging chunks for the disk tier + 1 of optimizer scratch"
+            if staging
+            else "1 chunk of scratch"
+        )
+        errors.append(
+            f"{prefix}host_budget_mb={host_mb:g} cannot hold the chunk manager's working set: {what}, "
+            f"{host_chunks} x {prefix}chunk_numel={numel} x 8 bytes (at least) = "
+            f"{host_chunks * chunk / MIB:.4g} MiB; raise the budget or lower {prefix}chunk_numel"
+        )
+    if device_mb is not None and device_mb > 0 and device_mb * MIB < chunk:
+        errors.append(
+            f"{prefix}device_budget_mb={device_mb:g} cannot hold the chunk manager's working set: 1 chunk "
+            f"of optimizer scratch, {prefix}chunk_numel={numel} x 8 bytes (at least) = {chunk / MIB:.4g} MiB; "
+            f"raise the budget or lower {prefix}chunk_numel"
+        )
     return errors
