@@ -153,8 +153,8 @@ def _working_set_problems(
         )
     if device_mb is not None and device_mb > 0 and device_mb * MIB < chunk:
         errors.append(
-            f"{prefix}device_budget_mb={device_mb:g} cannot hold the chunk manager's working set: 1 chunk "
-            f"of optimizer scratch, {prefix}chunk_numel={numel} x 8 bytes (at least) = {chunk / MIB:.4g} MiB; "
-            f"raise the budget or lower {prefix}chunk_numel"
+            f"{prefix}device_budget_mb={device_mb:g} cannot hold the chunk manager's working set: "
+            f"1 chunk of optimizer scratch, {prefix}chunk_numel={numel} x 8 bytes (at least) = "
+            f"{chunk / MIB:.4g} MiB; raise the budget or lower {prefix}chunk_numel"
         )
     return errors
