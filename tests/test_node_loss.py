@@ -84,6 +84,34 @@ def _finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _wait_for_step(proc: subprocess.Popen[bytes], run: Path, step: int, log: Path) -> None:
+    """Until node 0's run has logged ``step`` (it must still be running then)."""
+    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= step:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
+def _resumes_as_fresh(run: Path, log: str, settings: list[str], dp: int, tmp_path: Path) -> None:
+    """The losses after the restart (of a 10-step job) equal those of a fresh ``dp``-process
+    resume from the generation the restart resumed from, as node 0's ``log`` names it."""
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", log)
+    assert resumed is not None, log[-4000:]
+    step = int(resumed.group(2))
+    gen = run / "checkpoint" / f"step-{step:08d}"
+    fresh = tmp_path / "fresh-from"
+    shutil.copytree(gen, fresh / gen.name)
+    alone = [*settings, f"parallel.dp={dp}", f"train.run_dir={tmp_path}/fresh", f"train.resume={fresh}"]
+    cmd = _train("--nproc-per-node", str(dp), settings=alone)
+    again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = {s: v for s, v in _losses(run).items() if s > step}
+    want = {s: v for s, v in _losses(tmp_path / "fresh" / "job").items() if s > step}
+    assert sorted(after) == list(range(step + 1, 11)) and after == want, (after, want)
+
+
 def _node(
     ns: str, rank: int, address: str, nnodes: str, settings: list[str], tmp: Path
 ) -> subprocess.Popen[bytes]:
@@ -122,12 +150,7 @@ def test_a_lost_node_is_named_and_the_job_finishes_on_the_node_left(
     settings = [*SETTINGS, "train.steps=10", "train.max_restarts=1", "train.watchdog_s=10"]
     procs = [_node(ns, k, address, "1:2", settings, tmp_path) for k, ns in enumerate((node0, node1))]
     run = tmp_path / "disk0" / "job"
-    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 5:
-            break
-        time.sleep(0.1)
-    assert procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
+    _wait_for_step(procs[0], run, 5, tmp_path / "node0.log")
     unplug(node1)  # node 1 vanishes: nothing it sends reaches node 0 any more
     os.killpg(procs[1].pid, signal.SIGKILL)
     lost_at = time.monotonic()
@@ -137,20 +160,7 @@ def test_a_lost_node_is_named_and_the_job_finishes_on_the_node_left(
     assert code == 0, f"node 0 exited {code} ({waited:.0f} s after the loss):\n{log[-4000:]}"
     assert re.search(r"node 1 \(\S+, ranks 1\) is lost: no heartbeat for \d+ s", log), log[-4000:]
     assert "restart 1 of 1 on the nodes that remain (at least 1)" in log, log[-4000:]
-    resumed = re.search(r"resumed from (\S+) at step (\d+)", log)
-    assert resumed is not None, log[-4000:]
-    step = int(resumed.group(2))
-    gen = run / "checkpoint" / f"step-{step:08d}"
-    fresh = tmp_path / "fresh-from"
-    shutil.copytree(gen, fresh / gen.name)
-    alone = [*settings, "parallel.dp=1", f"train.run_dir={tmp_path}/fresh", f"train.resume={fresh}"]
-    again = subprocess.run(
-        _train("--nproc-per-node", "1", settings=alone), env=ENV, capture_output=True, text=True, timeout=300
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    after = {s: v for s, v in _losses(run).items() if s > step}
-    want = {s: v for s, v in _losses(tmp_path / "fresh" / "job").items() if s > step}
-    assert sorted(after) == list(range(step + 1, 11)) and after == want, (after, want)
+    _resumes_as_fresh(run, log, settings, 1, tmp_path)
 
 
 def test_a_partition_shorter_than_the_watchdog_loses_nothing(
@@ -162,11 +172,7 @@ def test_a_partition_shorter_than_the_watchdog_loses_nothing(
     settings = [*SETTINGS, "train.steps=12", "train.watchdog_s=20"]
     procs = [_node(ns, k, address, "2", settings, tmp_path) for k, ns in enumerate((node0, node1))]
     run = tmp_path / "disk0" / "job"
-    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 3:
-            break
-        time.sleep(0.1)
+    _wait_for_step(procs[0], run, 3, tmp_path / "node0.log")
     unplug(node1)
     time.sleep(3)
     stalled_at = max(_losses(run))
@@ -194,12 +200,7 @@ def test_three_nodes_without_shared_storage_lose_one_and_go_on_with_two(
     settings += ["train.watchdog_s=10"]
     procs = [_node(ns, k, addresses[0], "2:3", settings, tmp_path) for k, ns in enumerate(names)]
     run = tmp_path / "disk0" / "job"
-    deadline = time.monotonic() + 240  # a bound on the wait, not a measurement
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 5:
-            break
-        time.sleep(0.1)
-    assert procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
+    _wait_for_step(procs[0], run, 5, tmp_path / "node0.log")
     unplug(names[2])
     os.killpg(procs[2].pid, signal.SIGKILL)
     codes = [_finish(p, 300) for p in procs[:2]]
@@ -207,17 +208,4 @@ def test_three_nodes_without_shared_storage_lose_one_and_go_on_with_two(
     assert codes == [0, 0], f"exit codes {codes}; logs: {[t[-3000:] for t in logs]}"
     assert re.search(r"node 2 \(\S+, ranks 2\) is lost", logs[0]), logs[0][-3000:]
     assert "restart 1 of 1 on the nodes that remain (at least 2)" in logs[1], logs[1][-3000:]
-    resumed = re.search(r"resumed from (\S+) at step (\d+)", logs[0])
-    assert resumed is not None, logs[0][-3000:]
-    step = int(resumed.group(2))
-    gen = run / "checkpoint" / f"step-{step:08d}"
-    fresh = tmp_path / "fresh-from"
-    shutil.copytree(gen, fresh / gen.name)
-    alone = [*settings, "parallel.dp=2", f"train.run_dir={tmp_path}/fresh", f"train.resume={fresh}"]
-    again = subprocess.run(
-        _train("--nproc-per-node", "2", settings=alone), env=ENV, capture_output=True, text=True, timeout=300
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    after = {s: v for s, v in _losses(run).items() if s > step}
-    want = {s: v for s, v in _losses(tmp_path / "fresh" / "job").items() if s > step}
-    assert sorted(after) == list(range(step + 1, 11)) and after == want, (after, want)
+    _resumes_as_fresh(run, logs[0], settings, 2, tmp_path)
