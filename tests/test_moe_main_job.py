@@ -3,7 +3,8 @@ mixture-of-experts GPT on 2 processes with expert parallelism (ep=2), logs each 
 of the routed tokens and the dropped fraction at every logged step, plots them, and its loss
 falls; the same run with the experts replicated (ep=1) logs the same losses and loads (rel
 1e-6: the same fp32 sums but for the expert gradients' reduction order, summed by the
-backward all-to-all at ep=2 and by the all-reduce at ep=1) and consolidates the model."""
+backward all-to-all at ep=2 and by the all-reduce at ep=1); both consolidate the model, and
+the ep=2 checkpoint resumes at ep=1 (its portable state: every expert whole)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,6 @@ def test_the_moe_config_trains_and_logs_the_expert_load(tmp_path: Path) -> None:
     assert state["layers.0.mlp.experts.w1"].shape == (4, 64, 128)  # every expert, whole
     gathered = safetensors.torch.load_file(str(tmp_path / "runs" / "ep2" / "model.safetensors"))
     assert {k: v.shape for k, v in gathered.items()} == {k: v.shape for k, v in state.items()}
+    resume = ["parallel.ep=1", "train.steps=28", f"train.resume={tmp_path / 'runs' / 'ep2' / 'checkpoint'}"]
+    back = [r for r in _train(tmp_path, "back", *resume) if "loss" in r]
+    assert [r["step"] for r in back] == [28] and abs(back[0]["loss"] - train[-1]["loss"]) < 0.5, back
