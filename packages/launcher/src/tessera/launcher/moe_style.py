@@ -24,7 +24,7 @@ from typing import Final
 
 from torch import nn
 
-from tessera.moe import MoE, split_hidden
+from tessera.moe.layer import MoE, hidden_split_problem, split_hidden
 from tessera.tensor_parallel import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, self_contained
 from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, module_kind, register_style
@@ -48,14 +48,9 @@ class MoEStyle(BaseStyle):
             raise ValueError(f"{where}: expected a tessera.moe.MoE, got {module_kind(module)}")
         if module.tp_group is not None:
             raise ValueError(f"{where}: its experts are already split over a tp group")
-        banks = [("experts", module.experts)] + (
-            [("shared", module.shared)] if module.shared is not None else []
-        )
-        uneven = [f"{bank} hidden {b.hidden}" for bank, b in banks if b.hidden % tp]
-        if uneven:
-            raise ValueError(
-                f"{where}: tp={tp} must divide the hidden width of every expert: {', '.join(uneven)}"
-            )
+        problem = hidden_split_problem(module, tp)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, MoE)

@@ -49,7 +49,7 @@ from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import TopKRouter
 
-__all__ = ["MoE", "MoEStats", "set_aux_grad_scale", "shard_experts", "split_hidden"]
+__all__ = ["MoE", "MoEStats", "hidden_split_problem", "set_aux_grad_scale", "shard_experts", "split_hidden"]
 
 _log = logging.getLogger(__name__)
 
@@ -224,6 +224,14 @@ def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
     return layer
 
 
+def hidden_split_problem(layer: MoE, tp: int) -> str:
+    """Why ``split_hidden`` cannot split ``layer`` over ``tp`` ranks ("" when it can): a
+    hidden width of the experts or the shared expert that ``tp`` does not divide."""
+    banks = [("experts", layer.experts)] + ([("shared", layer.shared)] if layer.shared is not None else [])
+    uneven = [f"{name} hidden {bank.hidden}" for name, bank in banks if bank.hidden % tp]
+    return f"tp={tp} must divide the hidden width of every expert: {', '.join(uneven)}" if uneven else ""
+
+
 def split_hidden(
     layer: MoE, group: dist.ProcessGroup, *, sequence_parallel: bool = False, seq_dim: int = -2
 ) -> MoE:
@@ -235,11 +243,12 @@ def split_hidden(
     if layer.tp_group is not None:
         raise ValueError("the layer's experts are already split over a tp group")
     tp, rank = group_size(group), group_rank(group)
-    banks = [("experts", layer.experts)] + ([("shared", layer.shared)] if layer.shared is not None else [])
-    uneven = [f"{name} hidden {bank.hidden}" for name, bank in banks if bank.hidden % tp]
-    if uneven:
-        raise ValueError(f"tp={tp} must divide the hidden width of every expert: {', '.join(uneven)}")
-    for _, bank in banks:
+    problem = hidden_split_problem(layer, tp)
+    if problem:
+        raise ValueError(problem)
+    for bank in (layer.experts, layer.shared):
+        if bank is None:
+            continue
         share = bank.hidden // tp
         bank.keep_hidden(rank * share, (rank + 1) * share)
     layer.tp_group, layer.sequence_parallel, layer.seq_dim = group, sequence_parallel, seq_dim
