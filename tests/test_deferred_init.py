@@ -103,6 +103,12 @@ CASES = {
     "llamaish-pp2": ("llamaish", P(pp=2, microbatches=2, schedule="1f1b"), {}),
     "llamaish-dp2-zero3": ("llamaish", P(dp=2), {"stage": 3}),
     "llamaish-dp2-zero2-disk": ("llamaish", P(dp=2), {"stage": 2, "disk_dir": "DISK", "chunk_numel": 512}),
+    "llamaish-dp2-zero3-disk": (
+        "llamaish",
+        P(dp=2),
+        {"stage": 3, "disk_dir": "DISK", "host_budget_mb": 0.01},
+    ),
+    "hf-llama-dp2-zero3-disk": ("hf-llama", P(dp=2), {"stage": 3, "disk_dir": "DISK", "chunk_numel": 256}),
     "llamaish-pp2-tp2": ("llamaish", P(pp=2, tp=2, microbatches=2, schedule="1f1b"), {}),
     "gpt2ish-tied-tp2": ("gpt2ish", P(tp=2), {}),
     "gpt2ish-tied-dp2-zero3": ("gpt2ish", P(dp=2), {"stage": 3}),

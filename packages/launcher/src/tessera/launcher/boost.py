@@ -32,7 +32,7 @@ from tessera.comm import Mesh, TPMode
 from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
-from tessera.launcher.deferred import InitFn, has_deferred, materialize
+from tessera.launcher.deferred import DeferredValues, InitFn, has_deferred
 from tessera.launcher.engine import Engine
 from tessera.launcher.experts import check_experts, expert_sharding, expert_slices, refuse_experts, shard_moe
 from tessera.launcher.moe_style import check_moe_plan
@@ -178,8 +178,9 @@ def boost(
     rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
     of the same model and refuse to train on a mismatch (None: ``train.verify``; see
     ``tessera.launcher.verify``). A model built by ``deferred_parameters`` (parameters on the
-    meta device) is materialized here, each rank only what it holds (``deferred``), by
-    ``init(name, module)`` (default ``deferred.default_init``) seeded by ``train.seed``.
+    meta device) is materialized here, each rank only what it holds, one ZeRO flat buffer at
+    a time (``deferred``), by ``init(name, module)`` (default ``deferred.default_init``)
+    seeded by ``train.seed``.
     ``compile``: torch.compile each layer of the layer stack on its own, inside checkpointing
     and offload (None: ``train.compile``; see ``tessera.launcher.compiling``).
     """
@@ -247,13 +248,8 @@ def boost(
         # several stages per rank: then balance what each rank holds, not only each stage
         partition = partition_by_params(blocks, schedule=schedule)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
-    if serial is not None:  # deferred: this rank's parameters only, as an eager build would have them
-        held = None if pp == 1 else {id(param) for stage in stages.values() for param in stage.parameters()}
-        made = materialize(
-            serial, model, seed=config.train.seed, device=mesh.device, init=init,
-            holds=lambda param: held is None or id(param) in held,
-        )  # fmt: skip
-        log.info("deferred initialization: this rank made %d parameter elements", made)
+    # deferred: ZeRO makes this rank's parameters as it fills its flat buffers, as eager ones
+    values = None if serial is None else DeferredValues(serial, model, seed=config.train.seed, init=init)
     t = config.train
     if t.activation_checkpointing or t.activation_offload or t.compile:
         stack = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)
@@ -314,7 +310,11 @@ def boost(
         replication=placement.replicated,
         memory=chunk_config(config, mesh.rank),
         sharding=expert_sharding(module, mesh),
+        init=values,
+        device=mesh.device,
     )
+    if values is not None:
+        log.info("deferred initialization: this rank made %d parameter elements", values.made)
     runtime = None
     if pp > 1:
         runtime = PipelineRuntime(

@@ -4,10 +4,14 @@ materialize only the parameters it holds, with the values an eager build would g
 ``with deferred_parameters(): model = MyModel()`` runs the constructor as usual, but every
 parameter a module registers is moved to the meta device at once (buffers stay real: rotary
 tables, masks), so building costs one parameter's memory at a time, never the model's.
-``boost`` sees meta parameters and, after tensor parallelism and the pipeline cut, fills
-the ones this rank holds: for each module that owns some, one full-size copy of that
-module's own parameters is initialized on the host by ``init(name, module)`` under a
-generator seeded by ``seed`` and the module's name, and this rank keeps its shard of each.
+``boost`` sees meta parameters and, after tensor parallelism and the pipeline cut, hands
+the ones this rank holds to ZeRO still on the meta device; ZeRO asks ``DeferredValues`` for
+each as it fills its flat buffers, one at a time (with the chunk manager, each goes to its
+chunks, on disk if so placed, before the next is made): for a module that owns some, one
+full-size copy of that module's own parameters is initialized on the host by
+``init(name, module)`` under a generator seeded by ``seed`` and the module's name, and this
+rank keeps its shard of each. No rank ever holds more than one module's full values and
+one flat buffer besides its own shards.
 ``init_by_name(model, seed)`` applies the same initialization to an eagerly built model:
 the serial reference, equal to the deferred run element for element in every layout.
 
@@ -28,7 +32,7 @@ from torch import nn
 
 from tessera.tensor_parallel import shard_of
 
-__all__ = ["InitFn", "default_init", "deferred_parameters", "has_deferred", "init_by_name", "materialize"]
+__all__ = ["DeferredValues", "InitFn", "default_init", "deferred_parameters", "has_deferred", "init_by_name"]
 
 InitFn = Callable[[str, nn.Module], None]
 
@@ -119,45 +123,37 @@ def init_by_name(model: nn.Module, seed: int, init: InitFn | None = None) -> nn.
     return model
 
 
-def materialize(
-    serial: nn.Module,
-    model: nn.Module,
-    *,
-    seed: int,
-    device: torch.device,
-    holds: Callable[[nn.Parameter], bool],
-    init: InitFn | None = None,
-) -> int:
-    """Give every meta parameter of ``model`` that ``holds`` accepts its real value: this
-    rank's shard (``shard_of``) of the full value initialized on ``serial`` (a deep copy of
-    the deferred model taken before it was converted; module names are serial names).
-    A parameter several modules share is replaced once, everywhere. Returns the number
-    of elements made."""
-    init = init if init is not None else default_init(serial)
-    owners: dict[str, list[tuple[nn.Module, str]]] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module._parameters.items():
-            if p is not None and p.is_meta and holds(p):
-                owners.setdefault(f"{mname}.{pname}" if mname else pname, []).append((module, pname))
-    made: dict[int, nn.Parameter] = {}
-    total = 0
-    for mname, module in serial.named_modules():
-        wanted = [pn for pn in module._parameters if (f"{mname}.{pn}" if mname else pn) in owners]
-        if not wanted:
-            continue
-        values = _initialized(module, mname, seed, init)
-        for pname in wanted:
-            full_name = f"{mname}.{pname}" if mname else pname
-            holders = owners[full_name]
-            old = holders[0][0]._parameters[holders[0][1]]
-            assert old is not None
-            if id(old) not in made:
-                part = shard_of(model, full_name, values[pname]).to(device=device, dtype=old.dtype)
-                made[id(old)] = nn.Parameter(part.contiguous(), requires_grad=old.requires_grad)
-                total += part.numel()
-            for owner, attr in holders:
-                owner._parameters[attr] = made[id(old)]
-    left = sorted(name for name, p in model.named_parameters() if p.is_meta and holds(p))
-    if left:
-        raise ValueError(f"deferred initialization found no serial module for {', '.join(left[:5])}")
-    return total
+class DeferredValues:
+    """The value of each meta parameter of ``model`` (tensor-parallel and cut already), asked
+    for by ZeRO as it fills its flat buffers (``ZeroOptimizer(init=...)``): this rank's shard
+    (``shard_of``) of the full value initialized on ``serial`` (a deep copy of the deferred
+    model taken before it was converted; module names are serial names). A module's values
+    are made once for all its parameters (kept until another module's are asked for).
+    ``made``: the number of elements given so far."""
+
+    def __init__(self, serial: nn.Module, model: nn.Module, *, seed: int, init: InitFn | None = None) -> None:
+        self._serial = serial
+        self._model = model
+        self._seed = seed
+        self._init = init if init is not None else default_init(serial)
+        self._names = {id(p): name for name, p in model.named_parameters() if p.is_meta}  # a tied one once
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.made = 0
+
+    def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        name = self._names.get(id(param))
+        if name is None:
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} is not a deferred parameter of the model"
+            )
+        owner, _, pname = name.rpartition(".")
+        if self._last is None or self._last[0] != owner:
+            self._last = None  # the previous module's values go first
+            try:
+                module = self._serial.get_submodule(owner)
+            except AttributeError:
+                raise ValueError(f"deferred initialization found no serial module for {name}") from None
+            self._last = (owner, _initialized(module, owner, self._seed, self._init))
+        part = shard_of(self._model, name, self._last[1][pname])
+        self.made += part.numel()
+        return part

@@ -1,9 +1,11 @@
 """One flat, sharded group of parameters: the unit every ZeRO stage moves and steps.
 
 A ``FlatParam`` takes parameters of one optimizer group (a stage-1/2 bucket, or one
-module's parameters in stage 3), copies them end to end into one padded buffer in the
-compute dtype, and points each parameter's ``.data`` at its slice of that buffer (the
-``nn.Parameter`` objects the user holds stay the same). The ranks of the group split the
+module's parameters in stage 3); ``fill`` copies them end to end into one padded buffer in
+the compute dtype and points each parameter's ``.data`` at its slice of that buffer (the
+``nn.Parameter`` objects the user holds stay the same). A parameter still on the meta
+device (deferred initialization) is given its value by the caller as it is copied, so a
+model is materialized one FlatParam at a time. The ranks of the group split the
 buffer evenly (``FlatLayout``): rank r keeps
 
 - ``shard``: its slice in the compute dtype; a view of the full buffer in stages 1-2, a
@@ -24,7 +26,7 @@ shard into the full buffer (moves it once).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import torch
@@ -73,6 +75,7 @@ class FlatParam:
         sharded: bool,
         replicated: bool = False,
         align: int = 1,
+        device: torch.device | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParam needs at least one parameter")
@@ -86,38 +89,17 @@ class FlatParam:
         ways = 1 if replicated else group_size(group)
         self.layout = FlatLayout(tuple(p.numel() for p in params), ways, align)
         self.shard_rank = 0 if replicated else group_rank(group)  # which shard of the layout is ours
-        self.device = params[0].device
+        self.device = params[0].device if device is None else device
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.sharded = sharded
-        lo, hi = self.layout.shard_range(self.shard_rank)
-        with torch.no_grad():
-            source = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-            for i, p in enumerate(self.params):
-                start, stop = self.layout.span(i)
-                source[start:stop].copy_(p.detach().reshape(-1))
-            full = source if compute_dtype == torch.float32 else source.to(compute_dtype)
-            master: Tensor | None = None
-            if offload:
-                master = host_empty(hi - lo)
-                master.copy_(source[lo:hi])
-            elif compute_dtype != torch.float32:
-                master = source[lo:hi].clone()
-            shard = full[lo:hi].clone() if sharded else full[lo:hi]
-            del source
-        self.full = full
-        self._full_out = full.data  # an alias with its own version counter: writes through it
-        # (the all-gather refilling freed parameters in stage 3) do not invalidate autograd's
-        # saved references to the parameters
-        for i, p in enumerate(self.params):
-            start, stop = self.layout.span(i)
-            p.data = full[start:stop].view(p.shape)
-        self.shard = nn.Parameter(shard, requires_grad=False)
-        self.master = self.shard if master is None else nn.Parameter(master, requires_grad=False)
-        if offload:
-            self.master.grad = host_zeros(hi - lo)
+        self.full = torch.empty(0, dtype=compute_dtype, device=self.device)  # until ``fill``
+        self._full_out = self.full
+        self.shard = nn.Parameter(self.full, requires_grad=False)
+        self.master = self.shard
+        self.filled = False
         self.has_grad = False
-        self.residency = Residency.READY
+        self.residency = Residency.FREE
         self._gather: Handle[Tensor] | None = None
         self._reduce: tuple[Handle[Tensor], Tensor] | None = None
         self._grad_flat: Tensor | None = None  # the buffer the parameters' .grad views point into
@@ -129,7 +111,62 @@ class FlatParam:
         self.launched = False  # whether the current backward has started this reduce
         self.pool: BufferPool | None = None  # stage 3: where freed memory waits for reuse
         self._pool_input: Tensor | None = None  # stage 3: a reduce's input, back to the pool after
-        if sharded:
+
+    def fill(self, value: Callable[[int], Tensor] | None = None) -> None:
+        """Copy the parameters into the flat buffer, keep this rank's shard (and master), and
+        point each parameter at its slice (stage 3: then release the full buffer). A
+        parameter on the meta device takes ``value(i)``, the value of parameter ``i`` (any
+        dtype and device), and becomes a real tensor in place (the same Python object);
+        only this FlatParam's values exist at once."""
+        if self.filled:
+            raise RuntimeError(f"{self!r} is filled already")
+        lo, hi = self.layout.shard_range(self.shard_rank)
+        with torch.no_grad():
+            source = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for i, p in enumerate(self.params):
+                start, stop = self.layout.span(i)
+                if p.is_meta:
+                    if value is None:
+                        raise ValueError(
+                            f"{self.names[i]} is on the meta device and no value was given for it"
+                        )
+                    given = value(i)
+                    if tuple(given.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"{self.names[i]}: the value given has shape {tuple(given.shape)}, "
+                            f"the parameter {tuple(p.shape)}"
+                        )
+                    source[start:stop].copy_(given.reshape(-1))
+                    del given
+                else:
+                    source[start:stop].copy_(p.detach().reshape(-1))
+            full = source if self.compute_dtype == torch.float32 else source.to(self.compute_dtype)
+            master: Tensor | None = None
+            if self.offload:
+                master = host_empty(hi - lo)
+                master.copy_(source[lo:hi])
+            elif self.compute_dtype != torch.float32:
+                master = source[lo:hi].clone()
+            shard = full[lo:hi].clone() if self.sharded else full[lo:hi]
+            del source
+        self.full = full
+        self._full_out = full.data  # an alias with its own version counter: writes through it
+        # (the all-gather refilling freed parameters in stage 3) do not invalidate autograd's
+        # saved references to the parameters
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.span(i)
+            view = full[start:stop].view(p.shape)
+            if p.is_meta:  # its storage cannot be re-pointed: the tensors trade places instead
+                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))  # type: ignore[no-untyped-call]
+            else:
+                p.data = view
+        self.shard = nn.Parameter(shard, requires_grad=False)
+        self.master = self.shard if master is None else nn.Parameter(master, requires_grad=False)
+        if self.offload:
+            self.master.grad = host_zeros(hi - lo)
+        self.filled = True
+        self.residency = Residency.READY
+        if self.sharded:
             self.free()
 
     # ------------------------------------------------------------------ sizes

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,12 @@ class ZeroOptimizer:
     ``sharding``: parameters sharded and reduced over another group than ``group`` (expert
     parameters over their expert-data-parallel group, ``tessera.zero.groups``), still divided
     by ``average_over``; their full state is per group, so ``full_state`` and its kin refuse.
+
+    ``init``: the value of a parameter left on the meta device (deferred initialization), in
+    the shape the model holds it, any dtype; called while the FlatParams are filled, one at
+    a time, so no more than one FlatParam's values exist at once on any rank (with ``memory``,
+    each is handed to the chunks, on disk if so placed, before the next is made). ``device``:
+    where the parameters live (default: where the real ones are; needed when all are meta).
     """
 
     def __init__(
@@ -132,6 +138,8 @@ class ZeroOptimizer:
         average_over: int | None = None,
         memory: ChunkConfig | None = None,
         sharding: Mapping[nn.Parameter, Group] | None = None,
+        init: Callable[[nn.Parameter], Tensor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if memory is not None and sharding:
             raise ValueError("sharding= (other groups) with memory=ChunkConfig() is not built")
@@ -143,7 +151,8 @@ class ZeroOptimizer:
         self.config = ZeroOptions(stage, precision, offload, clip_grad_norm, bucket_bytes)
         self.norm_groups = tuple(norm_groups)
         dtype = compute_dtype(precision)
-        named, group_of = collect_params(model, optimizer)
+        named, group_of = collect_params(model, optimizer, deferred=init is not None)
+        self.device = _device(named, device)
         self.model = model
         self.optimizer = optimizer
         self.group = group
@@ -154,7 +163,6 @@ class ZeroOptimizer:
                 f"average_over={average_over} must divide the group size {self.world_size} (the ranks "
                 "whose gradients are averaged; the others contribute partial sums)"
             )
-        self.device = named[0][1].device
         self.dtype = dtype
         align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
         n_groups = len(optimizer.param_groups)
@@ -170,6 +178,7 @@ class ZeroOptimizer:
                 sharded=sharded,
                 replicated=stage == 0,
                 align=align,
+                device=self.device,
             )
 
         self.flats, self.units = build_flats(
@@ -178,12 +187,29 @@ class ZeroOptimizer:
             group=group, sharding=sharding or {}, make=make,
         )  # fmt: skip
         cast_buffers_(model, dtype)
+        self._mixed = mixed_groups(self.flats, group)  # some parameters sharded over ``sharding``'s groups
+        self._norm_weights = norm_weights(self.flats, group, stage=stage, replication=replication)
+        self._chunks: ChunkStore | None = None
+        if memory is not None:
+            weights = self._norm_weights if replication else None  # (no ``sharding`` with memory)
+            self._chunks = build_store(
+                model, self.flats, optimizer, memory, stage=stage, group=group, weights=weights
+            )
+        for i, flat in enumerate(self.flats):  # one at a time: a deferred model is made here, by flat
+            flat.fill(None if init is None else _values_of(flat, init))
+            if self._chunks is not None:
+                assert isinstance(flat, ChunkedFlatParam)  # ``make`` builds them with ``memory``
+                self._chunks.take(i)
+                flat.attach(self._chunks, i)  # releases its own copy
+        if self._chunks is not None:
+            self._chunks.log_report("placed")
+        else:
+            for gi, param_group in enumerate(optimizer.param_groups):
+                param_group["params"] = [f.master for f in self.flats if f.group_index == gi]
+            optimizer.state.clear()
         self._pool = BufferPool() if stage == 3 and reuse_buffers and memory is None else None
         for flat in self.flats if self._pool is not None else []:
             flat.pool = self._pool
-        for gi, param_group in enumerate(optimizer.param_groups):
-            param_group["params"] = [f.master for f in self.flats if f.group_index == gi]
-        optimizer.state.clear()
 
         self._runner = HookRunner()
         self._gatherer = (
@@ -208,14 +234,6 @@ class ZeroOptimizer:
         self.scaler = (
             loss_scaler if loss_scaler is not None else (DynamicLossScaler() if precision == "fp16" else None)
         )
-        self._mixed = mixed_groups(self.flats, group)  # some parameters sharded over ``sharding``'s groups
-        self._norm_weights = norm_weights(self.flats, group, stage=stage, replication=replication)
-        self._chunks: ChunkStore | None = None
-        if memory is not None:
-            weights = self._norm_weights if replication else None  # (no ``sharding`` with memory)
-            self._chunks = build_store(
-                model, self.flats, optimizer, memory, stage=stage, group=group, weights=weights
-            )
         self._holder = nn.ParameterList(_unique([t for f in self.flats for t in (f.shard, f.master)]))
         self.last_grad_norm: float | None = None
         self._accumulated = False  # gradients of an ``accumulating`` block wait for step()
@@ -492,6 +510,22 @@ class ZeroOptimizer:
             f"ZeroOptimizer(stage={c.stage}, world={self.world_size}, precision={c.precision}, "
             f"offload={c.offload}, flats={len(self.flats)}, optimizer={type(self.optimizer).__name__})"
         )
+
+
+def _values_of(flat: FlatParam, init: Callable[[nn.Parameter], Tensor]) -> Callable[[int], Tensor]:
+    return lambda i: init(flat.params[i])
+
+
+def _device(named: Sequence[tuple[str, nn.Parameter]], device: torch.device | None) -> torch.device:
+    """``device``, else the one the model's real parameters are on; refused when neither says."""
+    real = next((p.device for _, p in named if not p.is_meta), None)
+    if device is None and real is None:
+        raise ValueError(
+            "every parameter is on the meta device: give ZeroOptimizer(device=...) to build it on"
+        )
+    if device is not None and real is not None and torch.device(device) != real:
+        raise ValueError(f"device={device} but the model's parameters are on {real}")
+    return torch.device(device) if device is not None else real  # type: ignore[return-value]
 
 
 def _unique(tensors: list[nn.Parameter]) -> list[nn.Parameter]:

@@ -48,7 +48,7 @@ def _names(params: list[nn.Parameter], name_of: dict[int, str], limit: int = 5) 
 
 
 def collect_params(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, deferred: bool = False
 ) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
     """The model's distinct parameters with their first names, in registration order, and
     the optimizer group of each (by ``id``). Raises ValueError, naming the parameters, for a
@@ -57,6 +57,7 @@ def collect_params(
     - an optimizer it does not support, or one that has already stepped;
     - parameters that are frozen, not floating point, on several devices, or distinct
       parameters sharing one storage (tie weights by sharing the Parameter object instead);
+    - parameters on the meta device unless ``deferred`` (a value is given for each);
     - model parameters in no optimizer group, or optimizer parameters outside the model.
     """
     kind = type(optimizer).__name__
@@ -80,11 +81,18 @@ def collect_params(
     bad = [p for _, p in named if not p.is_floating_point()]
     if bad:
         raise ValueError(f"parameters must be floating point: {_names(bad, name_of)}")
-    devices = sorted({str(p.device) for _, p in named})
+    meta = [p for _, p in named if p.is_meta]
+    if meta and not deferred:
+        raise ValueError(
+            f"parameters on the meta device ({_names(meta, name_of)}) and no init= to give them values"
+        )
+    devices = sorted({str(p.device) for _, p in named if not p.is_meta})
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, found {devices}")
     storages: dict[int, str] = {}
     for n, p in named:
+        if p.is_meta:
+            continue
         ptr = p.untyped_storage().data_ptr()
         if ptr in storages and p.numel() > 0:
             raise ValueError(

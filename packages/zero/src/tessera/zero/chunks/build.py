@@ -1,4 +1,4 @@
-"""``build_store``: the ChunkStore of a ZeroOptimizer's FlatParams, attached to them."""
+"""``build_store``: the ChunkStore of a ZeroOptimizer's FlatParams (``take`` each once filled)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from torch import nn
 
 from tessera.comm import Group, group_rank
 from tessera.zero.chunks.config import ChunkConfig
-from tessera.zero.chunks.flat import ChunkedFlatParam
 from tessera.zero.chunks.store import ChunkStore, Pieces
 from tessera.zero.flat_param import FlatParam
 
@@ -26,14 +25,10 @@ def build_store(
     group: Group,
     weights: Sequence[Pieces] | None,
 ) -> ChunkStore:
-    """The ChunkStore of ``flats`` (``ChunkedFlatParam``s, attached to it): at stage 3 in fp32 it
-    also owns the parameter shards (the masters); the optimizer is rewired to its chunks."""
+    """The ChunkStore of ``flats`` (``ChunkedFlatParam``s, handed to it by ``ChunkStore.take``
+    once filled): at stage 3 in fp32 it also owns the parameter shards (the masters); the
+    optimizer is rewired to its chunks."""
     owns = stage == 3 and flats[0].compute_dtype == torch.float32
-    store = ChunkStore(
+    return ChunkStore(
         model, flats, optimizer, config, owns_shards=owns, weights=weights, label=f"rank{group_rank(group)}"
     )
-    for i, flat in enumerate(flats):
-        if not isinstance(flat, ChunkedFlatParam):
-            raise TypeError(f"flat {i} is a {type(flat).__name__}, not a ChunkedFlatParam")
-        flat.attach(store, i)
-    return store

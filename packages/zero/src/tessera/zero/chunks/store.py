@@ -1,6 +1,7 @@
 """``ChunkStore``: the chunks of every FlatParam shard of this rank, placed on tiers and moved.
 
-Built by ``ZeroOptimizer(memory=ChunkConfig(...))``. It takes over, from each FlatParam, the
+Built by ``ZeroOptimizer(memory=ChunkConfig(...))`` from the FlatParams' layouts; ``take``
+then hands it each FlatParam once filled. It takes over, from each FlatParam, the
 fp32 master (and, at stage 3 in fp32, where the master *is* the parameter shard, the shard
 itself: the stage-3 gather reads it from the chunks), the reduced gradient (handed over as
 each reduction finishes during backward) and the optimizer state, cut into chunks
@@ -84,13 +85,20 @@ class ChunkStore:
         tiers = self._placement(slowest_first=config.policy == "auto")
         for chunk, tier in zip(self.chunks, tiers, strict=True):
             chunk.tier = tier
-            flat = self.flats[chunk.flat_index]
-            source = flat.master.detach()[chunk.lo : chunk.hi]
-            self._put(chunk, "master", source if tier is Tier.DISK else self._copy_to(source, tier))
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [c.param for c in self.chunks if c.group_index == gi]
         optimizer.state.clear()
-        self.log_report("placed")
+
+    def take(self, flat_index: int) -> None:
+        """Copy filled FlatParam ``flat_index``'s master into its chunks, on their tiers (then
+        ``ChunkedFlatParam.attach`` releases the FlatParam's own copy): one FlatParam at a
+        time, in any order."""
+        flat = self.flats[flat_index]
+        for chunk in self._by_flat[flat_index]:
+            source = flat.master.detach()[chunk.lo : chunk.hi]
+            self._put(
+                chunk, "master", source if chunk.tier is Tier.DISK else self._copy_to(source, chunk.tier)
+            )
 
     # ------------------------------------------------------------------ placement
     @property
