@@ -371,10 +371,11 @@ class Engine:
         return local_full_parameters(self)
 
     def import_weights(self, path: str | Path) -> None:
-        """Load the serial model's weights from one safetensors file by parameter name (what
-        ``consolidate`` writes; for the Hugging Face plans, HF names) into every rank's shards,
-        under any topology; the optimizer state starts fresh. Collective (every rank agrees
-        the file is valid before any changes)."""
+        """Load the serial model's weights by parameter name (for the Hugging Face plans, HF
+        names) from a safetensors file (what ``consolidate`` writes) or a folder of shards with
+        its ``model.safetensors.index.json`` (what ``export`` writes), one tensor at a time,
+        into every rank's shards under any topology; the optimizer state starts fresh.
+        Collective (every rank agrees the file is valid before any changes)."""
         error = None
         try:
             import_weights(self, Path(path))
