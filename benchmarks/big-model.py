@@ -36,7 +36,9 @@ pinned at 128 KiB so freed tensors leave the resident set), ``rss_cap_mb``, ``fi
 ``loss_first``, ``loss_last``, and for disk tiers ``disk_read_gbps`` / ``disk_write_gbps`` (the
 bytes the step moved to and from disk over all ranks, per second of step) and
 ``disk_busy`` (the fraction of the step the disk would be busy with those bytes at its measured
-rates). Tessera's line also has each phase's seconds and resident peak. The last line gives
+rates: above 1 where the page cache absorbs part of them), and from the bytes that reached
+the block layer (``/proc/self/io``) ``block_read_gbps``, ``block_write_gbps`` and
+``disk_busy_block`` (DeepSpeed's aio uses O_DIRECT: its bytes are block-layer bytes). Tessera's line also has each phase's seconds and resident peak. The last line gives
 the goals: ``params >= 1.0e9`` under the cap, ``>= 3x`` the largest model either peer fits,
 ``disk_busy >= 0.5``.
 
@@ -64,6 +66,7 @@ from typing import Any
 from _big_model_peers import NEEDS, PEERS, peer_command, peer_ready
 from _common import emit, status_kb, table
 from _llama import LlamaLM, LlamaSize, checkpoint_value
+from _memory_peers import _io_bytes
 
 SYSTEMS = ("tessera", *PEERS)
 SHARD_BYTES = 256 * 2**20
@@ -192,14 +195,17 @@ def tessera_child(args: argparse.Namespace) -> None:
     x, y = _batch(size, args.batch, args.seq, rank)
     losses, steps = [], []
     read0 = written0 = 0
+    io0 = (0, 0)
     for step in range(args.steps):
         if step == 1:
             report = engine.zero.chunk_report() or {}
             read0, written0 = report.get("disk_read", 0), report.get("disk_written", 0)
+            io0 = _io_bytes()
         t0 = time.perf_counter()
         losses.append(engine.train_step(x, y, local=True).loss)
         steps.append(time.perf_counter() - t0)
     report = engine.zero.chunk_report() or {}
+    io1 = _io_bytes()
     peaks["train_peak_rss_mb"] = round(status_kb("VmHWM") / 1024, 1)
     t0 = time.perf_counter()
     engine.export(args.export)
@@ -212,6 +218,8 @@ def tessera_child(args: argparse.Namespace) -> None:
         "losses": losses,
         "disk_read_per_step": (report.get("disk_read", 0) - read0) / k,
         "disk_written_per_step": (report.get("disk_written", 0) - written0) / k,
+        "block_read_per_step": (io1[0] - io0[0]) / k,
+        "block_written_per_step": (io1[1] - io0[1]) / k,
         "disk_chunk_mb": round(report.get("disk", {}).get("bytes", 0) / 2**20, 1),
         "host_chunk_mb": round(report.get("host", {}).get("bytes", 0) / 2**20, 1),
         **times,
@@ -326,6 +334,15 @@ def _record(
     written = sum(r.get("disk_written_per_step", 0) for r in ranks)
     if read or written:
         rec |= _rates(read, written, step_s, limits)
+    if "block_read_per_step" in ranks[0]:  # what reached the device, below the page cache
+        block = _rates(
+            sum(r["block_read_per_step"] for r in ranks),
+            sum(r["block_written_per_step"] for r in ranks),
+            step_s,
+            limits,
+        )
+        rec |= {"block_read_gbps": block["disk_read_gbps"], "block_write_gbps": block["disk_write_gbps"]}
+        rec["disk_busy_block"] = block["disk_busy"]
     for key in ranks[0]:
         if (
             (key.endswith("_s") and key != "step_s")

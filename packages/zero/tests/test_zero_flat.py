@@ -77,6 +77,47 @@ def test_default_units_of_the_gpt_are_its_blocks() -> None:
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
 
 
+class _Wrapper(nn.Module):
+    """A module on the way to the layer stack, as Hugging Face's ``LlamaModel`` under
+    ``LlamaForCausalLM.model``: an embedding, the layers, a norm, and a bare Parameter."""
+
+    def __init__(self, inner: nn.Module, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, width)
+        self.inner = inner
+        self.norm = nn.LayerNorm(width)
+        self.scale = nn.Parameter(torch.ones(width))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 5), st.integers(2, 6))
+def test_a_nested_layer_stack_gives_one_unit_per_layer(depth: int, layers: int, width: int) -> None:
+    """Wherever the layers sit (``layers``, ``model.layers``, deeper), each is a unit of its
+    own, the modules around them on the way are units too, and every parameter is owned once:
+    stage 3 never gathers the whole trunk at once."""
+    stack = nn.ModuleList(
+        nn.Sequential(nn.Linear(width, 3 * width), nn.Linear(3 * width, width)) for _ in range(layers)
+    )
+    model: nn.Module = stack
+    wrappers = []
+    for _ in range(depth):
+        model = _Wrapper(model, width)
+        wrappers.append(model)
+    top = nn.Sequential(model, nn.Linear(width, 11)) if depth else nn.Sequential(stack)
+    units = default_units(top)
+    for layer in stack:
+        assert any(u is layer for u in units), f"layer {layer} is not a unit of its own: {units}"
+    for w in wrappers:
+        assert not any(u is w for u in units), "a module on the way to the layers was kept whole"
+        for part in (w.embed, w.norm):
+            assert any(u is part for u in units), f"{part} around the layers is not a unit"
+    owned = assign_params(top, units)
+    names = [n for _, pairs in owned for n, _ in pairs]
+    assert sorted(names) == sorted(n for n, _ in top.named_parameters())
+    at_root = {n for n, _ in owned[0][1]}
+    assert at_root == {n for n, _ in top.named_parameters() if n.endswith("scale")}
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

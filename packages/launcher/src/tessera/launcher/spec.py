@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from tessera.comm import TPMode
 from tessera.tensor_parallel import PlanLike
 from tessera.tensor_parallel.modes import plan_for_mode
+from tessera.zero.units import largest_module_list
 
 __all__ = [
     "ModelSpec",
@@ -126,18 +127,14 @@ def model_spec(model: nn.Module) -> ModelSpec:
 
 # ---------------------------------------------------------------------------- pipeline blocks
 def layer_stack(model: nn.Module) -> str:
-    """The dotted name of the ``nn.ModuleList`` holding the most parameters."""
-    sizes = {
-        name: sum(p.numel() for p in module.parameters())
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and name
-    }
-    if not sizes:
+    """The dotted name of the ``nn.ModuleList`` holding the most parameters
+    (``tessera.zero.units.largest_module_list``, which also gives ZeRO-3 its units)."""
+    best = largest_module_list(model)
+    if best is None:
         raise ValueError(
             f"cannot split {type(model).__name__} into pipeline blocks: it has no nn.ModuleList of "
             "layers; pass ModelSpec(blocks=fn) with fn(model) -> [block, ...]"
         )
-    best: str = max(sizes, key=lambda n: (sizes[n], -n.count(".")))
     return best
 
 

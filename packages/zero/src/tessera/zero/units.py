@@ -13,18 +13,43 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["assign_params", "default_units"]
+__all__ = ["assign_params", "default_units", "largest_module_list"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
+def largest_module_list(model: nn.Module) -> str | None:
+    """The dotted name of the non-empty ``nn.ModuleList`` below ``model`` holding the most
+    parameters (the shallowest of equals): the layer stack, wherever the model keeps it
+    (``blocks``, ``layers``, ``model.layers``, ``transformer.h``); None without one."""
+    sizes = {
+        name: sum(p.numel() for p in module.parameters())
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and name
+    }
+    if not sizes:
+        return None
+    return max(sizes, key=lambda n: (sizes[n], -n.count(".")))
+
+
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The children of ``model``, with the elements of container children (ModuleList,
-    Sequential, ModuleDict) taken one by one: for the reference GPT, ``embed``, each layer,
-    ``head``."""
+    Sequential, ModuleDict) taken one by one; where the layer stack sits deeper
+    (``largest_module_list``: ``model.layers`` in Hugging Face's causal LMs), the modules on
+    the way to it are opened the same way, so each layer is a unit of its own. For the
+    reference GPT: ``embed``, each layer, ``head``; for a Hugging Face Llama:
+    ``model.embed_tokens``, each of ``model.layers``, ``model.norm``, ``model.rotary_emb``,
+    ``lm_head``. Parameters owned directly by a module opened on the way belong to the model."""
+    path = largest_module_list(model)
+    return _opened(model, path.split(".")[:-1] if path else [])
+
+
+def _opened(module: nn.Module, way: list[str]) -> list[nn.Module]:
     units: list[nn.Module] = []
-    for child in model.children():
-        if isinstance(child, _CONTAINERS):
+    for name, child in module.named_children():
+        if way and name == way[0]:
+            units.extend(_opened(child, way[1:]))
+        elif isinstance(child, _CONTAINERS):
             units.extend(child.children())
         else:
             units.append(child)
