@@ -38,7 +38,8 @@ bytes the step moved to and from disk over all ranks, per second of step) and
 ``disk_busy`` (the fraction of the step the disk would be busy with those bytes at its measured
 rates: above 1 where the page cache absorbs part of them), and from the bytes that reached
 the block layer (``/proc/self/io``) ``block_read_gbps``, ``block_write_gbps`` and
-``disk_busy_block`` (DeepSpeed's aio uses O_DIRECT: its bytes are block-layer bytes). Tessera's line also has each phase's seconds and resident peak. The last line gives
+``disk_busy_block`` (DeepSpeed's aio uses O_DIRECT: its bytes are block-layer bytes).
+Tessera's line also has each phase's seconds and resident peak. The last line gives
 the goals: ``params >= 1.0e9`` under the cap, ``>= 3x`` the largest model either peer fits,
 ``disk_busy >= 0.5``.
 

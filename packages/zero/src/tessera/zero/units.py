@@ -29,7 +29,8 @@ def largest_module_list(model: nn.Module) -> str | None:
     }
     if not sizes:
         return None
-    return max(sizes, key=lambda n: (sizes[n], -n.count(".")))
+    best: str = max(sizes, key=lambda n: (sizes[n], -n.count(".")))
+    return best
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
