@@ -2,13 +2,14 @@
 
 ``deferred_parameters()`` builds ``Llamaish`` (rotary tables as buffers, RMSNorm ``scale``
 without ``reset_parameters``: given an ``init``), ``GPT2ish`` (the head tied to the token
-embedding) and a Hugging Face Llama from config (its ``_init_weights``) with every parameter
-on the meta device. ``boost`` materializes what the rank holds after tensor parallelism and
-the pipeline cut. The result must equal the same model built eagerly and initialized by
-``init_by_name`` with the same seed, element for element (``torch.equal``: each value is
-computed once, on the host, the same way, and sliced; no arithmetic differs), and the first
-training losses must equal those of the eager model boosted the same way (exactly: the
-same layout runs the same operations).
+embedding), a Hugging Face Llama and GPT-2 (its head tied, Conv1D layers) from config
+(their ``_init_weights``) with every parameter on the meta device. ``boost`` materializes
+what the rank holds after tensor parallelism and the pipeline cut. The result must equal
+the same model built eagerly and initialized by ``init_by_name`` with the same seed,
+element for element (``torch.equal``: each value is computed once, on the host, the same
+way, and sliced; no arithmetic differs), and the first training losses must equal those
+of the eager model boosted the same way (exactly: the same layout runs the same
+operations).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def _build(kind: str, deferred: bool) -> nn.Module:
             return GPT2ish(SIZES, seed=0)
         import transformers
 
+        if kind == "hf-gpt2":  # the head tied to the token embedding; no dropout (both runs draw alike)
+            gpt2 = transformers.GPT2Config(
+                vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            )  # fmt: skip
+            return transformers.GPT2LMHeadModel(gpt2)
         config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
@@ -80,7 +87,7 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 
 def _run(rank: int, kind: str, deferred: bool, config: Config) -> tuple[dict[str, Tensor], list[float]]:
     model = _build(kind, deferred)
-    fn = None if kind == "hf-llama" else init
+    fn = None if kind.startswith("hf-") else init
     if not deferred:
         init_by_name(model, SEED, fn)
     else:
@@ -113,13 +120,16 @@ CASES = {
     "gpt2ish-tied-tp2": ("gpt2ish", P(tp=2), {}),
     "gpt2ish-tied-dp2-zero3": ("gpt2ish", P(dp=2), {"stage": 3}),
     "hf-llama-tp2": ("hf-llama", P(tp=2), {}),
+    "hf-gpt2-tp2": ("hf-gpt2", P(tp=2), {}),
+    "hf-gpt2-pp2": ("hf-gpt2", P(pp=2, microbatches=2, schedule="1f1b"), {}),
+    "hf-gpt2-dp2-zero3-disk": ("hf-gpt2", P(dp=2), {"stage": 3, "disk_dir": "DISK", "chunk_numel": 256}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_deferred_equals_eager(worker_pools: PoolFactory, tmp_path: Any, case: str) -> None:
     kind, parallel, zero = CASES[case]
-    if kind == "hf-llama":
+    if kind.startswith("hf-"):
         pytest.importorskip("transformers")
     zero = {k: (str(tmp_path / "chunks") if v == "DISK" else v) for k, v in zero.items()}
     config = _config(parallel, **zero)

@@ -185,12 +185,15 @@ def shard_of(model: nn.Module, name: str, full: Tensor) -> Tensor:
     """This rank's part of the serial model's tensor ``full`` for parameter ``name`` of a
     parallelized ``model``: the slice a parallel layer holds, the whole tensor otherwise.
 
-    Maps a serial state dict (or serial gradients) onto a rank; no communication.
+    Maps a serial state dict (or serial gradients) onto a rank, in the serial layout: a
+    Hugging Face ``Conv1D`` weight is given (in, out) as the serial model holds it and comes
+    back as the parallel layer stores it (``ShardSpec.transposed``); no communication.
     """
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
-        return module.shard_of(pname, full)
+        spec = shard_specs(model).get(name)
+        return module.shard_of(pname, full.t() if spec is not None and spec.transposed else full)
     return full
 
 
