@@ -9,7 +9,8 @@ ring and Ulysses find its attention themselves; pipelines find its blocks. Each 
 serially (plain PyTorch). One mode gives it 8 heads at tp=8, which the config's ``[model]``
 section (the main job's GPT, 4 heads) could not split: degrees are checked against the
 model. ``GPT2ish`` (LayerNorm, biases, a fused q|k|v, learned positions added inline, the
-head tied to the token embedding) runs a subset with its own roles.
+head tied to the token embedding) runs a subset with its own roles, and so does Llamaish
+nested as Hugging Face nests its causal LMs (``model.layers``, ``lm_head``).
 
 Bounds: losses rel 1e-5 (a mean of token losses in fp32, summed in another order by the
 ranks); weights under SGD with momentum (linear in the gradient) rtol 1e-5, atol 1e-6, at
@@ -72,9 +73,42 @@ GPT2ISH_ROLES = {  # LayerNorm, biases, fused q|k|v, learned positions, head tie
 }
 
 
+class Trunk(nn.Module):
+    """Llamaish's embedding, layers and norm, under ``model`` as Hugging Face's causal LMs
+    nest them (``model.layers``): the layer stack is not a child of the model."""
+
+    def __init__(self, base: Llamaish) -> None:
+        super().__init__()
+        self.tok_embeddings, self.layers, self.norm = base.tok_embeddings, base.layers, base.norm
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = layer(h)
+        out: Tensor = self.norm(h)
+        return out
+
+
+class Nested(nn.Module):
+    """``model`` (the trunk) and ``lm_head``: Llamaish's values in Hugging Face's nesting."""
+
+    def __init__(self, base: Llamaish) -> None:
+        super().__init__()
+        self.model, self.lm_head = Trunk(base), base.output
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out: Tensor = self.lm_head(self.model(ids))
+        return out
+
+
+NESTED_ROLES = {("lm_head" if k == "output" else f"model.{k}"): v for k, v in ROLES.items()}
+
+
 def _model(kv: int, heads: int) -> nn.Module:
     if kv == 0:  # GPT2ish
         return GPT2ish(SIZES, seed=0)
+    if kv < 0:  # Llamaish nested as Hugging Face nests its models
+        return Nested(Llamaish(SIZES, seed=0))
     return Llamaish(dataclasses.replace(SIZES, heads=heads, kv_heads=kv), seed=0)
 
 
@@ -108,7 +142,7 @@ def _serial(kv: int, heads: int, adamw: bool) -> Run:
 
 def _parallel(rank: int, kv: int, heads: int, adamw: bool, config: Config) -> Run:
     model = _model(kv, heads)
-    plan = GPT2ISH_ROLES if kv == 0 else ROLES  # context parallelism reads its positions from it
+    plan = {0: GPT2ISH_ROLES, -1: NESTED_ROLES}.get(kv, ROLES)  # context parallelism reads positions from it
     engine = boost(model, _optimizer(model, adamw), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()
@@ -141,6 +175,12 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "gpt2ish-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"kv": 0}),
     "gpt2ish-2d": (P(tp=4, tp_mode="2d"), {"kv": 0}),
     "gpt2ish-3d": (P(tp=8, tp_mode="3d", microbatches=1), {"kv": 0}),
+    "nested-dp2-zero3": (P(dp=2), {"kv": -1, "stage": 3}),
+    "nested-dp2-zero3-disk-adamw": (P(dp=2), {"kv": -1, "stage": 3, "adamw": True, "disk": True}),
+    "nested-pp2-1f1b": (P(pp=2, microbatches=2, schedule="1f1b"), {"kv": -1}),
+    "nested-dp2-tp2-zero3-megatron-sp": (P(dp=2, tp=2, sequence_parallel=True), {"kv": -1, "stage": 3}),
+    "nested-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"kv": -1}),
+    "nested-2d": (P(tp=4, tp_mode="2d"), {"kv": -1}),
 }
 
 
