@@ -23,13 +23,12 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from _common import status_kb
 from _llama import LlamaLM, LlamaSize
-from _memory_peers import _ds_config, _io_bytes, deepspeed_version
+from _memory_peers import _ds_config, _io_bytes, deepspeed_gloo, deepspeed_version, fsdp2_offload
 
 PEERS = ("fsdp2-offload", "deepspeed-nvme")
 HERE = Path(__file__).resolve().parent
@@ -83,43 +82,15 @@ def child(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     size = LlamaSize(args.vocab, args.dim, args.layers, args.heads, args.kv_heads)
     if args.system == "fsdp2-offload":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
         dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
         with torch.device("meta"):
             model = LlamaLM(size)
-        mesh = init_device_mesh("cpu", (world,))
-        policy = CPUOffloadPolicy(pin_memory=False)
-        for block in model.blocks():
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for module in model.modules():
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        forward: Callable[..., Any] = model
-        backward: Callable[..., Any] = torch.autograd.backward
-
-        def update() -> None:
-            opt.step()
-            opt.zero_grad()
-
-        step_fn: Callable[[], Any] = update
+        forward, backward, step_fn = fsdp2_offload(model, model.blocks(), world, args.lr)
         numel = sum(p.numel() for p in model.parameters())
     else:
         import deepspeed  # type: ignore[import-not-found, unused-ignore]
 
-        deepspeed.init_distributed(
-            dist_backend="gloo",
-            init_method=f"file://{args.store}",
-            rank=rank,
-            world_size=world,
-            auto_mpi_discovery=False,
-        )
+        deepspeed_gloo(args.store, rank, world)
         nvme = Path(args.disk_dir) / f"rank{rank}"
         nvme.mkdir(parents=True, exist_ok=True)
         conf = _ds_config("nvme", str(nvme), args.batch, max(size.vocab, size.ffn) * size.dim)

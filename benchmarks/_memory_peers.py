@@ -132,6 +132,53 @@ def _init_gloo(store_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=0, world_size=1)
 
 
+Step = tuple[Callable[..., Any], Callable[..., Any], Callable[[], Any]]
+
+
+def fsdp2_offload(model: Any, blocks: list[Any], world: int, lr: float) -> Step:
+    """``fully_shard`` with ``CPUOffloadPolicy(pin_memory=False)`` on every block and the root
+    over a gloo mesh of ``world`` ranks (the process group made already), ``torch.optim.AdamW``:
+    the forward, the backward and the optimizer step."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    if any(p.is_meta for p in model.parameters()):  # built without storage: each rank makes its shards
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def update() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    return model, torch.autograd.backward, update
+
+
+def deepspeed_gloo(store: str, rank: int, world: int) -> None:
+    """``deepspeed.init_distributed`` over gloo from a FileStore at ``store``, without the
+    launcher's variables or MPI discovery (which wants mpi4py)."""
+    import deepspeed  # type: ignore[import-not-found, unused-ignore]
+
+    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+    deepspeed.init_distributed(
+        dist_backend="gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        auto_mpi_discovery=False,
+    )
+
+
 def child(args: argparse.Namespace) -> None:
     """Build the GPT, wrap it in ``args.system``, train ``args.steps`` steps, print one JSON line."""
     import torch
@@ -146,36 +193,12 @@ def child(args: argparse.Namespace) -> None:
     run_dir = tempfile.mkdtemp(prefix=f"{args.system}-", dir=args.disk_dir)
     if args.system == "fsdp2-offload":
         model = GPT(cfg, seed=0)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
         _init_gloo(run_dir)
-        mesh = init_device_mesh("cpu", (1,))
-        policy = CPUOffloadPolicy(pin_memory=False)
-        for block in model.blocks():
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        forward: Callable[..., Any] = model
-        backward: Callable[..., Any] = torch.autograd.backward
-
-        def update() -> None:
-            opt.step()
-            opt.zero_grad()
-
-        step_fn: Callable[[], Any] = update
-
+        forward, backward, step_fn = fsdp2_offload(model, list(model.blocks()), 1, 1e-4)
     else:
         import deepspeed  # type: ignore[import-not-found, unused-ignore]
 
-        os.environ |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}  # else it looks for MPI
-        deepspeed.init_distributed(
-            dist_backend="gloo",
-            init_method=f"file://{run_dir}/store",
-            rank=0,
-            world_size=1,
-            auto_mpi_discovery=False,
-        )
+        deepspeed_gloo(f"{run_dir}/store", 0, 1)
         largest = max(cfg.vocab_size, cfg.mlp_ratio * cfg.d_model, cfg.seq_len) * cfg.d_model
         conf = _ds_config(args.system.removeprefix("deepspeed-"), run_dir, args.batch, largest)
         model = GPT(cfg, seed=0)

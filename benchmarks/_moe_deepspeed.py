@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _memory_peers import deepspeed_gloo
 from torch import Tensor, nn
 
 from tessera.models import GPT, GPTConfig
@@ -72,14 +72,7 @@ def main() -> None:
     )
 
     rank, world = args.rank, args.world
-    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
-    deepspeed.init_distributed(
-        dist_backend="gloo",
-        init_method=f"file://{args.store}",
-        rank=rank,
-        world_size=world,
-        auto_mpi_discovery=False,
-    )
+    deepspeed_gloo(args.store, rank, world)
     cfg = GPTConfig(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.mlp_ratio)
     model = GPT(cfg, seed=0)
     hidden = args.mlp_ratio * args.d_model
