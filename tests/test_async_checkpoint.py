@@ -109,6 +109,40 @@ def test_a_background_save_loads_to_the_same_state(
     assert outcomes == [{"at-once": [], "background": []}] * 2, outcomes
 
 
+def _slow_meta(rank: int, root: str, config: Config) -> list[str]:
+    """A background save under tp=2 (each tp rank its own ZeRO group, writing its own
+    meta.json) whose rank 1 writes its meta.json a second late."""
+    import time
+
+    from tessera.zero.checkpoint import ShardSave
+
+    original = ShardSave.commit
+
+    def late(self: ShardSave, error: BaseException | None = None) -> None:
+        if rank == 1:
+            time.sleep(1.0)
+        original(self, error)
+
+    engine = _engine(config)
+    engine.train_step(*make_batch(GPT_CFG, 4, seed=0))
+    ShardSave.commit = late  # type: ignore[method-assign]
+    try:
+        generation = engine.save(Path(root), background=True)
+        assert engine.wait_for_save() == generation
+    finally:
+        ShardSave.commit = original  # type: ignore[method-assign]
+    engine.close()
+    return sorted(str(p.relative_to(generation)) for p in generation.rglob("meta.json"))
+
+
+def test_a_late_group_meta_json_is_waited_for(worker_pools: PoolFactory, tmp_path: Path) -> None:
+    """The commit reads the checksums only once every ZeRO group has written its meta.json
+    (a group is one tp rank here, so its own commit waits for no other rank)."""
+    parallel, zero = CONFIGS["tp2-zero0"]
+    got = worker_pools(2).run(_slow_meta, str(tmp_path / "ckpt"), _config(parallel, zero), timeout=120)
+    assert got[0] == got[1] and len(got[0]) == 2, got
+
+
 def _held_writer(rank: int, root: str, views: str) -> dict[str, Any]:
     """Save in the background with the writer held until the training thread has stepped."""
     config = _config(ParallelConfig(dp=2, microbatches=1), ZeroConfig(stage=1))

@@ -194,11 +194,16 @@ class PendingSave:
         then rank 0 (each folder's lowest rank) writes the manifest and prunes."""
         gen, device, storage = self.generation, self.engine.mesh.device, self.storage
         raise_together(self.error, None, f"writing the checkpoint {gen}", device)
+        error: BaseException | None = None
         if self.shard is not None:
-            self.shard.commit()
+            try:
+                self.shard.commit()  # collective over the ZeRO group only (one tp rank's, say)
+            except Exception as e:
+                error = e
+        # over every rank: each group's meta.json is on disk before any folder's sums are read
+        raise_together(error, None, f"writing the ZeRO shards' meta.json ({gen})", device)
         holders = None if storage.shared else spread(gen, storage, REPLICAS, device)
         sums: dict[str, str] = {}
-        error = None
         if storage.leader:
             try:
                 sums = _local_sums(gen)
