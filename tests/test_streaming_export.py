@@ -51,6 +51,36 @@ CASES = [
 ]
 
 
+def _export_bf16(rank: int, config: Config, out: str) -> dict[str, torch.Tensor]:
+    model = GPT(GPT_CFG, seed=3)
+    with boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config) as engine:
+        engine.train_step(*make_batch(GPT_CFG, 8, seed=0))
+        whole = engine.full_state_dict()
+        with pytest.raises(ValueError, match="floating type"):
+            engine.export(out, dtype=torch.int32)
+        engine.export(out, max_shard_bytes=LIMIT, dtype=torch.bfloat16)
+    return whole
+
+
+def test_an_export_in_bfloat16_holds_the_masters_rounded(worker_pools: PoolFactory, tmp_path: Path) -> None:
+    """``export(dtype=torch.bfloat16)``: every tensor is the fp32 master rounded to bfloat16
+    (exactly ``.to(torch.bfloat16)``: one rounding, no arithmetic), the index's total size
+    half the fp32 one; a non-floating dtype is refused before anything is written."""
+    config = Config(
+        parallel=ParallelConfig(dp=2, tp=2), zero=ZeroConfig(stage=1), train=TrainConfig(precision="fp32")
+    )
+    out = tmp_path / "export"
+    runs: list[Any] = worker_pools(config.world_size).run(_export_bf16, config, str(out), timeout=240)
+    whole = {k: v for part in runs for k, v in part.items()}
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(2 * v.numel() for v in whole.values())
+    with LazyTensors(weight_files(out)) as saved:
+        assert sorted(saved) == sorted(whole)
+        for name, value in whole.items():
+            assert saved[name].dtype == torch.bfloat16, name
+            assert torch.equal(saved[name], value.to(torch.bfloat16)), f"{name} is not its master rounded"
+
+
 @pytest.mark.parametrize(("parallel", "zero"), CASES, ids=["dp2-z3-disk", "dp2tp2-z1", "dp2pp2-z2"])
 def test_an_export_streams_in_shards_written_by_several_ranks(
     worker_pools: PoolFactory, tmp_path: Path, parallel: ParallelConfig, zero: ZeroConfig

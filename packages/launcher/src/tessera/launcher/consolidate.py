@@ -147,7 +147,9 @@ def _split(entries: list[Entry], limit: int) -> list[list[Entry]]:
     return out if out[0] else []
 
 
-def _write_shards(engine: Boosted, directory: Path, max_shard_bytes: int) -> tuple[int, BaseException | None]:
+def _write_shards(
+    engine: Boosted, directory: Path, max_shard_bytes: int, dtype: torch.dtype
+) -> tuple[int, BaseException | None]:
     """Stream this pipeline rank's fp32 masters, one ZeRO flat buffer at a time, each gathered
     over tp and ep (``full_tensor``), into its shards; shard ``j`` is written by the ``j``-th
     rank of the pipeline rank's group (round robin). Collective; returns how many shards the
@@ -155,7 +157,7 @@ def _write_shards(engine: Boosted, directory: Path, max_shard_bytes: int) -> tup
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
     names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
-    entries = [Entry(n, torch.float32, tuple(placement.full_shapes[n])) for n in names]
+    entries = [Entry(n, dtype, tuple(placement.full_shapes[n])) for n in names]
     shards = _split(entries, max_shard_bytes)
     counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
     p, topology = mesh.coordinate("pp"), mesh.topology
@@ -175,7 +177,7 @@ def _write_shards(engine: Boosted, directory: Path, max_shard_bytes: int) -> tup
                     target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
                     meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
                     writer = stack.enter_context(StreamWriter(target, shards[j], meta))
-                writer.write(tensor_bytes(full.to("cpu", torch.float32).contiguous()))
+                writer.write(tensor_bytes(full.to("cpu", dtype).contiguous()))
                 if i + 1 == len(owner) or owner[i + 1] != j:
                     writer.commit()
                     writer = None
@@ -184,7 +186,13 @@ def _write_shards(engine: Boosted, directory: Path, max_shard_bytes: int) -> tup
     return total, error
 
 
-def export_sharded(engine: Boosted, directory: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def export_sharded(
+    engine: Boosted,
+    directory: str | Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write the serial model as a sharded safetensors checkpoint in Hugging Face's layout:
     ``model-0000K-of-0000N.safetensors`` of at most ``max_shard_bytes`` each (a larger tensor
     alone), every pipeline rank's parameters in shards of their own, each shard written by one
@@ -192,10 +200,15 @@ def export_sharded(engine: Boosted, directory: str | Path, *, max_shard_bytes: i
     buffer at a time (each tensor gathered over tp and ep), so no rank holds more than one flat
     buffer's parameters; then ``model.safetensors.index.json`` (written last, by rank 0, from
     the shards' headers: the commit point). A name held by two stages (a tied weight) is
-    listed from the first shard. Collective over every rank; returns the index's path."""
+    listed from the first shard. ``dtype``: the tensors' type in the files (the fp32 masters
+    rounded to it, e.g. ``torch.bfloat16`` for half the bytes); a floating type, else
+    ValueError before anything is written. Collective over every rank; returns the index's
+    path."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"export dtype must be a floating type, got {dtype}")
     directory = Path(directory)
     mesh = engine.mesh
-    shards, error = _write_shards(engine, directory, max_shard_bytes)
+    shards, error = _write_shards(engine, directory, max_shard_bytes, dtype)
     raise_together(error, None, f"writing a shard under {directory}", mesh.device)
     index = directory / "model.safetensors.index.json"
     if mesh.rank == 0:

@@ -387,12 +387,18 @@ class Engine:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""
         return consolidate(self, path)
 
-    def export(self, directory: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    def export(
+        self,
+        directory: str | Path,
+        *,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        dtype: torch.dtype = torch.float32,
+    ) -> Path:
         """Write the serial model to ``directory`` as a sharded Hugging Face checkpoint (shards
         of at most ``max_shard_bytes``, each written by one rank as the parameters stream past
-        one ZeRO flat buffer at a time, and the index); collective; returns the index's path
-        (``consolidate.export_sharded``)."""
-        return export_sharded(self, directory, max_shard_bytes=max_shard_bytes)
+        one ZeRO flat buffer at a time, and the index), the fp32 masters rounded to ``dtype``;
+        collective; returns the index's path (``consolidate.export_sharded``)."""
+        return export_sharded(self, directory, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
