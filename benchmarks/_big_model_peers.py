@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import status_kb
-from _llama import LlamaLM, LlamaSize
+from _llama import LlamaLM, LlamaSize, fixed_batch
 from _memory_peers import _ds_config, _io_bytes, deepspeed_gloo, deepspeed_version, fsdp2_offload
 
 PEERS = ("fsdp2-offload", "deepspeed-nvme")
@@ -64,15 +64,6 @@ def peer_ready(system: str, ds_python: str | None) -> str:
 
 
 # ---------------------------------------------------------------------- child side
-def _batch(size: LlamaSize, batch: int, seq: int, rank: int) -> tuple[Any, Any]:
-    """The same fixed batch as Tessera's child gives this rank."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, size.vocab, (batch, seq + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -100,7 +91,7 @@ def child(args: argparse.Namespace) -> None:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
         forward, backward, step_fn = engine, engine.backward, engine.step
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    x, y = _batch(size, args.batch, args.seq, rank)
+    x, y = fixed_batch(size, args.batch, args.seq, rank)
     steps, losses = [], []
     io0 = (0, 0)
     for step in range(args.steps):

@@ -14,6 +14,7 @@ one tensor at a time, from the name alone.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -58,13 +59,7 @@ class LlamaSize:
         return [*out, ("model.norm.weight", (d,)), ("lm_head.weight", (self.vocab, d))]
 
     def params(self) -> int:
-        total = 0
-        for _, shape in self.shapes():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(shape) for _, shape in self.shapes())
 
     def label(self) -> str:
         return (
@@ -79,6 +74,14 @@ def checkpoint_value(name: str, shape: tuple[int, ...], seed: int = 0) -> Tensor
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
     return torch.randn(shape, generator=gen).mul_(0.02)
+
+
+def fixed_batch(size: LlamaSize, batch: int, seq: int, rank: int) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s batch of every step (the same for every system): ``batch`` sequences of
+    ``seq`` tokens and their next tokens, seeded by the rank."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, size.vocab, (batch, seq + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 class RMSNorm(nn.Module):

@@ -66,7 +66,7 @@ from typing import Any
 
 from _big_model_peers import NEEDS, PEERS, peer_command, peer_ready
 from _common import emit, status_kb, table
-from _llama import LlamaLM, LlamaSize, checkpoint_value
+from _llama import LlamaLM, LlamaSize, checkpoint_value, fixed_batch
 from _memory_peers import _io_bytes
 
 SYSTEMS = ("tessera", *PEERS)
@@ -114,13 +114,10 @@ def write_checkpoint(size: LlamaSize, directory: Path, seed: int) -> int:
 
     from tessera.comm.files import atomic_write
     from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
+    from tessera.launcher.consolidate import split_shards
 
     entries = [Entry(name, torch.float32, shape) for name, shape in size.shapes()]
-    shards: list[list[Entry]] = [[]]
-    for e in entries:
-        if shards[-1] and sum(x.nbytes for x in shards[-1]) + e.nbytes > SHARD_BYTES:
-            shards.append([])
-        shards[-1].append(e)
+    shards = split_shards(entries, SHARD_BYTES)  # as an export cuts them
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -193,7 +190,7 @@ def tessera_child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     engine.import_weights(args.checkpoint)
     phase("import", t0)
-    x, y = _batch(size, args.batch, args.seq, rank)
+    x, y = fixed_batch(size, args.batch, args.seq, rank)
     losses, steps = [], []
     read0 = written0 = 0
     io0 = (0, 0)
@@ -214,7 +211,7 @@ def tessera_child(args: argparse.Namespace) -> None:
     k = max(1, args.steps - 1)
     out = {
         "rank": rank,
-        "params": sum(shape_numel(s) for _, s in size.shapes()),
+        "params": size.params(),
         "steps": steps,
         "losses": losses,
         "disk_read_per_step": (report.get("disk_read", 0) - read0) / k,
@@ -235,22 +232,6 @@ def _with_batch(config: Any, batch: int) -> Any:
     import dataclasses
 
     return dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch))
-
-
-def shape_numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _batch(size: LlamaSize, batch: int, seq: int, rank: int) -> tuple[Any, Any]:
-    """This rank's fixed batch: ``batch`` sequences of ``seq`` tokens, seeded by the rank."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, size.vocab, (batch, seq + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 # ---------------------------------------------------------------------- the parent

@@ -36,6 +36,7 @@ __all__ = [
     "full_tensor",
     "local_full_gradients",
     "local_full_parameters",
+    "split_shards",
     "unshard",
 ]
 
@@ -134,7 +135,7 @@ def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
 MAX_SHARD_BYTES = 2**30  # an export's shard holds at most this many bytes (or one larger tensor)
 
 
-def _split(entries: list[Entry], limit: int) -> list[list[Entry]]:
+def split_shards(entries: list[Entry], limit: int) -> list[list[Entry]]:
     """``entries`` cut in order into runs of at most ``limit`` bytes (a larger tensor alone)."""
     out: list[list[Entry]] = [[]]
     size = 0
@@ -158,7 +159,7 @@ def _write_shards(
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
     names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
     entries = [Entry(n, dtype, tuple(placement.full_shapes[n])) for n in names]
-    shards = _split(entries, max_shard_bytes)
+    shards = split_shards(entries, max_shard_bytes)
     counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
     p, topology = mesh.coordinate("pp"), mesh.topology
     first, total = int(counts[:p].sum()), int(counts.sum())
