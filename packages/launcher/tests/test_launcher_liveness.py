@@ -144,3 +144,30 @@ def test_when_node_0_is_gone_the_others_name_it(tmp_path: Path) -> None:
         said and said[0] == f"node 0 (127.0.0.1) is lost: its store at 127.0.0.1:{port} stopped answering"
     ), said
     assert killed == [1]
+
+
+def test_settling_after_a_hang_waits_for_a_silent_node_and_names_it(tmp_path: Path) -> None:
+    """The rank watchdog can fire before a lost node's heartbeat is ``timeout_s`` old (the ranks
+    waited on it from their last step on): settling waits for the watch to name the node."""
+    port = _free_port()
+    said0: list[str] = []
+    killed: list[int] = []
+    with _watch(0, port, tmp_path, said0, killed) as zero:
+        one = _watch(1, port, tmp_path, [], killed).__enter__()
+        time.sleep(0.5)
+        one._stop.set()  # node 1 goes silent just before this node's watchdog fires
+        one._thread.join()
+        assert said0 == []
+        lines = zero.settle()
+    assert len(lines) == 1 and lines == said0 and killed == [0], (lines, said0, killed)
+    assert lines[0].startswith(f"node 1 ({socket.gethostname()}, ranks unknown) is lost"), lines
+
+
+def test_settling_after_a_hang_with_every_node_alive_names_nobody(tmp_path: Path) -> None:
+    port = _free_port()
+    said: list[str] = []
+    killed: list[int] = []
+    with _watch(0, port, tmp_path, said, killed) as zero, _watch(1, port, tmp_path, said, killed):
+        time.sleep(0.5)
+        assert zero.settle() == []  # node 1 beat since: the hang was this node's ranks' own
+    assert said == [] and killed == [], said

@@ -86,6 +86,27 @@ class NodeWatch:
         with self._lock:
             self.attempt, self.lost, self._seen = attempt, [], {}
 
+    def settle(self) -> list[str]:
+        """After this node's rank watchdog fired: wait until every other node of this attempt has
+        beaten since, or one is named lost, and return the lines said about lost nodes (empty
+        when every node is alive: the hang is the ranks' own).
+
+        The ranks of a node wait in a collective for a lost node from their last optimizer
+        step on, up to a step before the node vanished, so the rank watchdog can fire before
+        the node's heartbeat is ``timeout_s`` old; settling names the node as the cause. It
+        takes one beat or two when every node is alive, and at most ``timeout_s`` and two beats
+        more (the watch's own bound) when one is not."""
+        since = time.monotonic()
+        deadline = since + self.timeout_s + 2 * self.interval
+        while True:
+            with self._lock:
+                if self.lost or self._store is None:
+                    return list(self.lost)
+                if all(moved > since for _, moved in self._seen.values()):
+                    return []
+            if time.monotonic() > deadline or self._stop.wait(self.interval / 2):
+                return list(self.lost)
+
     def finish(self) -> None:
         """This node's workers ended normally in this attempt: the others do not miss it."""
         with self._lock, contextlib.suppress(Exception):
@@ -147,6 +168,7 @@ class NodeWatch:
             if node == self.node or not store.check([f"node/{a}/{node}"]):
                 continue
             if store.check([f"done/{a}/{node}"]):
+                self._seen.pop(node, None)
                 continue
             count = int(store.add(f"beat/{a}/{node}", 0))
             last = self._seen.get(node)

@@ -2,7 +2,8 @@
 
 ``spawn`` launches every rank of this node through torch.distributed.run with the watchdog
 watching them (and, on several nodes, the node watch watching the other nodes,
-``liveness.NodeWatch``). When a rank fails, hangs (the watchdog) or a node is lost, it
+``liveness.NodeWatch``). When a rank fails, hangs (the watchdog; on several nodes the node watch
+then settles whether a lost node was the cause, and names it) or a node is lost, it
 launches again, up to ``train.max_restarts`` times, from the newest committed checkpoint
 generation (the job's own resume logic). Each attempt is a fresh rendezvous, with its own id
 (``<rdzv_id>-<attempt>``), so nodes that restart meet again instead of waiting on a closed
@@ -192,6 +193,8 @@ def _attempt(
             argv = build_torchrun_argv(plan, log_dir=log_dir, target=target, attempt=attempt)
             torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]  # torch: run() unannotated
     except ChildFailedError as exc:
+        if watchdog.fired and watch is not None:
+            watch.settle()  # a rank that waited on a lost node: name the node as the cause
         if not watchdog.fired and not (watch is not None and watch.lost):
             print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]  # torch: format_msg unannotated
         return 1, True
@@ -205,6 +208,8 @@ def _attempt(
         say(f"interrupted ({exc}); every rank was stopped")
         return 130, False
     if watchdog.fired:
+        if watch is not None:
+            watch.settle()
         return 1, True
     if watch is not None:
         watch.finish()
