@@ -12,8 +12,10 @@ measures a subset). Per configuration, one JSON line:
   ``min_step_s``: the fastest step of the slowest rank over every round (the least disturbed
   by other work; the summary line ranks by both, and names the misordered pairs of cases);
   ``predicted_step_s``:
-  the planner's, on the cluster of ``--cluster`` (default the ``cpu`` preset, this machine
-  as ``tessera plan --calibrate`` measured it);
+  the planner's, on the cluster of ``--cluster``: by default this machine as
+  ``tessera plan --calibrate`` measures it at the start of the same run (a machine's speed
+  drifts from one day to the next; the calibration is printed as a JSON line first), or a
+  preset or a cluster TOML;
 - ``model_state_bytes``: ``ZeroOptimizer.memory().model_state`` when the last warmup step
   enters ``ZeroOptimizer.step()`` (every backward done; the fullest rank) beside
   ``predicted_model_state_bytes`` (``Estimate.model_state``: the most of any rank, which
@@ -64,6 +66,7 @@ from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import build_schedule
 from tessera.pipeline.tune import tuning_steps
 from tessera.planner import PRESETS, Cluster, ModelShape, load_cluster
+from tessera.planner.calibrate import calibrate
 from tessera.zero.precisions import Precision
 
 MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=4)
@@ -98,8 +101,6 @@ def _config(parallel: dict[str, Any], stage: int, offload: bool, precision: str)
         data=DataConfig(batch_size=BATCH),
         train=TrainConfig(precision=Precision(precision)),
     )
-
-
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -352,11 +353,35 @@ def at_scale(max_chunks: int) -> None:
         emit(record)
 
 
+def _cluster(spec: str) -> Cluster:
+    """``spec``'s cluster; ``calibrate``: this machine measured now (one JSON line says how)."""
+    if spec != "calibrate":
+        return load_cluster(spec)
+    t0 = time.perf_counter()
+    cluster = calibrate()
+    emit(
+        {
+            "bench": "plan",
+            "system": "tessera",
+            "config": "calibration of this machine (tessera plan --calibrate)",
+            "step_time_s": 0.0,
+            "tokens_per_s": 0.0,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "cluster": dataclasses.asdict(cluster),
+        }
+    )
+    return cluster
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cluster", default="cpu", help="preset or cluster TOML for part 1 (default cpu)")
+    parser.add_argument(
+        "--cluster",
+        default="calibrate",
+        help="preset or cluster TOML for part 1 (default: calibrate this machine first)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument(
@@ -372,7 +397,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if not args.skip_measure:
         cases = [int(i) for i in args.cases.split(",")] if args.cases else None
-        records = measure(load_cluster(args.cluster), args.warmup, args.iters, cases, args.rounds)
+        cluster = _cluster(args.cluster)
+        records = measure(cluster, args.warmup, args.iters, cases, args.rounds)
         table(
             records,
             (

@@ -27,17 +27,31 @@ def test_the_cpu_preset_has_one_device_per_core_of_this_machine() -> None:
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
-def test_ranks_beyond_the_cores_share_their_flops_and_bandwidth(ranks: int) -> None:
-    """On a host of 2 cores (``node_flops``) a rank gets 2/ranks of a core once ranks exceed
-    the cores: of its FLOP/s and of its loopback bandwidth alike; GPU nodes share nothing."""
-    cpu = dataclasses.replace(PRESETS["cpu"], devices_per_node=2, node_flops=2 * PRESETS["cpu"].flops_fp32)
-    share = min(1.0, 2 / ranks)
-    assert cpu.core_share(ranks) == pytest.approx(share, rel=1e-12)
-    assert cpu.device_flops("fp32", ranks) == pytest.approx(cpu.flops_fp32 * share, rel=1e-12)
-    assert cpu.link(2, ranks)[1] == pytest.approx(cpu.intra_bandwidth * share, rel=1e-12)
-    gpu = PRESETS["a100-80g"]
-    assert gpu.link(2, ranks)[1] == gpu.intra_bandwidth
-    assert gpu.device_flops("bf16", ranks) == gpu.flops * gpu.efficiency
+@pytest.mark.parametrize("crowding", [0.0, 0.25])
+def test_ranks_beyond_the_cores_stretch_by_their_share_and_the_crowding(ranks: int, crowding: float) -> None:
+    """On a host of 2 cores (``node_flops``) ``x = ranks / 2`` ranks share each core once they
+    outnumber the cores, and a rank's work stretches by ``x (1 + crowding (x - 1))``; a rank's
+    own FLOP/s and links are those of a core of its own; GPU nodes share nothing."""
+    base = PRESETS["cpu"]
+    cpu = dataclasses.replace(base, devices_per_node=2, node_flops=2 * base.flops_fp32, crowding=crowding)
+    x = max(1.0, ranks / 2)
+    assert cpu.ranks_per_core(ranks) == pytest.approx(x, rel=1e-12)
+    assert cpu.crowd(ranks) == pytest.approx(x * (1 + crowding * (x - 1)), rel=1e-12)
+    assert cpu.device_flops("fp32") == cpu.flops_fp32 * cpu.efficiency
+    assert cpu.link(2, ranks) == (cpu.intra_latency, cpu.intra_bandwidth)
+    gpu = dataclasses.replace(PRESETS["a100-80g"], crowding=crowding)
+    assert gpu.crowd(ranks) == 1.0
+    assert gpu.link(2, ranks) == (gpu.intra_latency, gpu.intra_bandwidth)
+    assert gpu.device_flops("bf16") == gpu.flops * gpu.efficiency
+
+
+def test_a_cluster_file_from_before_crowding_says_to_calibrate_again(tmp_path: Path) -> None:
+    file = tmp_path / "old.toml"
+    file.write_text('[cluster]\npreset = "cpu"\nwait_s = 3.7e-5\n')
+    with pytest.raises(
+        ValueError, match=r"\['wait_s'\].*wait_s gave way to crowding: run `tessera plan --calibrate`"
+    ):
+        resolve_cluster(str(file))
 
 
 def test_calibrated_path_follows_xdg_and_home() -> None:

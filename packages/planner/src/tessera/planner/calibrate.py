@@ -8,17 +8,18 @@ of one rank and the fixed cost per operator); a large copy (memory bandwidth); a
 two gloo processes on this host, Tessera's own collectives as a job runs them:
 
 - all-reduces (``tessera.comm.all_reduce``, in place: shared memory here, `tessera.comm.shm`)
-  of a small and a large tensor, fitted to the alpha-beta model (a 2-rank all-reduce takes
-  ``2 latency + bytes / bandwidth``): the link inside the node;
+  of a large tensor back to back, for the bandwidth, and of a small one with computation
+  between them as a step runs them (the time the pair takes less the computation alone),
+  for the latency (a 2-rank all-reduce takes ``2 latency + bytes / bandwidth``): the link
+  inside the node;
 - the same with shared memory off (gloo over loopback sockets): the link between nodes, for
   want of a second host (a real network is slower);
 - point-to-point messages (``tessera.comm.batch_isend_irecv``: shared-memory FIFOs here,
   `tessera.comm.shm_p2p`) of the same two sizes, one way and back, fitted to ``p2p_latency + bytes /
   p2p_bandwidth`` a way (pipeline hops and ring attention);
-- a small all-reduce among twice as many processes as cores, each computing a little
-  between all-reduces as a step does (the all-reduce's cost: the time the pair takes less
-  the compute alone), for the wait each message adds per rank beyond the cores (``wait_s``:
-  a peer must be scheduled before it answers);
+- steps of a small GPT (forward, backward, a small all-reduce) on as many processes as
+  cores and then on twice as many, for what each extra rank per core costs beyond its share
+  of the cores (``crowding``: the step takes ``2 (1 + crowding)`` times as long);
 - all-to-alls (``tessera.comm.all_to_all``, what Ulysses runs) of the two sizes, fitted to
   ``a2a_latency + bytes / 2 / a2a_bandwidth`` (half the buffer leaves);
 - in this process, a pipeline stage's backward split into B and W (zero-bubble) against one
@@ -54,9 +55,7 @@ def _median(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _collective_worker(
-    rank: int, world: int, path: str, sizes: tuple[int, ...], out: Any, op: str = "all_reduce"
-) -> None:
+def _collective_worker(rank: int, world: int, path: str, sizes: tuple[int, ...], op: str, out: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import FileStore  # dist.FileStore, typed
@@ -91,7 +90,7 @@ def _collective_worker(
                     all_reduce(x, inplace=True)
 
             run()  # the first call sets the transport up
-            if op == "crowded":  # computing between all-reduces, as a step does: the extra
+            if op == "between":  # computing between all-reduces, as a step does: the extra
                 a = torch.randn(96, 96)  # time an all-reduce adds to the same compute
 
                 def compute(a: torch.Tensor = a) -> None:
@@ -116,24 +115,10 @@ def _collective_worker(
 
 def _all_reduce_times(world: int, sizes: tuple[int, ...], op: str = "all_reduce") -> list[float]:
     """Median seconds of Tessera's in-place all-reduces (``op="gloo_all_reduce"``: with shared
-    memory off; ``"all_to_all"``: all-to-alls; ``"p2p"``: a message there and back) of
-    ``sizes`` bytes among ``world`` gloo processes here."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as tmp:
-        queue = ctx.Queue()
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_collective_worker, args=(r, world, store, sizes, queue, op))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        times: list[float] = queue.get(timeout=300)
-        for p in procs:
-            p.join(60)
-    return times
+    memory off; ``"between"``: with computation between them, less the computation;
+    ``"all_to_all"``: all-to-alls; ``"p2p"``: a message there and back) of ``sizes`` bytes
+    among ``world`` gloo processes here."""
+    return _spawn(_collective_worker, world, sizes, op)
 
 
 def _all_to_all() -> tuple[float, float]:
@@ -153,17 +138,81 @@ def _fit(op: str, passes: int) -> tuple[float, float]:
     return max((small - passes * SMALL / bandwidth) / 2, 1e-7), bandwidth
 
 
-def _link(cores: int) -> tuple[float, float, float]:
-    """(latency s, bandwidth B/s, wait s) of Tessera's all-reduce here (`_fit`); then ``2
-    cores`` processes, twice as many as the cores, time a small all-reduce, whose ``2 (n-1)``
-    steps (a ring's count, kept as the model's unit) each wait ``wait`` more per rank beyond
-    the cores (``cores`` of them)."""
-    latency, bandwidth = _fit("all_reduce", 1)
-    n = 2 * cores
-    (crowded,) = _all_reduce_times(n, (SMALL,), op="crowded")
-    per_step = crowded / (2 * (n - 1))
-    wait = max(per_step - latency - SMALL / n / bandwidth, 0.0) / cores
-    return latency, bandwidth, wait
+def _link() -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of Tessera's all-reduce here: the bandwidth from `_fit`'s
+    back-to-back calls, the latency from a small all-reduce between computations, as a step
+    runs it (the wrappers' Python, the handshake and cold caches: several times the latency
+    of back-to-back calls), half of which is one latency (a 2-rank all-reduce pays two)."""
+    _, bandwidth = _fit("all_reduce", 1)
+    (between,) = _all_reduce_times(2, (SMALL,), op="between")
+    return max((between - SMALL / bandwidth) / 2, 1e-7), bandwidth
+
+
+def _crowd_worker(rank: int, world: int, path: str, out: Any) -> None:
+    """Ranks stepping a small reference GPT (forward, backward, a small all-reduce, as a
+    data-parallel rank steps): the first half alone (the others wait in a barrier), then all
+    of them, three times over; rank 0 puts the median of the crowded step's seconds over
+    the lone step's."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import FileStore  # dist.FileStore, typed
+
+    from tessera.comm import all_reduce
+    from tessera.models import GPT, GPTConfig, make_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=FileStore(path, world), rank=rank, world_size=world)
+    try:
+        half = world // 2
+        first = dist.new_group(list(range(half)))
+        cfg = GPTConfig(vocab_size=128, seq_len=64, d_model=128, n_heads=4, n_layers=2)
+        model = GPT(cfg, seed=0)
+        idx, targets = make_batch(cfg, 4, seed=rank)
+        flag = torch.zeros(8)
+
+        def step(group: Any = None) -> None:
+            torch.autograd.backward(model.loss(idx, targets))
+            all_reduce(flag, group, inplace=True)
+
+        ratios = []
+        for _ in range(3):
+            os.environ["LOCAL_WORLD_SIZE"] = str(half)  # as torchrun says: waits poll as in a job
+            alone = _median(lambda: step(first), 15) if rank < half else 0.0
+            dist.barrier()
+            os.environ["LOCAL_WORLD_SIZE"] = str(world)
+            crowded = _median(step, 15)
+            dist.barrier()
+            ratios.append(crowded / alone if alone else 0.0)
+        if rank == 0:
+            out.put([statistics.median(ratios)])
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(target: Callable[..., None], world: int, *args: object) -> list[float]:
+    """What rank 0 of ``world`` gloo processes running ``target(rank, world, store, *args,
+    queue)`` here puts on the queue."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as tmp:
+        queue = ctx.Queue()
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=target, args=(r, world, store, *args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        result: list[float] = queue.get(timeout=300)
+        for p in procs:
+            p.join(60)
+    return result
+
+
+def _crowding(cores: int) -> float:
+    """`Cluster.crowding`: ``cores`` processes, one per core, and then twice as many, each
+    stepping a small GPT (`_crowd_worker`); twice the ranks per core take ``2 (1 +
+    crowding)`` times as long a step."""
+    (ratio,) = _spawn(_crowd_worker, 2 * cores)
+    return max(ratio / 2 - 1.0, 0.0)
 
 
 def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) -> tuple[float, float, float]:
@@ -172,8 +221,8 @@ def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) 
     import torch
 
     from tessera.models import GPT, GPTConfig, make_batch
-    from tessera.planner.estimate import OPS_EDGE, OPS_LAYER
     from tessera.planner.model import ModelShape
+    from tessera.planner.operators import OPS_EDGE, OPS_LAYER
 
     cfg = GPTConfig(vocab_size=128, seq_len=seq, d_model=hidden, n_heads=4, n_layers=layers)
     model = GPT(cfg, seed=0)
@@ -254,7 +303,8 @@ def calibrate() -> Cluster:
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
-    latency, bandwidth, wait = _link(cores)
+    latency, bandwidth = _link()
+    crowding = _crowding(cores)
     inter_latency, inter_bandwidth = _fit("gloo_all_reduce", 1)
     p2p_latency, p2p_bandwidth = _fit("p2p", 2)
     a2a_latency, a2a_bandwidth = _all_to_all()
@@ -281,7 +331,7 @@ def calibrate() -> Cluster:
         host_bandwidth=memory_bw,
         host_memory_bandwidth=memory_bw,
         overlap=0.0,
-        wait_s=wait,
+        crowding=crowding,
         a2a_latency=a2a_latency,
         a2a_bandwidth=a2a_bandwidth,
         split_overhead=split_overhead,

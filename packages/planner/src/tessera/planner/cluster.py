@@ -5,18 +5,16 @@ A cluster is ``nodes`` nodes of ``devices_per_node`` devices. Each device holds
 (``flops_fp32`` for fp32 jobs: the planner asks `Cluster.device_flops`), of which a matmul-
 heavy step reaches ``efficiency``. Links follow the alpha-beta model: a message of ``n``
 bytes between two devices takes ``latency + n / bandwidth`` seconds, with one (latency,
-bandwidth) pair inside a node (NVLink; loopback sockets on a CPU host) and one between
+bandwidth) pair inside a node (NVLink; shared memory on a CPU host) and one between
 nodes (InfiniBand, per device: a DGX has one NIC per GPU). ``op_overhead_s`` is the fixed
 cost of launching one operator (Python and kernel launch), which dominates tiny models.
 The optimizer step streams its state through ``memory_bandwidth`` (device) or, offloaded,
 ``host_memory_bandwidth`` after copies over ``host_bandwidth``. ``overlap``: how much of the
 compute time communication can hide under (1 on GPUs, whose copy engines and NICs work
 beside the kernels; 0 on a CPU host, where gloo's threads compete for the same cores).
-``wait_s``: on such a node, each message waits that long more for every rank beyond the
-cores (its peer must be scheduled first; measured by ``--calibrate``).
 ``a2a_latency`` / ``a2a_bandwidth``: when ``a2a_bandwidth`` > 0, an all-to-all (Ulysses) of a
 tensor of ``n`` bytes per rank among ``k`` ranks takes ``(k-1) a2a_latency + (k-1)/k n /
-a2a_bandwidth`` (plus the wait above per message) instead of the link's ring form: on this
+a2a_bandwidth`` instead of the link's ring form: on this
 host gloo's ``all_to_all_single`` (with tessera's stack and concatenation around it) costs
 about what an all-reduce of the same buffer costs, 2-3x the ring form; ``--calibrate`` times
 it on two processes. 0 (the GPU presets): the link's ring form.
@@ -30,14 +28,18 @@ times a pipeline stage of the reference GPT both ways); 0 on the GPU presets, no
 there.
 ``shm_slots_bytes``: when > 0, the collectives of every group of ranks on one node go through
 a shared-memory segment with that many bytes of slots (`tessera.comm.shm_sizes.SLOTS_BYTES`), which
-each rank maps (`MemoryEstimate.shared`); 0 on GPUs.
+each rank maps (`MemoryEstimate.shared`), and a collective among them pays its latency once per
+phase whatever the group's size (`Link.flat`), not once per ring step; 0 on GPUs.
 ``node_flops``: when not 0, the devices of a node share this many fp32 FLOP/s (a CPU host
-whose processes share its cores), so a rank gets the share ``min(1, node_flops / (ranks on
-the node * flops_fp32))`` of its peak at any precision, and the same share of the link's
-bandwidth (loopback copies are the cores' work too: a 13.8 MB gradient all-reduce over 4
-processes on 2 cores took what the link model says for half the measured bandwidth; with
-the full bandwidth the planner ordered the data-parallel runs at world 4 and 8 before
-pipelines they trail).
+whose processes share its cores). A rank alone on its core runs at its full rate; when ``x``
+ranks share each core (``x = ranks * flops_fp32 / node_flops > 1``), each rank's work (compute,
+its collectives' copies and waits, the optimizer step) stretches by ``x (1 + crowding (x -
+1))``: ``x`` for the cores' share, and ``crowding`` for what each extra rank per core costs
+beyond its share (context switches, a collective that waits for a descheduled peer, caches
+shared; ``tessera plan --calibrate`` times as many ranks as cores against twice as many). On
+this host a step's wall time is its busiest rank's CPU time times the ranks per core within
+5-10% in every configuration measured, which is why the stretch applies to the whole step
+rather than to each message.
 
 Presets: ``a100-80g`` (DGX A100: 8 x A100 80GB, NVLink 3 at ~240 GB/s achievable per
 direction, 8 x HDR 200 Gb/s InfiniBand), ``h100-80g`` (DGX H100: NVLink 4, 8 x NDR 400
@@ -90,7 +92,7 @@ class Cluster:
     host_bandwidth: float = 25e9  # device <-> host copies per device (PCIe), bytes/s
     host_memory_bandwidth: float = 12e9  # host memory per device (an offloaded optimizer step)
     overlap: float = 1.0  # fraction of compute time under which communication can hide
-    wait_s: float = 0.0  # per message, per rank beyond the cores (a peer must be scheduled first)
+    crowding: float = 0.0  # what each extra rank per core costs beyond its share (node_flops)
     a2a_latency: float = 0.0  # a measured all-to-all per message (with a2a_bandwidth > 0)
     a2a_bandwidth: float = 0.0  # bytes/s of a measured all-to-all; 0: the link's ring form
     p2p_latency: float = 0.0  # a measured point-to-point message (with p2p_bandwidth > 0)
@@ -138,37 +140,33 @@ class Cluster:
         share a CPU host's cores)."""
         return max(min(world, self.devices_per_node), -(-world // self.nodes))
 
-    def device_flops(self, precision: str, ranks_on_node: int) -> float:
-        """FLOP/s one rank sustains at ``precision`` when ``ranks_on_node`` ranks share its node."""
+    def device_flops(self, precision: str) -> float:
+        """FLOP/s one rank sustains at ``precision`` on a device of its own (`crowd` says what
+        sharing a node's cores adds)."""
         peak = self.flops_fp32 if precision == "fp32" else self.flops
-        return peak * self.core_share(ranks_on_node) * self.efficiency
+        return peak * self.efficiency
 
     def link(self, span: int, ranks_on_node: int = 1) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group whose ranks lie ``span`` consecutive ranks
-        apart at most: inside one node when the span fits a node, otherwise across nodes.
-        On a node whose ranks outnumber its cores (``node_flops``), each message also waits
-        for its peer to be scheduled: ``wait_s`` for every rank beyond the cores."""
-        latency, bandwidth = (
-            (self.intra_latency, self.intra_bandwidth)
-            if span <= max(self.devices_per_node, ranks_on_node)
-            else (self.inter_latency, self.inter_bandwidth)
-        )
-        return latency + self.crowd_wait(ranks_on_node), bandwidth * self.core_share(ranks_on_node)
+        apart at most: inside one node when the span fits a node (or the ``ranks_on_node``
+        sharing it), otherwise across nodes."""
+        if span <= max(self.devices_per_node, ranks_on_node):
+            return self.intra_latency, self.intra_bandwidth
+        return self.inter_latency, self.inter_bandwidth
 
-    def core_share(self, ranks_on_node: int) -> float:
-        """The share of a core one rank gets when ``ranks_on_node`` ranks share a node's cores
-        (``node_flops``; 1 without): its compute and, on a CPU host whose loopback copies are
-        the cores' work, its bandwidth."""
+    def ranks_per_core(self, ranks_on_node: int) -> float:
+        """How many ranks share each core when ``ranks_on_node`` ranks run on a node whose
+        devices share its cores (``node_flops``); 1 otherwise or when they fit."""
         if self.node_flops <= 0:
             return 1.0
-        return min(1.0, self.node_flops / (max(1, ranks_on_node) * self.flops_fp32))
+        return max(1.0, ranks_on_node * self.flops_fp32 / self.node_flops)
 
-    def crowd_wait(self, ranks_on_node: int) -> float:
-        """Seconds each message waits for its peer when ``ranks_on_node`` ranks share a node's
-        cores (``node_flops``): ``wait_s`` for every rank beyond the cores; 0 otherwise."""
-        if self.node_flops <= 0:
-            return 0.0
-        return max(0.0, ranks_on_node * self.flops_fp32 / self.node_flops - 1.0) * self.wait_s
+    def crowd(self, ranks_on_node: int) -> float:
+        """The factor by which a rank's work stretches when ``ranks_on_node`` ranks share a
+        node's cores: ``x (1 + crowding (x - 1))`` for ``x`` ranks per core (1 when each rank
+        has a core of its own, and on GPUs)."""
+        x = self.ranks_per_core(ranks_on_node)
+        return x * (1.0 + self.crowding * (x - 1.0))
 
     def with_world(self, world: int) -> Cluster:
         """The same hardware with enough nodes for ``world`` ranks (one node if it fits)."""
@@ -225,15 +223,17 @@ PRESETS: dict[str, Cluster] = {
         # runs that agreed): an all-reduce in shared memory 15-22 us and 5.4-6.0 GB/s (two
         # runs 1.8-1.9 GB/s: the first after an idle spell)
         intra_bandwidth=5.5e9,
-        intra_latency=20e-6,
+        # the latency as a step meets it: a small all-reduce between computations, half the
+        # time it adds (2026-12-05, a 2-core AMD EPYC: 56-71 us; back to back 20-43 us)
+        intra_latency=60e-6,
         # the same all-reduce over gloo's loopback sockets (what a group across hosts uses;
         # a real network is slower): 0.12-0.29 ms, 0.76-1.7 GB/s (one fit failed)
         inter_bandwidth=0.9e9,
         inter_latency=250e-6,
         op_overhead_s=7.0e-6,
-        # a small all-reduce over 4 processes on the 2 cores, each computing between them,
-        # beyond what 2 processes take: 34-51 us
-        wait_s=3.7e-5,
+        # 4 processes stepping a small GPT on the 2 cores against 2 of them: 2 (1 + crowding)
+        # times the step (2026-12-05, the AMD EPYC: 0.05-0.23 over eight runs, most 0.07-0.13)
+        crowding=0.1,
         # tessera.comm.all_to_all on 2 processes (shared memory, with the stack and concat
         # around it): 57-111 us, 1.5-1.7 GB/s
         a2a_latency=8e-5,
@@ -262,7 +262,12 @@ def _from_mapping(data: dict[str, Any], where: str) -> Cluster:
     known = {f.name for f in fields(Cluster)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown cluster field(s) {unknown}; known: {sorted(known)}")
+        hint = (
+            "; wait_s gave way to crowding: run `tessera plan --calibrate` again"
+            if "wait_s" in unknown
+            else ""
+        )
+        raise ValueError(f"{where}: unknown cluster field(s) {unknown}; known: {sorted(known)}{hint}")
     return dataclasses.replace(PRESETS[preset] if preset else Cluster(), **data)
 
 

@@ -44,6 +44,7 @@ from tessera.planner.memory import (
     shm_segment_bytes,
 )
 from tessera.planner.model import ModelShape
+from tessera.planner.operators import operators
 from tessera.planner.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
 from tessera.planner.transient import (
     activations_3d,
@@ -71,9 +72,6 @@ __all__ = [
     "timeline",
 ]
 
-OPS_LAYER = 24  # operators one layer's forward launches (norms, projections, attention, MLP, adds)
-OPS_EDGE = 6  # operators of the embedding or of the head and loss
-
 
 @dataclass(frozen=True, slots=True)
 class StepTime:
@@ -84,11 +82,12 @@ class StepTime:
     bubble: float  # pipeline idle time of the busiest rank
     data_comm: float  # data-parallel / ZeRO traffic not hidden under compute
     optimizer: float  # the optimizer step (and offload copies)
+    crowding: float = 0.0  # what ranks sharing a node's cores add (`Cluster.crowd`)
 
     @property
     def total(self) -> float:
         """The predicted step time."""
-        return self.compute + self.bubble + self.data_comm + self.optimizer
+        return self.compute + self.bubble + self.data_comm + self.optimizer + self.crowding
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +109,13 @@ class Estimate:
 def _link(cluster: Cluster, span: int, world: int) -> Link:
     per_node = cluster.ranks_per_node(world)
     latency, bandwidth = cluster.link(span, per_node)
-    wait, share = cluster.crowd_wait(per_node), cluster.core_share(per_node)
+    inside = span <= max(cluster.devices_per_node, per_node)
     measured: dict[str, float] = {}
     if cluster.a2a_bandwidth > 0:
-        measured |= {
-            "a2a_latency": cluster.a2a_latency + wait,
-            "a2a_bandwidth": cluster.a2a_bandwidth * share,
-        }
-    if cluster.p2p_bandwidth > 0 and span <= max(cluster.devices_per_node, per_node):
-        measured |= {
-            "p2p_latency": cluster.p2p_latency + wait,
-            "p2p_bandwidth": cluster.p2p_bandwidth * share,
-        }
-    return Link(latency, bandwidth, **measured)
+        measured |= {"a2a_latency": cluster.a2a_latency, "a2a_bandwidth": cluster.a2a_bandwidth}
+    if cluster.p2p_bandwidth > 0 and inside:
+        measured |= {"p2p_latency": cluster.p2p_latency, "p2p_bandwidth": cluster.p2p_bandwidth}
+    return Link(latency, bandwidth, **measured, flat=inside and cluster.shm_slots_bytes > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +178,7 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
     if shape.mode == "3d":  # gathered inputs and weights kept for backward
         q = shape.grid.side
         act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.sp)
-    rate = cluster.device_flops(precision, cluster.ranks_per_node(world))
+    rate = cluster.device_flops(precision)
     tokens = rows * model.seq
     tp_link, sp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.sp, world)
     layer_tp = tensor_traffic(model, rows, c, shape, tp_link, sp=p.sp)
@@ -204,9 +197,10 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
         layer_sp.backward + max(0.0, layer_sp.hidden_backward - 2 * attention_s),
     )
     edge_tp = edge_traffic(model, rows, c, shape, tp_link, sp=p.sp)
-    layer_s = model.layer_flops(tokens) / (p.tp * p.sp) / rate + OPS_LAYER * cluster.op_overhead_s
+    ops_layer, ops_edge = operators(p)
+    layer_s = model.layer_flops(tokens) / (p.tp * p.sp) / rate + ops_layer * cluster.op_overhead_s
     head_s = model.head_flops(tokens) / (p.tp * p.sp) / rate
-    edge_s = OPS_EDGE * cluster.op_overhead_s
+    edge_s = ops_edge * cluster.op_overhead_s
     timed: dict[Kind, tuple[float, float, float]] = {}  # kind -> (forward, backward, comm)
     for kind in cut.kinds:
         layers, embed, head = kind
@@ -441,6 +435,11 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
             time, compute=time.compute + moe.a2a, tensor_comm=time.tensor_comm + moe.a2a
         )
         worst_psi, most_state = worst_psi + moe.psi, most_state + dp_ + dg + ds
+    # ranks sharing a node's cores: each one's work (its compute, collectives and optimizer
+    # step; not its idle bubble) stretches, and the step takes at least that
+    crowd = cluster.crowd(cluster.ranks_per_node(p.world))
+    work = crowd * (time.compute + time.data_comm + time.optimizer)
+    time = dataclasses.replace(time, crowding=max(0.0, work - time.total))
     return Estimate(worst, time, worst_psi, bubble, most_state)
 
 

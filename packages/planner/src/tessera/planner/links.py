@@ -11,7 +11,11 @@ the link, unless the link carries its own measured all-to-all terms (``a2a_laten
 all-reduce of the same buffer, not half of one; `Cluster` documents the measurement), and a
 message follows its own measured terms where the link has them (``p2p_latency``,
 ``p2p_bandwidth``: on a CPU host messages travel over gloo while collectives go through
-shared memory).
+shared memory). A ``flat`` link (a node's groups meeting in one shared-memory segment,
+`tessera.comm.shm`) takes any collective call in one round whatever the group's size: each
+rank writes, meets its peers, reads and meets them again, two latencies per call (an
+all-reduce, an all-gather, a broadcast alike), not one per ring step or tree hop (a call
+costs about the same CPU time among 2, 4 or 8 ranks there).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ class Link:
     a2a_bandwidth: float = 0.0
     p2p_latency: float = 0.0  # > 0 with p2p_bandwidth: a measured message (else the link's terms)
     p2p_bandwidth: float = 0.0
+    flat: bool = False  # one round of two latencies per call (shared memory), not ring steps
+
+    def call(self, hops: float) -> float:
+        """The latency of one collective call that takes ``hops`` steps over the link (a
+        tree's depth, a ring's length): two latencies on a flat link, whatever the hops."""
+        return 2 * self.latency if self.flat else hops * self.latency
 
     def p2p(self, nbytes: float) -> float:
         """One message between two ranks (over the measured message terms when the link has them)."""
@@ -43,13 +53,15 @@ class Link:
         """An all-gather or a reduce-scatter by ring: n-1 steps of nbytes/n each."""
         if n <= 1:
             return 0.0
-        return (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
+        return self.call(n - 1) + (n - 1) / n * nbytes / self.bandwidth
 
     def all_reduce(self, nbytes: float, n: int) -> float:
         """An all-reduce: the faster of ring (reduce-scatter + all-gather) and tree."""
         if n <= 1:
             return 0.0
         ring = 2 * self.ring_phase(nbytes, n)
+        if self.flat:  # one call: both phases' bytes, one round
+            return self.call(1) + 2 * (n - 1) / n * nbytes / self.bandwidth
         tree = 2 * math.ceil(math.log2(n)) * self.latency + 2 * nbytes / self.bandwidth
         return min(ring, tree)
 
@@ -57,7 +69,7 @@ class Link:
         """A broadcast by pipelined tree: log2 n latencies, the bytes once over the bandwidth."""
         if n <= 1:
             return 0.0
-        return math.ceil(math.log2(n)) * self.latency + nbytes / self.bandwidth
+        return self.call(math.ceil(math.log2(n))) + nbytes / self.bandwidth
 
     def all_to_all(self, nbytes: float, n: int) -> float:
         """An all-to-all of a tensor of nbytes per rank: (n-1)/n of it leaves each rank, in n-1

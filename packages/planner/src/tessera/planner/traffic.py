@@ -58,19 +58,19 @@ def _grid_linear(
     """One Linear of a grid mode (bytes of the README's table; latencies per collective)."""
     x, w, y = tokens * n_in * c, n_in * n_out * c, tokens * n_out * c
     b = n_out * c if bias else 0
-    lat, bw = link.latency, link.bandwidth
+    bw = link.bandwidth
     hops = math.ceil(math.log2(max(q, 2)))
     if mode == "2d":
-        fwd = (x + w + b) / q / bw + (2 * q * hops + 1) * lat
-        bwd = (2 * (x + w) + b) / q / bw + (4 * q * hops + 1) * lat
+        fwd = (x + w + b) / q / bw + 2 * q * link.call(hops) + link.call(1)
+        bwd = (2 * (x + w) + b) / q / bw + 4 * q * link.call(hops) + link.call(1)
     elif mode == "2.5d":
-        fwd = (x / depth + w + b) / q / bw + (2 * q * hops + 1) * lat
+        fwd = (x / depth + w + b) / q / bw + 2 * q * link.call(hops) + link.call(1)
         depth_ar = 2 * (w + b) / (q * q) / bw + (
-            2 * math.ceil(math.log2(max(depth, 2))) * lat if depth > 1 else 0
+            link.call(2 * math.ceil(math.log2(max(depth, 2)))) if depth > 1 else 0
         )
-        bwd = (2 * (x / depth + w) + b) / q / bw + (4 * q * hops + 1) * lat + depth_ar
+        bwd = (2 * (x / depth + w) + b) / q / bw + 4 * q * link.call(hops) + link.call(1) + depth_ar
     else:  # 3d
-        fwd = ((x + w + y) / (q * q) + b * (1 / q + 1 / (q * q))) / bw + 5 * (q - 1) * lat
+        fwd = ((x + w + y) / (q * q) + b * (1 / q + 1 / (q * q))) / bw + 5 * (q - 1) * link.call(1)
         bwd = fwd
     return Traffic(fwd, bwd)
 
@@ -94,7 +94,7 @@ def tensor_traffic(
         total = total + _grid_linear(shape.mode, q, shape.depth, tokens, n_in, n_out, c, model.bias, link)
     local_tokens = tokens / grid.row_blocks
     norm = 16 * local_tokens + 2 * 2 * model.hidden * c / q
-    norms = 2 * (norm / link.bandwidth + 2 * math.ceil(math.log2(max(q, 2))) * link.latency)
+    norms = 2 * (norm / link.bandwidth + link.call(2 * math.ceil(math.log2(max(q, 2)))))
     return total + Traffic(norms, norms)
 
 
@@ -112,7 +112,7 @@ def edge_traffic(
         return Traffic(link.all_reduce(y, t) + loss, link.all_reduce(y, t))
     q = shape.grid.side
     head = _grid_linear(shape.mode, q, shape.depth, tokens, model.hidden, model.vocab, c, False, link)
-    tables = (model.vocab + model.seq) * model.hidden * c / q / link.bandwidth + 4 * q * link.latency
+    tables = (model.vocab + model.seq) * model.hidden * c / q / link.bandwidth + 4 * q * link.call(1)
     return head + Traffic(tables, tables)
 
 
