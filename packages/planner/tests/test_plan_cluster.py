@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.planner import PRESETS, cluster_to_toml
+from tessera.planner import PRESETS, Job, Layout, ModelShape, check, cluster_to_toml, estimate
 from tessera.planner.cluster import calibrated_path, resolve_cluster
 
 
@@ -76,3 +76,36 @@ def test_a_named_cluster_is_a_preset_or_a_file(tmp_path: Path) -> None:
     assert resolve_cluster(str(file)) == dataclasses.replace(PRESETS["h100-80g"], devices_per_node=4)
     with pytest.raises(ValueError, match=r"'nowhere\.toml' is neither a preset"):
         resolve_cluster("nowhere.toml")
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"dp": 2},
+        {"dp": 4},
+        {"dp": 8},
+        {"tp": 4, "tp_mode": "2d"},
+        {"dp": 2, "pp": 2, "microbatches": 4},
+        {"dp": 4, "pp": 2, "microbatches": 2, "schedule": "zb-h1"},
+    ],
+)
+def test_a_crowded_step_takes_each_ranks_work_stretched_by_the_crowd(parallel: dict[str, object]) -> None:
+    """On a 2-core host, a step is at least each rank's work (compute, data-parallel traffic,
+    optimizer step: not the bubble) times `Cluster.crowd`; one rank per core adds nothing;
+    more crowding never makes a step faster; the GPU presets never crowd."""
+    job = Job(ModelShape(layers=4, hidden=64, heads=4, vocab=64, seq=32, batch=16))
+    layout = Layout(**{"microbatches": 1, "zero": 1, **parallel})  # type: ignore[arg-type]
+    assert check(layout, job) == []
+    base = dataclasses.replace(PRESETS["cpu"], devices_per_node=2, node_flops=2 * PRESETS["cpu"].flops_fp32)
+    totals = []
+    for crowding in (0.0, 0.1, 0.3):
+        cpu = dataclasses.replace(base, crowding=crowding)
+        t = estimate(layout, job, cpu).time
+        work = t.compute + t.data_comm + t.optimizer
+        crowd = cpu.crowd(layout.world)
+        assert t.total == pytest.approx(max(crowd * work, work + t.bubble), rel=1e-12)
+        if layout.world <= 2:
+            assert t.crowding == 0.0
+        totals.append(t.total)
+    assert totals == sorted(totals)
+    assert estimate(layout, job, PRESETS["a100-80g"]).time.crowding == 0.0

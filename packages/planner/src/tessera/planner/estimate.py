@@ -14,8 +14,11 @@ the data-parallel / ZeRO gradient and parameter traffic that is not overlapped (
 reduce after the last backward; stage 2 reduce-scatters during the last backward; stage 3
 also all-gathers parameters before each forward and backward, prefetched under compute),
 plus the optimizer step (streamed from device memory, or from the host after PCIe copies
-with offload). Backward costs twice the forward, split evenly between the input and weight
-gradients (what zero-bubble schedules separate); recomputation adds one forward. A job with
+with offload); on a CPU host whose ranks outnumber its cores, each rank's work (all of that
+but its idle bubble) stretches by `Cluster.crowd` (``StepTime.crowding`` is what that adds).
+Operators per layer and edge are each mode's own (`tessera.planner.operators`). Backward
+costs twice the forward, split evenly between the input and weight gradients (what
+zero-bubble schedules separate); recomputation adds one forward. A job with
 experts (``Job.moe``, ``Layout.ep``) changes the dense estimate as `tessera.planner.experts`
 says: their state in place of their layers' MLPs, and the all-to-alls of the step.
 """

@@ -31,6 +31,7 @@ COLUMNS = (
     "bubble s",
     "dp s",
     "opt s",
+    "crowd s",
 )
 
 
@@ -61,13 +62,15 @@ def _row(i: int, c: Candidate, model: ModelShape, world: int) -> list[str]:
         f"{t.bubble:.3g}",
         f"{t.data_comm:.3g}",
         f"{t.optimizer:.3g}",
+        f"{t.crowding:.3g}",
     ]
 
 
 def table(candidates: Sequence[Candidate], model: ModelShape, world: int) -> str:
     """A fixed-width table of ``candidates`` in order: memory of the fullest rank in bytes
     (K/M/G: binary units) and its parts, seconds per step and their parts (compute includes
-    the tensor/context-parallel communication it waits for, shown again as tp/cp s)."""
+    the tensor/context-parallel communication it waits for, shown again as tp/cp s; crowd s:
+    what ranks sharing a CPU host's cores add, `StepTime.crowding`)."""
     rows = [list(COLUMNS), *(_row(i + 1, c, model, world) for i, c in enumerate(candidates))]
     widths = [max(len(r[k]) for r in rows) for k in range(len(COLUMNS))]
     return "\n".join(
