@@ -123,6 +123,11 @@ CASES = {
     "hf-gpt2-tp2": ("hf-gpt2", P(tp=2), {}),
     "hf-gpt2-pp2": ("hf-gpt2", P(pp=2, microbatches=2, schedule="1f1b"), {}),
     "hf-gpt2-dp2-zero3-disk": ("hf-gpt2", P(dp=2), {"stage": 3, "disk_dir": "DISK", "chunk_numel": 256}),
+    "llamaish-tp2-megatron-sp": ("llamaish", P(tp=2, sequence_parallel=True), {}),
+    "llamaish-2d": ("llamaish", P(tp=4, tp_mode="2d", microbatches=1), {}),
+    "gpt2ish-tied-2d-dp2-zero3": ("gpt2ish", P(dp=2, tp=4, tp_mode="2d", microbatches=1), {"stage": 3}),
+    "llamaish-2.5d": ("llamaish", P(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=1), {}),
+    "gpt2ish-tied-3d": ("gpt2ish", P(tp=8, tp_mode="3d", microbatches=1), {}),
 }
 
 

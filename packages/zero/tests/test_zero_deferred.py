@@ -145,3 +145,27 @@ def test_refusals_name_what_is_wrong() -> None:
     assert "give ZeroOptimizer(device=...)" in got, got
     got = run_threaded(1, lambda rank: build(init=lambda p: torch.zeros(3), device=torch.device("cpu")))[0]
     assert "the value given has shape (3,)" in got, got
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_made_parameter_keeps_its_attributes(stage: int) -> None:
+    """The parameter made in place of a meta one is the same Python object and keeps what
+    was set on it (tensor parallelism tags a parameter whose gradient is partial over tp)."""
+
+    def build(rank: int) -> list[tuple[bool, object]]:
+        with torch.device("meta"):
+            model = Tower(1)
+        params = list(model.parameters())
+        for i, p in enumerate(params):
+            p.tag = i  # type: ignore[attr-defined]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        zero = ZeroOptimizer(
+            model, optimizer, stage=stage, init=lambda p: torch.zeros(p.shape), device=torch.device("cpu")
+        )
+        out = [(p is q, getattr(q, "tag", None)) for p, q in zip(params, model.parameters(), strict=True)]
+        out.append((not any(q.is_meta for q in model.parameters()), None))
+        zero.close()
+        return out
+
+    got = run_threaded(1, build)[0]
+    assert got == [(True, i) for i in range(len(got) - 1)] + [(True, None)], got

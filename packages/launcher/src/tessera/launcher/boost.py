@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tessera.comm import Mesh, TPMode
+from tessera.comm import Mesh
 from tessera.launcher import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
@@ -211,8 +211,6 @@ def boost(
     serial = None
     if has_deferred(model):  # built by ``deferred_parameters``: kept as meta, before tp converts it
         refuse_experts(topology.ep, "deferred initialization")
-        if topology.tp_mode is not TPMode.ONE_D and tp > 1:
-            raise ValueError(f"deferred initialization works with tp_mode 1d, not {topology.tp_mode.value}")
         serial = copy.deepcopy(model)
     if pp > 1:  # checked on the serial model, before anything changes it
         serial_blocks = pipeline_blocks(model, spec)
@@ -249,7 +247,13 @@ def boost(
         partition = partition_by_params(blocks, schedule=schedule)
         stages = stage_modules(blocks, partition, mesh.coordinate("pp"))
     # deferred: ZeRO makes this rank's parameters as it fills its flat buffers, as eager ones
-    values = None if serial is None else DeferredValues(serial, model, seed=config.train.seed, init=init)
+    values = (
+        None
+        if serial is None
+        else DeferredValues(
+            serial, model, seed=config.train.seed, init=init, tp_rank=mesh.coordinate("tp"), tp=tp
+        )
+    )
     t = config.train
     if t.activation_checkpointing or t.activation_offload or t.compile:
         stack = spec.blocks if isinstance(spec.blocks, str) else layer_stack(model)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from tessera.tensor_parallel import shard_of
+from tessera.tensor_parallel import shard_specs
 
 __all__ = ["DeferredValues", "InitFn", "default_init", "deferred_parameters", "has_deferred", "init_by_name"]
 
@@ -126,14 +126,27 @@ def init_by_name(model: nn.Module, seed: int, init: InitFn | None = None) -> nn.
 class DeferredValues:
     """The value of each meta parameter of ``model`` (tensor-parallel and cut already), asked
     for by ZeRO as it fills its flat buffers (``ZeroOptimizer(init=...)``): this rank's shard
-    (``shard_of``) of the full value initialized on ``serial`` (a deep copy of the deferred
-    model taken before it was converted; module names are serial names). A module's values
-    are made once for all its parameters (kept until another module's are asked for).
+    of the full value initialized on ``serial`` (a deep copy of the deferred model taken
+    before it was converted; module names are serial names), cut as ``parallelize`` split
+    that parameter (``shard_specs(model)``, the same specs checkpoints reshard by, for every
+    tensor-parallel mode: 1D slices, the 2D / 2.5D / 3D grids' blocks) for tensor-parallel
+    rank ``tp_rank`` of ``tp``; a parameter no spec names is whole. A module's values are
+    made once for all its parameters (kept until another module's are asked for).
     ``made``: the number of elements given so far."""
 
-    def __init__(self, serial: nn.Module, model: nn.Module, *, seed: int, init: InitFn | None = None) -> None:
+    def __init__(
+        self,
+        serial: nn.Module,
+        model: nn.Module,
+        *,
+        seed: int,
+        init: InitFn | None = None,
+        tp_rank: int = 0,
+        tp: int = 1,
+    ) -> None:
         self._serial = serial
-        self._model = model
+        self._specs = shard_specs(model)
+        self._tp_rank, self._tp = tp_rank, tp
         self._seed = seed
         self._init = init if init is not None else default_init(serial)
         self._names = {id(p): name for name, p in model.named_parameters() if p.is_meta}  # a tied one once
@@ -154,6 +167,13 @@ class DeferredValues:
             except AttributeError:
                 raise ValueError(f"deferred initialization found no serial module for {name}") from None
             self._last = (owner, _initialized(module, owner, self._seed, self._init))
-        part = shard_of(self._model, name, self._last[1][pname])
+        full = self._last[1][pname]
+        spec = self._specs.get(name)
+        part = full if spec is None else spec.shard(full, self._tp_rank, self._tp)
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(
+                f"deferred initialization: {name}'s serial value {tuple(full.shape)} cut for tp rank "
+                f"{self._tp_rank} of {self._tp} is {tuple(part.shape)}, the parameter is {tuple(param.shape)}"
+            )
         self.made += part.numel()
         return part

@@ -157,7 +157,11 @@ class FlatParam:
             start, stop = self.layout.span(i)
             view = full[start:stop].view(p.shape)
             if p.is_meta:  # its storage cannot be re-pointed: the tensors trade places instead
-                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))  # type: ignore[no-untyped-call]
+                real = nn.Parameter(view, requires_grad=p.requires_grad)
+                # the swap trades the Python attributes too: keep the ones the meta parameter
+                # carried (tensor parallelism's tags, e.g. a gradient partial over tp)
+                real.__dict__.update(p.__dict__)
+                torch.utils.swap_tensors(p, real)  # type: ignore[no-untyped-call]
             else:
                 p.data = view
         self.shard = nn.Parameter(shard, requires_grad=False)
