@@ -3,13 +3,14 @@
 ``deferred_parameters()`` builds ``Llamaish`` (rotary tables as buffers, RMSNorm ``scale``
 without ``reset_parameters``: given an ``init``), ``GPT2ish`` (the head tied to the token
 embedding), a Hugging Face Llama and GPT-2 (its head tied, Conv1D layers) from config
-(their ``_init_weights``) with every parameter on the meta device. ``boost`` materializes
-what the rank holds after tensor parallelism and the pipeline cut. The result must equal
-the same model built eagerly and initialized by ``init_by_name`` with the same seed,
-element for element (``torch.equal``: each value is computed once, on the host, the same
-way, and sliced; no arithmetic differs), and the first training losses must equal those
-of the eager model boosted the same way (exactly: the same layout runs the same
-operations).
+(their ``_init_weights``) and the reference GPT with a mixture of experts in every layer
+with every parameter on the meta device. ``boost`` materializes what the rank holds after
+tensor parallelism (1D, Megatron SP, 2D, 2.5D, 3D), expert parallelism and the pipeline
+cut. The result must equal the same model built eagerly and initialized by
+``init_by_name`` with the same seed, element for element (``torch.equal``: each value is
+computed once, on the host, the same way, and sliced; no arithmetic differs), and the first
+training losses must equal those of the eager model boosted the same way (exactly: the
+same layout runs the same operations).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torch import Tensor, nn
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.deferred import deferred_parameters, init_by_name
-from tessera.models import ForeignConfig, GPT2ish, Llamaish
+from tessera.launcher.main_config import MoEConfig
+from tessera.launcher.moe_model import MOE_GPT_PLAN, moe_gpt
+from tessera.models import ForeignConfig, GPT2ish, GPTConfig, Llamaish
 
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
@@ -59,6 +62,9 @@ def _build(kind: str, deferred: bool) -> nn.Module:
             return Llamaish(SIZES, seed=0)
         if kind == "gpt2ish":
             return GPT2ish(SIZES, seed=0)
+        if kind == "moe-gpt":  # every MLP a mixture of 4 experts, top 2, no token dropped
+            cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2)
+            return moe_gpt(cfg, MoEConfig(enabled=True, experts=4, top_k=2, dropless=True), seed=0)
         import transformers
 
         if kind == "hf-gpt2":  # the head tied to the token embedding; no dropout (both runs draw alike)
@@ -92,7 +98,7 @@ def _run(rank: int, kind: str, deferred: bool, config: Config) -> tuple[dict[str
         init_by_name(model, SEED, fn)
     else:
         assert all(p.is_meta for p in model.parameters())
-    plan = {"llamaish": ROLES, "gpt2ish": GPT2ISH_ROLES}.get(kind)
+    plan = {"llamaish": ROLES, "gpt2ish": GPT2ISH_ROLES, "moe-gpt": MOE_GPT_PLAN}.get(kind)
     with boost(model, torch.optim.SGD(model.parameters(), lr=0.5), config, plan=plan, init=fn) as engine:
         weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
         losses = [engine.train_step(*_batch(step)).loss for step in range(2)]
@@ -127,6 +133,9 @@ CASES = {
     "llamaish-2d": ("llamaish", P(tp=4, tp_mode="2d", microbatches=1), {}),
     "gpt2ish-tied-2d-dp2-zero3": ("gpt2ish", P(dp=2, tp=4, tp_mode="2d", microbatches=1), {"stage": 3}),
     "llamaish-2.5d": ("llamaish", P(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=1), {}),
+    "moe-gpt-dp2-ep2": ("moe-gpt", P(dp=2, ep=2), {}),
+    "moe-gpt-dp2-ep2-tp2-megatron-sp": ("moe-gpt", P(dp=2, ep=2, tp=2, sequence_parallel=True), {}),
+    "moe-gpt-dp4-ep2-zero3": ("moe-gpt", P(dp=4, ep=2, microbatches=1), {"stage": 3}),
     "gpt2ish-tied-3d": ("gpt2ish", P(tp=8, tp_mode="3d", microbatches=1), {}),
 }
 

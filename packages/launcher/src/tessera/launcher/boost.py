@@ -34,7 +34,7 @@ from tessera.launcher.compiling import compile_layers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.deferred import DeferredValues, InitFn, has_deferred
 from tessera.launcher.engine import Engine
-from tessera.launcher.experts import check_experts, expert_sharding, expert_slices, refuse_experts, shard_moe
+from tessera.launcher.experts import check_experts, expert_sharding, expert_slices, shard_moe
 from tessera.launcher.moe_style import check_moe_plan
 from tessera.launcher.objective import objective
 from tessera.launcher.placement import Placement
@@ -210,7 +210,6 @@ def boost(
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
     serial = None
     if has_deferred(model):  # built by ``deferred_parameters``: kept as meta, before tp converts it
-        refuse_experts(topology.ep, "deferred initialization")
         serial = copy.deepcopy(model)
     if pp > 1:  # checked on the serial model, before anything changes it
         serial_blocks = pipeline_blocks(model, spec)
@@ -251,7 +250,13 @@ def boost(
         None
         if serial is None
         else DeferredValues(
-            serial, model, seed=config.train.seed, init=init, tp_rank=mesh.coordinate("tp"), tp=tp
+            serial,
+            model,
+            seed=config.train.seed,
+            init=init,
+            tp_rank=mesh.coordinate("tp"),
+            tp=tp,
+            experts=experts,
         )
     )
     t = config.train

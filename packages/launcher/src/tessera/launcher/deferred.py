@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -130,7 +130,9 @@ class DeferredValues:
     before it was converted; module names are serial names), cut as ``parallelize`` split
     that parameter (``shard_specs(model)``, the same specs checkpoints reshard by, for every
     tensor-parallel mode: 1D slices, the 2D / 2.5D / 3D grids' blocks) for tensor-parallel
-    rank ``tp_rank`` of ``tp``; a parameter no spec names is whole. A module's values are
+    rank ``tp_rank`` of ``tp``, after taking the experts ``(start, stop)`` of an expert bank
+    this rank holds (``experts``: by parameter name, ``expert_slices``); a parameter neither
+    names is whole. A module's values are
     made once for all its parameters (kept until another module's are asked for).
     ``made``: the number of elements given so far."""
 
@@ -143,9 +145,11 @@ class DeferredValues:
         init: InitFn | None = None,
         tp_rank: int = 0,
         tp: int = 1,
+        experts: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self._serial = serial
         self._specs = shard_specs(model)
+        self._experts = dict(experts or {})
         self._tp_rank, self._tp = tp_rank, tp
         self._seed = seed
         self._init = init if init is not None else default_init(serial)
@@ -168,8 +172,9 @@ class DeferredValues:
                 raise ValueError(f"deferred initialization found no serial module for {name}") from None
             self._last = (owner, _initialized(module, owner, self._seed, self._init))
         full = self._last[1][pname]
-        spec = self._specs.get(name)
-        part = full if spec is None else spec.shard(full, self._tp_rank, self._tp)
+        span, spec = self._experts.get(name), self._specs.get(name)
+        mine = full if span is None else full[span[0] : span[1]]
+        part = mine if spec is None else spec.shard(mine, self._tp_rank, self._tp)
         if tuple(part.shape) != tuple(param.shape):
             raise ValueError(
                 f"deferred initialization: {name}'s serial value {tuple(full.shape)} cut for tp rank "

@@ -15,8 +15,7 @@ An expert-parallel engine holds each layer's experts split over the ep ranks und
 serial parameter names; ``expert_slices`` says which experts of each bank a rank holds, so
 that what assembles the serial model (the portable state of a checkpoint, consolidation,
 export) gathers the banks over the ep group and what loads one (a resume under another
-layout, an import) keeps each rank's slice. The first step's serial verification and
-deferred initialization are not built for it and refuse it (``refuse_experts``).
+layout, an import, deferred initialization) keeps each rank's slice.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from torch import nn
 from tessera.comm import Mesh, group_size
 from tessera.moe import MoE, expert_parameters, shard_experts
 
-__all__ = ["check_experts", "expert_sharding", "expert_slices", "moe_layers", "refuse_experts", "shard_moe"]
+__all__ = ["check_experts", "expert_sharding", "expert_slices", "moe_layers", "shard_moe"]
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +95,3 @@ def expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
         for pname, _ in layer.experts.named_parameters():
             out[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = span
     return out
-
-
-def refuse_experts(ep: int, what: str) -> None:
-    """Raise ValueError when ``what`` would need the whole serial model under ``ep`` > 1."""
-    if ep > 1:
-        raise ValueError(
-            f"{what} with parallel.ep={ep} is not built: each rank holds 1/{ep} of every MoE layer's experts"
-        )
