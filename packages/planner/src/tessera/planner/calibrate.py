@@ -45,8 +45,14 @@ __all__ = ["calibrate"]
 SMALL, LARGE = 256, 4 * 2**20  # bytes of the two all-reduces
 
 
-def _median(fn: Callable[[], object], iters: int) -> float:
+def _median(fn: Callable[[], object], iters: int, budget_s: float = float("inf")) -> float:
+    """Median seconds of ``iters`` calls of ``fn`` after one untimed; fewer (at least 3) when
+    that first call says ``iters`` would take more than ``budget_s`` (a bf16 profile on a
+    CPU without bf16 arithmetic takes seconds a call)."""
+    t0 = time.perf_counter()
     fn()
+    first = time.perf_counter() - t0
+    iters = max(min(iters, 3), min(iters, int(budget_s / max(first, 1e-9))))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -233,7 +239,7 @@ def _profile(layers: int, hidden: int, seq: int, rows: int, bf16: bool = False) 
     def step() -> None:
         torch.autograd.backward(model.loss(idx, targets))  # Tensor.backward is unannotated
 
-    seconds = _median(step, 10)
+    seconds = _median(step, 10, budget_s=3.0)
     spec = ModelShape(layers=layers, hidden=hidden, heads=4, vocab=128, seq=seq, batch=rows)
     flops = spec.step_flops()
     return seconds, flops, 3.0 * (layers * OPS_LAYER + 2 * OPS_EDGE)
