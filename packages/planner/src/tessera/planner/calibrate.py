@@ -52,7 +52,8 @@ def _median(fn: Callable[[], object], iters: int, budget_s: float = float("inf")
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0
-    iters = max(min(iters, 3), min(iters, int(budget_s / max(first, 1e-9))))
+    if first * iters > budget_s:
+        iters = max(min(iters, 3), int(budget_s / max(first, 1e-9)))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
