@@ -150,9 +150,14 @@ class Cluster:
         """(latency s, bandwidth B/s) of a group whose ranks lie ``span`` consecutive ranks
         apart at most: inside one node when the span fits a node (or the ``ranks_on_node``
         sharing it), otherwise across nodes."""
-        if span <= max(self.devices_per_node, ranks_on_node):
+        if self.inside(span, ranks_on_node):
             return self.intra_latency, self.intra_bandwidth
         return self.inter_latency, self.inter_bandwidth
+
+    def inside(self, span: int, ranks_on_node: int = 1) -> bool:
+        """Whether a group spanning ``span`` consecutive ranks fits one node (of its devices or
+        of the ``ranks_on_node`` sharing it)."""
+        return span <= max(self.devices_per_node, ranks_on_node)
 
     def ranks_per_core(self, ranks_on_node: int) -> float:
         """How many ranks share each core when ``ranks_on_node`` ranks run on a node whose

@@ -112,7 +112,7 @@ class Estimate:
 def _link(cluster: Cluster, span: int, world: int) -> Link:
     per_node = cluster.ranks_per_node(world)
     latency, bandwidth = cluster.link(span, per_node)
-    inside = span <= max(cluster.devices_per_node, per_node)
+    inside = cluster.inside(span, per_node)
     measured: dict[str, float] = {}
     if cluster.a2a_bandwidth > 0:
         measured |= {"a2a_latency": cluster.a2a_latency, "a2a_bandwidth": cluster.a2a_bandwidth}

@@ -59,9 +59,9 @@ class Link:
         """An all-reduce: the faster of ring (reduce-scatter + all-gather) and tree."""
         if n <= 1:
             return 0.0
-        ring = 2 * self.ring_phase(nbytes, n)
         if self.flat:  # one call: both phases' bytes, one round
             return self.call(1) + 2 * (n - 1) / n * nbytes / self.bandwidth
+        ring = 2 * self.ring_phase(nbytes, n)
         tree = 2 * math.ceil(math.log2(n)) * self.latency + 2 * nbytes / self.bandwidth
         return min(ring, tree)
 
