@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -170,4 +171,44 @@ def test_settling_after_a_hang_with_every_node_alive_names_nobody(tmp_path: Path
     with _watch(0, port, tmp_path, said, killed) as zero, _watch(1, port, tmp_path, said, killed):
         time.sleep(0.5)
         assert zero.settle() == []  # node 1 beat since: the hang was this node's ranks' own
+    assert said == [] and killed == [], said
+
+
+def _gone(zero: NodeWatch) -> None:
+    """Node 0's launcher exits: its watch stops and its store's server goes with the object."""
+    zero.__exit__(None, None, None)
+    zero._store = None
+    gc.collect()
+
+
+def test_node_0_finishing_first_keeps_its_store_until_the_others_finish(tmp_path: Path) -> None:
+    """At the end of a run node 0 may finish first: it waits for node 1 to finish before its
+    store goes, so node 1, still beating, does not name node 0 lost."""
+    port = _free_port()
+    said: list[str] = []
+    killed: list[int] = []
+    zero = _watch(0, port, tmp_path, said, killed).__enter__()
+    with _watch(1, port, tmp_path, said, killed) as one:
+        time.sleep(0.3)
+        leaving = threading.Thread(target=lambda: (zero.finish(), _gone(zero)))
+        leaving.start()
+        time.sleep(0.5)  # node 1's workers still run, and it beats (under the 1 s timeout)
+        assert said == [], said
+        one.finish()
+        leaving.join()
+        time.sleep(0.3)  # node 1's watch stays up a little after node 0 left
+    assert said == [] and killed == [], said
+
+
+def test_a_node_that_finished_does_not_miss_node_0s_store(tmp_path: Path) -> None:
+    port = _free_port()
+    said: list[str] = []
+    killed: list[int] = []
+    zero = _watch(0, port, tmp_path, said, killed).__enter__()
+    with _watch(1, port, tmp_path, said, killed) as one:
+        time.sleep(0.3)
+        one.finish()
+        zero.finish()
+        _gone(zero)
+        time.sleep(0.5)  # node 1 has not stopped its watch yet: the store is gone, its work is not
     assert said == [] and killed == [], said

@@ -9,7 +9,9 @@ nodes' counts: a node of the current attempt whose count has not moved for ``tim
 watchdog's ``train.watchdog_s``), or a store that stops answering (node 0 is gone), is lost:
 the watch says so in one line, naming the node, its host and its ranks, and calls
 ``on_lost`` (the launcher kills its own workers, so the step ends here too instead of waiting
-in a collective for gloo's timeout). A node that finishes says so, and is not missed.
+in a collective for gloo's timeout). A node that finishes says so, and is not missed; it stops
+watching, and node 0 keeps its store up until every other node of the attempt has said so too
+(or ``timeout_s`` passed), so that no node misses node 0's store at the very end of a run.
 
 The watch never stops a launch: if it cannot reach the store, it logs why and watches nothing.
 """
@@ -62,6 +64,7 @@ class NodeWatch:
         self.heartbeats, self.report, self.on_lost = heartbeats, report, on_lost
         self.attempt = 0
         self.lost: list[str] = []  # the lines said about lost nodes, this attempt
+        self._finished = False  # this node's workers ended normally: nothing more to watch
         self._store: Any = None
         self._seen: dict[int, tuple[int, float]] = {}  # node -> (count, when it last moved)
         self._lock = threading.Lock()
@@ -108,10 +111,29 @@ class NodeWatch:
                 return list(self.lost)
 
     def finish(self) -> None:
-        """This node's workers ended normally in this attempt: the others do not miss it."""
-        with self._lock, contextlib.suppress(Exception):
-            if self._store is not None:
-                self._store.set(f"done/{self.attempt}/{self.node}", "1")
+        """This node's workers ended normally in this attempt: the others do not miss it, and
+        this node watches no more. Node 0 then waits (at most ``timeout_s``) until every other
+        node of the attempt has finished too: its store must outlive their last beats."""
+        with self._lock:
+            self._finished = True
+            store = self._store
+            with contextlib.suppress(Exception):
+                if store is not None:
+                    store.set(f"done/{self.attempt}/{self.node}", "1")
+        if self.node != 0 or store is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            with self._lock, contextlib.suppress(Exception):
+                if self._all_done(store):
+                    return
+            time.sleep(self.interval / 2)
+        log.warning("node watch: not every node said it finished within %g s", self.timeout_s)
+
+    def _all_done(self, store: Any) -> bool:
+        a = self.attempt
+        joined = [n for n in range(self.nnodes) if n != self.node and store.check([f"node/{a}/{n}"])]
+        return all(store.check([f"done/{a}/{n}"]) for n in joined)
 
     # ------------------------------------------------------------------ the loop
     def _connect(self) -> Any:
@@ -143,6 +165,8 @@ class NodeWatch:
         while not self._stop.wait(self.interval):
             try:
                 with self._lock:
+                    if self._finished:
+                        return
                     lines = self._beat(store, time.monotonic())
             except (RuntimeError, OSError) as exc:  # the store stopped answering: node 0 is gone
                 if self.node == 0:
@@ -151,7 +175,9 @@ class NodeWatch:
                 lines = [
                     f"node 0 ({self.host}) is lost: its store at {self.host}:{self.port} stopped answering"
                 ]
-            if lines and not self.lost:
+            with self._lock:
+                if not lines or self.lost or self._finished:  # a store gone after this node finished
+                    continue
                 self.lost = lines
                 for line in lines:
                     self.report(line)
