@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from tessera.launcher.placement import local_part
 from tessera.tensor_parallel import shard_specs
 
 __all__ = ["DeferredValues", "InitFn", "default_init", "deferred_parameters", "has_deferred", "init_by_name"]
@@ -172,13 +173,9 @@ class DeferredValues:
                 raise ValueError(f"deferred initialization found no serial module for {name}") from None
             self._last = (owner, _initialized(module, owner, self._seed, self._init))
         full = self._last[1][pname]
-        span, spec = self._experts.get(name), self._specs.get(name)
-        mine = full if span is None else full[span[0] : span[1]]
-        part = mine if spec is None else spec.shard(mine, self._tp_rank, self._tp)
-        if tuple(part.shape) != tuple(param.shape):
-            raise ValueError(
-                f"deferred initialization: {name}'s serial value {tuple(full.shape)} cut for tp rank "
-                f"{self._tp_rank} of {self._tp} is {tuple(part.shape)}, the parameter is {tuple(param.shape)}"
-            )
+        try:
+            part = local_part(full, name, self._specs, self._experts, self._tp_rank, self._tp, param.shape)
+        except ValueError as exc:
+            raise ValueError(f"deferred initialization: {exc}") from None
         self.made += part.numel()
         return part

@@ -3,16 +3,17 @@ model offers to the code that saves and gathers it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from tessera.comm import Mesh
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
-__all__ = ["Boosted", "Placement"]
+__all__ = ["Boosted", "Placement", "local_part"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,35 @@ class Placement:
     shard_specs: dict[str, ShardSpec] = field(default_factory=dict)  # serial name -> tp split
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
     experts: dict[str, tuple[int, int]] = field(default_factory=dict)  # serial name -> ep slice
+
+    def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
+        """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""
+        return local_part(full, name, self.shard_specs, self.experts, tp_rank, tp, shape)
+
+
+def local_part(
+    full: Tensor,
+    name: str,
+    shard_specs: Mapping[str, ShardSpec],
+    experts: Mapping[str, tuple[int, int]],
+    tp_rank: int,
+    tp: int,
+    shape: Sequence[int],
+) -> Tensor:
+    """The part of serial tensor ``name`` (a parameter's value, or its optimizer state) that
+    tensor-parallel rank ``tp_rank`` of ``tp`` holds: the experts ``experts[name]`` of an expert
+    bank, then that slice's shard as ``shard_specs[name]`` says (a name in neither is whole).
+    ValueError, naming the shapes, when the part is not ``shape`` (the local parameter's)."""
+    span, spec = experts.get(name), shard_specs.get(name)
+    mine = full if span is None else full[span[0] : span[1]]
+    part = mine if spec is None else spec.shard(mine, tp_rank, tp)
+    if tuple(part.shape) != tuple(shape):
+        held = "" if span is None else f"experts {span[0]}..{span[1] - 1}, "
+        raise ValueError(
+            f"{name}: the serial {tuple(full.shape)} gives {tuple(part.shape)} on {held}tp rank {tp_rank} "
+            f"of {tp}; the parameter is {tuple(shape)}"
+        )
+    return part
 
 
 class Boosted(Protocol):

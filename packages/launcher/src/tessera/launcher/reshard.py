@@ -171,18 +171,13 @@ class _TPShards(Mapping[str, Tensor]):
         if f"{kind}/{full_name}" not in self._state:
             raise ValueError(f"the saved state lacks {kind}/{full_name}")
         full = self._state[f"{kind}/{full_name}"]
-        mesh, placement = self._engine.mesh, self._engine.placement
-        spec, span = placement.shard_specs.get(full_name), placement.experts.get(full_name)
-        tp_rank = mesh.coordinate("tp")
-        mine = full if span is None else full[span[0] : span[1]]
-        shard = mine if spec is None else spec.shard(mine, tp_rank, mesh.size("tp"))
-        if tuple(shard.shape) != tuple(param.shape):
-            experts = "" if span is None else f"experts {span[0]}..{span[1] - 1}, "
-            raise ValueError(
-                f"{kind}/{full_name}: the saved {tuple(full.shape)} gives a shard of "
-                f"{tuple(shard.shape)} on {experts}tp rank {tp_rank}, the parameter is {tuple(param.shape)}"
+        mesh = self._engine.mesh
+        try:
+            return self._engine.placement.part(
+                full, full_name, mesh.coordinate("tp"), mesh.size("tp"), param.shape
             )
-        return shard
+        except ValueError as exc:
+            raise ValueError(f"the saved {kind}/{exc}") from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._scalars or key in self._keys
