@@ -128,11 +128,28 @@ def _all_reduce_times(world: int, sizes: tuple[int, ...], op: str = "all_reduce"
     return _spawn(_collective_worker, world, sizes, op)
 
 
+def _small_and_large(op: str, tries: int = 3) -> tuple[float, float]:
+    """Median seconds of ``op`` (`_all_reduce_times`) on ``SMALL`` and on ``LARGE`` bytes
+    between two processes. A large call no slower than a small one says other work disturbed
+    the small one's timing (its fit would give an absurd bandwidth): it is measured again, up
+    to ``tries`` times, then RuntimeError naming the times."""
+    small = large = 0.0
+    for _ in range(tries):
+        small, large = _all_reduce_times(2, (SMALL, LARGE), op=op)
+        if large > small:
+            return small, large
+    raise RuntimeError(
+        f"calibration: {op} of {LARGE} bytes took {large:.6f} s, no longer than of {SMALL} bytes "
+        f"({small:.6f} s), {tries} times: other work on this machine disturbs the timing; "
+        "calibrate again when it is quiet"
+    )
+
+
 def _all_to_all() -> tuple[float, float]:
     """(a2a_latency s, a2a_bandwidth B/s): two processes time all-to-alls of a small and a
     large buffer, fitted to ``latency + bytes / 2 / bandwidth`` (half the buffer leaves)."""
-    small, large = _all_reduce_times(2, (SMALL, LARGE), op="all_to_all")
-    bandwidth = (LARGE - SMALL) / 2 / max(large - small, 1e-9)
+    small, large = _small_and_large("all_to_all")
+    bandwidth = (LARGE - SMALL) / 2 / (large - small)
     return max(small - SMALL / 2 / bandwidth, 1e-7), bandwidth
 
 
@@ -140,8 +157,8 @@ def _fit(op: str, passes: int) -> tuple[float, float]:
     """(latency s, bandwidth B/s) of ``op`` on two processes, from a call of the small and of
     the large size, each taking ``2 latency + passes * bytes / bandwidth``: an all-reduce
     (``passes`` 1, the alpha-beta model's 2-rank form) or a message there and back (2)."""
-    small, large = _all_reduce_times(2, (SMALL, LARGE), op=op)
-    bandwidth = passes * (LARGE - SMALL) / max(large - small, 1e-9)
+    small, large = _small_and_large(op)
+    bandwidth = passes * (LARGE - SMALL) / (large - small)
     return max((small - passes * SMALL / bandwidth) / 2, 1e-7), bandwidth
 
 
