@@ -11,7 +11,9 @@ measures a subset). Per configuration, one JSON line:
   (``round_steps_s``: every round's; other work on a shared machine only adds time);
   ``min_step_s``: the fastest step of the slowest rank over every round (the least disturbed
   by other work; the summary line ranks by both, and names the misordered pairs of cases);
-  ``predicted_step_s``:
+  ``cpu_per_rank_s``: the CPU seconds per step a rank's process used in that round (every
+  thread; the mean over ranks: with more ranks than cores the step is about this times the
+  ranks per core); ``predicted_step_s``:
   the planner's, on the cluster of ``--cluster``: by default this machine as
   ``tessera plan --calibrate`` measures it at the start of the same run (a machine's speed
   drifts from one day to the next; the calibration is printed as a JSON line first), or a
@@ -50,6 +52,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import resource
 import statistics
 import sys
 import time
@@ -141,12 +144,26 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     rss_mb = (status_kb("VmHWM") - base) / 1024
     engine.zero.step = step  # type: ignore[method-assign]
     times, loss = [], float("nan")
+    cpu0 = _cpu_s()
     for i in range(warmup, warmup + iters):
         t0 = time.perf_counter()
         loss = engine.train_step(*batches[i]).loss
         times.append(time.perf_counter() - t0)
+    cpu = (_cpu_s() - cpu0) / max(iters, 1)
     engine.mesh.close()
-    return {"times": times, "rss_mb": rss_mb, "model_state": max(states) if states else 0, "loss": loss}
+    return {
+        "times": times,
+        "cpu_s": cpu,
+        "rss_mb": rss_mb,
+        "model_state": max(states) if states else 0,
+        "loss": loss,
+    }
+
+
+def _cpu_s() -> float:
+    """CPU seconds this process has used (every thread: the collectives' lanes too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -213,6 +230,7 @@ def measure(
             "step_time_s": round(step, 5),
             "round_steps_s": [round(median_step(r), 4) for r in runs[case]],
             "min_step_s": round(min(fastest(r) for r in runs[case]), 5),
+            "cpu_per_rank_s": round(statistics.fmean(r["cpu_s"] for r in per_rank), 5),
             "predicted_step_s": round(est.time.total, 5),
             "tokens_per_s": round(BATCH * MODEL.seq_len / step, 1),
             "model_state_bytes": max(r["model_state"] for r in memory[case]),
