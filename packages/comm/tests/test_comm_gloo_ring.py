@@ -260,7 +260,10 @@ def _poll(handles: list[Handle[Tensor]]) -> bool:
 
 def _completion(rank: int) -> tuple[list[bool], bool, list[Tensor]]:
     """Rank 1 enters the rings only once rank 0 has looked at its handles: until then rank 0's
-    rings cannot finish (they wait for rank 1's chunks), so a truthful handle says False."""
+    rings cannot finish (they wait for rank 1's chunks), so a truthful handle says False. The
+    group's first collective sets its transport up, collectively (shared memory: the ranks
+    compare hosts), so it runs on both ranks before that."""
+    all_reduce(torch.zeros(1))
     x = torch.arange(4.0) + 10 * rank
     if rank == 1:
         recv(torch.empty(1), 0)  # the go signal (user tag 0, not the ring's)

@@ -218,3 +218,49 @@ def test_links_of_three_ranks_on_a_tcp_store_connect_in_a_cycle() -> None:
         assert p.returncode == 0 and f"ok {rank}" in text, (
             f"rank {rank} exited {p.returncode}: {text[-3000:]}"
         )
+
+
+def _first_message_beside_a_collective(
+    rank: int, transport: str
+) -> tuple[Tensor | None, Tensor | None, bool, bool]:
+    """Rank 0 sends on a new group before the group's first collective, rank 1 receives after
+    it; then both call `share_memory` on the group and exchange one more message."""
+    import torch.distributed as dist
+
+    from tessera.comm import all_reduce, shm_p2p
+
+    group = dist.new_group([0, 1])
+    x = torch.arange(6.0)
+    got: Tensor | None = None
+    if rank == 0:
+        sent = batch_isend_irecv([(x, 1)], [], group)
+        all_reduce(torch.ones(1), group)
+        sent.wait()
+    else:
+        all_reduce(torch.ones(1), group)  # this rank's first collective on the group comes first
+        got = batch_isend_irecv([], [(torch.empty_like(x), 0)], group).wait()[0]
+    before = shm_p2p.applies([x], group)
+    shared = share_memory(group)
+    assert shared == shm_p2p.applies([x], group) == (transport == "shm"), (shared, transport)
+    again: Tensor | None = None
+    if rank == 0:
+        batch_isend_irecv([(2 * x, 1)], [], group).wait()
+    else:
+        again = batch_isend_irecv([], [(torch.empty_like(x), 0)], group).wait()[0]
+    return got, again, before, shared
+
+
+@both
+def test_a_collective_does_not_switch_a_groups_messages_only_share_memory_does(
+    worker_pools: PoolFactory, transport: str
+) -> None:
+    """Ranks reach a group's first collective at different points: had it switched the group's
+    messages to shared memory, rank 1 (after it) would wait in a FIFO for a message rank 0
+    (before it) sent over a link."""
+    per_rank = worker_pools(2).run(_first_message_beside_a_collective, transport, env=TRANSPORTS[transport])
+    (_, _, before0, shared0), (got, again, before1, shared1) = per_rank
+    x = torch.arange(6.0)
+    assert got is not None and torch.equal(got, x)
+    assert again is not None and torch.equal(again, 2 * x)
+    assert not before0 and not before1
+    assert shared0 == shared1 == (transport == "shm")

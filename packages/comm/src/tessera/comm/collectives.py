@@ -437,10 +437,16 @@ def _broadcast(x: Tensor, src: int, group: Group, async_op: bool) -> Handle[Tens
     n = group_size(group)
     if not 0 <= src < n:
         raise ValueError(f"broadcast source {src} is outside the group of {n} ranks")
-    out = x.detach().clone(memory_format=torch.contiguous_format)
     if n == 1:
-        return _done(out)
+        return _done(x.detach().clone(memory_format=torch.contiguous_format))
     me = group_rank(group)
+    # the root sends a copy of x; every other rank's buffer is overwritten whole, so its x
+    # is not copied first (SUMMA issues q broadcasts per Linear and pass)
+    out = (
+        x.detach().clone(memory_format=torch.contiguous_format)
+        if me == src
+        else torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
     record(CommOp.BROADCAST, group_size=n, nbytes=out.nbytes, is_root=me == src, like=out)
     segment = shm.applies(out, group)
     if segment is not None:

@@ -3,12 +3,13 @@
 Peers are named by their rank *inside* ``group`` (``None``: the world). Torch's threaded
 test backend has no send/recv; use the gloo worker pool (tessera.comm.testing) to test p2p.
 
-CPU tensors on a gloo group travel through shared-memory FIFOs where the group's ranks are
-known to share a host (`tessera.comm.shm_p2p`: after a collective on the group or
-`share_memory(group)`), else over `tessera.comm.links` (private two-rank gloo groups, 1.7-
-2.4x faster than torch's gloo p2p). Their handles report completion as it happens, so
-``wait()`` polls first (`tessera.comm.waiting`). Elsewhere torch's ``batch_isend_irecv``
-runs. All match messages in post order per (pair, tag).
+CPU tensors on a gloo group travel through shared-memory FIFOs once every rank of the group
+has called `share_memory(group)` and its ranks share a host (`tessera.comm.shm_p2p`; a
+collective on the group does not switch its messages over, so ranks that reach it at
+different points never disagree on the transport), else over `tessera.comm.links` (private
+two-rank gloo groups, 1.7-2.4x faster than torch's gloo p2p). Their handles report
+completion as it happens, so ``wait()`` polls first (`tessera.comm.waiting`). Elsewhere
+torch's ``batch_isend_irecv`` runs. All match messages in post order per (pair, tag).
 """
 
 from __future__ import annotations

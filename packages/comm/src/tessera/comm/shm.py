@@ -72,7 +72,6 @@ __all__ = [
     "all_to_all",
     "applies",
     "broadcast",
-    "known_local",
     "local_segment",
     "reduce_scatter",
 ]
@@ -320,12 +319,6 @@ def _setup(pg: dist.ProcessGroup) -> Segment | None:
         return None
     assert buf is not None
     return Segment(buf, n, me, [int(pid) for _, pid in peers], group_timeout_s(pg))
-
-
-def known_local(pg: dist.ProcessGroup) -> bool:
-    """Whether ``pg`` has a segment already (its ranks share a host; nothing is set up)."""
-    with _LOCK:
-        return _SEGMENTS.get(pg) is not None
 
 
 def local_segment(group: dist.ProcessGroup | None) -> Segment | None:

@@ -1,9 +1,13 @@
 """Point-to-point between ranks of one host through shared memory: one FIFO per direction.
 
-Where a group's ranks are known to share a host (its collectives run in shared memory,
-`tessera.comm.shm`: set up by its first collective or by `share_memory`), its messages go
-through a file both ranks of a pair map, not over sockets. Each pair of group ranks, per
-tag, has one file with a FIFO per direction: ``SLOTS`` slots of ``SLOT_BYTES`` bytes, a
+Once every rank of a group has called `share_memory` on it (a collective: it sets up the
+group's shared-memory segment, `tessera.comm.shm`, and says whether its ranks share a host),
+its messages go through a file both ranks of a pair map, not over sockets. Only that explicit
+call switches a group's messages over: a collective on the group sets up the same segment,
+but ranks reach their first collective at different points of their programs, and a rank
+that sent before it while its peer received after would choose another transport than its
+peer and wait forever. Each pair of group ranks, per tag, has one file with a FIFO per
+direction: ``SLOTS`` slots of ``SLOT_BYTES`` bytes, a
 ``sent`` counter the producer advances and a ``done`` counter the consumer advances, each
 with a bell (a futex word the writer bumps and wakes, as in `tessera.comm.shm`). A message
 goes in slot-sized pieces; each piece carries the bytes of the message left, so a receive
@@ -204,6 +208,7 @@ _PAIRS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, int, int], 
 _PAIRS = weakref.WeakKeyDictionary()
 _BUILT: dict[tuple[str, int, int, int], int] = {}
 _FIRST: set[str] = set()  # pair files this process mapped first: the peer unlinks them when it maps
+_SHARED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()  # groups `share_memory` said share a host
 _LOCK = threading.Lock()
 
 
@@ -211,6 +216,7 @@ def _forget() -> None:  # a forked child has none of its parent's pairs
     global _LOCK
     _LOCK = threading.Lock()
     _PAIRS.clear()
+    _SHARED.clear()
     _BUILT.clear()
     _FIRST.clear()
 
@@ -250,17 +256,28 @@ def _pair(pg: dist.ProcessGroup, peer: int, tag: int) -> _Pair:
 
 def share_memory(group: dist.ProcessGroup | None) -> bool:
     """Collective over ``group``: set up (once) what lets its ranks exchange through shared
-    memory, and say whether they can (all on one host, see `tessera.comm.shm.applies`)."""
-    return shm.local_segment(group) is not None
+    memory, and say whether they can (all on one host, see `tessera.comm.shm.applies`). From
+    then on this rank's messages on ``group`` go through shared memory when they can; every
+    rank of the group calls it before its first message on the group, or none does."""
+    if shm.local_segment(group) is None:
+        return False
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed is not initialised"
+    with _LOCK:
+        _SHARED.add(pg)
+    return True
 
 
 def applies(tensors: list[Tensor], group: dist.ProcessGroup | None) -> bool:
     """Whether p2p of ``tensors`` on ``group`` goes through shared memory: CPU tensors on a
-    group whose collectives already do (never sets anything up: p2p is not collective)."""
+    group `share_memory` found on one host (never sets anything up: p2p is not collective)."""
     if not tensors or any(t.device.type != "cpu" for t in tensors) or not enabled_from_env(os.environ):
         return False
     pg = group if group is not None else dist.group.WORLD
-    return pg is not None and shm.known_local(pg)
+    if pg is None:
+        return False
+    with _LOCK:
+        return pg in _SHARED
 
 
 def _post(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int, send: bool) -> Transfer:
