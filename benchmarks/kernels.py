@@ -17,28 +17,14 @@ Each figure is the median of 10 timed calls after 3 untimed. ``hatch run bench k
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _common import emit
+from _common import emit, median_time
 
 from tessera.models import GPT, GPTConfig, make_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _median_s(fn: Callable[[], object], iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _record(config: str, seconds: float, **extra: float) -> None:
@@ -65,7 +51,7 @@ def matmuls(shapes: list[tuple[int, int, int]]) -> None:
                 for _ in range(reps):
                     a @ b
 
-            seconds = _median_s(run) / reps
+            seconds = median_time(run) / reps
             _record(f"matmul {m}x{k}x{n} {name}", seconds, flops_per_s=round(2 * m * k * n / seconds, -6))
 
 
@@ -82,7 +68,7 @@ def attention(rows: int, seq: int, hidden: int, head_sizes: list[int]) -> None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 torch.autograd.backward(out, torch.ones_like(out))
 
-            _record(f"attention {rows}x{seq} tokens d={hidden} {size} per head {name}", _median_s(run))
+            _record(f"attention {rows}x{seq} tokens d={hidden} {size} per head {name}", median_time(run))
 
 
 def gpts(seq: int, hidden: int, head_sizes: list[int]) -> None:
@@ -96,7 +82,7 @@ def gpts(seq: int, hidden: int, head_sizes: list[int]) -> None:
             def run(model: GPT = model, idx: torch.Tensor = idx, targets: torch.Tensor = targets) -> None:
                 torch.autograd.backward(model.loss(idx, targets))
 
-            seconds[name] = _median_s(run)
+            seconds[name] = median_time(run)
         for name, s in seconds.items():
             extra = {"bf16_speedup": round(seconds["fp32"] / s, 3)} if name == "bf16" else {}
             _record(f"gpt d={hidden} {size} per head seq {seq} 4 rows {name}", s, **extra)
