@@ -164,6 +164,26 @@ def test_settling_after_a_hang_waits_for_a_silent_node_and_names_it(tmp_path: Pa
     assert lines[0].startswith(f"node 1 ({socket.gethostname()}, ranks unknown) is lost"), lines
 
 
+def test_settling_names_a_silent_node_itself_when_the_watch_is_late(tmp_path: Path) -> None:
+    """On a loaded host the watch's thread can name a silent node later than settling's bound,
+    or notice the node's last beat only after settling began (which read as "beaten since"):
+    settling compares the node's count in the store with what it was when settling began, and
+    names a node whose count never moved by its bound itself. The watch here never names."""
+    port = _free_port()
+    said0: list[str] = []
+    killed: list[int] = []
+    with _watch(0, port, tmp_path, said0, killed) as zero:
+        beat = zero._beat
+        zero._beat = lambda store, now: (beat(store, now), [])[1]  # type: ignore[method-assign]
+        one = _watch(1, port, tmp_path, [], killed).__enter__()
+        time.sleep(0.5)
+        one._stop.set()  # node 1 goes silent just before this node's watchdog fires
+        one._thread.join()
+        lines = zero.settle()
+    assert len(lines) == 1 and lines == said0 and killed == [0], (lines, said0, killed)
+    assert lines[0].startswith(f"node 1 ({socket.gethostname()}, ranks unknown) is lost"), lines
+
+
 def test_settling_after_a_hang_with_every_node_alive_names_nobody(tmp_path: Path) -> None:
     port = _free_port()
     said: list[str] = []

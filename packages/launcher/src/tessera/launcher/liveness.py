@@ -98,17 +98,34 @@ class NodeWatch:
         step on, up to a step before the node vanished, so the rank watchdog can fire before
         the node's heartbeat is ``timeout_s`` old; settling names the node as the cause. It
         takes one beat or two when every node is alive, and at most ``timeout_s`` and two beats
-        more (the watch's own bound) when one is not."""
+        more (the watch's own bound) when one is not. "Beaten since" is a node's count in the
+        store moving past what it was when settling began (not this watch noticing a move: it
+        may notice a node's last beat after settling began); a node whose count has not moved
+        by the bound is named here, should the watch's thread not have named it yet."""
         since = time.monotonic()
         deadline = since + self.timeout_s + 2 * self.interval
+        with self._lock:
+            if self.lost or self._store is None:
+                return list(self.lost)
+            store, a = self._store, self.attempt
+            try:
+                start = {n: int(store.add(f"beat/{a}/{n}", 0)) for n in self._seen}
+            except (RuntimeError, OSError):  # node 0 is gone: the watch names it
+                start = {n: count for n, (count, _) in self._seen.items()}
         while True:
             with self._lock:
                 if self.lost or self._store is None:
                     return list(self.lost)
-                if all(moved > since for _, moved in self._seen.values()):
+                silent = [n for n, c in start.items() if n in self._seen and self._seen[n][0] <= c]
+                if not silent:
                     return []
-            if time.monotonic() > deadline or self._stop.wait(self.interval / 2):
-                return list(self.lost)
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(RuntimeError, OSError):
+                        self._declare([self._lost_line(store, n, time.monotonic() - since) for n in silent])
+                    return list(self.lost)
+            if self._stop.wait(self.interval / 2):
+                with self._lock:
+                    return list(self.lost)
 
     def finish(self) -> None:
         """This node's workers ended normally in this attempt: the others do not miss it, and
@@ -176,12 +193,17 @@ class NodeWatch:
                     f"node 0 ({self.host}) is lost: its store at {self.host}:{self.port} stopped answering"
                 ]
             with self._lock:
-                if not lines or self.lost or self._finished:  # a store gone after this node finished
-                    continue
-                self.lost = lines
-                for line in lines:
-                    self.report(line)
-                self.on_lost()
+                self._declare(lines)
+
+    def _declare(self, lines: list[str]) -> None:
+        """Say ``lines`` about lost nodes and end this attempt here (under the lock), unless a
+        node was named already or this node finished (a store gone after it finished)."""
+        if not lines or self.lost or self._finished:
+            return
+        self.lost = lines
+        for line in lines:
+            self.report(line)
+        self.on_lost()
 
     def _beat(self, store: Any, now: float) -> list[str]:
         a = self.attempt
@@ -201,14 +223,17 @@ class NodeWatch:
             if last is None or last[0] != count:
                 self._seen[node] = (count, now)
             elif now - last[1] > self.timeout_s:
-                info = json.loads(_get(store, f"node/{a}/{node}", "{}"))
-                where = info.get("host", "?")
-                held = _ranks(info.get("ranks", []))
-                lines.append(
-                    f"node {node} ({where}, ranks {held}) is lost: no heartbeat for {now - last[1]:.0f} s "
-                    f"(train.watchdog_s = {self.timeout_s:g}); ending this attempt on node {self.node}"
-                )
+                lines.append(self._lost_line(store, node, now - last[1]))
         return lines
+
+    def _lost_line(self, store: Any, node: int, silent_s: float) -> str:
+        info = json.loads(_get(store, f"node/{self.attempt}/{node}", "{}"))
+        where = info.get("host", "?")
+        held = _ranks(info.get("ranks", []))
+        return (
+            f"node {node} ({where}, ranks {held}) is lost: no heartbeat for {silent_s:.0f} s "
+            f"(train.watchdog_s = {self.timeout_s:g}); ending this attempt on node {self.node}"
+        )
 
 
 def _get(store: Any, key: str, default: str) -> str:

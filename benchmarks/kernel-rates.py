@@ -11,7 +11,7 @@ On one thread, as a launcher's rank runs (``OMP_NUM_THREADS=1``):
   ``--seq``, 4 rows, vocabulary 256) at the same head sizes, its parameters in fp32 and in
   bf16, and their ratio ``bf16_speedup``.
 
-Each figure is the median of 10 timed calls after 3 untimed. ``hatch run bench kernels``.
+Each figure is the median of 10 timed calls after 3 untimed. ``hatch run bench kernel-rates``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _record(config: str, seconds: float, **extra: float) -> None:
     emit(
         {
-            "bench": "kernels",
+            "bench": "kernel-rates",
             "system": "torch",
             "config": config,
             "step_time_s": round(seconds, 6),

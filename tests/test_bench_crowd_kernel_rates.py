@@ -1,4 +1,4 @@
-"""``hatch run bench crowd`` and ``hatch run bench kernels`` at a tiny size, so neither can rot:
+"""``hatch run bench crowd`` and ``hatch run bench kernel-rates`` at a tiny size, so neither can rot:
 every line is well formed and carries the figures its README entry names, one line per point
 asked for. The figures themselves are the benchmarks' business."""
 
@@ -50,9 +50,9 @@ def test_a_crowd_bench_given_more_syncs_than_units_stops_before_spawning() -> No
     ]
 
 
-def test_the_kernels_bench_runs_tiny() -> None:
+def test_the_kernel_rates_bench_runs_tiny() -> None:
     lines = _bench(
-        "kernels", "--shapes", "16x8x4", "--heads", "8,16", "--hidden", "16", "--seq", "8", "--rows", "2"
+        "kernel-rates", "--shapes", "16x8x4", "--heads", "8,16", "--hidden", "16", "--seq", "8", "--rows", "2"
     )
     configs = [r["config"] for r in lines]
     assert configs == [
