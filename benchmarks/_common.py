@@ -42,6 +42,12 @@ def median_time(step: Callable[[], object], *, warmup: int = 3, iters: int = 10)
     return statistics.median(times)
 
 
+def cpu_s() -> float:
+    """CPU seconds this process has used (every thread: the collectives' lanes too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

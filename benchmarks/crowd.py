@@ -28,19 +28,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import time
 from typing import Any
 
-from _common import emit
+from _common import cpu_s, emit
 
 from tessera.comm.testing import WorkerPool
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _rank(
@@ -64,12 +58,12 @@ def _rank(
             runs = []
             for _ in range(repeats):
                 dist.barrier()
-                cpu0, t0 = _cpu_s(), time.perf_counter()
+                cpu0, t0 = cpu_s(), time.perf_counter()
                 for _ in range(n):
                     for _ in range(per):
                         a @ a
                     all_reduce(flag, group, inplace=True)
-                runs.append((time.perf_counter() - t0, _cpu_s() - cpu0))
+                runs.append((time.perf_counter() - t0, cpu_s() - cpu0))
             out.append({"g": g, "n": n, "walls": [w for w, _ in runs], "cpus": [c for _, c in runs]})
     return out
 

@@ -52,14 +52,13 @@ import argparse
 import dataclasses
 import logging
 import math
-import resource
 import statistics
 import sys
 import time
 from typing import Any
 
 import torch
-from _common import emit, malloc_for_rss, malloc_for_speed, rss_baseline, status_kb, table
+from _common import cpu_s, emit, malloc_for_rss, malloc_for_speed, rss_baseline, status_kb, table
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
@@ -144,12 +143,12 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
     rss_mb = (status_kb("VmHWM") - base) / 1024
     engine.zero.step = step  # type: ignore[method-assign]
     times, loss = [], float("nan")
-    cpu0 = _cpu_s()
+    cpu0 = cpu_s()
     for i in range(warmup, warmup + iters):
         t0 = time.perf_counter()
         loss = engine.train_step(*batches[i]).loss
         times.append(time.perf_counter() - t0)
-    cpu = (_cpu_s() - cpu0) / max(iters, 1)
+    cpu = (cpu_s() - cpu0) / max(iters, 1)
     engine.mesh.close()
     return {
         "times": times,
@@ -158,12 +157,6 @@ def _run(config: Config, warmup: int, iters: int) -> dict[str, Any]:
         "model_state": max(states) if states else 0,
         "loss": loss,
     }
-
-
-def _cpu_s() -> float:
-    """CPU seconds this process has used (every thread: the collectives' lanes too)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:

@@ -2,20 +2,20 @@
 
 Once every rank of a group has called `share_memory` on it (a collective: it sets up the
 group's shared-memory segment, `tessera.comm.shm`, and says whether its ranks share a host),
-its messages go through a file both ranks of a pair map, not over sockets. Only that explicit
-call switches a group's messages over: a collective on the group sets up the same segment,
-but ranks reach their first collective at different points of their programs, and a rank
-that sent before it while its peer received after would choose another transport than its
-peer and wait forever. Each pair of group ranks, per tag, has one file with a FIFO per
-direction: ``SLOTS`` slots of ``SLOT_BYTES`` bytes, a
-``sent`` counter the producer advances and a ``done`` counter the consumer advances, each
-with a bell (a futex word the writer bumps and wakes, as in `tessera.comm.shm`). A message
-goes in slot-sized pieces; each piece carries the bytes of the message left, so a receive
-whose buffer differs from the message sent fails naming both sizes instead of reading
-garbage. Posting never blocks: a send copies what fits now, a receive takes what has
-arrived, and every ``is_completed()`` and ``wait()`` of this process moves its own pending
-transfers on (so a send larger than the FIFO completes while its rank waits for anything).
-Messages of one (pair, tag) arrive in post order, as with torch's p2p.
+its messages go through a file both ranks of a pair map, not over sockets. Only that
+explicit call switches a group's messages over: a collective on the group sets up the same
+segment, but ranks reach their first collective at different points of their programs, and a
+rank that sent before it while its peer received after would choose another transport than
+its peer and wait forever. Each pair of group ranks, per tag, has one file with a FIFO per
+direction: ``SLOTS`` slots of ``SLOT_BYTES`` bytes, a ``sent`` counter the producer advances
+and a ``done`` counter the consumer advances, each with a bell (a futex word the writer
+bumps and wakes, as in `tessera.comm.shm`). A message goes in slot-sized pieces; each piece
+carries the bytes of the message left, so a receive whose buffer differs from the message
+sent fails naming both sizes instead of reading garbage. Posting never blocks: a send copies
+what fits now, a receive takes what has arrived, and every ``is_completed()`` and ``wait()``
+of this process moves its own pending transfers on (so a send larger than the FIFO completes
+while its rank waits for anything). Messages of one (pair, tag) arrive in post order, as
+with torch's p2p.
 
 Both ranks create the pair's file (same name: a job token from the store, the group, the tag
 and the pair) the first time they use it, without waiting for each other, and the second of
