@@ -104,18 +104,29 @@ class Nested(nn.Module):
 NESTED_ROLES = {("lm_head" if k == "output" else f"model.{k}"): v for k, v in ROLES.items()}
 
 
-def _model(kv: int, heads: int) -> nn.Module:
+FROZEN = ("tok_embeddings", "layers.0.attn", "layers.1.ffn_norm")
+"""What a fine-tuning run of Llamaish freezes here: the vocabulary embedding, a whole attention
+(column- and row-split projections) and a norm (whose gradient Megatron SP would sum)."""
+
+
+def _model(kv: int, heads: int, frozen: bool = False) -> nn.Module:
     if kv == 0:  # GPT2ish
         return GPT2ish(SIZES, seed=0)
     if kv < 0:  # Llamaish nested as Hugging Face nests its models
         return Nested(Llamaish(SIZES, seed=0))
-    return Llamaish(dataclasses.replace(SIZES, heads=heads, kv_heads=kv), seed=0)
+    model = Llamaish(dataclasses.replace(SIZES, heads=heads, kv_heads=kv), seed=0)
+    for name in FROZEN if frozen else ():
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
-    if adamw:
-        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    params = [p for p in model.parameters() if p.requires_grad]  # as a fine-tuning script builds it
+    if adamw:  # with frozen parameters, weight decay: one stepped by mistake would shrink
+        return torch.optim.AdamW(
+            params, lr=1e-2, weight_decay=0.1 if len(params) < len(list(model.parameters())) else 0.0
+        )
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 def _batch(step: int) -> tuple[Tensor, Tensor]:
@@ -126,8 +137,8 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 Run = tuple[list[float], dict[str, Tensor]]
 
 
-def _serial(kv: int, heads: int, adamw: bool) -> Run:
-    model = _model(kv, heads)
+def _serial(kv: int, heads: int, adamw: bool, frozen: bool) -> Run:
+    model = _model(kv, heads, frozen)
     opt = _optimizer(model, adamw)
     losses = []
     for step in range(STEPS):
@@ -140,8 +151,8 @@ def _serial(kv: int, heads: int, adamw: bool) -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, kv: int, heads: int, adamw: bool, config: Config) -> Run:
-    model = _model(kv, heads)
+def _parallel(rank: int, kv: int, heads: int, adamw: bool, frozen: bool, config: Config) -> Run:
+    model = _model(kv, heads, frozen)
     plan = {0: GPT2ISH_ROLES, -1: NESTED_ROLES}.get(kv, ROLES)  # context parallelism reads positions from it
     engine = boost(model, _optimizer(model, adamw), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
@@ -181,6 +192,12 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "nested-dp2-tp2-zero3-megatron-sp": (P(dp=2, tp=2, sequence_parallel=True), {"kv": -1, "stage": 3}),
     "nested-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"kv": -1}),
     "nested-2d": (P(tp=4, tp_mode="2d"), {"kv": -1}),
+    "frozen-dp2-zero3-adamw": (P(dp=2), {"stage": 3, "adamw": True, "frozen": True}),
+    "frozen-dp2-tp2-zero1-megatron-sp": (P(dp=2, tp=2, sequence_parallel=True), {"stage": 1, "frozen": True}),
+    "frozen-pp2-zbv": (P(pp=2, microbatches=2, schedule="zbv", virtual_stages=2), {"frozen": True}),
+    "frozen-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"frozen": True}),
+    "frozen-2d": (P(tp=4, tp_mode="2d"), {"frozen": True}),
+    "frozen-3d": (P(tp=8, tp_mode="3d", microbatches=1), {"frozen": True}),
 }
 
 
@@ -190,6 +207,7 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
 ) -> None:
     parallel, extra = MODES[mode]
     kv, heads, adamw = int(extra.get("kv", 2)), int(extra.get("heads", 4)), bool(extra.get("adamw", False))
+    frozen = bool(extra.get("frozen", False))
     zero = ZeroConfig(stage=int(extra.get("stage", 0)))
     if extra.get("disk"):
         zero = dataclasses.replace(zero, disk_dir=str(tmp_path), host_budget_mb=0.5, chunk_numel=2048)
@@ -202,8 +220,8 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
     assert BoostConfig.validate(config) == []  # the core: the degrees are checked against the model given
     if heads == 8:  # ... not against [model], the main job's GPT, which tp=8 would not split
         assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
-    results = worker_pools(config.world_size).run(_parallel, kv, heads, adamw, config, timeout=240)
-    losses, weights = _serial(kv, heads, adamw)
+    results = worker_pools(config.world_size).run(_parallel, kv, heads, adamw, frozen, config, timeout=240)
+    losses, weights = _serial(kv, heads, adamw, frozen)
     merged: dict[str, Tensor] = {}
     for curve, part in results:
         assert curve == pytest.approx(losses, rel=1e-5)
@@ -214,3 +232,65 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
         torch.testing.assert_close(merged, weights, rtol=1e-4, atol=1e-4)
     else:
         torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    start = dict(_model(kv, heads, frozen).named_parameters())
+    for name in [n for n, p in start.items() if not p.requires_grad]:  # exported as they were
+        torch.testing.assert_close(merged[name], start[name].detach(), rtol=0, atol=0)
+
+
+def _frozen_run(rank: int, path: str, config: Config, save: bool, shift: float) -> Run:
+    """Llamaish with ``FROZEN`` frozen (``shift`` added to them: a model built otherwise): the
+    first run trains 2 steps, saves and trains 2 more; the others load and train those 2."""
+    model = _model(2, 4, frozen=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.0 if p.requires_grad else shift)
+    engine = boost(model, _optimizer(model, adamw=False), config, plan=ROLES)
+    if save:
+        for step in range(2):
+            engine.train_step(*_batch(step))
+        engine.save(path)
+    else:
+        engine.load(path)
+    losses = [engine.train_step(*_batch(step)).loss for step in range(2, 4)]
+    weights = engine.full_state_dict()
+    engine.close()
+    return losses, weights
+
+
+def test_frozen_parameters_are_saved_and_reshard_into_other_layouts(
+    worker_pools: PoolFactory, tmp_path: Path
+) -> None:
+    """A checkpoint of a fine-tuning run (tp2 with Megatron SP, ZeRO-1, its first step verified
+    against a serial one) resumes under dp2 ZeRO-3 and a pipeline, from models whose frozen
+    parameters were built with other values: they come from the checkpoint, exactly, and the
+    run goes on as it would have (SGD: weights to round-off, bounds in the module docstring)."""
+    P = ParallelConfig
+
+    def config(parallel: ParallelConfig, stage: int, verify: bool = False) -> Config:
+        base = Config(
+            parallel=parallel,
+            zero=ZeroConfig(stage=stage),
+            train=TrainConfig(precision="fp32", verify=verify),
+        )
+        return dataclasses.replace(base, data=dataclasses.replace(base.data, batch_size=BATCH))
+
+    path = str(tmp_path / "ckpt")
+    pool = worker_pools(2)
+
+    def merged(runs: list[Run]) -> Run:
+        return runs[-1][0], {k: v for _, part in runs for k, v in part.items()}
+
+    losses, weights = merged(
+        pool.run(_frozen_run, path, config(P(tp=2, sequence_parallel=True), 1, verify=True), True, 0.0)
+    )
+    start = dict(_model(2, 4, frozen=True).named_parameters())
+    frozen = [n for n, p in start.items() if not p.requires_grad]
+    assert len(frozen) == 6, frozen  # tok_embeddings, wq/wk/wv/wo of layers.0, layers.1.ffn_norm
+    for parallel, stage in ((P(dp=2), 3), (P(pp=2, microbatches=2), 0)):
+        again, resumed = merged(pool.run(_frozen_run, path, config(parallel, stage), False, 1.0))
+        assert again == pytest.approx(losses, rel=1e-5), parallel
+        torch.testing.assert_close(
+            resumed, weights, rtol=1e-5, atol=1e-6, msg=lambda m, p=parallel: f"{p}: {m}"
+        )
+        for name in frozen:
+            torch.testing.assert_close(resumed[name], start[name].detach(), rtol=0, atol=0)

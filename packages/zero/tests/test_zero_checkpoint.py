@@ -15,8 +15,14 @@ from tessera.zero import ZeroOptimizer
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 
 
-def _build(case: dict[str, Any]) -> tuple[GPT, ZeroOptimizer]:
+def _build(case: dict[str, Any], *, shift_frozen: float = 0.0) -> tuple[GPT, ZeroOptimizer]:
     model = GPT(CFG, seed=1)
+    if case.get("frozen"):  # the embeddings and the first block's attention (its norm trains)
+        model.embed.requires_grad_(False)
+        model.layers[0].attn.requires_grad_(False)  # type: ignore[union-attr]
+        with torch.no_grad():  # a model built otherwise: the checkpoint must restore them
+            for p in model.parameters():
+                p.add_(0.0 if p.requires_grad else shift_frozen)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     zero = ZeroOptimizer(
         model,
@@ -45,7 +51,7 @@ def _resume(rank: int, case: dict[str, Any], path: str) -> tuple[list[float], li
     _run(rank, model, zero, range(3))
     zero.save(path)
     straight = _run(rank, model, zero, range(3, 6))
-    model2, zero2 = _build(case)
+    model2, zero2 = _build(case, shift_frozen=1.0)
     zero2.load(path)
     resumed = _run(rank, model2, zero2, range(3, 6))
     return straight, resumed, zero.loss_scale, zero2.loss_scale
@@ -59,8 +65,14 @@ def _resume(rank: int, case: dict[str, Any], path: str) -> tuple[list[float], li
         {"stage": 1, "precision": "fp32", "offload": True},
         {"stage": 2, "precision": "fp16", "offload": False},
         {"stage": 3, "precision": "bf16", "offload": False},
+        {"stage": 0, "precision": "fp32", "offload": False, "frozen": True},
+        {"stage": 1, "precision": "bf16", "offload": True, "frozen": True},
+        {"stage": 3, "precision": "fp32", "offload": False, "frozen": True},
     ],
-    ids=lambda c: f"stage{c['stage']}-{c['precision']}{'-offload' if c['offload'] else ''}",
+    ids=lambda c: (
+        f"stage{c['stage']}-{c['precision']}{'-offload' if c['offload'] else ''}"
+        f"{'-frozen' if c.get('frozen') else ''}"
+    ),
 )
 def test_save_and_load_resume_exactly(worker_pools: Any, tmp_path: Path, case: dict[str, Any]) -> None:
     results = worker_pools(2).run(_resume, case, str(tmp_path / "ckpt"))
@@ -82,23 +94,24 @@ def _portable_across_load(rank: int, case: dict[str, Any], path: str) -> list[st
     _run(rank, model, zero, range(2))
     before = zero.full_state()
     zero.save(path)
-    _, zero2 = _build(case)
+    _, zero2 = _build(case, shift_frozen=1.0)
     zero2.load(path)
     after = zero2.full_state()
     assert list(before) == list(after), (list(before), list(after))
     return [key for key in before if not torch.equal(before[key], after[key])]
 
 
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_full_state_after_a_load_equals_before_the_save(
-    worker_pools: Any, tmp_path: Path, stage: int
+    worker_pools: Any, tmp_path: Path, stage: int, frozen: bool
 ) -> None:
     """The portable state (what reshard saves and consolidation read) of a loaded optimizer is
     the one that was saved, bit for bit: each kind of state is gathered by one collective per
     flat buffer, so every rank must take the kinds in the same order; a load fills each rank's
     optimizer state dict in another order than training did (this failed: Adam's moments of
     the two ranks' halves were gathered crosswise)."""
-    case = {"stage": stage, "precision": "fp32", "offload": False}
+    case = {"stage": stage, "precision": "fp32", "offload": False, "frozen": frozen}
     differing = worker_pools(2).run(_portable_across_load, case, str(tmp_path / "ckpt"))
     assert differing == [[], []], differing
 

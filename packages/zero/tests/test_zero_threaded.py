@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import assert_adam_close, run_threaded
-from tessera.zero import ZeroOptimizer
+from tessera.zero import ChunkConfig, ZeroOptimizer
 from tessera.zero.flat_param import Residency
 
 D, H = 6, 10
@@ -45,7 +45,7 @@ class MLP(nn.Module):
     """in -> [Linear, Tanh, Linear] -> out; ``tie``: both body layers share one weight (its
     owner for stage 3 is then the model itself, the innermost unit enclosing both uses)."""
 
-    def __init__(self, seed: int, *, tie: bool = False, unused: bool = False) -> None:
+    def __init__(self, seed: int, *, tie: bool = False, unused: bool = False, frozen: bool = False) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.inp = nn.Linear(D, H)
@@ -57,6 +57,9 @@ class MLP(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        if frozen:  # the first layer, and one bias in the middle (its weight still trains)
+            self.inp.requires_grad_(False)
+            self.body[2].bias.requires_grad_(False)  # type: ignore[union-attr]
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.inp(x))
@@ -68,8 +71,12 @@ def batch(step: int, rank: int, micro: int = 0, size: int = 3) -> tuple[Tensor, 
     return torch.randn(size, D, generator=gen), torch.randn(size, D, generator=gen)
 
 
-def make_optimizer(model: nn.Module, kind: str, groups: bool) -> torch.optim.Optimizer:
-    if groups:
+def make_optimizer(
+    model: nn.Module, kind: str, groups: bool, trainable_only: bool = False
+) -> torch.optim.Optimizer:
+    if trainable_only:  # as a fine-tuning script often builds it
+        spec: Any = [p for p in model.parameters() if p.requires_grad]
+    elif groups:
         decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
         rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
         spec: Any = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
@@ -88,8 +95,8 @@ SGD_TOL: dict[str, Any] = {"atol": 1e-6, "rtol": 1e-5}
 
 def serial(case: dict[str, Any]) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
     """The weights after ``steps`` and the gradient stepped on at each step (after clipping)."""
-    model = MLP(0, tie=case.get("tie", False))
-    opt = make_optimizer(model, case["opt"], case["groups"])
+    model = MLP(0, tie=case.get("tie", False), frozen=case.get("frozen", False))
+    opt = make_optimizer(model, case["opt"], case["groups"], case.get("trainable_only", False))
     grads = []
     for step in range(case["steps"]):
         parts = [batch(step, r, m) for r in range(case["world"]) for m in range(case.get("micro", 1))]
@@ -111,10 +118,10 @@ def _backward(zero: ZeroOptimizer, loss: Tensor, plain: bool) -> None:
 
 
 def _train(rank: int, case: dict[str, Any]) -> dict[str, Any]:
-    model = MLP(0, tie=case.get("tie", False))
+    model = MLP(0, tie=case.get("tie", False), frozen=case.get("frozen", False))
     zero = ZeroOptimizer(
         model,
-        make_optimizer(model, case["opt"], case["groups"]),
+        make_optimizer(model, case["opt"], case["groups"], case.get("trainable_only", False)),
         stage=case["stage"],
         bucket_bytes=case.get("bucket", 25 * 2**20),
         clip_grad_norm=case.get("clip"),
@@ -192,6 +199,33 @@ def test_plain_backward_works_where_the_reduce_waits_for_step(stage: int, opt: s
     case = {"world": 2, "stage": stage, "opt": opt, "groups": True, "bucket": 200, "micro": 3}
     for res in check(case | {"steps": 2, "clip": 0.5, "plain_backward": True}):
         assert all(not ops for ops in res["quiet"])
+
+
+@settings(max_examples=16)
+@given(
+    st.integers(1, 3),
+    st.sampled_from([0, 1, 2, 3]),
+    st.sampled_from(["sgd", "adamw"]),
+    st.booleans(),
+    st.sampled_from([1, 300]),
+    st.booleans(),
+)
+def test_frozen_parameters_stay_as_they_are_and_the_rest_equal_serial(
+    world: int, stage: int, opt: str, trainable_only: bool, bucket: int, offload: bool
+) -> None:
+    """Frozen parameters (the first layer, a bias in the middle; in the optimizer or not) keep
+    their values under weight decay and momentum, as a torch optimizer leaves a parameter
+    without a gradient; the clipped gradient norm counts only the trained ones, so the
+    rest follow the serial run (tolerances: module docstring)."""
+    case = {"world": world, "stage": stage, "opt": opt, "groups": False, "bucket": bucket, "clip": 0.5}
+    case |= {"frozen": True, "trainable_only": trainable_only, "offload": offload, "steps": 3}
+    start = MLP(0, frozen=True)
+    for res in check(case):
+        for name in ("inp.weight", "inp.bias", "body.2.bias"):
+            torch.testing.assert_close(
+                res["params"][name], start.get_parameter(name).detach(), rtol=0, atol=0
+            )
+            assert all(name not in g for g in res["grads"]), f"{name} was stepped on"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -284,8 +318,10 @@ def _fresh(tie: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_unsupported_layouts_are_refused_before_any_collective() -> None:
     model, opt = _fresh()
     model.out.bias.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"frozen parameters are not supported \(out\.bias\)"):
-        ZeroOptimizer(model, opt, stage=2)
+    with pytest.raises(
+        ValueError, match=r"frozen parameters \(requires_grad=False\) with memory=ChunkConfig"
+    ):
+        ZeroOptimizer(model, opt, stage=2, memory=ChunkConfig(host_budget_mb=1.0))
     model = MLP(0)
     with pytest.raises(
         ValueError, match=r"2 model parameters are in no optimizer group: out\.weight, out\.b"

@@ -89,7 +89,7 @@ def rebuild_optimizer(
 ) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class, with the same parameter groups and hyperparameters,
     over this rank's parameters ``local`` (by serial name; ``group_of`` maps a serial name to
-    its group in ``optimizer``).
+    its group in ``optimizer``, and leaves out the frozen ones, which it does not hold).
 
     Tensor and pipeline parallelism replace or drop parameters, so the user's optimizer is
     rebuilt over what this rank holds (a group may be empty on a pipeline rank); it must hold
@@ -102,7 +102,7 @@ def rebuild_optimizer(
     groups = [
         {
             **{k: v for k, v in group.items() if k != "params" and k in accepted},
-            "params": [p for name, p in local.items() if group_of[name] == index],
+            "params": [p for name, p in local.items() if group_of.get(name) == index],
         }
         for index, group in enumerate(optimizer.param_groups)
     ]
@@ -126,19 +126,23 @@ def _prefers_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The optimizer group of every parameter of ``model``, by serial name (ValueError naming
-    the parameters the optimizer lacks or holds twice, or holds beyond the model)."""
+    """The optimizer group of every trainable parameter of ``model``, by serial name
+    (ValueError naming the parameters the optimizer lacks or holds twice, or holds beyond
+    the model). A frozen parameter (``requires_grad=False``) may be in the optimizer or not:
+    it is never stepped (ZeRO keeps it, sharded like the others)."""
+    names = dict(model.named_parameters())
+    trained = {n: p for n, p in names.items() if p.requires_grad}
     index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     count = sum(len(g["params"]) for g in optimizer.param_groups)
-    names = dict(model.named_parameters())
-    missing = [n for n, p in names.items() if id(p) not in index]
+    missing = [n for n, p in trained.items() if id(p) not in index]
     held = {id(p) for p in names.values()}
     if missing or count != len(index) or set(index) - held:
         raise ValueError(
-            f"boost() needs an optimizer over exactly the model's parameters, each once: missing "
-            f"{missing[:5]}, {count - len(index)} held twice, {len(set(index) - held)} not in the model"
+            f"boost() needs an optimizer over every trainable parameter of the model, each once: "
+            f"missing {missing[:5]}, {count - len(index)} held twice, "
+            f"{len(set(index) - held)} not in the model"
         )
-    return {n: index[id(p)] for n, p in names.items()}
+    return {n: index[id(p)] for n, p in trained.items()}
 
 
 _POSITION_ROLES = ("embedding", "embedding_whole", "sequence_split")
@@ -200,10 +204,10 @@ def boost(
         )
         resolved = resolve_plan(model, tp_plan, tp=topology.tp, sequence_parallel=p.sequence_parallel)
         check_moe_plan(model, resolved, sequence_parallel=p.sequence_parallel)
+    group_of = _groups_by_name(model, optimizer)  # before any group: a refusal communicates nothing
     mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
     tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
-    group_of = _groups_by_name(model, optimizer)
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
     verify = config.train.verify if verify is None else verify

@@ -160,7 +160,7 @@ class _TPShards(Mapping[str, Tensor]):
         for flat in engine.zero.flats:
             for name, param in zip(flat.names, flat.params, strict=True):
                 full_name = engine.placement.names[param]
-                for kind in kinds:
+                for kind in ["param"] if flat.frozen else kinds:  # a frozen one has no optimizer state
                     self._keys[f"{kind}/{name}"] = (kind, full_name, param)
         self._scalars = {k for k in state if "/group" in k}
 

@@ -60,7 +60,7 @@ from tessera.pipeline.merge import fuse_adjacent
 from tessera.pipeline.microbatch import split_microbatches
 from tessera.pipeline.partition import Partition
 from tessera.pipeline.simulate import TimedAction
-from tessera.pipeline.split_backward import WeightGrad, backward_input, grad_nodes
+from tessera.pipeline.split_backward import WeightGrad, backward_full, backward_input, grad_nodes
 from tessera.pipeline.tune import SplitTuner
 from tessera.pipeline.validate import validate
 
@@ -187,8 +187,12 @@ class PipelineRuntime:
         self.actions = running.actions[self.rank]
         # units whose W really runs apart from their B (a schedule may mix them with BW units)
         self._deferred = running.split_units()
-        logger.debug("rank %d: %s, B+W fused for %s", self.rank, schedule.name,
-                     sorted(schedule.split_units() - self._deferred))
+        logger.debug(
+            "rank %d: %s, B+W fused for %s",
+            self.rank,
+            schedule.name,
+            sorted(schedule.split_units() - self._deferred),
+        )
         self.inboxes = {
             peer: Inbox(peer, order, self.group, self.device, self.watch, self._grad_meta)
             for peer, order in self._incoming().items()
@@ -401,7 +405,7 @@ class PipelineRuntime:
         if entry is not None:  # B and W of stage 0 leave out its first block
             params, nodes = self._body_params()
         if a.kind is K.BW:
-            torch.autograd.backward(out, grad)
+            backward_full(out, grad)
             dx = x.grad if x is not None else None
         else:
             dx, weights = backward_input(out, grad, x, params, nodes)

@@ -116,8 +116,11 @@ def _accumulate(edges: list[GradientEdge], grads: list[Tensor], params: list[Ten
 
 
 def backward_full(output: Tensor, grad_output: Tensor | None) -> None:
-    """One unsplit backward of ``output`` (a loss when ``grad_output`` is None) into ``.grad``."""
-    torch.autograd.backward(output, grad_output)
+    """One unsplit backward of ``output`` (a loss when ``grad_output`` is None) into ``.grad``;
+    nothing when no gradient flows back from it (the first stage holding only frozen
+    parameters: as in the serial model, autograd never reaches them)."""
+    if output.requires_grad:
+        torch.autograd.backward(output, grad_output)
 
 
 def _parents(root: Node) -> dict[Node, list[Node]]:

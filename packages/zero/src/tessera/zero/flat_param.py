@@ -17,7 +17,10 @@ buffer evenly (``FlatLayout``): rank r keeps
   dtype), or, with offload, is copied into the persistent fp32 host buffer ``master.grad``.
 
 A ``replicated`` FlatParam (stage 0, plain data parallelism) is not split: its one "shard"
-is the whole buffer on every rank, and its gradient is all-reduced instead.
+is the whole buffer on every rank, and its gradient is all-reduced instead. A ``frozen``
+FlatParam holds parameters that take no gradient (``requires_grad=False``): it is sharded
+and gathered like the others (its fp32 master too, so it saves and exports exactly), but
+never reduced nor stepped.
 
 Collectives: ``start_reduce`` reduce-scatters the flat gradient (moves the padded buffer
 once; a replicated one all-reduces it, moving it twice); ``gather_async`` all-gathers the
@@ -74,6 +77,7 @@ class FlatParam:
         offload: bool,
         sharded: bool,
         replicated: bool = False,
+        frozen: bool = False,
         align: int = 1,
         device: torch.device | None = None,
     ) -> None:
@@ -86,6 +90,7 @@ class FlatParam:
         self.group_index = group_index
         self.group = group
         self.replicated = replicated
+        self.frozen = frozen
         ways = 1 if replicated else group_size(group)
         self.layout = FlatLayout(tuple(p.numel() for p in params), ways, align)
         self.shard_rank = 0 if replicated else group_rank(group)  # which shard of the layout is ours
@@ -166,7 +171,7 @@ class FlatParam:
                 p.data = view
         self.shard = nn.Parameter(shard, requires_grad=False)
         self.master = self.shard if master is None else nn.Parameter(master, requires_grad=False)
-        if self.offload:
+        if self.offload and not self.frozen:
             self.master.grad = host_zeros(hi - lo)
         self.filled = True
         self.residency = Residency.READY
@@ -241,8 +246,8 @@ class FlatParam:
     def prepare_grads(self) -> None:
         """Point every parameter's ``.grad`` at its slice of one zeroed flat buffer, so autograd
         accumulates into it in place and the reduce needs no copy (stage 3, before a unit's
-        backward); a no-op when gradients already exist."""
-        if self._grad_flat is not None or any(p.grad is not None for p in self.params):
+        backward); a no-op when gradients already exist, and for a frozen FlatParam."""
+        if self.frozen or self._grad_flat is not None or any(p.grad is not None for p in self.params):
             return
         n = self.layout.padded_numel
         if self.pool is not None:
@@ -390,6 +395,7 @@ class FlatParam:
 
     def __repr__(self) -> str:
         return (
-            f"FlatParam(group={self.group_index}, params={len(self.params)}, numel={self.numel}, "
+            f"FlatParam(group={'frozen' if self.frozen else self.group_index}, params={len(self.params)}, "
+            f"numel={self.numel}, "
             f"padded={self.layout.padded_numel}, {self.compute_dtype}, {self.residency.value})"
         )

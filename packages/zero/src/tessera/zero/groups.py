@@ -10,7 +10,9 @@ divided by the optimizer's ``average_over`` (so it is the gradient of the same m
 Stages 0-2 bucket each (optimizer group, process group) pair's parameters, in reverse order
 of ``named`` (the order backward finishes them); stage 3 makes one FlatParam per unit,
 optimizer group and process group. Without ``sharding`` the buffers are exactly those of a
-single group.
+single group. Frozen parameters (``requires_grad=False``) form one more group, index
+``n_groups``, whose FlatParams are sharded and gathered like the others but never reduced
+nor stepped.
 
 The gradient norm counts every element once over the data-parallel group: a shard held by
 one rank of ``group`` counts fully; at stage 0 a flat buffer is whole on each of the
@@ -67,11 +69,11 @@ def build_flats(
     make: FlatMaker,
 ) -> tuple[list[FlatParam], list[tuple[nn.Module, list[FlatParam]]]]:
     """The FlatParams (and, at stage 3, each unit's) of ``named`` (``group_of``: a
-    parameter's optimizer group by ``id``)."""
+    parameter's optimizer group by ``id``, ``n_groups`` for a frozen one)."""
     flats: list[FlatParam] = []
     unit_list: list[tuple[nn.Module, list[FlatParam]]] = []
     if stage in (0, 1, 2):
-        for gi in range(n_groups):
+        for gi in range(n_groups + 1):
             mine = [(n, p) for n, p in reversed(named) if group_of[id(p)] == gi]
             for g, pairs in _by_group(mine, sharding, group):
                 sizes = [p.numel() * itemsize for _, p in pairs]
@@ -80,7 +82,7 @@ def build_flats(
         return flats, unit_list
     for unit, pairs in assign_params(model, list(units)):
         unit_flats = []
-        for gi in range(n_groups):
+        for gi in range(n_groups + 1):
             mine = [(n, p) for n, p in pairs if group_of[id(p)] == gi]
             for g, sub in _by_group(mine, sharding, group):
                 unit_flats.append(make(sub, gi, True, g))

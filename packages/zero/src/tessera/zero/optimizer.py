@@ -74,11 +74,14 @@ class ZeroOptimizer:
     """Averages gradients over ``group`` (stage 0, plain data parallelism), or also shards
     optimizer state (stage 1), gradients (2) and parameters (3) over it.
 
-    ``optimizer`` must be a fresh torch optimizer over every parameter of ``model`` (all
-    trainable, on one device); it is rewired in place to step this rank's shards, so an LR
-    scheduler built on it keeps working. ``precision``: compute dtype (the model's
-    parameters and floating buffers are cast to it; fp32 masters are kept). ``offload``:
-    master shards, their gradients, the optimizer state and the step live on the host.
+    ``optimizer`` must be a fresh torch optimizer over every trainable parameter of ``model``
+    (all on one device); it is rewired in place to step this rank's shards, so an LR scheduler
+    built on it keeps working. Frozen parameters (``requires_grad=False``, in the optimizer
+    or not) are sharded and gathered like the others but never reduced nor stepped, as a
+    torch optimizer leaves a parameter without a gradient; which are frozen is read here.
+    ``precision``: compute dtype (the model's parameters and floating buffers are cast to it;
+    fp32 masters are kept). ``offload``: master shards, their gradients, the optimizer state
+    and the step live on the host.
     ``clip_grad_norm``: clip the global gradient norm like ``clip_grad_norm_``.
     ``bucket_bytes``: stage 1-2 bucket size. ``units``: stage-3 modules to gather together
     (default: ``default_units(model)``). ``loss_scaler``: fp16's (a default one if None).
@@ -143,6 +146,11 @@ class ZeroOptimizer:
     ) -> None:
         if memory is not None and sharding:
             raise ValueError("sharding= (other groups) with memory=ChunkConfig() is not built")
+        if memory is not None and any(not p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "frozen parameters (requires_grad=False) with memory=ChunkConfig() are not built: "
+                "make them trainable or leave the chunk memory manager off"
+            )
         if memory is not None and offload:
             raise ValueError(
                 "offload=True and memory=ChunkConfig(...) exclude each other: "
@@ -177,6 +185,7 @@ class ZeroOptimizer:
                 offload=offload,
                 sharded=sharded,
                 replicated=stage == 0,
+                frozen=gi == n_groups,
                 align=align,
                 device=self.device,
             )
@@ -187,8 +196,9 @@ class ZeroOptimizer:
             group=group, sharding=sharding or {}, make=make,
         )  # fmt: skip
         cast_buffers_(model, dtype)
+        self._trained = [f for f in self.flats if not f.frozen]  # the ones reduced and stepped
         self._mixed = mixed_groups(self.flats, group)  # some parameters sharded over ``sharding``'s groups
-        self._norm_weights = norm_weights(self.flats, group, stage=stage, replication=replication)
+        self._norm_weights = norm_weights(self._trained, group, stage=stage, replication=replication)
         self._chunks: ChunkStore | None = None
         if memory is not None:
             weights = self._norm_weights if replication else None  # (no ``sharding`` with memory)
@@ -226,7 +236,7 @@ class ZeroOptimizer:
             else None
         )
         self._reducer = GradReducer(
-            self.flats,
+            self._trained,
             self._runner,
             overlap=stage >= 2,
             on_final=(lambda f: f.free()) if stage == 3 else None,
@@ -331,7 +341,7 @@ class ZeroOptimizer:
                 replicated=self.stage == 0,
             )
         else:
-            grads = [f.master_grad() for f in self.flats]
+            grads = [f.master_grad() for f in self._trained]
             stats = global_grad_stats(  # every step: a non-finite norm skips it in every precision
                 grads,
                 self.group,
@@ -353,7 +363,7 @@ class ZeroOptimizer:
             self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(False)
-        for flat in self.flats:
+        for flat in self._trained:
             flat.release_grads()
             flat.push_master()
         self._refresh_params()
@@ -370,9 +380,11 @@ class ZeroOptimizer:
         self.zero_grad()
         return False
 
-    def _refresh_params(self) -> None:
+    def _refresh_params(self, flats: Sequence[FlatParam] | None = None) -> None:
+        """All-gather the updated shards of ``flats`` (default: the stepped ones) into the
+        parameters (stages 1-2; stage 3 gathers on use, stage 0 holds them whole)."""
         if self.stage in (1, 2):
-            for handle in [f.gather_params_async() for f in self.flats]:
+            for handle in [f.gather_params_async() for f in (self._trained if flats is None else flats)]:
                 handle.wait()
 
     def zero_grad(self) -> None:
@@ -413,14 +425,16 @@ class ZeroOptimizer:
         stages 1-3: all-gathers)."""
         if self._chunks is not None:
             raise RuntimeError("full_gradients() is not available with the chunk memory manager (memory=...)")
-        grads = [f.master.grad for f in self.flats]
+        grads = [f.master.grad for f in self._trained]
         if any(g is None for g in grads):
             raise RuntimeError("full_gradients() is only valid inside step(), before the optimizer steps")
-        return self._by_name([g for g in grads if g is not None])
+        return self._by_name([g for g in grads if g is not None], self._trained)
 
-    def _by_name(self, shards: Sequence[Tensor]) -> dict[str, Tensor]:
+    def _by_name(
+        self, shards: Sequence[Tensor], flats: Sequence[FlatParam] | None = None
+    ) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        for flat, shard in zip(self.flats, shards, strict=True):
+        for flat, shard in zip(self.flats if flats is None else flats, shards, strict=True):
             full = flat.gather_full(shard)
             for i, name in enumerate(flat.names):
                 start, stop = flat.layout.span(i)
@@ -490,7 +504,7 @@ class ZeroOptimizer:
         self.zero_grad()
         for flat in self.flats:
             flat.push_master()
-        self._refresh_params()
+        self._refresh_params(self.flats)
 
     def chunk_report(self) -> dict[str, Any] | None:
         """``ChunkStore.report`` (bytes and chunks per tier, disk traffic); None without ``memory``."""

@@ -17,7 +17,8 @@ Keys: ``param/<name>``, ``optim.<key>/<name>`` and ``optim.<key>/group<i>`` (eac
 scalars once, at its first FlatParam). Elementwise optimizers only, as everywhere in ZeRO: a
 state tensor is either shaped like the master shard or a 0-dim scalar. Optimizer state
 exists only once the optimizer has stepped: before the first step the layout and the state
-hold the ``param/`` keys alone, and loading such a state leaves the optimizer fresh.
+hold the ``param/`` keys alone, and loading such a state leaves the optimizer fresh. A frozen
+parameter (never stepped) has its ``param/`` key alone.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class _Pieces:
 
 def _check_keys(zero: PortableZero, keys: set[str], kinds: list[str]) -> None:
     for flat in zero.flats:
-        for kind in ["param", *kinds]:
+        for kind in ["param"] if flat.frozen else ["param", *kinds]:
             for name in flat.names:
                 if f"{kind}/{name}" not in keys:
                     raise KeyError(f"the state to load lacks {kind}/{name!r}")
@@ -215,8 +216,8 @@ def load_full_state(zero: PortableZero, state: Mapping[str, Tensor], store: Chun
             if where == f"group{flat.group_index}":
                 scalars[kind.removeprefix("optim.")] = state[key].clone()
         with torch.no_grad():
-            if store is None:
-                _load_flat(zero, flat, state, kinds, scalars)
+            if store is None:  # a frozen parameter has no optimizer state
+                _load_flat(zero, flat, state, [] if flat.frozen else kinds, {} if flat.frozen else scalars)
             else:
                 _load_chunks(store, fi, state, kinds, scalars)
 

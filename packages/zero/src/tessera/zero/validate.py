@@ -51,14 +51,15 @@ def collect_params(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, deferred: bool = False
 ) -> tuple[list[tuple[str, nn.Parameter]], dict[int, int]]:
     """The model's distinct parameters with their first names, in registration order, and
-    the optimizer group of each (by ``id``). Raises ValueError, naming the parameters, for a
-    layout ZeRO cannot shard:
+    the optimizer group of each (by ``id``); a frozen parameter (``requires_grad=False``),
+    in an optimizer group or not, is in the pseudo-group ``len(optimizer.param_groups)``.
+    Raises ValueError, naming the parameters, for a layout ZeRO cannot shard:
 
     - an optimizer it does not support, or one that has already stepped;
-    - parameters that are frozen, not floating point, on several devices, or distinct
+    - parameters that are not floating point, on several devices, or distinct
       parameters sharing one storage (tie weights by sharing the Parameter object instead);
     - parameters on the meta device unless ``deferred`` (a value is given for each);
-    - model parameters in no optimizer group, or optimizer parameters outside the model.
+    - trainable parameters in no optimizer group, or optimizer parameters outside the model.
     """
     kind = type(optimizer).__name__
     if kind in _REFUSED_OPTIMIZERS:
@@ -72,12 +73,6 @@ def collect_params(
     if not named:
         raise ValueError("the model has no parameters")
     name_of = {id(p): n for n, p in named}
-    frozen = [p for _, p in named if not p.requires_grad]
-    if frozen:
-        raise ValueError(
-            f"frozen parameters are not supported ({_names(frozen, name_of)}); leave them out of the "
-            "model given to ZeRO or make them trainable"
-        )
     bad = [p for _, p in named if not p.is_floating_point()]
     if bad:
         raise ValueError(f"parameters must be floating point: {_names(bad, name_of)}")
@@ -112,10 +107,12 @@ def collect_params(
             f"{len(outside)} optimizer parameters are not parameters of the model "
             f"(shapes {[tuple(p.shape) for p in outside[:5]]}); ZeRO shards exactly the model's parameters"
         )
-    missing = [p for _, p in named if id(p) not in group_of]
+    missing = [p for _, p in named if id(p) not in group_of and p.requires_grad]
     if missing:
         raise ValueError(
             f"{len(missing)} model parameters are in no optimizer group: {_names(missing, name_of)}; "
-            "ZeRO needs every parameter in exactly one group"
+            "ZeRO needs every trainable parameter in exactly one group"
         )
+    frozen = len(optimizer.param_groups)  # the pseudo-group of parameters that take no gradient
+    group_of.update({id(p): frozen for _, p in named if not p.requires_grad})
     return named, group_of
