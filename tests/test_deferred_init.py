@@ -60,6 +60,11 @@ def _build(kind: str, deferred: bool) -> nn.Module:
     def make() -> nn.Module:
         if kind == "llamaish":
             return Llamaish(SIZES, seed=0)
+        if kind == "llamaish-frozen":  # fine-tuning: the embedding and one attention frozen
+            model = Llamaish(SIZES, seed=0)
+            for name in ("tok_embeddings", "layers.0.attn"):
+                model.get_submodule(name).requires_grad_(False)
+            return model
         if kind == "gpt2ish":
             return GPT2ish(SIZES, seed=0)
         if kind == "moe-gpt":  # every MLP a mixture of 4 experts, top 2, no token dropped
@@ -98,7 +103,12 @@ def _run(rank: int, kind: str, deferred: bool, config: Config) -> tuple[dict[str
         init_by_name(model, SEED, fn)
     else:
         assert all(p.is_meta for p in model.parameters())
-    plan = {"llamaish": ROLES, "gpt2ish": GPT2ISH_ROLES, "moe-gpt": MOE_GPT_PLAN}.get(kind)
+    plan = {
+        "llamaish": ROLES,
+        "llamaish-frozen": ROLES,
+        "gpt2ish": GPT2ISH_ROLES,
+        "moe-gpt": MOE_GPT_PLAN,
+    }.get(kind)
     with boost(model, torch.optim.SGD(model.parameters(), lr=0.5), config, plan=plan, init=fn) as engine:
         weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
         losses = [engine.train_step(*_batch(step)).loss for step in range(2)]
@@ -137,6 +147,7 @@ CASES = {
     "moe-gpt-dp2-ep2-tp2-megatron-sp": ("moe-gpt", P(dp=2, ep=2, tp=2, sequence_parallel=True), {}),
     "moe-gpt-dp4-ep2-zero3": ("moe-gpt", P(dp=4, ep=2, microbatches=1), {"stage": 3}),
     "gpt2ish-tied-3d": ("gpt2ish", P(tp=8, tp_mode="3d", microbatches=1), {}),
+    "llamaish-frozen-dp2-tp2-zero3": ("llamaish-frozen", P(dp=2, tp=2), {"stage": 3}),
 }
 
 

@@ -36,8 +36,11 @@ BATCH, STEPS, LR, DP, MICRO = 8, 3, 0.3, 2, 2
 Run = tuple[list[float], dict[str, Tensor]]
 
 
-def _build() -> GPT:
-    return moe_gpt(CFG, MOE, seed=7)
+def _build(frozen: bool = False) -> GPT:
+    model = moe_gpt(CFG, MOE, seed=7)
+    for name in ("layers.0.mlp.experts", "layers.1.mlp.router") if frozen else ():  # fine-tuning
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def _batch(step: int) -> tuple[Tensor, Tensor]:
@@ -47,8 +50,8 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _serial(chunks: int) -> Run:
-    model = _build()
+def _serial(chunks: int, frozen: bool) -> Run:
+    model = _build(frozen)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     set_aux_grad_scale(model, 1 / chunks)
     losses = []
@@ -65,8 +68,8 @@ def _serial(chunks: int) -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, config: Config) -> Run:
-    model = _build()
+def _parallel(rank: int, config: Config, frozen: bool) -> Run:
+    model = _build(frozen)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     engine = boost(model, opt, config, spec=MOE_GPT_SPEC)
     losses = []
@@ -79,24 +82,33 @@ def _parallel(rank: int, config: Config) -> Run:
 
 
 @pytest.mark.parametrize(
-    ("parallel", "zero"),
+    ("parallel", "zero", "frozen"),
     [
-        (ParallelConfig(dp=DP, microbatches=MICRO), 1),
-        (ParallelConfig(dp=DP, microbatches=MICRO), 3),
-        (ParallelConfig(tp=2, microbatches=MICRO), 1),  # MOE_GPT_PLAN: attention and experts split
-        (ParallelConfig(tp=2, sequence_parallel=True, microbatches=MICRO), 1),
-        (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3),
+        (ParallelConfig(dp=DP, microbatches=MICRO), 1, False),
+        (ParallelConfig(dp=DP, microbatches=MICRO), 3, False),
+        (ParallelConfig(tp=2, microbatches=MICRO), 1, False),  # MOE_GPT_PLAN: attention and experts split
+        (ParallelConfig(tp=2, sequence_parallel=True, microbatches=MICRO), 1, False),
+        (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3, False),
+        # one layer's expert bank (sharded over ep) and the other's router frozen
+        (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3, True),
     ],
-    ids=["dp2-zero1", "dp2-zero3", "tp2-zero1", "tp2-sp-zero1", "dp2-ep2-tp2-sp-zero3"],
+    ids=[
+        "dp2-zero1",
+        "dp2-zero3",
+        "tp2-zero1",
+        "tp2-sp-zero1",
+        "dp2-ep2-tp2-sp-zero3",
+        "frozen-dp2-ep2-tp2-sp-zero3",
+    ],
 )
 def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(
-    worker_pools: PoolFactory, parallel: ParallelConfig, zero: int
+    worker_pools: PoolFactory, parallel: ParallelConfig, zero: int, frozen: bool
 ) -> None:
     c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"), moe=MOE)
     config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
     assert config.validate() == []
-    results = worker_pools(config.world_size).run(_parallel, config, timeout=180)
-    losses, weights = _serial(parallel.dp * parallel.microbatches)
+    results = worker_pools(config.world_size).run(_parallel, config, frozen, timeout=180)
+    losses, weights = _serial(parallel.dp * parallel.microbatches, frozen)
     for curve, part in results:
         assert curve == pytest.approx(losses, rel=1e-5)
         torch.testing.assert_close(part, weights, rtol=1e-5, atol=1e-6)

@@ -56,20 +56,24 @@ class Experts(nn.Module):
         return self.w1.shape[0]
 
     def keep(self, start: int, stop: int) -> None:
-        """Keep only experts ``start:stop`` of the bank (new parameters holding copies)."""
+        """Keep only experts ``start:stop`` of the bank (new parameters holding copies, frozen
+        where the bank's were)."""
         for name in ("w1", "w2", "w3"):
             w = getattr(self, name)
             if w is not None:
-                setattr(self, name, nn.Parameter(w.detach()[start:stop].clone()))
+                part = w.detach()[start:stop].clone()
+                setattr(self, name, nn.Parameter(part, requires_grad=w.requires_grad))
 
     def keep_hidden(self, start: int, stop: int) -> None:
         """Keep only hidden units ``start:stop`` of every expert (``w1`` / ``w3`` columns,
-        ``w2`` rows; new parameters holding copies): the bank then computes, per expert, its
-        share of the output, which summed over the shares is the whole expert's."""
+        ``w2`` rows; new parameters holding copies, frozen where the bank's were): the bank
+        then computes, per expert, its share of the output, which summed over the shares is the
+        whole expert's."""
         for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
             w = getattr(self, name)
             if w is not None:
-                setattr(self, name, nn.Parameter(w.detach().narrow(dim, start, stop - start).clone()))
+                part = w.detach().narrow(dim, start, stop - start).clone()
+                setattr(self, name, nn.Parameter(part, requires_grad=w.requires_grad))
 
     @property
     def hidden(self) -> int:
