@@ -129,20 +129,25 @@ def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
+def _batch(step: int, ignored: bool = False) -> tuple[Tensor, Tensor]:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if ignored:  # targets that count for nothing, unevenly over rows, microbatches and positions
+        targets[:3, 4:] = -100  # three rows mostly padding
+        targets[5] = -100  # a row that counts nothing
+        targets[6, : SEQ // 2] = -100  # a masked prompt: the first half of the sequence
+    return inputs, targets
 
 
 Run = tuple[list[float], dict[str, Tensor]]
 
 
-def _serial(kv: int, heads: int, adamw: bool, frozen: bool) -> Run:
+def _serial(kv: int, heads: int, adamw: bool, frozen: bool, ignored: bool = False) -> Run:
     model = _model(kv, heads, frozen)
     opt = _optimizer(model, adamw)
     losses = []
     for step in range(STEPS):
-        ids, targets = _batch(step)
+        ids, targets = _batch(step, ignored)
         loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
         opt.zero_grad()
         loss.backward()
@@ -151,11 +156,13 @@ def _serial(kv: int, heads: int, adamw: bool, frozen: bool) -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, kv: int, heads: int, adamw: bool, frozen: bool, config: Config) -> Run:
+def _parallel(
+    rank: int, kv: int, heads: int, adamw: bool, frozen: bool, config: Config, ignored: bool = False
+) -> Run:
     model = _model(kv, heads, frozen)
     plan = {0: GPT2ISH_ROLES, -1: NESTED_ROLES}.get(kv, ROLES)  # context parallelism reads positions from it
     engine = boost(model, _optimizer(model, adamw), config, plan=plan)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*_batch(step, ignored)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()
     engine.mesh.close()
     return losses, weights
@@ -198,6 +205,23 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
     "frozen-sp2-ring-zigzag": (P(sp=2, sp_layout="zigzag"), {"frozen": True}),
     "frozen-2d": (P(tp=4, tp_mode="2d"), {"frozen": True}),
     "frozen-3d": (P(tp=8, tp_mode="3d", microbatches=1), {"frozen": True}),
+    # targets of -100 (padding, masked prompts) count for nothing: the mean is per counted token
+    "ignored-dp2-microbatches2": (P(dp=2, microbatches=2), {"stage": 1, "ignored": True}),
+    "ignored-dp2-tp2-megatron-sp-zero3": (
+        P(dp=2, tp=2, sequence_parallel=True),
+        {"stage": 3, "ignored": True},
+    ),
+    "ignored-sp2-ring-contiguous": (P(sp=2, microbatches=2), {"ignored": True}),
+    "ignored-dp2-sp2-ulysses-zigzag": (
+        P(dp=2, sp=2, sp_mode="ulysses", sp_layout="zigzag"),
+        {"ignored": True},
+    ),
+    "ignored-pp2-interleaved": (
+        P(pp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
+        {"ignored": True},
+    ),
+    "ignored-dp2-2d": (P(dp=2, tp=4, tp_mode="2d", microbatches=1), {"ignored": True}),
+    "ignored-2.5d": (P(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=2), {"ignored": True}),
 }
 
 
@@ -207,7 +231,7 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
 ) -> None:
     parallel, extra = MODES[mode]
     kv, heads, adamw = int(extra.get("kv", 2)), int(extra.get("heads", 4)), bool(extra.get("adamw", False))
-    frozen = bool(extra.get("frozen", False))
+    frozen, ignored = bool(extra.get("frozen", False)), bool(extra.get("ignored", False))
     zero = ZeroConfig(stage=int(extra.get("stage", 0)))
     if extra.get("disk"):
         zero = dataclasses.replace(zero, disk_dir=str(tmp_path), host_budget_mb=0.5, chunk_numel=2048)
@@ -220,8 +244,10 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
     assert BoostConfig.validate(config) == []  # the core: the degrees are checked against the model given
     if heads == 8:  # ... not against [model], the main job's GPT, which tp=8 would not split
         assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
-    results = worker_pools(config.world_size).run(_parallel, kv, heads, adamw, frozen, config, timeout=240)
-    losses, weights = _serial(kv, heads, adamw, frozen)
+    results = worker_pools(config.world_size).run(
+        _parallel, kv, heads, adamw, frozen, config, ignored, timeout=240
+    )
+    losses, weights = _serial(kv, heads, adamw, frozen, ignored)
     merged: dict[str, Tensor] = {}
     for curve, part in results:
         assert curve == pytest.approx(losses, rel=1e-5)

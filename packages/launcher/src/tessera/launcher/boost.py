@@ -36,7 +36,7 @@ from tessera.launcher.deferred import DeferredValues, InitFn, has_deferred
 from tessera.launcher.engine import Engine
 from tessera.launcher.experts import check_experts, expert_sharding, expert_slices, shard_moe
 from tessera.launcher.moe_style import check_moe_plan
-from tessera.launcher.objective import objective
+from tessera.launcher.objective import StepLoss, objective
 from tessera.launcher.placement import Placement
 from tessera.launcher.recompute import checkpoint_layers, offload_layers
 from tessera.launcher.spec import (
@@ -328,10 +328,11 @@ def boost(
     )
     if values is not None:
         log.info("deferred initialization: this rank made %d parameter elements", values.made)
+    step_loss = StepLoss(goal)  # what each microbatch trains on: the engine scales it per step
     runtime = None
     if pp > 1:
         runtime = PipelineRuntime(
-            schedule, stages, goal.loss, group=pp_group, device=mesh.device, tune_splits=p.tune_splits
+            schedule, stages, step_loss, group=pp_group, device=mesh.device, tune_splits=p.tune_splits
         )
     scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
     log.info(
@@ -354,4 +355,5 @@ def boost(
         tied=[(name, param, id(param) in local_ids) for name, param in tied],
         max_skipped_steps=config.train.max_skipped_steps,
         verifier=verifier,
+        step_loss=step_loss,
     )

@@ -2,7 +2,9 @@
 
 A step takes the *global* batch (every rank may pass the same tensors): each data-parallel
 rank trains on its rows, in ``parallel.microbatches`` microbatches; the loss is the mean over
-the global batch, so a run equals the serial model trained on that batch. A loop that reads
+the global batch (per counted token with the built-in cross-entropy, targets of -100
+counting for nothing: ``tessera.launcher.objective``), so a run equals the serial model
+trained on that batch. A loop that reads
 only its rank's rows (``Engine.local_rows``; ``Engine.batch_needs``: a pipeline's middle
 stages read nothing) passes them with ``local=True``: the same rows train, bit for bit.
 Degrees come from the mesh, activation shapes from the model; gradient averaging, clipping
@@ -28,7 +30,7 @@ from tessera.launcher.batches import Inputs, split_inputs
 from tessera.launcher.checkpoint import BackgroundSave, load_engine, save_engine
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.consolidate import MAX_SHARD_BYTES, consolidate, export_sharded, local_full_parameters
-from tessera.launcher.objective import Objective
+from tessera.launcher.objective import IGNORE_INDEX, Objective, StepLoss
 from tessera.launcher.placement import Placement
 from tessera.launcher.reshard import import_weights
 from tessera.launcher.spec import logits_of
@@ -80,6 +82,7 @@ class Engine:
         tied: Sequence[tuple[str, nn.Parameter, bool]] = (),
         max_skipped_steps: int = 20,
         verifier: Verifier | None = None,
+        step_loss: StepLoss | None = None,
     ) -> None:
         self.config = config
         self.mesh = mesh
@@ -88,6 +91,8 @@ class Engine:
         self.runtime = runtime
         self.scheduler = scheduler
         self.objective = objective
+        # what each microbatch trains on (the pipeline runtime's loss function is the same one)
+        self.step_loss = step_loss if step_loss is not None else StepLoss(objective)
         self.output = output
         self.tied = list(tied)  # (serial name, parameter, held by this rank) across pipeline ranks
         self.placement = placement
@@ -133,12 +138,13 @@ class Engine:
         return self._is_stage_owner(0), self._is_stage_owner(-1)
 
     def _local_batch(
-        self, inputs: Inputs | None, targets: Tensor | None, local: bool
+        self, inputs: Inputs | None, targets: Tensor | None, local: bool, *, parts: int
     ) -> tuple[Inputs | None, Tensor | None]:
         """This rank's part of the batch: its dp rows (``local``: the rows given are they),
-        then its tp-mode / sp share. Keyword inputs (a mapping such as ``{"input_ids": ...,
-        "attention_mask": ...}``) are split by rows only, so they need a mode whose ranks see
-        whole rows (1D tp, no sp, no pp)."""
+        then its tp-mode / sp share; the rows' targets are counted first (``_count``, for
+        ``parts`` microbatches per replica). Keyword inputs (a mapping such as
+        ``{"input_ids": ..., "attention_mask": ...}``) are split by rows only, so they need a
+        mode whose ranks see whole rows (1D tp, no sp, no pp)."""
         needs = self.batch_needs
         for name, given, needed in (("inputs", inputs, needs[0]), ("targets", targets, needs[1])):
             if given is None and (needed or not local):
@@ -154,6 +160,7 @@ class Engine:
                 else {k: v[rows.start : rows.stop] for k, v in inputs.items()}
             )
         y = None if targets is None else targets.to(self.mesh.device)
+        self._count(y, self.mesh.size("dp") * parts)
         if not isinstance(inputs, Mapping):
             return self._shard(None if inputs is None else inputs.to(self.mesh.device), y)
         topology = self.mesh.topology
@@ -191,7 +198,21 @@ class Engine:
 
     def _forward_loss(self, inputs: Inputs, targets: Tensor) -> Tensor:
         out = self.module(**inputs) if isinstance(inputs, Mapping) else self.module(inputs)
-        return self.objective.loss(self.output(out), targets)
+        return self.step_loss(self.output(out), targets)
+
+    def _count(self, targets: Tensor | None, parts: int) -> None:
+        """Before a step of ``parts`` (replicas x microbatches) or an evaluation: make the
+        objective's sums the mean per counted token of the whole batch (`StepLoss.share`),
+        from ``targets``, this replica's rows, counted and summed over dp. Only where this
+        rank computes losses (every rank without a pipeline, the last stage's with one),
+        which every rank of its dp group does alike."""
+        if not self.objective.sums or targets is None:
+            return
+        if self.runtime is not None and not self._is_stage_owner(-1):
+            return
+        counted = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        total = all_reduce(counted.to(self.mesh.device), self.dp)
+        self.step_loss.share(float(total[0]), parts)
 
     def _is_stage_owner(self, stage: int) -> bool:
         return self.placement.stage_to_rank[stage] == self.mesh.coordinate("pp")
@@ -205,7 +226,7 @@ class Engine:
         if self.verifier is not None:
             whole_x, whole_y = self._global_batch(inputs, targets, local)
             self.verifier.serial_step(self, whole_x, whole_y)
-        x, y = self._local_batch(inputs, targets, local)
+        x, y = self._local_batch(inputs, targets, local, parts=self.config.parallel.microbatches)
         # MoE layers that train their router losses inside their backward (aux_loss_coef) weigh
         # them as the backward weighs each microbatch's loss: the loss scale over the microbatches
         set_aux_grad_scale(self.module, self.zero.loss_scale / self.config.parallel.microbatches)
@@ -406,16 +427,15 @@ class Engine:
         """The mean loss on the global batch (``local``: this rank's rows, as in
         ``train_step``), without updating anything; collective."""
         self.module.eval()
-        x, y = self._local_batch(inputs, targets, local)
+        x, y = self._local_batch(inputs, targets, local, parts=1)
         with self.zero.gathered():
             if self.runtime is None:
                 assert x is not None and y is not None  # batch_needs: both without a pipeline
                 mean = float(self._forward_loss(x, y))
             else:
                 stages, owners, device = self.runtime.stages, self.placement.stage_to_rank, self.mesh.device
-                loss = self.objective.loss
                 assert not isinstance(x, Mapping)
-                mean = forward_loss(stages, owners, x, y, loss, group=self.pp, device=device)
+                mean = forward_loss(stages, owners, x, y, self.step_loss, group=self.pp, device=device)
         out = all_reduce(torch.tensor([mean], dtype=torch.float64, device=self.mesh.device), self.dp, "avg")
         return float(out[0])
 

@@ -3,15 +3,24 @@
 Data parallelism gives each dp rank its rows (the Engine does that). Then:
 
 - 1D tensor parallelism: every tp rank sees the same rows; the logits are split over the
-  vocabulary, and ``vocab_parallel_cross_entropy`` is the exact mean over them.
+  vocabulary, and ``vocab_parallel_cross_entropy`` is exact over them.
 - 2D tensor parallelism (q x q grid): rank (i, j) takes batch block i of the rows;
-  ``cross_entropy_2d`` is the exact mean over the grid's tokens. 2.5D (q x q x d): batch block
+  ``cross_entropy_2d`` is exact over the grid's tokens. 2.5D (q x q x d): batch block
   k*q + i of q*d. 3D (q x q x q): the input block b*q + a of q*q, the targets in the logits'
   layout, block b*q + c.
 - Context parallelism (sp ranks): each rank takes its slice of the sequence (contiguous or
-  zigzag); the loss is the sum of its tokens' losses, summed over sp (identity backward),
-  divided by the global token count. Every sp rank's gradient is then a partial sum of the
-  replica's gradient: ZeRO sums over dp x sp and averages over dp only.
+  zigzag); the loss is its tokens' losses summed over sp (identity backward). Every sp
+  rank's gradient is then a partial sum of the replica's gradient: ZeRO sums over dp x sp
+  and averages over dp only.
+
+**The built-in cross-entropy is a sum** (``Objective.sums``): the loss of a replica's
+microbatch is the sum over its counted tokens (targets other than ``IGNORE_INDEX``, -100 as
+in torch and Hugging Face labels), and the Engine divides it by the counted tokens of the
+whole step, over every replica and microbatch (`StepLoss`). So the step trains, and reports,
+the mean over every counted token of the global batch, as the serial model's
+``F.cross_entropy`` over that batch does, however the ignored targets fall on ranks and
+microbatches. A user's loss (``ModelSpec.loss``) is a mean over a rank's microbatch, and
+every microbatch weighs the same: exact when each part counts the same tokens.
 """
 
 from __future__ import annotations
@@ -36,18 +45,43 @@ from tessera.tensor_parallel import (
 )
 from tessera.tensor_parallel.three_d import batch_block as batch_block_3d
 
-__all__ = ["Loss", "Objective", "objective"]
+__all__ = ["IGNORE_INDEX", "Loss", "Objective", "StepLoss", "objective"]
 
 Loss = Callable[[Tensor, Tensor], Tensor]
+IGNORE_INDEX = -100
+"""A target that counts for nothing (padding, a masked prompt), as in ``F.cross_entropy``."""
 
 
 @dataclass(frozen=True)
 class Objective:
     """``shard`` turns a dp rank's ``(inputs, targets)`` into this rank's; ``loss(output,
-    targets)`` is the mean over the whole global (micro)batch, the same on every rank."""
+    targets)`` is the loss of the replica's (micro)batch, the same on every rank of the
+    replica: the sum over its counted tokens when ``sums``, else the user's mean."""
 
     shard: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
     loss: Loss
+    sums: bool = True
+
+
+class StepLoss:
+    """The loss each microbatch trains on: the objective's, scaled by ``scale`` when it is a
+    sum, so that the microbatches' mean over every replica is the step's mean per counted
+    token (see the module docstring). ``scale``: ``replicas * microbatches / counted`` for
+    the step under way, set by the Engine before its first microbatch (`share`)."""
+
+    def __init__(self, objective: Objective) -> None:
+        self.objective = objective
+        self.scale = 1.0
+
+    def share(self, counted: float, parts: int) -> None:
+        """Set the scale for a step of ``parts`` (replicas x microbatches) whose targets count
+        ``counted`` tokens in all (a step that counts none trains on NaN, as ``F.cross_entropy``
+        of such a batch is, and is skipped)."""
+        self.scale = parts / counted if counted > 0 else float("nan")
+
+    def __call__(self, output: Tensor, targets: Tensor) -> Tensor:
+        loss = self.objective.loss(output, targets)
+        return loss * self.scale if self.objective.sums else loss
 
 
 def _multi_dimensional(mesh: Mesh) -> Objective:
@@ -57,18 +91,18 @@ def _multi_dimensional(mesh: Mesh) -> Objective:
         grid = Grid2D.from_mesh(mesh)
         return Objective(
             lambda x, y: (batch_block(x, grid), batch_block(y, grid)),
-            lambda out, y: cross_entropy_2d(out, y, grid),
+            lambda out, y: cross_entropy_2d(out, y, grid, reduction="sum"),
         )
     if mode is TPMode.TWO_P5_D:
         tess = Grid2p5D.from_mesh(mesh)
         return Objective(
             lambda x, y: (batch_block_2p5d(x, tess), batch_block_2p5d(y, tess)),
-            lambda out, y: cross_entropy_2p5d(out, y, tess),
+            lambda out, y: cross_entropy_2p5d(out, y, tess, reduction="sum"),
         )
     cube = Cube3D.from_mesh(mesh)
     return Objective(
         lambda x, y: (batch_block_3d(x, cube), batch_block_3d(y, cube, branch=True)),
-        lambda out, y: cross_entropy_3d(out, y, cube),
+        lambda out, y: cross_entropy_3d(out, y, cube, reduction="sum"),
     )
 
 
@@ -89,20 +123,24 @@ def objective(mesh: Mesh, *, sp_layout: str = "contiguous", loss: Loss | None = 
         return _multi_dimensional(mesh)
     tp_group, sp, sp_group = mesh.group("tp"), mesh.size("sp"), mesh.group("sp")
 
-    def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), tp_group)
+    def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:  # the sum over counted tokens
+        flat = targets.flatten()
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), flat, tp_group, reduction="sum")
 
     one_d = loss if loss is not None else cross_entropy
+    sums = loss is None
 
     if sp == 1:
-        return Objective(lambda x, y: (x, y), one_d)
+        return Objective(lambda x, y: (x, y), one_d, sums)
 
     def sequence(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         a, b = split_batch(x, y, group=sp_group, layout=sp_layout)
         return a, b
 
-    def global_mean(logits: Tensor, targets: Tensor) -> Tensor:
-        tokens = targets.numel()  # every sp rank holds as many tokens
+    def over_sp(logits: Tensor, targets: Tensor) -> Tensor:
+        if sums:
+            return reduce_from_region(one_d(logits, targets), sp_group)
+        tokens = targets.numel()  # a user's mean: every sp rank holds as many tokens
         return reduce_from_region(one_d(logits, targets) * tokens, sp_group) / (tokens * sp)
 
-    return Objective(sequence, global_mean)
+    return Objective(sequence, over_sp, sums)

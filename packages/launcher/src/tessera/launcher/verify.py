@@ -7,8 +7,9 @@ same model before anything is updated.
 1. loads the parallel model's current weights into the copy (gathered by serial name over
    tp, ZeRO and pipeline ranks, so a resumed or imported run is verified too) and runs the
    serial fp32 forward and backward of the whole global batch on it, in as many equal row
-   chunks as the engine trains (dp x microbatches), each chunk's mean loss averaged: the loss
-   the engine trains (``ModelSpec.loss``, else the mean cross-entropy);
+   chunks as the engine trains (dp x microbatches): the cross-entropy's mean over every
+   counted token of the batch (targets of -100 count for nothing), or, for a
+   ``ModelSpec.loss``, each chunk's loss averaged, as the engine trains them;
 2. lets the parallel step run as usual, and, from an optimizer step pre-hook (after every
    reduction: dp average, tp / sequence-parallel sums, tied-weight sums, loss scaling
    undone), gathers the parallel gradients by serial name (`local_full_gradients`), undoes
@@ -52,6 +53,7 @@ from tessera.comm.consensus import RemoteFailure, raise_together
 from tessera.launcher.batches import split_inputs
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.consolidate import local_full_gradients, local_full_parameters
+from tessera.launcher.objective import IGNORE_INDEX
 from tessera.launcher.placement import Boosted
 from tessera.launcher.preflight import verify_problems
 from tessera.pipeline import split_microbatches
@@ -133,8 +135,8 @@ def _unverifiable(model: nn.Module, config: BoostConfig) -> list[str]:
     return problems
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+def _cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
 
 def _everywhere(
@@ -167,7 +169,8 @@ class Verifier:
         self.precision = config.train.precision
         self.rtol = tolerance(self.precision)
         self.chunks = config.parallel.dp * config.parallel.microbatches
-        self.loss = loss if loss is not None else _cross_entropy
+        self.loss = loss if loss is not None else _cross_entropy_sum
+        self.sums = loss is None  # the built-in cross-entropy: a sum, over the batch's counted tokens
         self.output = output
         self.done = False
         self.seconds = 0.0
@@ -194,13 +197,14 @@ class Verifier:
         model.train()
         model.zero_grad(set_to_none=True)
         total = 0.0
+        counted = float((targets != IGNORE_INDEX).sum()) if self.sums else float(self.chunks)
         ys = split_microbatches(targets, self.chunks, "targets")
         for x, y in zip(split_inputs(inputs, self.chunks), ys, strict=True):
             if isinstance(x, Tensor):
                 out = model(x.to(device))
             else:
                 out = model(**{k: v.to(device) for k, v in x.items()})
-            loss = self.loss(self.output(out), y.to(device)) / self.chunks
+            loss = self.loss(self.output(out), y.to(device)) / counted
             torch.autograd.backward(loss)
             total += float(loss.detach())
         self.serial_loss = total

@@ -70,7 +70,8 @@ def vocab_parallel_cross_entropy(
     ``logits``: (..., V/tp), this rank's columns; ``targets``: (...), global token ids.
     Targets equal to ``ignore_index`` add nothing; ``mean`` divides by the number of the
     others (NaN when there are none, as in torch). The loss is replicated on every rank,
-    in the logits' dtype. Moves two all-reduces of per-token fp32 scalars (see the module).
+    in the logits' dtype (``sum``: in fp32, as a sum over many tokens can leave a half
+    precision's range). Moves two all-reduces of per-token fp32 scalars (see the module).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
@@ -82,12 +83,14 @@ def vocab_parallel_cross_entropy(
     if group_size(group) == 1:  # the whole vocabulary here: torch's fused kernel, in fp32
         x, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
         out = F.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
+        if reduction == "sum":
+            return out
         return (out.view(targets.shape) if reduction == "none" else out).to(logits.dtype)
     per_token = apply_function(_VocabParallelCrossEntropy, logits, targets, group, ignore_index)
     if reduction == "none":
         return per_token.to(logits.dtype)
     total = per_token.sum()
     if reduction == "sum":
-        return total.to(logits.dtype)
+        return total.float()
     count = (targets != ignore_index).sum()
     return (total / count).to(logits.dtype)

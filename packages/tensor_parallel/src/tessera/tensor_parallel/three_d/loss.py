@@ -11,6 +11,8 @@ blocks by all-reduces of one number (and the count of counted tokens) along the
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor, nn
 
 from tessera.comm import all_reduce, reduce_from_region
@@ -35,8 +37,15 @@ def batch_block(x: Tensor, cube: Cube3D, *, branch: bool = False, dim: int = 0) 
     return x.chunk(q * q, dim)[cube.b * q + (cube.c if branch else cube.a)]
 
 
-def cross_entropy_3d(logits: Tensor, targets: Tensor, cube: Cube3D, *, ignore_index: int = -100) -> Tensor:
-    """The mean over the global batch of ``F.cross_entropy`` of the gathered logits.
+def cross_entropy_3d(
+    logits: Tensor,
+    targets: Tensor,
+    cube: Cube3D,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> Tensor:
+    """The mean (or ``sum``) over the global batch of ``F.cross_entropy`` of the gathered logits.
 
     ``logits`` (..., vocab/q): batch block ``b*q + c``, vocabulary block a; ``targets``
     (...): the same batch block, global ids. Moves 2 all-reduces of per-token fp32 numbers
@@ -49,7 +58,10 @@ def cross_entropy_3d(logits: Tensor, targets: Tensor, cube: Cube3D, *, ignore_in
     count = (targets != ignore_index).sum().float().reshape(1)
     for line in (cube.weight, cube.output):
         total = reduce_from_region(total, line)  # backward: identity
-        count = all_reduce(count, line)
+        if reduction == "mean":
+            count = all_reduce(count, line)
+    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
+        return total.squeeze(0)
     return (total / count).squeeze(0).to(logits.dtype)
 
 

@@ -11,6 +11,8 @@ local (the softmax minus the one-hot on this rank's vocabulary columns, times 1/
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor, nn
 
 from tessera.comm import all_reduce, reduce_from_region
@@ -32,17 +34,26 @@ def batch_block(x: Tensor, grid: Grid2D, *, dim: int = 0) -> Tensor:
     return x.chunk(grid.q, dim)[grid.i]
 
 
-def cross_entropy_2d(logits: Tensor, targets: Tensor, grid: Grid2D, *, ignore_index: int = -100) -> Tensor:
-    """The mean over the global batch of ``F.cross_entropy`` of the gathered logits.
+def cross_entropy_2d(
+    logits: Tensor,
+    targets: Tensor,
+    grid: Grid2D,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> Tensor:
+    """The mean (or ``sum``) over the global batch of ``F.cross_entropy`` of the gathered logits.
 
     ``logits`` (..., vocab/q): batch block i, vocabulary block j; ``targets`` (...): batch
     block i, global token ids. Moves 2 all-reduces of per-token fp32 numbers over the row
-    and one of 2 numbers over the column; the loss is replicated on every rank.
+    and one of 2 numbers over the column (1 for ``sum``); the loss is replicated on every rank.
     """
     per_token = vocab_parallel_cross_entropy(
         logits, targets, grid.row, ignore_index=ignore_index, reduction="none"
     )
     total = reduce_from_region(per_token.float().sum().reshape(1), grid.col)  # backward: identity
+    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
+        return total.squeeze(0)
     count = all_reduce((targets != ignore_index).sum().float().reshape(1), grid.col)
     return (total / count).squeeze(0).to(logits.dtype)
 

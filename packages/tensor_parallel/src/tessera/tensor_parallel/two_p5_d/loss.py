@@ -11,6 +11,8 @@ backward is local (softmax minus one-hot on this rank's vocabulary columns, time
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor, nn
 
 from tessera.comm import all_reduce, reduce_from_region
@@ -28,9 +30,14 @@ def batch_block_2p5d(x: Tensor, grid: Grid2p5D, *, dim: int = 0) -> Tensor:
 
 
 def cross_entropy_2p5d(
-    logits: Tensor, targets: Tensor, grid: Grid2p5D, *, ignore_index: int = -100
+    logits: Tensor,
+    targets: Tensor,
+    grid: Grid2p5D,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> Tensor:
-    """The mean over the global batch of ``F.cross_entropy`` of the gathered logits.
+    """The mean (or ``sum``) over the global batch of ``F.cross_entropy`` of the gathered logits.
 
     ``logits`` (..., vocab/q): batch block ``k*q + i``, vocabulary block j; ``targets`` (...):
     the same batch block, global token ids. Moves 2 all-reduces of per-token fp32 numbers
@@ -43,7 +50,10 @@ def cross_entropy_2p5d(
     count = (targets != ignore_index).sum().float().reshape(1)
     for group in (grid.col, grid.dep):  # backward of the sums: identity
         total = reduce_from_region(total, group)
-        count = all_reduce(count, group)
+        if reduction == "mean":
+            count = all_reduce(count, group)
+    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
+        return total.squeeze(0)
     return (total / count).squeeze(0).to(logits.dtype)
 
 
