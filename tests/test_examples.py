@@ -49,6 +49,21 @@ def test_own_model(tmp_path: Path, degrees: list[str]) -> None:
     assert last < first - 0.5, f"the loss did not fall: {first} -> {last}"
 
 
+@pytest.mark.parametrize(
+    "degrees",
+    [["--set", "parallel.dp=2", "--set", "zero.stage=3"], ["--set", "parallel.pp=2"]],
+    ids=["dp2-zero3", "pp2"],
+)
+def test_finetune_keeps_the_frozen_weights(tmp_path: Path, degrees: list[str]) -> None:
+    """pp2 puts the frozen embedding and layers alone on rank 0: a rank with nothing to step."""
+    out = _run(_tessera(2, *degrees, str(EXAMPLES / "finetune.py"), "--steps", "12"), tmp_path)
+    assert "verify: the first step equals the serial one" in out, out[-3000:]
+    first, last = _losses(out)
+    assert last < first - 0.5, f"the loss did not fall: {first} -> {last}"
+    kept = re.search(r"frozen weights unchanged: (\d+) of (\d+) held", out)
+    assert kept is not None and kept.group(1) == kept.group(2) != "0", out[-3000:]
+
+
 def test_hf_llama_exports_what_it_trained(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = _run(_tessera(2, "--set", "parallel.tp=2", str(EXAMPLES / "hf_llama.py"), "--steps", "4"), tmp_path)

@@ -228,6 +228,27 @@ def test_frozen_parameters_stay_as_they_are_and_the_rest_equal_serial(
             assert all(name not in g for g in res["grads"]), f"{name} was stepped on"
 
 
+def _all_frozen(rank: int, stage: int) -> tuple[bool, bool]:
+    """A rank whose parameters are all frozen (a pipeline stage of a frozen backbone): its
+    backward reaches only the input, and its step changes nothing."""
+    model = MLP(0)
+    model.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    zero = ZeroOptimizer(
+        model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, clip_grad_norm=1.0
+    )
+    x, y = batch(0, rank)
+    zero.backward(F.mse_loss(model(x.requires_grad_()), y))
+    stepped = zero.step()
+    after = zero.full_parameters()
+    return stepped, all(torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_rank_whose_parameters_are_all_frozen_steps_without_changing_them(stage: int) -> None:
+    assert run_threaded(2, _all_frozen, stage) == [(True, True), (True, True)]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tied_weights_are_sharded_once(stage: int) -> None:
     case = {"world": 3, "stage": stage, "opt": "adamw", "groups": False, "bucket": 100, "tie": True}

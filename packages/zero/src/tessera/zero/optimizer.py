@@ -358,7 +358,7 @@ class ZeroOptimizer:
         if self._chunks is not None:
             step_chunks(self._chunks, self.flats, factor)
         else:
-            if factor != 1.0:
+            if factor != 1.0 and grads:  # (none: every parameter of this rank is frozen)
                 torch._foreach_mul_(grads, factor)
             self.optimizer.step()
         if self.scaler is not None:
