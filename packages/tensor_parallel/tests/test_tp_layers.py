@@ -224,7 +224,8 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(
     (ref * w).sum().backward()
     assert leaf.grad is not None
     for rank, (loss, grad) in enumerate(run_threaded(n, _cross_entropy, n, logits, targets, reduction, w)):
-        assert loss.dtype == dtype
+        # a sum over many tokens stays in fp32 (it can leave a half precision's range)
+        assert loss.dtype == (torch.float32 if reduction == "sum" else dtype)
         close(loss, ref.detach(), dtype)
         close(grad, chunk(leaf.grad, -1, n, rank), dtype)
 
