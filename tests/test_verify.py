@@ -65,10 +65,14 @@ def _plan(w1: str = "colwise") -> Plan:
     )
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
+def _batch(step: int, ignored: bool = False) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, ForeignConfig().vocab, (BATCH, SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if ignored:  # targets that count for nothing, more of them in some rows than in others
+        targets[0, 2:] = -100
+        targets[1, : SEQ // 2] = -100
+    return inputs, targets
 
 
 def _config(parallel: ParallelConfig, zero: int, precision: str = "fp32") -> Config:
@@ -77,7 +81,13 @@ def _config(parallel: ParallelConfig, zero: int, precision: str = "fp32") -> Con
 
 
 def _train(
-    rank: int, config: Config, w1: str, verify: bool | None, tied: bool = False, lose_tied_sum: bool = False
+    rank: int,
+    config: Config,
+    w1: str,
+    verify: bool | None,
+    tied: bool = False,
+    lose_tied_sum: bool = False,
+    ignored: bool = False,
 ) -> dict[str, Any]:
     """Two steps; what verify said (the error text, or None), its log and the weights after.
     ``tied``: the LM head shares the token embedding's weight (two pipeline ranks hold it);
@@ -100,7 +110,7 @@ def _train(
     lost = mock.patch.object(Engine, "_sum_tied_gradients", lambda self: None)
     try:
         with lost if lose_tied_sum else contextlib.nullcontext():
-            losses = [engine.train_step(*_batch(step)).loss for step in range(2)]
+            losses = [engine.train_step(*_batch(step, ignored)).loss for step in range(2)]
     except ValueError as e:
         error = str(e)
     finally:
@@ -135,6 +145,22 @@ def test_verify_passes_a_correct_plan(
         assert all("skipped" in s for s in skipped) and len(skipped) <= 1  # fp16 may overflow first
         assert f"{precision}, rtol {tolerance(precision):.2g}" in line and " s" in line.split("cost")[1]
         print(line)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [ParallelConfig(dp=2, microbatches=2), ParallelConfig(pp=2, microbatches=2, schedule="1f1b")],
+    ids=["dp2-microbatches2", "pp2"],
+)
+def test_verify_holds_the_mean_per_counted_token(worker_pools: PoolFactory, parallel: ParallelConfig) -> None:
+    """Targets of -100 fall unevenly on the ranks' rows and microbatches: the serial step is the
+    mean over the batch's counted tokens, and the parallel step equals it (a mean per
+    microbatch, averaged, weighs the sparse rows too much and is refused)."""
+    config = _config(parallel, 1)
+    pool = worker_pools(config.world_size)
+    for result in pool.run(_train, config, "colwise", True, False, False, True, timeout=180):
+        assert result["error"] is None, result["error"]
+        assert not result["verifier"] and result["step"] == 2
 
 
 def _train_gpt(rank: int, parallel: ParallelConfig) -> list[str]:
