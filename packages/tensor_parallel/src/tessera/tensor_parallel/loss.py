@@ -12,16 +12,17 @@ collectives).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tessera.comm import Group, all_reduce, group_rank, group_size
+from tessera.comm import Group, all_reduce, group_rank, group_size, reduce_from_region
 from tessera.comm.ops import apply_function
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["blocked_cross_entropy", "vocab_parallel_cross_entropy"]
 
 Reduction = Literal["mean", "sum", "none"]
 
@@ -94,3 +95,35 @@ def vocab_parallel_cross_entropy(
         return total.float()
     count = (targets != ignore_index).sum()
     return (total / count).to(logits.dtype)
+
+
+def blocked_cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    vocab: Group,
+    blocks: Sequence[Group],
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> Tensor:
+    """The mean (or ``sum``) of ``F.cross_entropy`` over a batch whose blocks lie on the ranks of
+    ``blocks`` (the groups whose sums, one after the other, reach every block) and whose
+    vocabulary is split over ``vocab``: the 2D, 2.5D and 3D classifiers' loss.
+
+    ``vocab_parallel_cross_entropy`` per token, then the sum (and, for the mean, the count of
+    counted tokens) all-reduced over each group of ``blocks``; the backward of the sums is the
+    identity. Replicated on every rank, in the logits' dtype (``sum``: in fp32, as a sum over
+    many tokens can leave a half precision's range).
+    """
+    per_token = vocab_parallel_cross_entropy(
+        logits, targets, vocab, ignore_index=ignore_index, reduction="none"
+    )
+    total = per_token.float().sum().reshape(1)
+    count = (targets != ignore_index).sum().float().reshape(1)
+    for group in blocks:
+        total = reduce_from_region(total, group)
+        if reduction == "mean":
+            count = all_reduce(count, group)
+    if reduction == "sum":
+        return total.squeeze(0)
+    return (total / count).squeeze(0).to(logits.dtype)

@@ -15,8 +15,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from tessera.comm import all_reduce, reduce_from_region
-from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
+from tessera.tensor_parallel.loss import blocked_cross_entropy
 from tessera.tensor_parallel.three_d.cube import Cube3D, check_cube_divisible
 
 __all__ = ["batch_block", "cross_entropy_3d", "loss_3d"]
@@ -51,18 +50,14 @@ def cross_entropy_3d(
     (...): the same batch block, global ids. Moves 2 all-reduces of per-token fp32 numbers
     along the a line and 2 of 2 numbers along the b and c lines; the loss is on every rank.
     """
-    per_token = vocab_parallel_cross_entropy(
-        logits, targets, cube.input, ignore_index=ignore_index, reduction="none"
+    return blocked_cross_entropy(
+        logits,
+        targets,
+        cube.input,
+        [cube.weight, cube.output],
+        ignore_index=ignore_index,
+        reduction=reduction,
     )
-    total = per_token.float().sum().reshape(1)
-    count = (targets != ignore_index).sum().float().reshape(1)
-    for line in (cube.weight, cube.output):
-        total = reduce_from_region(total, line)  # backward: identity
-        if reduction == "mean":
-            count = all_reduce(count, line)
-    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
-        return total.squeeze(0)
-    return (total / count).squeeze(0).to(logits.dtype)
 
 
 def loss_3d(

@@ -15,8 +15,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from tessera.comm import all_reduce, reduce_from_region
-from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
+from tessera.tensor_parallel.loss import blocked_cross_entropy
 from tessera.tensor_parallel.two_d.grid import Grid2D, check_grid_divisible
 
 __all__ = ["batch_block", "cross_entropy_2d", "loss_2d"]
@@ -48,14 +47,9 @@ def cross_entropy_2d(
     block i, global token ids. Moves 2 all-reduces of per-token fp32 numbers over the row
     and one of 2 numbers over the column (1 for ``sum``); the loss is replicated on every rank.
     """
-    per_token = vocab_parallel_cross_entropy(
-        logits, targets, grid.row, ignore_index=ignore_index, reduction="none"
+    return blocked_cross_entropy(
+        logits, targets, grid.row, [grid.col], ignore_index=ignore_index, reduction=reduction
     )
-    total = reduce_from_region(per_token.float().sum().reshape(1), grid.col)  # backward: identity
-    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
-        return total.squeeze(0)
-    count = all_reduce((targets != ignore_index).sum().float().reshape(1), grid.col)
-    return (total / count).squeeze(0).to(logits.dtype)
 
 
 def loss_2d(

@@ -15,8 +15,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from tessera.comm import all_reduce, reduce_from_region
-from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
+from tessera.tensor_parallel.loss import blocked_cross_entropy
 from tessera.tensor_parallel.two_p5_d.grid import Grid2p5D, check_batch_2p5d
 
 __all__ = ["batch_block_2p5d", "cross_entropy_2p5d", "loss_2p5d"]
@@ -43,18 +42,9 @@ def cross_entropy_2p5d(
     the same batch block, global token ids. Moves 2 all-reduces of per-token fp32 numbers
     over the row, and one number each (the loss sum, the count) over the column and the depth.
     """
-    per_token = vocab_parallel_cross_entropy(
-        logits, targets, grid.row, ignore_index=ignore_index, reduction="none"
+    return blocked_cross_entropy(
+        logits, targets, grid.row, [grid.col, grid.dep], ignore_index=ignore_index, reduction=reduction
     )
-    total = per_token.float().sum().reshape(1)
-    count = (targets != ignore_index).sum().float().reshape(1)
-    for group in (grid.col, grid.dep):  # backward of the sums: identity
-        total = reduce_from_region(total, group)
-        if reduction == "mean":
-            count = all_reduce(count, group)
-    if reduction == "sum":  # in fp32: a sum over many tokens can leave a half precision's range
-        return total.squeeze(0)
-    return (total / count).squeeze(0).to(logits.dtype)
 
 
 def loss_2p5d(
