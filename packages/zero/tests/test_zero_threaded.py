@@ -249,6 +249,36 @@ def test_a_rank_whose_parameters_are_all_frozen_steps_without_changing_them(stag
     assert run_threaded(2, _all_frozen, stage) == [(True, True), (True, True)]
 
 
+def _frozen_gathered_at_the_end_of_backward(rank: int, prefetch: bool) -> list[str]:
+    """Stage 3 with every unit but ``out`` frozen: the units whose frozen FlatParams are still
+    gathered when backward reaches the input (before the end of backward frees everything)."""
+    model = MLP(0)
+    for unit in (model.inp, model.body[0], model.body[2]):
+        unit.requires_grad_(False)
+    zero = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, prefetch=prefetch)
+    names = {id(f): f.names[0].rsplit(".", 1)[0] for f in zero.flats}
+    seen: list[str] = []
+
+    def look(grad: Tensor) -> Tensor:
+        seen.extend(names[id(f)] for f in zero.flats if f.frozen and f.residency is Residency.READY)
+        return grad
+
+    x, y = batch(0, rank)
+    x.requires_grad_()
+    x.register_hook(look)
+    zero.backward(F.mse_loss(model(x), y))
+    assert zero.step()
+    return seen
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_stage3_frees_frozen_units_as_backward_passes_them(prefetch: bool) -> None:
+    """A frozen unit has no gradient for the reducer to finish, so nothing freed it until the end
+    of backward: a frozen backbone was whole on every rank by then. Now backward frees it on
+    reaching the unit before it, and only the first unit's is left when it reaches the input."""
+    assert run_threaded(2, _frozen_gathered_at_the_end_of_backward, prefetch) == [["inp"], ["inp"]]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tied_weights_are_sharded_once(stage: int) -> None:
     case = {"world": 3, "stage": stage, "opt": "adamw", "groups": False, "bucket": 100, "tie": True}

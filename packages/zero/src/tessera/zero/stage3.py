@@ -6,9 +6,11 @@ previous forward ran in; the registration order the first time); its post-hook f
 and hooks the unit's output tensors. Backward: the first gradient to reach a unit's output
 means its backward is about to run, so that hook gathers the unit again and prefetches the
 unit that ran before it in forward. The gradient reducer frees a unit's FlatParams once
-their gradients are final. The model itself is a unit too (it owns tied and otherwise
-unowned parameters); its post-forward hook frees anything still gathered, and every
-gathered FlatParam is freed at the end of backward.
+their gradients are final; a frozen FlatParam (no gradient) is freed when backward reaches a
+unit that ran before its own in forward, whose output gradient its unit's backward made.
+The model itself is a unit too (it owns tied and otherwise unowned parameters); its
+post-forward hook frees anything still gathered, and every gathered FlatParam is freed at
+the end of backward.
 
 ``keep_for_backward`` (the default): a forward that records gradients keeps the model's own
 FlatParams and the last unit's (the one expected last) gathered into backward, which needs
@@ -83,6 +85,7 @@ class ParamGatherer:
         self._order: list[nn.Module] = []
         self._order_index: dict[int, int] = {}
         self._backward_seen: set[int] = set()
+        self._frozen_from = 0  # backward has freed the frozen FlatParams of _order[_frozen_from:]
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
             model.register_forward_hook(self._root_post_forward),
@@ -138,6 +141,7 @@ class ParamGatherer:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._order, self._order_index = [], {}
         self._backward_seen = set()
+        self._frozen_from = 0
         if self._pool is not None:
             self._pool.open()
         for flat in self._root_flats:
@@ -194,9 +198,23 @@ class ParamGatherer:
         self._gather(module, for_backward=True)
         i = self._order_index.get(id(module))
         if i is not None:
+            self._free_frozen_after(i)
             self._prefetch(self._order[max(0, i - self.depth) : i][::-1])
         if i == 0 and self._pool is not None:  # backward's last unit: no buffer will be taken again
             self._pool.close()
+
+    def _free_frozen_after(self, i: int) -> None:
+        """Free the frozen FlatParams of the units after ``_order[i]`` in forward: backward has
+        reached ``_order[i]``'s output, so theirs is done, and no reduce will free them."""
+        if self.held:
+            return
+        if self._frozen_from <= i:  # the first backward hook of this backward
+            self._frozen_from = len(self._order)
+        for unit in self._order[i + 1 : self._frozen_from]:
+            for flat in self._flats.get(id(unit), []):
+                if flat.frozen:
+                    flat.free()
+        self._frozen_from = min(self._frozen_from, i + 1)
 
     def remove(self) -> None:
         """Remove every hook."""
