@@ -59,13 +59,16 @@ def loss_of(model: Block, x: Tensor) -> Tensor:
     return model(x).square().mean()
 
 
-def reference(world: int, ep: int, steps: int) -> list[dict[str, Tensor]]:
-    """Per place, the weights after ``steps`` steps, by the formula of the module docstring."""
+def reference(world: int, ep: int, steps: int, frozen_bank: bool = False) -> list[dict[str, Tensor]]:
+    """Per place, the weights after ``steps`` steps, by the formula of the module docstring
+    (``frozen_bank``: the banks take no gradient and count in no norm)."""
     models = [Block(p) for p in range(ep)]
     dense = dict(models[0].dense.named_parameters())
     for m in models[1:]:  # one dense layer shared by every place
         m.dense = models[0].dense
-    params = [*dense.values(), *(m.bank for m in models)]
+    params = [*dense.values(), *([] if frozen_bank else [m.bank for m in models])]
+    for m in models if frozen_bank else []:
+        m.bank.requires_grad_(False)
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
     for step in range(steps):
         opt.zero_grad()
@@ -76,11 +79,12 @@ def reference(world: int, ep: int, steps: int) -> list[dict[str, Tensor]]:
     return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
 
 
-def _rank(rank: int, world: int, ep: int, stage: int, root: str) -> dict[str, Any]:
+def _rank(rank: int, world: int, ep: int, stage: int, root: str, frozen_bank: bool = False) -> dict[str, Any]:
     edp = [dist.new_group(list(range(p, world, ep))) for p in range(ep)][rank % ep]
 
     def build(at: int = stage) -> tuple[Block, ZeroOptimizer]:
         model = Block(rank % ep)
+        model.bank.requires_grad_(not frozen_bank)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         zero = ZeroOptimizer(
             model, opt, stage=at, clip_grad_norm=CLIP, bucket_bytes=64, sharding={model.bank: edp}
@@ -196,3 +200,20 @@ def test_each_flat_holds_one_optimizer_group_of_one_process_group(
 ) -> None:
     sizes, groups, expert = (list(x) for x in zip(*specs, strict=True))
     run_threaded(1, _layout, sizes, groups, expert, stage, bucket)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_frozen_bank_sharded_over_its_own_group_counts_in_no_norm(stage: int, tmp_path: Path) -> None:
+    """The banks frozen (as a fine-tuning run leaves experts): the dense layer steps as the
+    formula says with the norm over it alone (at stage 0 too, where only the frozen banks lie
+    in other groups than the data-parallel one, so every stepped gradient is whole on each
+    rank), and the banks stay as they were."""
+    world, ep = 4, 2
+    want = reference(world, ep, 2, frozen_bank=True)
+    runs = run_threaded(world, _rank, world, ep, stage, str(tmp_path), True, timeout=60)
+    for rank, run in enumerate(runs):
+        for name, got in run["two"].items():
+            torch.testing.assert_close(
+                got, want[rank % ep][name], **TOL, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )
+        assert torch.equal(run["three"]["bank"], Block(rank % ep).bank.detach())

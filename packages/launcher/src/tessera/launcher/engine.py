@@ -4,9 +4,9 @@ A step takes the *global* batch (every rank may pass the same tensors): each dat
 rank trains on its rows, in ``parallel.microbatches`` microbatches; the loss is the mean over
 the global batch (per counted token with the built-in cross-entropy, targets of -100
 counting for nothing: ``tessera.launcher.objective``), so a run equals the serial model
-trained on that batch. A loop that reads
-only its rank's rows (``Engine.local_rows``; ``Engine.batch_needs``: a pipeline's middle
-stages read nothing) passes them with ``local=True``: the same rows train, bit for bit.
+trained on that batch. A loop that reads only its rank's rows (``Engine.local_rows``;
+``Engine.batch_needs``: a pipeline's middle stages read nothing) passes them with
+``local=True``: the same rows train, bit for bit.
 Degrees come from the mesh, activation shapes from the model; gradient averaging, clipping
 and the optimizer step are the `ZeroOptimizer`'s (stage 0 is plain data parallelism).
 """

@@ -197,7 +197,8 @@ class ZeroOptimizer:
         )  # fmt: skip
         cast_buffers_(model, dtype)
         self._trained = [f for f in self.flats if not f.frozen]  # the ones reduced and stepped
-        self._mixed = mixed_groups(self.flats, group)  # some parameters sharded over ``sharding``'s groups
+        # some stepped parameters sharded over ``sharding``'s groups (frozen ones count in no norm)
+        self._mixed = mixed_groups(self._trained, group)
         self._norm_weights = norm_weights(self._trained, group, stage=stage, replication=replication)
         self._chunks: ChunkStore | None = None
         if memory is not None:
