@@ -210,8 +210,8 @@ class Engine:
             return
         if self.runtime is not None and not self._is_stage_owner(-1):
             return
-        counted = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-        total = all_reduce(counted.to(self.mesh.device), self.dp)
+        counted = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)  # on the mesh's device
+        total = all_reduce(counted, self.dp)
         self.step_loss.share(float(total[0]), parts)
 
     def _is_stage_owner(self, stage: int) -> bool:

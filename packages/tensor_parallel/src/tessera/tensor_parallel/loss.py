@@ -110,15 +110,14 @@ def blocked_cross_entropy(
     ``blocks`` (the groups whose sums, one after the other, reach every block) and whose
     vocabulary is split over ``vocab``: the 2D, 2.5D and 3D classifiers' loss.
 
-    ``vocab_parallel_cross_entropy`` per token, then the sum (and, for the mean, the count of
-    counted tokens) all-reduced over each group of ``blocks``; the backward of the sums is the
-    identity. Replicated on every rank, in the logits' dtype (``sum``: in fp32, as a sum over
-    many tokens can leave a half precision's range).
+    ``vocab_parallel_cross_entropy``'s sum over this rank's tokens, then that sum (and, for the
+    mean, the count of counted tokens) all-reduced over each group of ``blocks``; the backward
+    of the sums is the identity. Replicated on every rank, in the logits' dtype (``sum``: in
+    fp32, as a sum over many tokens can leave a half precision's range).
     """
-    per_token = vocab_parallel_cross_entropy(
-        logits, targets, vocab, ignore_index=ignore_index, reduction="none"
-    )
-    total = per_token.float().sum().reshape(1)
+    total = vocab_parallel_cross_entropy(
+        logits, targets, vocab, ignore_index=ignore_index, reduction="sum"
+    ).reshape(1)  # fp32, summed before any rounding to the logits' dtype
     count = (targets != ignore_index).sum().float().reshape(1)
     for group in blocks:
         total = reduce_from_region(total, group)
