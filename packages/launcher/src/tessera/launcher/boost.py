@@ -42,14 +42,25 @@ from tessera.launcher.recompute import checkpoint_layers, offload_layers
 from tessera.launcher.spec import (
     ModelSpec,
     check_blocks,
+    example_ids,
     layer_stack,
+    model_family,
     model_spec,
     pipeline_blocks,
+    refusals,
     tied_blocks,
 )
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
-from tessera.tensor_parallel import Plan, PlanLike, context_parallelize, parallelize, shard_specs
+from tessera.tensor_parallel import (
+    Plan,
+    PlanLike,
+    SequenceProbe,
+    VocabParallelEmbedding,
+    context_parallelize,
+    parallelize,
+    shard_specs,
+)
 from tessera.tensor_parallel.plan import resolve_plan
 from tessera.zero import ChunkConfig, ZeroOptimizer
 
@@ -145,6 +156,26 @@ def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return {n: index[id(p)] for n, p in trained.items()}
 
 
+def _sequence_probe(model: nn.Module, example: Tensor | None, *, tp: int) -> SequenceProbe | None:
+    """What context parallelism's probe of the sequence split feeds ``model``
+    (``tessera.tensor_parallel.probe_sequence_split``): token ids below the vocabulary of
+    ``example`` (integer ids), else of ``config.vocab_size``, else of the first (vocab-parallel)
+    embedding; None (logged) when none is known. ``tp``: Megatron SP's cut of each slice."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if example is not None and not (example.is_floating_point() or example.is_complex()) and example.numel():
+        vocab = int(example.max()) + 1
+    if not isinstance(vocab, int):
+        embeddings = (m for m in model.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding)))
+        vocab = next((int(m.num_embeddings) for m in embeddings), None)
+    if vocab is None or vocab < 1:
+        log.info("context parallelism: sequence-split probe skipped: no vocabulary known (pass example=)")
+        return None
+    limits = [getattr(config, a, None) for a in ("max_position_embeddings", "n_positions")]
+    max_len = min((n for n in limits if isinstance(n, int) and n > 0), default=None)
+    return SequenceProbe(vocab_size=vocab, multiple=tp, max_len=max_len)
+
+
 _POSITION_ROLES = ("embedding", "embedding_whole", "sequence_split")
 
 
@@ -156,6 +187,15 @@ def _position_roles(plan: PlanLike | None) -> str | None:
     entries = plan.entries if isinstance(plan, Plan) else Plan.of(plan).entries
     found = [pattern for pattern, style in entries if style.name in _POSITION_ROLES]
     return ",".join(found) or None
+
+
+def _check_refusals(model: nn.Module, spec: ModelSpec, p: Any) -> None:
+    """ValueError naming each parallel axis in use that the model refuses (`refusals`)."""
+    used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "sp": p.sp > 1}
+    refused = refusals(model, spec, [axis for axis, on in used.items() if on])
+    if refused:
+        kind = model_family(model) or type(model).__name__
+        raise ValueError(f"{type(model).__name__} ({kind}) cannot take " + "; ".join(refused))
 
 
 def boost(
@@ -177,7 +217,9 @@ def boost(
     ``spec``: the model contract (`ModelSpec`: pipeline blocks, loss, output, tp plans);
     default: the spec registered for the model's class, else one that fits a plain causal LM.
     ``plan``: the tensor-parallel plan, overriding the spec's. ``example``: a batch of
-    inputs; with pipelining, the blocks are first checked to reproduce ``model(example)``.
+    inputs; with pipelining, the blocks are first checked to reproduce ``model(example)``;
+    under context parallelism its ids give the vocabulary of the sequence-split probe
+    (``tessera.tensor_parallel.probe_sequence_split``, run before training on every sp rank).
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
     of the same model and refuse to train on a mismatch (None: ``train.verify``; see
@@ -197,6 +239,7 @@ def boost(
     topology = p.topology()
     check_experts(model, topology.ep)  # before anything changes the model
     spec = spec if spec is not None else model_spec(model)
+    _check_refusals(model, spec, p)
     tp_plan = None
     if topology.tp > 1:  # resolved on the serial model: the MoE layers' styles are checked before any group
         tp_plan = (spec if plan is None else ModelSpec(roles=plan)).plan(
@@ -222,8 +265,7 @@ def boost(
                 f"{type(model).__name__} has {len(serial_blocks)} pipeline blocks, fewer than parallel.pp * "
                 f"parallel.virtual_stages = {pp} * {p.virtual_stages}"
             )
-        if example is not None:
-            check_blocks(model, serial_blocks, example, spec.output)
+        check_blocks(model, serial_blocks, example_ids(model, example), spec.output)
     shard_moe(model, mesh)  # ep > 1: this rank's experts (ZeRO shards them over edp: expert_sharding)
     experts = expert_slices(model)
     if tp_plan is not None:
@@ -242,6 +284,7 @@ def boost(
             layout=p.sp_layout,
             cores=spec.attention_cores,
             positions=spec.positions or _position_roles(plan if plan is not None else spec.roles),
+            probe=_sequence_probe(model, example, tp=tp if p.sequence_parallel else 1),
         )
     if pp > 1:  # the cut, once: tensor parallelism replaced modules, so the blocks are found again
         blocks = pipeline_blocks(model, spec)

@@ -1,24 +1,41 @@
-"""Pipeline blocks of Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
+"""Pipeline blocks of Hugging Face decoder-only language models.
 
 Their forwards do more than chain their children: GPT-2 adds position embeddings to the
-token embeddings, Llama computes rotary embeddings and a causal mask once and hands them to
-every decoder layer. A pipeline stage receives only the hidden states, so each block here
-recomputes what its layer needs from the sequence it sees (positions ``0..seq-1``: training
-from the start of each sequence, no cache; Llama's from the sequence its attention sees,
-whole under sequence parallelism). The blocks hold the model's own submodules, so
-parameter names and values stay the model's. Importing this module does not import
-transformers; building the Llama blocks does.
+token embeddings; the rotary families (Llama, Mistral, Qwen, Gemma, Phi, GPT-NeoX, GPT-J,
+StarCoder2, OLMo, Cohere, Granite, StableLM, Falcon, ...) compute rotary embeddings and
+their attention masks once and hand them to every decoder layer, some scale the embedding
+(Granite's ``embedding_multiplier``) or the logits (Gemma's soft cap, Cohere's
+``logit_scale``, Granite's ``logits_scaling``). A pipeline stage receives only the hidden
+states, so each block here recomputes what its layer needs from the sequence it sees
+(positions ``0..seq-1``: training from the start of each sequence, no cache) and applies
+what the model's forward applies around its children:
+
+- masks: each layer's own kind, as the model builds it: ``config.layer_types[i]``
+  (``sliding_attention`` or ``full_attention``), else a sliding window wherever
+  ``config.sliding_window`` is set (Mistral, Phi3, StarCoder2); built by ``transformers``'
+  own ``create_causal_mask`` / ``create_sliding_window_causal_mask``, so a window is kept;
+- rotary embeddings: the model's ``rotary_emb`` called as its forward calls it (with the
+  layer type where it takes one: Gemma3's local and global rotaries);
+- computed in a pre-hook of the layer's attention module from the hidden states it is
+  called with, which under sequence parallelism are the whole sequence (the layer's input,
+  a stage's activation, holds this rank's slice of it).
+
+The blocks hold the model's own submodules, so parameter names and values stay the model's.
+``boost()`` checks that the blocks reproduce the model's logits before partitioning (with
+the user's example batch, else random token ids). Importing this module does not import
+transformers; building the blocks of a rotary family does.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["gpt2_blocks", "llama_blocks"]
+__all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks"]
 
 
 _HOOK = "_tessera_positions_hook"
@@ -52,12 +69,24 @@ class _Layer(nn.Module):
 
 
 class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    """The final norm and LM head, with the logit transforms of the model's forward (read
+    from its config: ``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, config: Any = None) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.scale = getattr(config, "logit_scale", None)
+        self.divide = getattr(config, "logits_scaling", None)
 
     def forward(self, h: Tensor) -> Tensor:
         out: Tensor = self.lm_head(self.norm(h))
+        if self.scale is not None:
+            out = out * self.scale
+        if self.divide is not None:
+            out = out / self.divide
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
 
@@ -68,42 +97,135 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
     return [_GPT2Embedding(t), *(_Layer(block) for block in t.h), head]
 
 
-class _LlamaLayer(nn.Module):
-    """A Llama decoder layer with the rotary embeddings and causal mask of the sequence its
-    attention sees: computed in a pre-hook of ``self_attn`` from the hidden states it is
-    called with, which under sequence parallelism are the whole sequence (the layer's input,
-    a stage's activation, holds this rank's slice of it)."""
+class _Embedding(nn.Module):
+    """The modules a model runs before its layers, chained, times its ``embedding_multiplier``."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any) -> None:
+    def __init__(self, modules: list[nn.Module], multiplier: float | None) -> None:
         super().__init__()
-        self.layer, self.rotary, self.config = layer, rotary, config
-        attention: Any = layer.self_attn
+        self.parts = nn.ModuleList(modules)
+        self.multiplier = multiplier
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h: Tensor = self.parts[0](ids)
+        if self.multiplier is not None:
+            h = h * self.multiplier
+        for part in self.parts[1:]:
+            h = part(h)
+        return h
+
+
+def _layer_type(config: Any, index: int) -> str:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return str(types[index])
+    window = getattr(config, "sliding_window", None)
+    return "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
+
+
+def _attention_of(layer: nn.Module) -> nn.Module:
+    for _, sub in layer.named_children():
+        if "attention" in type(sub).__name__.lower():
+            return sub
+    raise ValueError(f"{type(layer).__name__} has no attention module (a child whose class name says Attention)")
+
+
+class _DecoderLayer(nn.Module):
+    """A rotary family's decoder layer called on hidden states alone: its attention's mask,
+    position ids and rotary embeddings made in a pre-hook of the attention module from the
+    hidden states it sees (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, index: int, rotary: nn.Module | None, config: Any) -> None:
+        super().__init__()
+        self.layer, self.config = layer, config
+        self.kind = _layer_type(config, index)
+        self.rotary = [rotary]  # in a list: a shared module, not a child of every layer
+        takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
+        self.rotary_takes_type = "layer_type" in takes
+        attention = _attention_of(layer)
+        self.signature = inspect.signature(attention.forward)
+        params = list(inspect.signature(layer.forward).parameters.values())[1:]
+        # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
+        self.required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
         old = getattr(attention, _HOOK, None)
         if old is not None:  # blocks built again (after tensor parallelism): this hook runs last
             old.remove()
-        hook = attention.register_forward_pre_hook(self._positions_of_attention, with_kwargs=True)
+        hook = attention.register_forward_pre_hook(self._arguments_of_attention, with_kwargs=True)
         setattr(attention, _HOOK, hook)
 
-    def _positions_of_attention(
+    def _mask(self, h: Tensor, pos: Tensor) -> Any:
+        masks = importlib.import_module("transformers.masking_utils")  # optional: reached untyped
+        make = (
+            masks.create_sliding_window_causal_mask if self.kind == "sliding_attention" else masks.create_causal_mask
+        )
+        return make(self.config, h, None, None, position_ids=pos)
+
+    def _arguments_of_attention(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        # an optional dependency, reached untyped (mypy may run without it)
-        create_causal_mask = importlib.import_module("transformers.masking_utils").create_causal_mask
-
-        h = args[0] if args else kwargs["hidden_states"]
+        bound = self.signature.bind_partial(*args, **kwargs).arguments
+        first = next(iter(self.signature.parameters))
+        h = bound[first]
         pos = _positions(h)
-        mask = create_causal_mask(self.config, h, None, None, position_ids=pos)
-        extra = {"attention_mask": mask, "position_ids": pos, "position_embeddings": self.rotary(h, pos)}
-        return args, {**kwargs, **extra}
+        extra: dict[str, Any] = {"attention_mask": self._mask(h, pos)}
+        if "position_ids" in self.signature.parameters or "kwargs" in self.signature.parameters:
+            extra["position_ids"] = pos
+        rotary = self.rotary[0]
+        if rotary is not None:
+            extra["position_embeddings"] = rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
+        rest = {k: v for k, v in bound.items() if k != first}
+        return (h,), {**rest, **extra}
 
     def forward(self, h: Tensor) -> Tensor:
-        out = self.layer(h)
+        out = self.layer(h, **dict.fromkeys(self.required))
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
         return hidden
 
 
-def llama_blocks(model: nn.Module) -> list[nn.Module]:
-    """``[embed_tokens, *layers, norm + lm_head]`` of a ``LlamaForCausalLM``."""
-    inner: Any = model.model
-    layers = [_LlamaLayer(layer, inner.rotary_emb, inner.config) for layer in inner.layers]
-    return [inner.embed_tokens, *layers, _Head(inner.norm, model.get_submodule("lm_head"))]
+def _base(model: nn.Module) -> nn.Module:
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    return base if isinstance(base, nn.Module) else model
+
+
+def _order(base: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules the base model runs before and after its layers: ``config.base_model_pp_plan``'s
+    order where the model has one (Phi registers its embedding dropout after its layers), else
+    registration order; rotary modules (called with positions, not chained) are left out."""
+    config: Any = getattr(base, "config", None)
+    pp_plan = getattr(config, "base_model_pp_plan", None)
+    names = list(pp_plan) if pp_plan else [n for n, _ in base.named_children()]
+    if stack not in names:
+        raise ValueError(f"{type(base).__name__}'s layers {stack!r} are not among its stages {names}")
+    at = names.index(stack)
+
+    def modules(part: list[str]) -> list[nn.Module]:
+        return [base.get_submodule(n) for n in part if "rotary" not in type(base.get_submodule(n)).__name__.lower()]
+
+    return modules(names[:at]), modules(names[at + 1 :])
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """``[embedding, *layers, norm + lm_head]`` of a Hugging Face decoder-only model whose base
+    model hands rotary embeddings and masks to its layers (see the module docstring)."""
+    base = _base(model)
+    config: Any = getattr(model, "config", None)
+    layers = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList)]
+    if len(layers) != 1:
+        raise ValueError(f"{type(model).__name__}: expected one nn.ModuleList of layers, found {layers}")
+    before, after = _order(base, layers[0])
+    if not before or len(after) != 1:
+        raise ValueError(
+            f"{type(model).__name__}: expected modules before its layers and one norm after them; pass "
+            "ModelSpec(blocks=fn)"
+        )
+    rotary = getattr(base, "rotary_emb", None)
+    stack: Any = base.get_submodule(layers[0])
+    blocks: list[nn.Module] = [_Embedding(before, getattr(config, "embedding_multiplier", None))]
+    blocks += [_DecoderLayer(layer, i, rotary, config) for i, layer in enumerate(stack)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
+    return [*blocks, _Head(after[0], head, config)]
+
+
+llama_blocks = decoder_blocks  # Llama's layout is the rotary families' own

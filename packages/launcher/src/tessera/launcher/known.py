@@ -1,19 +1,24 @@
-"""The `ModelSpec` of every model Tessera knows by class: the reference GPT, Hugging Face
+"""The `ModelSpec` of every model Tessera knows: by class, the reference GPT, Hugging Face
 ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
 (their experts whole on every tp rank: ``hf_moe``), each with one plan of roles serving every
-tensor-parallel mode. They use the same contract as a user's model;
-``boost()`` finds them with ``model_spec(model)``. Registered by dotted class name, so no
-model library is imported until a model of it is boosted.
+tensor-parallel mode; by Hugging Face family (``config.model_type``), every decoder-only
+family of the pinned ``transformers`` listed in `FAMILIES`, whose roles are derived from the
+model's module tree (``derived_roles``) and whose pipeline blocks are ``hf.decoder_blocks``.
+
+They use the same contract as a user's model; ``boost()`` finds them with
+``model_spec(model)``. Registered by dotted class name or model type, so no model library is
+imported until a model of it is boosted. A family that cannot take a parallel axis says so in
+``ModelSpec.refuses``, and ``boost()`` refuses it before building anything.
 """
 
 from __future__ import annotations
 
-from tessera.launcher.hf import gpt2_blocks, llama_blocks
+from tessera.launcher.hf import decoder_blocks, gpt2_blocks, llama_blocks
 from tessera.launcher.hf_moe import MIXTRAL_PLAN, QWEN2_MOE_PLAN
-from tessera.launcher.spec import ModelSpec, register_model_spec
+from tessera.launcher.spec import ModelSpec, register_model_family, register_model_spec
 from tessera.tensor_parallel import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN
 
-__all__ = ["GPT2_SPEC", "LLAMA_SPEC", "MIXTRAL_SPEC", "QWEN2_MOE_SPEC", "REFERENCE_GPT_SPEC"]
+__all__ = ["FAMILIES", "GPT2_SPEC", "LLAMA_SPEC", "MIXTRAL_SPEC", "QWEN2_MOE_SPEC", "REFERENCE_GPT_SPEC"]
 
 REFERENCE_GPT_SPEC = ModelSpec(
     roles=GPT_PLAN,
@@ -30,3 +35,37 @@ register_model_spec("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", GP
 register_model_spec("transformers.models.llama.modeling_llama.LlamaForCausalLM", LLAMA_SPEC)
 register_model_spec("transformers.models.mixtral.modeling_mixtral.MixtralForCausalLM", MIXTRAL_SPEC)
 register_model_spec("transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_SPEC)
+
+_ALIBI = (
+    "its attention biases (ALiBi) are built in the model's forward for every head and the whole sequence, "
+    "which a split of the heads, a pipeline stage and a sequence shard do not see"
+)
+_OPT_PP = (
+    "its decoder's forward adds learned positions (offset by 2) from the attention mask and projects in "
+    "and out around its layers; no pipeline blocks are written for it"
+)
+
+# model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
+# layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
+# its serial run), and those refused an axis, with the reason.
+FAMILIES: dict[str, ModelSpec] = {
+    **{
+        kind: ModelSpec(blocks=decoder_blocks)
+        for kind in (
+            "cohere", "falcon", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "granite", "mistral",
+            "olmo", "phi", "phi3", "qwen2", "qwen3", "stablelm", "starcoder2",
+        )
+    },  # fmt: skip
+    "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "sp": _ALIBI}),
+    "opt": ModelSpec(refuses={"pp": _OPT_PP}),
+    "olmo2": ModelSpec(
+        blocks=decoder_blocks,
+        refuses={
+            "tp": "its q_norm and k_norm normalize each whole projection (all heads together), which a split "
+            "of the heads over tp cannot compute"
+        },
+    ),
+}
+
+for _kind, _spec in FAMILIES.items():
+    register_model_family(_kind, _spec)

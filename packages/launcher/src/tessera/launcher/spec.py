@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import TPMode
+from tessera.launcher.derived_roles import derive_roles
 from tessera.tensor_parallel import PlanLike
 from tessera.tensor_parallel.modes import plan_for_mode
 from tessera.zero.units import largest_module_list
@@ -36,9 +37,13 @@ __all__ = [
     "check_blocks",
     "layer_stack",
     "logits_of",
+    "model_family",
     "model_spec",
     "pipeline_blocks",
+    "refusals",
+    "register_model_family",
     "register_model_spec",
+    "sliding_window",
     "tied_blocks",
 ]
 
@@ -78,7 +83,11 @@ class ModelSpec:
     plan-style names of the attention cores (called on q, k, v; None: the model's
     ``F.scaled_dot_product_attention`` calls are found and routed) and of the modules indexed
     by position (learned embeddings, rotary modules; comma-separated; rotary modules are also
-    found by class), see ``tessera.tensor_parallel.context_parallelize``.
+    found by class), see ``tessera.tensor_parallel.context_parallelize``. ``refuses``: the
+    parallel axes the model cannot take (``"tp"``, ``"sequence_parallel"``, ``"pp"``,
+    ``"sp"``), each with the reason; ``boost()`` refuses them before building anything.
+    With neither ``plans`` nor ``roles`` for a mode, the roles are derived from the model's
+    module tree (``derived_roles.derive_roles``, logged so that they can be copied).
     """
 
     plans: Mapping[str, PlanLike] = field(default_factory=dict)
@@ -88,21 +97,31 @@ class ModelSpec:
     output: Callable[[Any], Tensor] = logits_of
     attention_cores: str | None = None
     positions: str | None = None
+    refuses: Mapping[str, str] = field(default_factory=dict)
 
     def plan(self, mode: TPMode, model: nn.Module, *, depth: int | None = None) -> PlanLike:
         """The plan for tensor-parallel ``mode``: ``plans[mode]``, else ``roles`` translated to
         the mode (for ``model``; ``depth``: 2.5D's); ValueError naming the modes there are."""
         plan = self.plans.get(mode.value, self.roles)
-        if plan is None:
-            offered = ", ".join(sorted(self.plans)) or "none"
+        if plan is None and self.plans:
+            offered = ", ".join(sorted(self.plans))
             raise ValueError(
                 f"no tensor-parallel plan for {type(model).__name__} in mode {mode.value} (plans: "
                 f"{offered}); pass boost(..., plan=...) or ModelSpec(roles=plan)"
             )
+        if plan is None:
+            try:
+                plan = derive_roles(model)
+            except ValueError as exc:
+                raise ValueError(
+                    f"no tensor-parallel plan for {type(model).__name__} in mode {mode.value} and none "
+                    f"could be derived ({exc}); pass boost(..., plan=...) or ModelSpec(roles=plan)"
+                ) from exc
         return plan_for_mode(plan, mode, model, depth=depth)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+_FAMILIES: dict[str, ModelSpec] = {}
 
 
 def _key(cls: type) -> str:
@@ -115,13 +134,55 @@ def register_model_spec(cls: type | str, spec: ModelSpec) -> None:
     _REGISTRY[cls if isinstance(cls, str) else _key(cls)] = spec
 
 
+def register_model_family(model_type: str, spec: ModelSpec) -> None:
+    """Make ``spec`` the default of every Hugging Face model whose ``config.model_type`` is
+    ``model_type`` and whose class has no spec of its own (``tessera.launcher.families``)."""
+    _FAMILIES[model_type] = spec
+
+
+def model_family(model: nn.Module) -> str | None:
+    """``config.model_type`` of a Hugging Face model, None for any other model."""
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return kind if isinstance(kind, str) else None
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The attention window of a Hugging Face model whose layers (some or all) attend within
+    one (``config.sliding_window`` where ``layer_types`` or ``use_sliding_window`` use it)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or not getattr(config, "use_sliding_window", True):
+        return None
+    types = getattr(config, "layer_types", None)
+    return window if types is None or "sliding_attention" in types else None
+
+
+def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str]:
+    """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``sp``) that
+    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``sp``) on
+    sliding-window attention (ring and Ulysses attend over the whole causal past)."""
+    refused = {axis: spec.refuses[axis] for axis in axes if axis in spec.refuses}
+    window = sliding_window(model)
+    if "sp" in axes and window is not None and "sp" not in refused:
+        refused["sp"] = (
+            f"its attention is limited to a sliding window of {window} tokens, which ring and Ulysses "
+            "attention do not apply (they attend over the whole causal past)"
+        )
+    return [f"{axis}: {reason}" for axis, reason in refused.items()]
+
+
 def model_spec(model: nn.Module) -> ModelSpec:
-    """The registered spec of ``model``'s class (or of its nearest registered base), else the
-    default ``ModelSpec()``."""
+    """The registered spec of ``model``'s class (or of its nearest registered base), else of
+    its Hugging Face family (``config.model_type``), else the default ``ModelSpec()``."""
     for cls in type(model).__mro__:
         spec = _REGISTRY.get(_key(cls))
         if spec is not None:
             return spec
+    family = model_family(model)
+    if family is not None and family in _FAMILIES:
+        return _FAMILIES[family]
     return ModelSpec()
 
 
@@ -186,19 +247,58 @@ def tied_blocks(blocks: Sequence[nn.Module]) -> dict[nn.Parameter, list[int]]:
     return {param: where for param, where in holders.values() if len(where) > 1}
 
 
+def vocabulary(model: nn.Module) -> int | None:
+    """The number of token ids ``model`` takes: ``config.vocab_size``, else the rows of its first
+    ``nn.Embedding`` (None when it has neither)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.num_embeddings)
+    return None
+
+
+def example_ids(model: nn.Module, example: Tensor | None, *, tokens: int = 8) -> Tensor | None:
+    """``example`` if given, else a (1, ``tokens``) batch of random token ids within the model's
+    `vocabulary` (from a fixed seed: every rank draws the same), None when it has none."""
+    if example is not None:
+        return example
+    vocab = vocabulary(model)
+    if vocab is None:
+        return None
+    like = next(iter(model.parameters()), None)
+    device = like.device if like is not None and not like.is_meta else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
+
+
 @torch.no_grad()
 def check_blocks(
-    model: nn.Module, blocks: Sequence[nn.Module], example: Tensor, output: Callable[[Any], Tensor]
+    model: nn.Module, blocks: Sequence[nn.Module], example: Tensor | None, output: Callable[[Any], Tensor]
 ) -> None:
     """ValueError unless running ``blocks`` in order on ``example`` reproduces the logits of
-    ``model(example)`` (in eval mode, to 1e-5 of their largest magnitude)."""
+    ``model(example)`` (in eval mode, to 1e-5 of their largest magnitude); also when a block
+    fails on what the one before it returns. Nothing is checked without an example, or on a
+    model built on the meta device (``deferred_parameters``)."""
+    if example is None or any(p.is_meta for p in model.parameters()):
+        log.info("pipeline blocks of %s not checked (no example, or deferred parameters)", type(model).__name__)
+        return
     was_training = model.training
     model.eval()
     try:
         want = output(model(example))
         got = example
-        for block in blocks:
-            got = block(got)
+        for index, block in enumerate(blocks):
+            try:
+                got = block(got)
+            except Exception as exc:
+                raise ValueError(
+                    f"pipeline block {index} of {len(blocks)} of {type(model).__name__} ({type(block).__name__}) "
+                    f"fails on the previous block's output ({type(exc).__name__}: {exc}): its forward needs more "
+                    "than the hidden states (masks, positions); pass ModelSpec(blocks=fn) with blocks that make "
+                    "them, as tessera.launcher.hf.decoder_blocks does"
+                ) from exc
     finally:
         model.train(was_training)
     if not isinstance(got, Tensor) or got.shape != want.shape:

@@ -1,0 +1,178 @@
+"""A plan of roles read from a model's module tree, for a model no registered spec knows.
+
+Decoder-only language models share one shape: a token embedding, a stack of layers (the
+``nn.ModuleList`` holding the most parameters), a final norm and an LM head. Inside each
+layer an *attention* module holds the projections that feed its attention (column-parallel)
+and the one after it (row-parallel), an *MLP* module holds two or three dense layers (the
+last row-parallel), and the norms between them stay whole. `derive_roles` finds these from
+layer 0 alone and writes them as patterns over every layer:
+
+- the attention module: a submodule of the layer whose class name says ``Attention`` and
+  that holds dense layers (``nn.Linear`` or HF ``Conv1D``); its output projection is the
+  dense layer whose name says so (``o_proj``, ``out_proj``, ``dense``, ``c_proj``, ``wo``);
+  every other dense layer in it feeds the attention. A single input projection producing
+  q, k and v together is ``colwise_qkv`` (sections ``[q | k | v]``) unless the model's own
+  hint (Hugging Face's ``config.base_model_tp_plan``) or its name (``query_key_value``) says
+  it is split per head (GPT-NeoX, Bloom and Falcon interleave q, k, v inside each head);
+- the MLP: another submodule holding two or more dense layers; its output layer is the one
+  whose input width is the others' output width (a fused ``gate | up`` producing twice
+  that width is split in two sections);
+- norms: leaf modules whose class name says ``Norm`` in the layer and after the stack;
+- the token embedding (``vocab_whole``), learned position embeddings (``embedding_whole``),
+  layer 0 (``sequence_start``) and the LM head (``head``).
+
+Nothing here trusts itself: ``parallelize`` probes every attention module and every replaced
+module on a random input before training, and the coverage proof accounts for every
+parameter, so a wrong guess is refused, naming the module, never trained. `describe` writes
+the plan out so that a user can copy it into ``ModelSpec(roles=...)`` and edit it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import nn
+
+from tessera.tensor_parallel import Plan, Style
+from tessera.tensor_parallel.roles import Roles
+from tessera.tensor_parallel.layers import dense_weights, is_dense
+from tessera.tensor_parallel.style import TPStyle
+from tessera.tensor_parallel.styles import Colwise
+from tessera.zero.units import largest_module_list
+
+__all__ = ["derive_roles", "describe"]
+
+log = logging.getLogger(__name__)
+
+_OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "proj", "out")
+COLWISE_PAIR = Colwise("colwise", sections=2)  # a fused gate | up projection
+# fused q, k, v projections by this name interleave q, k and v inside each head (or KV group):
+# GPT-NeoX, Bloom, Falcon's grouped layout; split per head like any colwise layer
+_INTERLEAVED = "query_key_value"
+
+
+def _dense(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, sub in module.named_modules(prefix=prefix):
+        if name != prefix and is_dense(sub):
+            yield name, sub
+
+
+def _width(module: nn.Module) -> tuple[int, int]:
+    out_f, in_f = dense_weights(module)[0].shape
+    return int(out_f), int(in_f)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not list(module.children())
+
+
+def _hint(model: nn.Module) -> dict[str, str]:
+    """Hugging Face's own tp plan of the model (patterns relative to the model's root)."""
+    config: Any = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    return {prefix + k: str(v) for k, v in plan.items()}
+
+
+def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> dict[str, TPStyle]:
+    dense = list(_dense(module, path))
+    outputs = [n for n, _ in dense if n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
+    if len(outputs) != 1 or len(dense) < 2:
+        return {}
+    roles: dict[str, TPStyle] = {path: Style.ATTENTION, outputs[0]: Style.ROWWISE}
+    inputs = [n for n, _ in dense if n != outputs[0]]
+    for name in inputs:
+        default = "colwise" if name.endswith(_INTERLEAVED) else "colwise_gather_output"
+        fused = len(inputs) == 1 and hint.get(name, default) != "colwise"
+        roles[name] = Style.COLWISE_QKV if fused else Style.COLWISE
+    return roles
+
+
+def _mlp_roles(path: str, module: nn.Module) -> dict[str, TPStyle]:
+    dense = list(_dense(module, path))
+    if len(dense) < 2:
+        return {}
+    last_name, last = dense[-1]
+    hidden = _width(last)[1]
+    roles: dict[str, TPStyle] = {path: Style.REGION, last_name: Style.ROWWISE}
+    for name, sub in dense[:-1]:
+        out_f = _width(sub)[0]
+        if out_f == hidden:
+            roles[name] = Style.COLWISE
+        elif out_f == 2 * hidden:
+            roles[name] = COLWISE_PAIR
+        else:
+            return {}  # not an MLP that splits by its hidden width: left whole
+    return roles
+
+
+def derive_roles(model: nn.Module) -> Plan:
+    """A plan of roles for ``model`` read from its module tree (see the module docstring);
+    ValueError when it has no layer stack or no layer with an attention module."""
+    stack = largest_module_list(model)
+    if stack is None:
+        raise ValueError(f"cannot derive tensor-parallel roles for {type(model).__name__}: no nn.ModuleList of layers")
+    layers: Any = model.get_submodule(stack)
+    layer0 = f"{stack}.0"
+    hint = {k.replace(f"{stack}.*.", f"{layer0}."): v for k, v in _hint(model).items()}
+    found: dict[str, TPStyle] = {layer0: Style.SEQUENCE_START}
+    inner: set[str] = set()
+    for rel, sub in layers[0].named_children():
+        path = f"{layer0}.{rel}"
+        if "attention" in type(sub).__name__.lower():
+            roles = _attention_roles(path, sub, hint)
+        elif _is_norm(sub):
+            roles = {path: Roles.NORM}
+        else:
+            roles = _mlp_roles(path, sub)
+        found.update(roles)
+        inner |= set(roles)
+    if not any(style is Style.ATTENTION for style in found.values()):
+        raise ValueError(
+            f"cannot derive tensor-parallel roles for {type(model).__name__}: layer {layer0} has no "
+            "attention module holding its projections; pass ModelSpec(roles=...)"
+        )
+    entries = {k.replace(f"{layer0}.", f"{stack}.*.", 1) if k != layer0 else k: v for k, v in found.items()}
+    entries.update(_outer_roles(model, stack))
+    plan = Plan.of(entries, name=f"derived-{type(model).__name__}")
+    log.info("tensor-parallel roles derived for %s:\n%s", type(model).__name__, describe(plan))
+    return plan
+
+
+def _outer_roles(model: nn.Module, stack: str) -> dict[str, TPStyle]:
+    """Embeddings, norms and the head: the modules outside the layer stack."""
+    names = {id(m): n for n, m in model.named_modules()}
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    tokens = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    roles: dict[str, TPStyle] = {}
+    for name, sub in model.named_modules():
+        if not name or name == stack or name.startswith(stack + "."):
+            continue
+        if sub is tokens or (tokens is None and isinstance(sub, nn.Embedding) and not roles):
+            roles[name] = Style.VOCAB_WHOLE
+        elif isinstance(sub, nn.Embedding):
+            roles[name] = Style.EMBEDDING_WHOLE
+        elif _is_norm(sub):
+            roles[name] = Roles.NORM
+    if head is not None and id(head) in names:
+        roles[names[id(head)]] = Roles.HEAD
+    elif head is None:
+        last = [n for n, m in model.named_children() if is_dense(m)]
+        if last:
+            roles[last[-1]] = Roles.HEAD
+    return roles
+
+
+def describe(plan: Plan) -> str:
+    """The plan as Python source a user can paste into ``Plan.of({...})``."""
+    lines = []
+    for pattern, style in plan.entries:
+        sections = getattr(style, "sections", 1)
+        shown = f'Colwise("colwise", sections={sections})' if style.name == "colwise" and sections > 1 else repr(style.name)
+        lines.append(f"    {pattern!r}: {shown},")
+    return "{\n" + "\n".join(lines) + "\n}"
