@@ -216,3 +216,33 @@ def test_boost_refuses_before_building_anything(worker_pools: PoolFactory) -> No
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
     with pytest.raises(ValueError, match=r"MistralForCausalLM \(mistral\) cannot take sp: .*sliding window of 8"):
         run_family(worker_pools, "mistral", "ring")
+
+
+def _train_and_consolidate(rank: int, name: str, config: Config, folder: str) -> None:
+    model = _build(name)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    engine.train_step(*_batch(0))
+    if rank == 0:
+        model.config.save_pretrained(folder)  # config.json, as transformers writes it
+    engine.consolidate(f"{folder}/model.safetensors")
+    engine.mesh.close()
+
+
+@pytest.mark.parametrize("name", ["gemma", "opt"])
+def test_a_tied_head_exports_under_both_names(worker_pools: PoolFactory, tmp_path: Any, name: str) -> None:
+    """Trained at tp2 and consolidated, a model whose LM head is its token embedding (Gemma, OPT)
+    loads strictly into the serial model (both keys present) and through ``from_pretrained``,
+    and computes the same logits either way (the same file: exactly)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
+    import safetensors.torch
+
+    worker_pools(2).run(_train_and_consolidate, name, _config(ParallelConfig(tp=2), 0), str(tmp_path), timeout=240)
+    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    serial = _build(name)
+    head = serial.get_output_embeddings()
+    assert head is not None and head.weight is serial.get_input_embeddings().weight
+    serial.load_state_dict(weights, strict=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    ids = _batch(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, serial(ids).logits, rtol=0, atol=0)

@@ -189,6 +189,14 @@ def _position_roles(plan: PlanLike | None) -> str | None:
     return ",".join(found) or None
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every further name under which the model's state dict holds a parameter it already
+    names (a tied LM head), mapped to the parameter's name in ``named_parameters``."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    every = model.named_parameters(remove_duplicate=False)
+    return {n: first[id(p)] for n, p in every if first[id(p)] != n}
+
+
 def _check_refusals(model: nn.Module, spec: ModelSpec, p: Any) -> None:
     """ValueError naming each parallel axis in use that the model refuses (`refusals`)."""
     used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "sp": p.sp > 1}
@@ -251,6 +259,7 @@ def boost(
     mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
     tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    aliases = tied_aliases(model)
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
     verify = config.train.verify if verify is None else verify
@@ -351,6 +360,7 @@ def boost(
         shard_specs=specs,
         stage_to_rank=stage_to_rank,
         experts=experts,
+        aliases=aliases,
     )
     optimizer = rebuild_optimizer(optimizer, {placement.names[p]: p for p in local}, group_of)
     zero = ZeroOptimizer(

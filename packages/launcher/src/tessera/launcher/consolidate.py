@@ -110,7 +110,9 @@ def local_full_gradients(engine: Boosted) -> dict[str, Tensor]:
 
 def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
     """Write the serial model's full fp32 state dict to ``path`` (safetensors); rank 0 also
-    returns it, every other rank None. Collective over every rank: the stage groups' shards
+    returns it, every other rank None. A tied parameter is written under each of its names
+    (HF's ``lm_head.weight`` beside the embedding), so a strict ``load_state_dict`` of the
+    serial model takes the file. Collective over every rank: the stage groups' shards
     are written as ``export_sharded`` writes them (beside ``path``), rank 0 merges them into
     one file and removes them."""
     path = Path(path)
@@ -124,6 +126,8 @@ def consolidate(engine: Boosted, path: str | Path) -> dict[str, Tensor] | None:
             merged = {}
             for shard in shards:
                 merged.update(safetensors.torch.load((parts / shard).read_bytes()))
+            for alias, name in engine.placement.aliases.items():  # a tied head under its own name too
+                merged[alias] = merged[name].clone()
             atomic_write(path, safetensors.torch.save(merged))
             shutil.rmtree(parts)
         except (OSError, RuntimeError, ValueError) as e:

@@ -27,7 +27,9 @@ class Placement:
     split by tensor parallelism) to tp, so that norms count it once. ``experts`` maps the
     serial name of every expert bank split over the ep group to the experts this rank holds,
     ``(start, stop)`` along its first dimension (empty without expert parallelism); its tp
-    split, if any, is of that slice.
+    split, if any, is of that slice. ``aliases`` maps every further name of a tied parameter
+    in the serial model's state dict (HF's ``lm_head.weight`` tied to the token embedding)
+    to the name it trains under, so that an export holds every key a strict load expects.
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -36,6 +38,7 @@ class Placement:
     shard_specs: dict[str, ShardSpec] = field(default_factory=dict)  # serial name -> tp split
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
     experts: dict[str, tuple[int, int]] = field(default_factory=dict)  # serial name -> ep slice
+    aliases: dict[str, str] = field(default_factory=dict)  # tied: second name -> parameter's name
 
     def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
         """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""
