@@ -246,3 +246,41 @@ def test_a_tied_head_exports_under_both_names(worker_pools: PoolFactory, tmp_pat
     ids = _batch(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, serial(ids).logits, rtol=0, atol=0)
+
+
+def _twin_verified(rank: int, name: str, config: Config, broken: bool) -> list[float]:
+    model = _build(name)
+    spec = None
+    if broken:  # a loss that differs by rank: its parallel step is not the serial one
+        base = model_spec(model)
+
+        def loss(logits: Tensor, targets: Tensor) -> Tensor:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) * (1.0 + rank)
+
+        spec = dataclasses.replace(base, loss=loss)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec, verify="twin")
+    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    engine.mesh.close()
+    return losses
+
+
+@pytest.mark.parametrize(("name", "mode"), [("gemma2", "tp2-sp"), ("qwen3", "pp2"), ("phi3", "dp2-tp2")])
+def test_verify_on_a_shrunken_twin_passes_a_correct_layout(worker_pools: PoolFactory, name: str, mode: str) -> None:
+    """verify='twin' checks the layout on a 2-layer twin of width 8 per head, then trains the
+    model itself (unverified) exactly as without it: the same losses as the serial run."""
+    pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
+    parallel, zero = MODES[mode]
+    config = _config(parallel, zero)
+    results = worker_pools(config.world_size).run(_twin_verified, name, config, False, timeout=240)
+    want, _ = _serial(name)
+    for losses in results:
+        assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_verify_on_a_shrunken_twin_refuses_a_wrong_step(worker_pools: PoolFactory) -> None:
+    """A loss that differs between dp ranks makes the parallel step differ from the serial one:
+    the twin's verified step refuses it before the model itself is touched."""
+    pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
+    config = _config(ParallelConfig(dp=2), 1)
+    with pytest.raises(ValueError, match=r"differ"):
+        worker_pools(2).run(_twin_verified, "qwen2", config, True, timeout=240)

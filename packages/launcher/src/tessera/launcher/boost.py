@@ -23,7 +23,7 @@ import inspect
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,9 @@ from tessera.launcher.spec import (
     pipeline_blocks,
     refusals,
     tied_blocks,
+    vocabulary,
 )
+from tessera.launcher.twin import shrunken_twin, timed, twin_batch, twin_width
 from tessera.launcher.verify import Verifier
 from tessera.pipeline import PipelineRuntime, build_schedule, partition_by_params, stage_modules
 from tessera.tensor_parallel import (
@@ -197,6 +199,29 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return {n: first[id(p)] for n, p in every if first[id(p)] != n}
 
 
+def _verify_on_twin(model: nn.Module, config: BoostConfig, *, spec: ModelSpec, plan: PlanLike | None) -> None:
+    """Boost a shrunken twin of ``model`` under ``config`` with ``verify=True`` and train one
+    step, which the verifier compares with a serial one (`tessera.launcher.twin`)."""
+    p = config.parallel
+    layers = max(2, p.pp * p.virtual_stages)
+    twin = shrunken_twin(model, layers=layers, vocab_multiple=p.tp * p.sp, seed=config.train.seed)
+    vocab = vocabulary(twin)
+    assert vocab is not None  # an HF config says its vocab_size
+    inputs, targets = twin_batch(
+        vocab, rows=p.dp * p.microbatches, tokens=16 * p.sp * p.tp, seed=config.train.seed,
+        device=next(iter(twin.parameters())).device,
+    )  # fmt: skip
+
+    def step() -> None:
+        engine = boost(twin, torch.optim.SGD(twin.parameters(), lr=0.0), config, spec=spec, plan=plan, verify=True)
+        try:
+            engine.train_step(inputs, targets)
+        finally:
+            engine.mesh.close()
+
+    timed(f"verify='twin': {type(model).__name__} with {layers} layers of width {twin_width(twin)}", step)
+
+
 def _check_refusals(model: nn.Module, spec: ModelSpec, p: Any) -> None:
     """ValueError naming each parallel axis in use that the model refuses (`refusals`)."""
     used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "sp": p.sp > 1}
@@ -215,7 +240,7 @@ def boost(
     plan: PlanLike | None = None,
     example: Tensor | None = None,
     scheduler_fn: Any = None,
-    verify: bool | None = None,
+    verify: bool | Literal["twin"] | None = None,
     init: InitFn | None = None,
     compile: bool | None = None,
 ) -> Engine:
@@ -231,7 +256,9 @@ def boost(
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
     of the same model and refuse to train on a mismatch (None: ``train.verify``; see
-    ``tessera.launcher.verify``). A model built by ``deferred_parameters`` (parameters on the
+    ``tessera.launcher.verify``; ``"twin"``: verify the same layout on a shrunken twin of a
+    Hugging Face model first, then train the model itself unverified: ``tessera.launcher.twin``).
+    A model built by ``deferred_parameters`` (parameters on the
     meta device) is materialized here, each rank only what it holds, one ZeRO flat buffer at
     a time (``deferred``), by ``init(name, module)`` (default ``deferred.default_init``)
     seeded by ``train.seed``.
@@ -263,6 +290,9 @@ def boost(
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
     verify = config.train.verify if verify is None else verify
+    if verify == "twin":
+        _verify_on_twin(model, config, spec=spec, plan=plan)
+        verify = False
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None  # before tp
     serial = None
     if has_deferred(model):  # built by ``deferred_parameters``: kept as meta, before tp converts it
