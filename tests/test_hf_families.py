@@ -20,7 +20,6 @@ a few.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -214,7 +213,9 @@ def test_a_mode_a_family_cannot_take_is_refused_in_one_line(name: str, mode: str
 def test_boost_refuses_before_building_anything(worker_pools: PoolFactory) -> None:
     """The refusal comes from boost() itself, before any group or conversion (no rank hangs)."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
-    with pytest.raises(ValueError, match=r"MistralForCausalLM \(mistral\) cannot take sp: .*sliding window of 8"):
+    with pytest.raises(
+        ValueError, match=r"MistralForCausalLM \(mistral\) cannot take sp: .*sliding window of 8"
+    ):
         run_family(worker_pools, "mistral", "ring")
 
 
@@ -233,10 +234,14 @@ def test_a_tied_head_exports_under_both_names(worker_pools: PoolFactory, tmp_pat
     """Trained at tp2 and consolidated, a model whose LM head is its token embedding (Gemma, OPT)
     loads strictly into the serial model (both keys present) and through ``from_pretrained``,
     and computes the same logits either way (the same file: exactly)."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: HF families NOT tested"
+    )
     import safetensors.torch
 
-    worker_pools(2).run(_train_and_consolidate, name, _config(ParallelConfig(tp=2), 0), str(tmp_path), timeout=240)
+    worker_pools(2).run(
+        _train_and_consolidate, name, _config(ParallelConfig(tp=2), 0), str(tmp_path), timeout=240
+    )
     weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
     serial = _build(name)
     head = serial.get_output_embeddings()
@@ -258,14 +263,18 @@ def _twin_verified(rank: int, name: str, config: Config, broken: bool) -> list[f
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) * (1.0 + rank)
 
         spec = dataclasses.replace(base, loss=loss)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec, verify="twin")
+    engine = boost(
+        model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec, verify="twin"
+    )
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     engine.mesh.close()
     return losses
 
 
 @pytest.mark.parametrize(("name", "mode"), [("gemma2", "tp2-sp"), ("qwen3", "pp2"), ("phi3", "dp2-tp2")])
-def test_verify_on_a_shrunken_twin_passes_a_correct_layout(worker_pools: PoolFactory, name: str, mode: str) -> None:
+def test_verify_on_a_shrunken_twin_passes_a_correct_layout(
+    worker_pools: PoolFactory, name: str, mode: str
+) -> None:
     """verify='twin' checks the layout on a 2-layer twin of width 8 per head, then trains the
     model itself (unverified) exactly as without it: the same losses as the serial run."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")

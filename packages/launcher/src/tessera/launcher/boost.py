@@ -213,7 +213,9 @@ def _verify_on_twin(model: nn.Module, config: BoostConfig, *, spec: ModelSpec, p
     )  # fmt: skip
 
     def step() -> None:
-        engine = boost(twin, torch.optim.SGD(twin.parameters(), lr=0.0), config, spec=spec, plan=plan, verify=True)
+        engine = boost(
+            twin, torch.optim.SGD(twin.parameters(), lr=0.0), config, spec=spec, plan=plan, verify=True
+        )
         try:
             engine.train_step(inputs, targets)
         finally:

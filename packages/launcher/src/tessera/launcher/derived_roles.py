@@ -36,8 +36,8 @@ from typing import Any
 from torch import nn
 
 from tessera.tensor_parallel import Plan, Style
-from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.layers import dense_weights, is_dense
+from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.style import TPStyle
 from tessera.tensor_parallel.styles import Colwise
 from tessera.zero.units import largest_module_list
@@ -114,7 +114,9 @@ def derive_roles(model: nn.Module) -> Plan:
     ValueError when it has no layer stack or no layer with an attention module."""
     stack = largest_module_list(model)
     if stack is None:
-        raise ValueError(f"cannot derive tensor-parallel roles for {type(model).__name__}: no nn.ModuleList of layers")
+        raise ValueError(
+            f"cannot derive tensor-parallel roles for {type(model).__name__}: no nn.ModuleList of layers"
+        )
     layers: Any = model.get_submodule(stack)
     layer0 = f"{stack}.0"
     hint = {k.replace(f"{stack}.*.", f"{layer0}."): v for k, v in _hint(model).items()}
@@ -173,6 +175,10 @@ def describe(plan: Plan) -> str:
     lines = []
     for pattern, style in plan.entries:
         sections = getattr(style, "sections", 1)
-        shown = f'Colwise("colwise", sections={sections})' if style.name == "colwise" and sections > 1 else repr(style.name)
+        shown = (
+            f'Colwise("colwise", sections={sections})'
+            if style.name == "colwise" and sections > 1
+            else repr(style.name)
+        )
         lines.append(f"    {pattern!r}: {shown},")
     return "{\n" + "\n".join(lines) + "\n}"

@@ -126,7 +126,9 @@ def _attention_of(layer: nn.Module) -> nn.Module:
     for _, sub in layer.named_children():
         if "attention" in type(sub).__name__.lower():
             return sub
-    raise ValueError(f"{type(layer).__name__} has no attention module (a child whose class name says Attention)")
+    raise ValueError(
+        f"{type(layer).__name__} has no attention module (a child whose class name says Attention)"
+    )
 
 
 class _DecoderLayer(nn.Module):
@@ -155,7 +157,9 @@ class _DecoderLayer(nn.Module):
     def _mask(self, h: Tensor, pos: Tensor) -> Any:
         masks = importlib.import_module("transformers.masking_utils")  # optional: reached untyped
         make = (
-            masks.create_sliding_window_causal_mask if self.kind == "sliding_attention" else masks.create_causal_mask
+            masks.create_sliding_window_causal_mask
+            if self.kind == "sliding_attention"
+            else masks.create_causal_mask
         )
         return make(self.config, h, None, None, position_ids=pos)
 
@@ -171,7 +175,9 @@ class _DecoderLayer(nn.Module):
             extra["position_ids"] = pos
         rotary = self.rotary[0]
         if rotary is not None:
-            extra["position_embeddings"] = rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
+            extra["position_embeddings"] = (
+                rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
+            )
         rest = {k: v for k, v in bound.items() if k != first}
         return (h,), {**rest, **extra}
 
@@ -199,7 +205,11 @@ def _order(base: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module
     at = names.index(stack)
 
     def modules(part: list[str]) -> list[nn.Module]:
-        return [base.get_submodule(n) for n in part if "rotary" not in type(base.get_submodule(n)).__name__.lower()]
+        return [
+            base.get_submodule(n)
+            for n in part
+            if "rotary" not in type(base.get_submodule(n)).__name__.lower()
+        ]
 
     return modules(names[:at]), modules(names[at + 1 :])
 
@@ -222,7 +232,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     stack: Any = base.get_submodule(layers[0])
     blocks: list[nn.Module] = [_Embedding(before, getattr(config, "embedding_multiplier", None))]
     blocks += [_DecoderLayer(layer, i, rotary, config) for i, layer in enumerate(stack)]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
     return [*blocks, _Head(after[0], head, config)]

@@ -48,14 +48,12 @@ _OPT_PP = (
 # model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
 # layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
 # its serial run), and those refused an axis, with the reason.
+_ROTARY = (
+    "cohere", "falcon", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "granite",
+    "mistral", "olmo", "phi", "phi3", "qwen2", "qwen3", "stablelm", "starcoder2",
+)  # fmt: skip
 FAMILIES: dict[str, ModelSpec] = {
-    **{
-        kind: ModelSpec(blocks=decoder_blocks)
-        for kind in (
-            "cohere", "falcon", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "granite", "mistral",
-            "olmo", "phi", "phi3", "qwen2", "qwen3", "stablelm", "starcoder2",
-        )
-    },  # fmt: skip
+    **{kind: ModelSpec(blocks=decoder_blocks) for kind in _ROTARY},
     "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "sp": _ALIBI}),
     "opt": ModelSpec(refuses={"pp": _OPT_PP}),
     "olmo2": ModelSpec(

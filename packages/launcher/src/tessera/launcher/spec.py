@@ -282,7 +282,9 @@ def check_blocks(
     fails on what the one before it returns. Nothing is checked without an example, or on a
     model built on the meta device (``deferred_parameters``)."""
     if example is None or any(p.is_meta for p in model.parameters()):
-        log.info("pipeline blocks of %s not checked (no example, or deferred parameters)", type(model).__name__)
+        log.info(
+            "pipeline blocks of %s not checked (no example, or deferred parameters)", type(model).__name__
+        )
         return
     was_training = model.training
     model.eval()
@@ -293,11 +295,12 @@ def check_blocks(
             try:
                 got = block(got)
             except Exception as exc:
+                kind = f"{type(model).__name__} ({type(block).__name__})"
                 raise ValueError(
-                    f"pipeline block {index} of {len(blocks)} of {type(model).__name__} ({type(block).__name__}) "
-                    f"fails on the previous block's output ({type(exc).__name__}: {exc}): its forward needs more "
-                    "than the hidden states (masks, positions); pass ModelSpec(blocks=fn) with blocks that make "
-                    "them, as tessera.launcher.hf.decoder_blocks does"
+                    f"pipeline block {index} of {len(blocks)} of {kind} fails on the previous block's "
+                    f"output ({type(exc).__name__}: {exc}): its forward needs more than the hidden states "
+                    "(masks, positions); pass ModelSpec(blocks=fn) with blocks that make them, as "
+                    "tessera.launcher.hf.decoder_blocks does"
                 ) from exc
     finally:
         model.train(was_training)

@@ -32,7 +32,13 @@ __all__ = ["shrunken_config", "shrunken_twin", "twin_batch"]
 log = logging.getLogger(__name__)
 
 _WIDTH = 8  # each head's width in the twin
-_WIDTH_KEYS = ("intermediate_size", "ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size")
+_WIDTH_KEYS = (
+    "intermediate_size",
+    "ffn_dim",
+    "n_inner",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def shrunken_config(config: Any, *, layers: int, vocab_multiple: int) -> Any:
