@@ -293,3 +293,64 @@ def test_verify_on_a_shrunken_twin_refuses_a_wrong_step(worker_pools: PoolFactor
     config = _config(ParallelConfig(dp=2), 1)
     with pytest.raises(ValueError, match=r"differ"):
         worker_pools(2).run(_twin_verified, "qwen2", config, True, timeout=240)
+
+
+# ---------------------------------------------------------------------------- roles derived
+def _own(name: str) -> nn.Module:
+    from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
+
+    config = ForeignConfig(vocab=VOCAB, dim=32, heads=4, kv_heads=2, layers=2, hidden=64, max_len=SEQ)
+    torch.manual_seed(0)
+    return Llamaish(config) if name == "llamaish" else GPT2ish(config)
+
+
+def _own_run(rank: int, name: str, config: Config | None) -> Run:
+    model = _own(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    if config is None:  # serial
+        losses = []
+        for step in range(STEPS):
+            ids, targets = _batch(step)
+            loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = boost(model, opt, config)  # no plan: the roles are derived from its module tree
+    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize("mode", ["tp2", "tp2-sp"])
+@pytest.mark.parametrize("name", ["llamaish", "gpt2ish"])
+def test_roles_derived_for_a_model_with_names_of_its_own(
+    worker_pools: PoolFactory, name: str, mode: str
+) -> None:
+    """``Llamaish`` (attention class ``GQA`` with ``wq``..``wo``, SwiGLU ``w1``/``w3``/``w2`` with the
+    output layer registered before the last input) and ``GPT2ish`` (fused ``qkv``, learned
+    positions, LayerNorms) get their roles from their module trees alone; bounds as above."""
+    parallel, zero = MODES[mode]
+    config = _config(parallel, zero)
+    losses, weights = _own_run(0, name, None)
+    merged: dict[str, Tensor] = {}
+    for curve, part in worker_pools(2).run(_own_run, name, config, timeout=240):
+        assert curve == pytest.approx(losses, rel=1e-5)
+        merged.update(part)
+    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+
+
+def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:
+    from tessera.launcher.derived_roles import derive_roles, describe
+    from tessera.tensor_parallel import Plan
+
+    plan = derive_roles(_own("llamaish"))
+    roles = dict(plan.entries)
+    assert {k: roles[k].name for k in ("layers.*.attn", "layers.*.ffn.w2", "layers.*.ffn.w3", "output")} == {
+        "layers.*.attn": "attention", "layers.*.ffn.w2": "rowwise", "layers.*.ffn.w3": "colwise", "output": "head",
+    }  # fmt: skip
+    text = describe(plan)
+    assert "'layers.*.attn.wo': 'rowwise'" in text and "'tok_embeddings': 'vocab_whole'" in text
+    assert dict(Plan.of(eval(text)).entries).keys() == roles.keys()  # what a user pastes back

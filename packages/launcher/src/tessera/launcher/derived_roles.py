@@ -7,7 +7,8 @@ and the one after it (row-parallel), an *MLP* module holds two or three dense la
 last row-parallel), and the norms between them stay whole. `derive_roles` finds these from
 layer 0 alone and writes them as patterns over every layer:
 
-- the attention module: a submodule of the layer whose class name says ``Attention`` and
+- the attention module: a submodule of the layer whose class name says ``Attention`` (or
+  that says its head count: ``num_heads``, ``n_heads``, ... as ``heads.head_layout`` reads) and
   that holds dense layers (``nn.Linear`` or HF ``Conv1D``); its output projection is the
   dense layer whose name says so (``o_proj``, ``out_proj``, ``dense``, ``c_proj``, ``wo``);
   every other dense layer in it feeds the attention. A single input projection producing
@@ -15,8 +16,8 @@ layer 0 alone and writes them as patterns over every layer:
   hint (Hugging Face's ``config.base_model_tp_plan``) or its name (``query_key_value``) says
   it is split per head (GPT-NeoX, Bloom and Falcon interleave q, k, v inside each head);
 - the MLP: another submodule holding two or more dense layers; its output layer is the one
-  whose input width is the others' output width (a fused ``gate | up`` producing twice
-  that width is split in two sections);
+  whose input width is not the block's (it takes the hidden width the others produce; a
+  fused ``gate | up`` producing twice that width is split in two sections);
 - norms: leaf modules whose class name says ``Norm`` in the layer and after the stack;
 - the token embedding (``vocab_whole``), learned position embeddings (``embedding_whole``),
   layer 0 (``sequence_start``) and the LM head (``head``).
@@ -39,7 +40,7 @@ from tessera.tensor_parallel import Plan, Style
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.style import TPStyle
-from tessera.tensor_parallel.styles import Colwise
+from tessera.tensor_parallel.styles import Colwise, attention_heads
 from tessera.zero.units import largest_module_list
 
 __all__ = ["derive_roles", "describe"]
@@ -95,17 +96,23 @@ def _mlp_roles(path: str, module: nn.Module) -> dict[str, TPStyle]:
     dense = list(_dense(module, path))
     if len(dense) < 2:
         return {}
-    last_name, last = dense[-1]
-    hidden = _width(last)[1]
-    roles: dict[str, TPStyle] = {path: Style.REGION, last_name: Style.ROWWISE}
-    for name, sub in dense[:-1]:
+    width = _width(dense[0][1])[1]  # the block's input width
+    exits = [(n, m) for n, m in dense if _width(m)[1] != width]
+    if len(exits) != 1:
+        return {}  # not one hidden width feeding one output layer: left whole
+    exit_name, exit_layer = exits[0]
+    hidden = _width(exit_layer)[1]
+    roles: dict[str, TPStyle] = {path: Style.REGION, exit_name: Style.ROWWISE}
+    for name, sub in dense:
+        if name == exit_name:
+            continue
         out_f = _width(sub)[0]
         if out_f == hidden:
             roles[name] = Style.COLWISE
         elif out_f == 2 * hidden:
             roles[name] = COLWISE_PAIR
         else:
-            return {}  # not an MLP that splits by its hidden width: left whole
+            return {}
     return roles
 
 
@@ -124,7 +131,7 @@ def derive_roles(model: nn.Module) -> Plan:
     inner: set[str] = set()
     for rel, sub in layers[0].named_children():
         path = f"{layer0}.{rel}"
-        if "attention" in type(sub).__name__.lower():
+        if "attention" in type(sub).__name__.lower() or attention_heads(sub) is not None:
             roles = _attention_roles(path, sub, hint)
         elif _is_norm(sub):
             roles = {path: Roles.NORM}
