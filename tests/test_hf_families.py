@@ -348,9 +348,9 @@ def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:
 
     plan = derive_roles(_own("llamaish"))
     roles = dict(plan.entries)
-    assert {k: roles[k].name for k in ("layers.*.attn", "layers.*.ffn.w2", "layers.*.ffn.w3", "output")} == {
-        "layers.*.attn": "attention", "layers.*.ffn.w2": "rowwise", "layers.*.ffn.w3": "colwise", "output": "head",
-    }  # fmt: skip
+    want = {"layers.*.attn": "attention", "layers.*.ffn.w2": "rowwise", "layers.*.ffn.w3": "colwise"}
+    want["output"] = "head"
+    assert {k: roles[k].name for k in want} == want
     text = describe(plan)
     assert "'layers.*.attn.wo': 'rowwise'" in text and "'tok_embeddings': 'vocab_whole'" in text
     assert dict(Plan.of(eval(text)).entries).keys() == roles.keys()  # what a user pastes back
