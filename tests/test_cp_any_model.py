@@ -15,6 +15,11 @@ rel 1e-5 (fp32, a mean over 128 token losses summed in another order), consolida
 atol 1e-6 + rtol 1e-5 (SGD is linear in the gradient: round-off; rotary left on local
 positions moves the loss by ~3e-4 and gradients by > 1e-3, as measured in the tensor_parallel
 package's ``test_cp_route_gloo``).
+
+Each of those runs passes context parallelism's sequence-split probe first (no false alarm).
+``InlineRope``, Llama-style but computing its rotary angles inline from ``torch.arange`` of the
+length its attention is handed, would train silently wrong at sp=2; boost() refuses it on every
+rank before training, at sp=2 and at dp2 x sp2 with ZeRO-3, naming its attention.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -139,3 +145,88 @@ def test_routed_attention_follows_the_serial_run(
         assert curve == pytest.approx(losses, rel=1e-5)
         merged.update(part)
     torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+
+
+class InlineRopeAttention(nn.Module):
+    """Llama-style attention whose rotary angles come from ``torch.arange`` of its input's length."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        inv = 1.0 / (10000.0 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        angles = torch.outer(torch.arange(t, dtype=torch.float32), inv)  # positions 0..t-1 of what it sees
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+        def rotate(z: Tensor) -> Tensor:
+            half = z.shape[-1] // 2
+            return z * cos + torch.cat((-z[..., half:], z[..., :half]), dim=-1) * sin
+
+        shape = (b, t, self.heads, self.head_dim)
+        q, k, v = (w(x).view(shape).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        out: Tensor = self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return out
+
+
+class InlineRopeLayer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = nn.RMSNorm(dim), InlineRopeAttention(dim, heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
+
+
+class InlineRope(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(CFG.vocab, CFG.dim)
+        self.layers = nn.ModuleList(InlineRopeLayer(CFG.dim, CFG.heads) for _ in range(CFG.layers))
+        self.norm, self.output = nn.RMSNorm(CFG.dim), nn.Linear(CFG.dim, CFG.vocab, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = layer(h)
+        out: Tensor = self.output(self.norm(h))
+        return out
+
+
+def _refused(rank: int, config: Config) -> str:
+    """boost()'s ValueError on this rank ("trained" if it trained a step); the groups of the
+    mesh boost built before refusing are destroyed, so the pool's next call starts clean."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    model = InlineRope()
+    try:
+        engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    except ValueError as e:
+        for group in set(dist.distributed_c10d._world.pg_map) - before:
+            dist.destroy_process_group(group)
+        return str(e)
+    engine.train_step(*_batch(0))
+    engine.close()
+    return "trained"
+
+
+@pytest.mark.parametrize(
+    ("parallel", "stage"),
+    [(ParallelConfig(sp=2, microbatches=1), 0), (ParallelConfig(dp=2, sp=2, microbatches=1), 3)],
+    ids=["sp2-ring", "dp2-sp2-ring-zero3"],
+)
+def test_positions_from_the_local_length_are_refused_before_training(
+    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int
+) -> None:
+    config = dataclasses.replace(_config(parallel), zero=ZeroConfig(stage=stage))
+    for message in worker_pools(config.world_size).run(_refused, config, timeout=180):
+        assert "the first module whose output differs is 'layers.0.attn' (InlineRopeAttention)" in message
+        assert "derives positions or a mask from the local sequence length" in message
+        assert "ModelSpec(positions=...)" in message

@@ -58,7 +58,6 @@ from tessera.tensor_parallel import (
     Plan,
     PlanLike,
     SequenceProbe,
-    VocabParallelEmbedding,
     context_parallelize,
     parallelize,
     shard_specs,
@@ -164,12 +163,9 @@ def _sequence_probe(model: nn.Module, example: Tensor | None, *, tp: int) -> Seq
     ``example`` (integer ids), else of ``config.vocab_size``, else of the first (vocab-parallel)
     embedding; None (logged) when none is known. ``tp``: Megatron SP's cut of each slice."""
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
+    vocab = vocabulary(model)
     if example is not None and not (example.is_floating_point() or example.is_complex()) and example.numel():
         vocab = int(example.max()) + 1
-    if not isinstance(vocab, int):
-        embeddings = (m for m in model.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding)))
-        vocab = next((int(m.num_embeddings) for m in embeddings), None)
     if vocab is None or vocab < 1:
         log.info("context parallelism: sequence-split probe skipped: no vocabulary known (pass example=)")
         return None

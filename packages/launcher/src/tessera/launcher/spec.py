@@ -249,13 +249,15 @@ def tied_blocks(blocks: Sequence[nn.Module]) -> dict[nn.Parameter, list[int]]:
 
 def vocabulary(model: nn.Module) -> int | None:
     """The number of token ids ``model`` takes: ``config.vocab_size``, else the rows of its first
-    ``nn.Embedding`` (None when it has neither)."""
+    embedding (``nn.Embedding``, or one split by tensor parallelism: its ``num_embeddings``
+    counts them all); None when it has neither."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(size, int) and size > 0:
         return size
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            return int(module.num_embeddings)
+        rows = getattr(module, "num_embeddings", None)
+        if "Embedding" in type(module).__name__ and isinstance(rows, int):
+            return rows
     return None
 
 

@@ -4,8 +4,9 @@
 many equal chunks a sequence is cut into), ``ring`` and ``ulysses`` (the attention cores),
 ``parallelize`` (``context_parallelize``: swap a model's named
 attention cores; ``route_attention``: route its SDPA calls, found without names, through
-``intercept``), ``positions`` (positions modules follow the sequence shards) and
-``training`` (batch slices, the exact global loss, gradient sums over ``sp``).
+``intercept``), ``positions`` (positions modules follow the sequence shards), ``probe``
+(``probe_sequence_split``: the split model computes what the whole one does, checked before
+training) and ``training`` (batch slices, the exact global loss, gradient sums over ``sp``).
 """
 
 from tessera.tensor_parallel.context.layout import (
@@ -24,6 +25,7 @@ from tessera.tensor_parallel.context.parallelize import (
     route_attention,
 )
 from tessera.tensor_parallel.context.positions import find_positions, follow_positions
+from tessera.tensor_parallel.context.probe import SequenceProbe, probe_sequence_split
 from tessera.tensor_parallel.context.ring import ring_attention
 from tessera.tensor_parallel.context.training import (
     context_parallel_loss,
@@ -36,6 +38,7 @@ __all__ = [
     "ContextParallelAttention",
     "Layout",
     "Mode",
+    "SequenceProbe",
     "check_ulysses",
     "chunks_of",
     "context_parallel_loss",
@@ -43,6 +46,7 @@ __all__ = [
     "find_positions",
     "follow_positions",
     "local_positions",
+    "probe_sequence_split",
     "rank_positions",
     "ring_attention",
     "route_attention",

@@ -7,7 +7,8 @@ GPT's ``layers.*.attn.core``) is replaced by a ``ContextParallelAttention``. Wit
 while the model runs goes to ring or Ulysses attention (``intercept``), which serves models
 that call SDPA inline and Hugging Face models on their ``sdpa`` attention. Either way the
 positions modules (``positions``) look up this rank's global positions. The weights are
-untouched; everything else in the model works per token and needs no change. The ``Mode``
+untouched; everything else in the model works per token, which ``probe`` checks when
+asked (``context_parallelize(..., probe=SequenceProbe(...))``). The ``Mode``
 enum (ring or Ulysses) is defined in ``tessera.comm.sequence_modes`` (importable without torch).
 """
 
@@ -22,6 +23,7 @@ from tessera.comm.sequence_modes import Mode
 from tessera.tensor_parallel.context.intercept import AttentionRoute, route_modules
 from tessera.tensor_parallel.context.layout import Layout
 from tessera.tensor_parallel.context.positions import find_positions, follow_positions, guard_embeddings
+from tessera.tensor_parallel.context.probe import SequenceProbe, probe_sequence_split
 from tessera.tensor_parallel.context.ring import ring_attention
 from tessera.tensor_parallel.context.ulysses import check_ulysses, ulysses_attention
 from tessera.tensor_parallel.plan import match_pattern
@@ -85,6 +87,7 @@ def context_parallelize(
     cores: str | None = "layers.*.attn.core",
     positions: str | None = "embed.pos",
     heads: int | None = None,
+    probe: SequenceProbe | None = None,
 ) -> nn.Module:
     """Make ``model`` run on this rank's slice of the sequence (``layout``) over ``group``.
 
@@ -97,9 +100,32 @@ def context_parallelize(
     Everything is checked before the model changes; returns the model. Feed it this rank's
     slice of each batch (``split_batch``), reduce the loss with ``context_parallel_loss``
     and sum the gradients over ``group`` (``sync_context_parallel_grads``).
+
+    ``probe``: prove the split before returning (``probe.probe_sequence_split``): the model
+    runs ``probe``'s token ids whole before it changes and this rank's slice after, and a
+    forward that computes otherwise on a slice (positions or a mask from the local length)
+    raises ValueError on every rank of ``group``, naming the first module that differs.
     """
-    if cores is None:
-        return route_attention(model, group, mode=mode, layout=layout, positions=positions, heads=heads)
+
+    def install() -> nn.Module:
+        if cores is None:
+            return route_attention(model, group, mode=mode, layout=layout, positions=positions, heads=heads)
+        return _swap_cores(model, group, mode, layout, cores=cores, positions=positions, heads=heads)
+
+    return probe_sequence_split(model, group, install, probe=probe, layout=layout, positions=positions)
+
+
+def _swap_cores(
+    model: nn.Module,
+    group: Group,
+    mode: Mode | str,
+    layout: Layout | str,
+    *,
+    cores: str,
+    positions: str | None,
+    heads: int | None,
+) -> nn.Module:
+    """``context_parallelize`` with the attention cores named (``cores``)."""
     mode, layout = Mode(mode), Layout(layout)
     sp = group_size(group)
     found = _matching(model, cores)
