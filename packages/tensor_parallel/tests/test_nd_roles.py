@@ -34,6 +34,7 @@ from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
 from tessera.tensor_parallel import (
     GPT2_PLAN,
     LLAMA_PLAN,
+    PHI3_PLAN,
     Cube3D,
     Grid2D,
     Grid2p5D,
@@ -119,6 +120,16 @@ def _hf_llama() -> nn.Module:
     return _seeded(transformers.LlamaForCausalLM(config))
 
 
+def _hf_phi3(kv: int = 4) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers missing: HF Phi3 NOT tested")
+    config = transformers.Phi3Config(
+        vocab_size=CFG.vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=SEQ,
+        pad_token_id=None, bos_token_id=1, eos_token_id=2,  # no padding_idx: nD embeddings refuse one
+    )  # fmt: skip
+    return _seeded(transformers.Phi3ForCausalLM(config))
+
+
 def _hf_gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="transformers missing: HF GPT-2 NOT tested")
     config = transformers.GPT2Config(
@@ -133,6 +144,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Plan]] = {
     "gpt2ish": (lambda: GPT2ish(CFG, seed=0), GPT2ISH_ROLES),
     "hf-llama": (_hf_llama, LLAMA_PLAN),
     "hf-gpt2": (_hf_gpt2, GPT2_PLAN),
+    "hf-phi3": (_hf_phi3, PHI3_PLAN),  # fused q|k|v (4 KV heads of 4) and gate|up
 }
 
 
@@ -238,7 +250,8 @@ def _compare(serial: Curve, ranks: list[Curve]) -> None:
 
 @pytest.mark.parametrize(
     ("model_name", "mode"),
-    [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES] + [("hf-llama", "2d"), ("hf-gpt2", "2d")],
+    [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES]
+    + [("hf-llama", "2d"), ("hf-gpt2", "2d"), ("hf-phi3", "2d")],
 )
 def test_role_plan_follows_serial(model_name: str, mode: str) -> None:
     if model_name.startswith("hf-"):  # skip before the ranks start: a rank's skip logs as its traceback
@@ -273,3 +286,14 @@ def test_a_module_with_parameters_and_no_role_is_refused_in_nd() -> None:
     with pytest.raises(ValueError, match=r"layers.0.attn_norm \(RMSNorm\) holds parameters but no"):
         plan_for_mode(plan, "2d", model)
     assert plan_for_mode(plan, "1d", model) is plan  # 1D: the roles are its styles
+
+
+def test_a_fused_qkv_of_grouped_kv_heads_is_refused_in_nd() -> None:
+    from tessera.tensor_parallel import resolve_plan
+
+    pytest.importorskip("transformers", reason="transformers missing: HF Phi3 NOT tested")
+    gqa = _hf_phi3(kv=2)
+    with pytest.raises(
+        ValueError, match=r"self_attn \(2d_attention\): qkv_proj is a fused q\|k\|v of grouped KV"
+    ):
+        resolve_plan(gqa, plan_for_mode(PHI3_PLAN, "2d", gqa), tp=4)

@@ -33,6 +33,7 @@ from tessera.tensor_parallel import (
     shard_of,
     shard_specs,
 )
+from tessera.tensor_parallel.heads import fused_head_indices
 from tessera.tensor_parallel.styles import module_input
 
 VOCAB, D, HEADS = 32, 32, 8
@@ -198,3 +199,41 @@ def test_kv_head_copies_sum_their_gradients(heads: int) -> None:
         torch.testing.assert_close(gw, dy.t() @ x, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gb, dy.sum(0), rtol=1e-5, atol=1e-6)
         assert moved == 2 * heads * (numel + 3) * 4  # all-reduces of (heads, *w) and (heads, *b) fp32
+
+
+def _fused_copies(rank: int, tp: int, parts: tuple[int, ...], w: Tensor, b: Tensor, x: Tensor,
+                  dys: list[Tensor]) -> Any:  # fmt: skip
+    layer = ColumnParallelLinear(w.shape[1], w.shape[0], group=Mesh(Topology(tp=tp)).group("tp"),
+                                 enter_region=False, blocks=parts, seed=None)  # fmt: skip
+    layer.load_full(w, b)
+    y = layer(x)
+    with CommMeter() as meter:
+        y.backward(dys[rank])
+    return y.detach(), layer.weight.grad, layer.bias.grad, meter.volume_bytes
+
+
+@pytest.mark.parametrize(("tp", "kv"), [(2, 1), (4, 2), (4, 1), (2, 2)])
+def test_a_fused_qkv_sums_only_its_copied_kv_rows(tp: int, kv: int) -> None:
+    """A fused q|k|v of 4 query heads and ``kv`` KV heads of width 3 (``blocks=(4, kv, kv)``): rank r
+    holds ``[q_r | k_r | v_r]`` (``fused_head_indices``); with KV heads fewer than tp its K/V rows
+    copy one head, and their gradients (only theirs) are summed over the copies, so every rank's
+    weight and bias gradient equals the serial gradient of the rows it holds for the sum of all
+    ranks' output gradients (exact up to fp32 addition order: rtol 1e-5, atol 1e-6). Backward
+    moves one all-reduce of ``kv`` x the copied rows' weight and bias gradients, nothing when the
+    KV heads split."""
+    parts, width = (4, kv, kv), 3
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(sum(parts) * width, 5, generator=gen), torch.randn(sum(parts) * width, generator=gen)
+    index = [torch.tensor(fused_head_indices(w.shape[0], parts, tp, r)) for r in range(tp)]
+    x = torch.randn(2, 5, generator=gen)
+    dys = [torch.randn(2, len(i), generator=gen) for i in index]
+    dy = torch.zeros(2, w.shape[0])
+    for i, d in zip(index, dys, strict=True):
+        dy.index_add_(1, i, d)  # the serial output gradient: copies' gradients add up
+    for rank, (y, gw, gb, moved) in enumerate(run_threaded(tp, _fused_copies, tp, parts, w, b, x, dys)):
+        rows = index[rank]
+        torch.testing.assert_close(y, x @ w[rows].t() + b[rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gw, (dy.t() @ x)[rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gb, dy.sum(0)[rows], rtol=1e-5, atol=1e-6)
+        copied = 2 * width if kv < tp else 0  # one K and one V head
+        assert moved == (2 * kv * (copied * 5 + copied) * 4 if copied else 0)

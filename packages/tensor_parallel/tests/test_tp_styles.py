@@ -1,16 +1,18 @@
 """Tier 0: typed styles. Shard specs invert (property-tested; the KV-head spec of grouped-query
-attention too, whose copies over more ranks than heads are equal), ``parallelize`` records the spec
+attention too, whose copies over more ranks than heads are equal, and the fused q|k|v spec of
+parts of whole heads, each rank holding [q_r | k_r | v_r]), ``parallelize`` records the spec
 of every parameter it splits and each rank's parameters are exactly ``spec.shard`` of the
 serial ones, and a style registered from outside Tessera works in a plan."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -31,6 +33,7 @@ from tessera.tensor_parallel import (
     shard_specs,
     style_named,
 )
+from tessera.tensor_parallel.heads import FusedHeadShardSpec, fused_head_indices
 from tessera.tensor_parallel.partition import fused_shard_indices
 from tessera.tensor_parallel.styles import Colwise
 
@@ -86,6 +89,101 @@ def test_head_spec_refuses_heads_that_neither_split_nor_replicate() -> None:
         HeadShardSpec(0, heads=3).shard(torch.zeros(6, 2), 0, 2)
     with pytest.raises(ValueError, match="invalid"):
         HeadShardSpec(0, 3, heads=2)
+
+
+@settings(max_examples=80)
+@given(
+    st.sampled_from([1, 2, 4]),  # tp
+    st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2), (2, 1), (8, 8), (2, 2)]),  # (query heads, KV heads)
+    st.integers(1, 3),  # head width
+    st.integers(1, 3),  # columns
+    st.booleans(),  # transposed (HF Conv1D)
+)
+def test_fused_head_spec_holds_q_k_v_of_whole_heads(
+    tp: int, layout: tuple[int, int], width: int, cols: int, t: bool
+) -> None:
+    heads, kv = layout
+    assume(heads % tp == 0 and (kv % tp == 0 or tp % kv == 0))
+    rows = torch.arange((heads + 2 * kv) * width * cols).reshape(-1, cols)  # nn.Linear layout (out, in)
+    spec = FusedHeadShardSpec(1 if t else 0, transposed=t, parts=(heads, kv, kv))
+    full = rows.t() if t else rows
+    shards = [spec.shard(full, r, tp) for r in range(tp)]
+    assert torch.equal(spec.unshard(shards), full)
+    q, k, v = rows.split([heads * width, kv * width, kv * width])
+    for r, part in enumerate(shards):  # stored in nn.Linear layout either way
+        # [q_r | k_r | v_r]: its query heads, and the KV heads they read (split, or one copied)
+        want = torch.cat(
+            [ShardSpec(0).shard(q, r, tp), *(HeadShardSpec(0, heads=kv).shard(x, r, tp) for x in (k, v))]
+        )
+        assert torch.equal(part, want)
+        index = fused_head_indices(rows.shape[0], (heads, kv, kv), tp, r)  # the rows the layer takes
+        assert torch.equal(part, rows.index_select(0, torch.tensor(index)))
+    if kv >= tp:
+        assert spec.replicas(tp) == 1
+    else:
+        with pytest.raises(ValueError, match=rf"held by \[1, {tp // kv}\] ranks each .* use tp <= kv_heads"):
+            spec.replicas(tp)
+
+
+def test_fused_sections_are_refused_naming_the_sections_and_tp() -> None:
+    where = "attn.qkv (colwise_qkv): "
+    with pytest.raises(
+        ValueError, match=re.escape(where + "out_features=64 is not 3 equal fused sections (a q|k|v")
+    ):
+        Style.COLWISE_QKV.check(nn.Linear(8, 64), name="attn.qkv", tp=2)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(where + "out_features/3=6 (each of the 3 fused sections) is not divisible by tp=4"),
+    ):
+        Style.COLWISE_QKV.check(nn.Linear(8, 18), name="attn.qkv", tp=4)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "mlp.gate_up (colwise_gate_up): out_features/2=6 (each of the 2 fused sections) is not "
+        ),
+    ):
+        Style.COLWISE_GATE_UP.check(nn.Linear(8, 12), name="mlp.gate_up", tp=4)
+    with pytest.raises(
+        ValueError, match=re.escape("x: out_features=64 is not divisible by sections (fused parts)=3")
+    ):
+        fused_shard_indices(64, 3, 2, 0, what="out_features", where="x")
+    with pytest.raises(
+        ValueError, match=r"attn.qkv \(colwise_qkv_heads\): the heads of its fused q\|k\|v parts are told"
+    ):
+        Style.COLWISE_QKV_HEADS.check(nn.Linear(8, 24), name="attn.qkv", tp=2)
+    assert FusedHeadShardSpec(0, parts=(1, 1)).replicas(2) == 2  # every part copied: one count
+    with pytest.raises(ValueError, match="invalid"):
+        FusedHeadShardSpec(0, parts=())
+
+
+class FusedAttention(nn.Module):
+    """Shapes only: a fused q|k|v of ``kv`` KV heads of 4 query heads, head width 2."""
+
+    def __init__(self, kv: int, width: int | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = 4, kv, 2
+        self.qkv = nn.Linear(8, width or (4 + 2 * kv) * 2)
+        self.o = nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize(
+    ("kv", "style", "parts"),
+    [(2, "colwise_qkv", (4, 2, 2)), (2, "colwise_qkv_heads", (4, 2, 2)), (1, "colwise_qkv", (4, 1, 1)),
+     (4, "colwise_qkv", None), (4, "colwise_qkv_heads", (4, 4, 4))],
+)  # fmt: skip
+def test_attention_splits_a_fused_qkv_by_its_heads(
+    kv: int, style: str, parts: tuple[int, ...] | None
+) -> None:
+    plan = {"attn": "attention", "attn.qkv": style, "attn.o": "rowwise"}
+    got = {a.name: a.style for a in resolve_plan(nn.ModuleDict({"attn": FusedAttention(kv)}), plan, tp=2)}
+    qkv = got["attn.qkv"]
+    assert isinstance(qkv, Colwise) and qkv.name == style and qkv.parts == parts
+    with pytest.raises(
+        ValueError, match=re.escape("attn.qkv (colwise_qkv): a fused q|k|v projection of 20 output")
+    ):
+        resolve_plan(
+            nn.ModuleDict({"attn": FusedAttention(2, width=20)}), {**plan, "attn.qkv": "colwise_qkv"}, tp=2
+        )
 
 
 def test_invalid_specs_are_refused() -> None:

@@ -40,7 +40,7 @@ from tessera.tensor_parallel import Plan, Style
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.style import TPStyle
-from tessera.tensor_parallel.styles import Colwise, attention_heads
+from tessera.tensor_parallel.styles import attention_heads
 from tessera.zero.units import largest_module_list
 
 __all__ = ["derive_roles", "describe"]
@@ -48,7 +48,6 @@ __all__ = ["derive_roles", "describe"]
 log = logging.getLogger(__name__)
 
 _OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "proj", "out")
-COLWISE_PAIR = Colwise("colwise", sections=2)  # a fused gate | up projection
 # fused q, k, v projections by this name interleave q, k and v inside each head (or KV group):
 # GPT-NeoX, Bloom, Falcon's grouped layout; split per head like any colwise layer
 _INTERLEAVED = "query_key_value"
@@ -110,7 +109,7 @@ def _mlp_roles(path: str, module: nn.Module) -> dict[str, TPStyle]:
         if out_f == hidden:
             roles[name] = Style.COLWISE
         elif out_f == 2 * hidden:
-            roles[name] = COLWISE_PAIR
+            roles[name] = Style.COLWISE_GATE_UP
         else:
             return {}
     return roles
@@ -181,11 +180,5 @@ def describe(plan: Plan) -> str:
     """The plan as Python source a user can paste into ``Plan.of({...})``."""
     lines = []
     for pattern, style in plan.entries:
-        sections = getattr(style, "sections", 1)
-        shown = (
-            f'Colwise("colwise", sections={sections})'
-            if style.name == "colwise" and sections > 1
-            else repr(style.name)
-        )
-        lines.append(f"    {pattern!r}: {shown},")
+        lines.append(f"    {pattern!r}: {style.name!r},")
     return "{\n" + "\n".join(lines) + "\n}"

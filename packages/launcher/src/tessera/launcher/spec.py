@@ -43,7 +43,6 @@ __all__ = [
     "refusals",
     "register_model_family",
     "register_model_spec",
-    "sliding_window",
     "tied_blocks",
 ]
 
@@ -148,27 +147,16 @@ def model_family(model: nn.Module) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def sliding_window(model: nn.Module) -> int | None:
-    """The attention window of a Hugging Face model whose layers (some or all) attend within
-    one (``config.sliding_window`` where ``layer_types`` or ``use_sliding_window`` use it)."""
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or not getattr(config, "use_sliding_window", True):
-        return None
-    types = getattr(config, "layer_types", None)
-    return window if types is None or "sliding_attention" in types else None
-
-
 def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str]:
     """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``sp``) that
-    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``sp``) on
-    sliding-window attention (ring and Ulysses attend over the whole causal past)."""
+    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``sp``) on attention
+    whose logits are soft-capped (Gemma2's ``attn_logit_softcapping``)."""
     refused = {axis: spec.refuses[axis] for axis in axes if axis in spec.refuses}
-    window = sliding_window(model)
-    if "sp" in axes and window is not None and "sp" not in refused:
+    cap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if "sp" in axes and cap is not None and "sp" not in refused:
         refused["sp"] = (
-            f"its attention is limited to a sliding window of {window} tokens, which ring and Ulysses "
-            "attention do not apply (they attend over the whole causal past)"
+            f"its attention logits are soft-capped (tanh, attn_logit_softcapping={cap}), which ring and "
+            "Ulysses attention do not apply (they run scaled dot-product attention)"
         )
     return [f"{axis}: {reason}" for axis, reason in refused.items()]
 

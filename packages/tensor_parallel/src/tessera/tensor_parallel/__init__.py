@@ -6,9 +6,10 @@ parallelism over the ``sp`` axis: ring and Ulysses attention, zigzag layout (``c
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG
 streams, and ``parallelize(model, plan=..., mesh=...)`` to convert an ordinary model by a
-declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN`` and ``LLAMA_PLAN`` for HF
-GPT-2 and Llama) whose styles are typed objects in a registry (``register_style`` adds one);
-attention heads split by ``heads`` (grouped-query attention: KV heads split or replicated).
+declarative plan (``GPT_PLAN`` for the reference GPT, ``GPT2_PLAN``, ``LLAMA_PLAN`` and
+``PHI3_PLAN`` for HF GPT-2, Llama and Phi3) whose styles are typed objects in a registry
+(``register_style`` adds one); attention heads split by ``heads`` (grouped-query attention:
+KV heads split or replicated; fused q|k|v by its parts' heads).
 
 Exports the public API only; the pieces the layers are built from (shard arithmetic in
 ``partition``, plan matching in ``plan``, the sequence-region ops in ``sequence``, the
@@ -18,8 +19,10 @@ weight initialisers in ``init``) are imported from their modules.
 from tessera.tensor_parallel.blocks import ParallelMLP, ParallelSelfAttention
 from tessera.tensor_parallel.context import (
     ContextParallelAttention,
+    SequenceProbe,
     context_parallel_loss,
     context_parallelize,
+    probe_sequence_split,
     ring_attention,
     split_batch,
     sync_context_parallel_grads,
@@ -27,14 +30,14 @@ from tessera.tensor_parallel.context import (
 )
 from tessera.tensor_parallel.coverage import Coverage, tp_gradient_problems
 from tessera.tensor_parallel.embedding import VocabParallelEmbedding
-from tessera.tensor_parallel.heads import HeadLayout, HeadShardSpec, head_layout
+from tessera.tensor_parallel.heads import FusedHeadShardSpec, HeadLayout, HeadShardSpec, head_layout
 from tessera.tensor_parallel.init import seeded_embedding, seeded_linear
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_overlap
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.parallelize import coverage, parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
-from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN, parallel_gpt_loss
+from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN, PHI3_PLAN, parallel_gpt_loss
 from tessera.tensor_parallel.rng import DropoutRNG, ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import (
     is_sequence_parallel,
@@ -109,6 +112,7 @@ __all__ = [
     "GPT_3D_VOCAB_PLAN",
     "GPT_PLAN",
     "LLAMA_PLAN",
+    "PHI3_PLAN",
     "ApplyContext",
     "Assignment",
     "BaseStyle",
@@ -122,6 +126,7 @@ __all__ = [
     "Embedding2D",
     "Embedding2p5D",
     "Embedding3D",
+    "FusedHeadShardSpec",
     "Grid2D",
     "Grid2p5D",
     "GridShardSpec",
@@ -142,6 +147,7 @@ __all__ = [
     "RefinesInner",
     "Role",
     "RowParallelLinear",
+    "SequenceProbe",
     "ShardSpec",
     "Style",
     "TPStyle",
@@ -170,6 +176,7 @@ __all__ = [
     "parallelize_2d",
     "parallelize_2p5d",
     "parallelize_3d",
+    "probe_sequence_split",
     "register_style",
     "registered_styles",
     "resolve_plan",

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Group, all_reduce, gather_along, group_rank, group_size, overlappable, split_along
 from tessera.comm.ops import apply_function
-from tessera.tensor_parallel.heads import block_shard_range
+from tessera.tensor_parallel.heads import copied_rows, fused_head_indices
 from tessera.tensor_parallel.init import linear_weights
 from tessera.tensor_parallel.overlap import Region, Slot, overlaps, summed_linear
 from tessera.tensor_parallel.partition import fused_shard_indices, shard_range
@@ -62,26 +62,34 @@ def dense_weights(module: nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 class _SumCopies(torch.autograd.Function):
-    """Identity forward; backward, the gradient summed over the ranks holding the same block
-    (one all-reduce over the group of a ``(blocks, *shape)`` buffer, each rank's gradient in
-    its block's slot, zeros elsewhere: exact, and every copy gets the same sum)."""
+    """Identity forward; backward, the gradient of rows ``[start, end)`` summed over the ranks
+    holding the same block (one all-reduce over the group of a ``(blocks, rows, ...)`` buffer,
+    each rank's gradient in its block's slot, zeros elsewhere: exact, and every copy gets the
+    same sum); the other rows' gradient passes unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
-        ctx.group, ctx.block, ctx.blocks = group, block, blocks
+    def forward(ctx: Any, x: Tensor, group: Group, block: int, blocks: int, start: int, end: int) -> Tensor:
+        ctx.group, ctx.block, ctx.blocks, ctx.rows = group, block, blocks, (start, end)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        buf = grad.new_zeros((ctx.blocks, *grad.shape))
-        buf[ctx.block] = grad
-        return all_reduce(buf, ctx.group, inplace=True)[ctx.block], None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        start, end = ctx.rows
+        buf = grad.new_zeros((ctx.blocks, end - start, *grad.shape[1:]))
+        buf[ctx.block] = grad[start:end]
+        summed = all_reduce(buf, ctx.group, inplace=True)[ctx.block]
+        if end - start < grad.shape[0]:
+            summed = torch.cat([grad[:start], summed, grad[end:]])
+        return summed, None, None, None, None, None
 
 
-def sum_copy_grads(x: Tensor, group: Group, block: int, blocks: int) -> Tensor:
-    """``x`` unchanged; in backward its gradient is summed over the ranks of ``group`` that
-    pass the same ``block`` of ``blocks`` (all-reduces ``blocks`` times the gradient's bytes)."""
-    return apply_function(_SumCopies, x, group, block, blocks)
+def sum_copy_grads(
+    x: Tensor, group: Group, block: int, blocks: int, *, start: int = 0, end: int | None = None
+) -> Tensor:
+    """``x`` unchanged; in backward the gradient of its rows ``[start, end)`` (all by default)
+    is summed over the ranks of ``group`` that pass the same ``block`` of ``blocks``
+    (all-reduces ``blocks`` times those rows' gradient bytes)."""
+    return apply_function(_SumCopies, x, group, block, blocks, start, x.shape[0] if end is None else end)
 
 
 def _param(t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
@@ -101,7 +109,10 @@ class ColumnParallelLinear(nn.Module):
     KV heads): with ``tp`` dividing ``blocks`` each rank holds ``blocks/tp`` of them; with
     ``blocks`` dividing ``tp`` each holds block ``rank*blocks//tp``, the ``tp/blocks`` ranks holding
     the same block sum their weight and bias gradients in backward (one all-reduce of ``blocks``
-    times the local gradient over the group), so the copies stay equal.
+    times the local gradient over the group), so the copies stay equal. A tuple of ``blocks``
+    is a fused layer of parts of that many blocks each, all of one width (q|k|v under
+    grouped-query attention: ``(heads, kv_heads, kv_heads)``), each part held as above and in
+    order (``heads.fused_head_indices``); only the rows of copied parts sum their gradients.
     ``seed`` initialises the slice of ``torch.manual_seed(seed); nn.Linear(in, out)``;
     ``seed=None`` leaves the weights uninitialised (to be loaded).
     """
@@ -118,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         seq_dim: int = -2,
         enter_region: bool = True,
         sections: int = 1,
-        blocks: int | None = None,
+        blocks: int | tuple[int, ...] | None = None,
         seed: int | None = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -128,20 +139,22 @@ class ColumnParallelLinear(nn.Module):
         where = type(self).__name__
         if sections > 1 and gather_output:
             raise ValueError(f"{where}: gather_output with sections={sections} would interleave the parts")
-        self.blocks, self.copies = blocks, 1 if blocks is None else max(1, n // blocks)
-        if blocks is None:
+        parts = (blocks,) if isinstance(blocks, int) else blocks
+        self.blocks, self.copies = blocks, 1 if parts is None else max(1, n // min(parts))
+        # rows of the local weight that copy a block other ranks hold: (start, end, block, blocks)
+        self._copied: list[tuple[int, int, int, int]] = []
+        if parts is None:
             self._index = fused_shard_indices(
                 out_features, sections, n, rank, what="out_features", where=where
             )
         else:
-            if sections > 1 or (gather_output and self.copies > 1):
+            if sections not in (1, len(parts)) or (gather_output and self.copies > 1):
                 raise ValueError(
                     f"{where}: blocks={blocks} over tp={n} with sections={sections}, "
                     f"gather_output={gather_output} is not supported"
                 )
-            start, end = block_shard_range(out_features, blocks, n, rank, where=where)
-            self._index = list(range(start, end))
-            self._block = rank * blocks // n
+            self._index = fused_head_indices(out_features, parts, n, rank, where=where)
+            self._copied = copied_rows(out_features, parts, n, rank)
         self.in_features, self.out_features, self.sections = in_features, out_features, sections
         self.group, self.tp = group, n
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -184,7 +197,7 @@ class ColumnParallelLinear(nn.Module):
         seq_dim: int = -2,
         enter_region: bool = True,
         sections: int = 1,
-        blocks: int | None = None,
+        blocks: int | tuple[int, ...] | None = None,
     ) -> ColumnParallelLinear:
         """This rank's slice of an nn.Linear (or HF Conv1D), on its device and in its dtype."""
         weight, bias = dense_weights(module)
@@ -231,10 +244,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             weight: Tensor = self.weight
             bias: Tensor | None = self.bias
-            if self.copies > 1:
-                assert self.blocks is not None
-                weight = sum_copy_grads(weight, self.group, self._block, self.blocks)
-                bias = None if bias is None else sum_copy_grads(bias, self.group, self._block, self.blocks)
+            for start, end, block, blocks in self._copied:
+                weight = sum_copy_grads(weight, self.group, block, blocks, start=start, end=end)
+                if bias is not None:
+                    bias = sum_copy_grads(bias, self.group, block, blocks, start=start, end=end)
             y = F.linear(x, weight, bias)
         if self.gather_output:
             y = gather_along(y, -1, self.group)

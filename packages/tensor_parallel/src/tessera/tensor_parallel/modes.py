@@ -2,9 +2,10 @@
 
 A plan is written once, in roles (the 1D style names ``colwise``, ``rowwise``, ``vocab``,
 ``attention``, ``region``, ``sequence_norm``, ``sequence_split``, ``dropout``,
-``dropout_split``, ``colwise_qkv``, and the roles of ``roles``: ``head``, ``norm``,
-``embedding``, ``replicate``). Each mode (1D, 2D, 2.5D, 3D) is a registered ``ModeSpec``
-keyed by ``tessera.comm.TPMode`` holding one table, role name -> its style;
+``dropout_split``, ``colwise_qkv``, ``colwise_qkv_heads``, ``colwise_gate_up``, and the roles
+of ``roles``: ``head``, ``norm``, ``embedding``, ``replicate``). Each mode (1D, 2D, 2.5D, 3D)
+is a registered ``ModeSpec`` keyed by ``tessera.comm.TPMode`` holding one table, role name ->
+its style;
 ``plan_for_mode(plan, mode, model)`` asks it. 1D is the identity (the roles are 1D styles).
 In 2D / 2.5D / 3D:
 
@@ -12,6 +13,8 @@ In 2D / 2.5D / 3D:
 | --- | --- |
 | ``colwise``, ``rowwise`` | the mode's linear (3D: stream to branch, branch to stream); Linear or HF Conv1D |
 | ``colwise_qkv`` | the same, its q, k, v parts reordered so each rank's block holds whole heads of each |
+| ``colwise_qkv_heads`` | as ``colwise_qkv`` (``attention`` refuses a q, k, v of grouped KV heads) |
+| ``colwise_gate_up`` | the same, its gate and up halves reordered so each rank's block holds both |
 | ``vocab`` | the mode's vocabulary-split embedding |
 | ``head`` | the mode's classifier; in 2D / 2.5D, tied to the ``vocab`` embedding, ``TiedHead2D`` |
 | ``embedding``, ``sequence_split`` | the mode's hidden-split embedding (learned positions) |
@@ -231,10 +234,13 @@ def _nd(
     m = mode.value
     norm = NormND(f"{m}_norm", exact=layernorm, geometry=geo)
     embed = embedding
+    qkv = DenseND(f"{m}_colwise_qkv", twin=linear, geometry=geo, sections=3)
     roles: dict[str, TPStyle] = {
         "colwise": DenseND(f"{m}_colwise", twin=linear, geometry=geo),
         "rowwise": DenseND(f"{m}_rowwise", twin=linear_back, geometry=geo),
-        "colwise_qkv": DenseND(f"{m}_colwise_qkv", twin=linear, geometry=geo, sections=3),
+        "colwise_qkv": qkv,
+        "colwise_qkv_heads": qkv,  # equal parts: AttentionND refuses a fused q|k|v of grouped KV heads
+        "colwise_gate_up": DenseND(f"{m}_colwise_gate_up", twin=linear, geometry=geo, sections=2),
         "vocab": vocab,
         "head": DenseND(f"{m}_head", twin=classifier, geometry=geo),
         "embedding": embed,

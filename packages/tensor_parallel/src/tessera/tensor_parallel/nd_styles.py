@@ -14,7 +14,9 @@
   ``mark_sequence_parallel``, summed by ``sync_sequence_parallel_grads``).
 - ``AttentionND``: an attention module run unchanged on its local block (whole sequences,
   H/q query heads, K/q KV heads): q must divide both (ValueError naming heads, kv_heads, q);
-  its head-count attributes are set to this rank's.
+  its head-count attributes (and its ``config``'s, on a copy: ``heads.localize_config``) are set
+  to this rank's. A fused q|k|v of grouped KV heads (parts of H, K, K heads) is refused: the
+  fused layers' reordering cuts equal parts.
 - ``TiedHead2D``: the LM head tied to a 2D/2.5D vocab embedding (``two_d.tied_head``).
 - ``KeepND``: a module kept as it is (regions, ``replicate``).
 """
@@ -30,7 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Group, Mesh, TPGrid, TPMode, all_gather_along, integer_root
-from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, head_layout
+from tessera.tensor_parallel.heads import (
+    GROUP_ATTRIBUTES,
+    HEAD_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    head_layout,
+    localize_config,
+)
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
@@ -301,6 +309,14 @@ class AttentionND(BaseStyle):
                 f"{where}: q must divide the query heads and the KV heads "
                 f"(heads={heads}, kv_heads={kv}, q={q})"
             )
+        fused = None if layout.head_dim is None else (heads + 2 * kv) * layout.head_dim
+        for child, sub in module.named_children():
+            if layout.grouped and is_dense(sub) and int(dense_weights(sub)[0].shape[0]) == fused:
+                raise ValueError(
+                    f"{where}: {child} is a fused q|k|v of grouped KV heads (heads={heads}, kv_heads={kv}), "
+                    f"whose unequal parts tp mode {self.geometry.mode.value if self.geometry else '?'} "
+                    "cannot reorder; use tp mode 1d, or separate q/k/v projections"
+                )
         return heads, kv
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
@@ -323,6 +339,7 @@ class AttentionND(BaseStyle):
         for attr in GROUP_ATTRIBUTES:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, heads // kv)
+        localize_config(module, heads // q, kv // q)
         return None
 
 

@@ -30,6 +30,7 @@ from tessera.tensor_parallel.plan import (
     unplanned_dropouts,
 )
 from tessera.tensor_parallel.probe import probe_attention
+from tessera.tensor_parallel.probe_modules import probe_modules
 from tessera.tensor_parallel.rng import DropoutRNG
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
 from tessera.tensor_parallel.style import ApplyContext
@@ -138,7 +139,9 @@ def parallelize(
     from ``rng``, or a DropoutRNG seeded ``seed`` for this tp rank. Raises ValueError
     (nothing changed, nothing communicated) if the plan does not fit the model or tp; see
     ``resolve_plan``, or if an attention module's shards would not add up to it
-    (``probe.probe_attention``). ``shard_specs(model)`` then says how each split parameter
+    (``probe.probe_attention``), or if a module whose parameters a style splits would not be
+    computed by its shards (a scale or offset its forward adds: ``probe_modules``; one INFO line
+    says how many were probed). ``shard_specs(model)`` then says how each split parameter
     maps to its shards.
     """
     tp = mesh.size(axis)
@@ -146,6 +149,7 @@ def parallelize(
     _check_ties(model, assignments)
     if axis == "tp" and mesh.topology.tp_mode is TPMode.ONE_D:
         probe_attention(model, assignments, tp=tp)
+    probe_modules(model, assignments, tp=tp)
     for name in unplanned_dropouts(model, assignments):
         log.warning(
             "parallelize: %s is an nn.Dropout the plan does not cover; it draws from the global RNG", name

@@ -18,12 +18,13 @@ from torch import Tensor
 __all__ = ["ShardSpec", "check_divisible", "fused_shard_indices", "shard_range"]
 
 
-def check_divisible(size: int, n: int, *, what: str, where: str) -> None:
-    """Raise ValueError naming ``where``, ``what`` and both numbers unless ``n`` divides ``size``."""
+def check_divisible(size: int, n: int, *, what: str, where: str, by: str = "tp") -> None:
+    """Raise ValueError naming ``where``, ``what`` and both numbers unless ``n`` divides ``size``
+    (``by`` names ``n``: tp unless told, e.g. the fused sections or the heads of a layer)."""
     if n < 1:
-        raise ValueError(f"{where}: tp must be >= 1, got {n}")
+        raise ValueError(f"{where}: {by} must be >= 1, got {n}")
     if size % n:
-        raise ValueError(f"{where}: {what}={size} is not divisible by tp={n}")
+        raise ValueError(f"{where}: {what}={size} is not divisible by {by}={n}")
 
 
 def shard_range(size: int, n: int, rank: int, *, what: str = "size", where: str = "shard") -> tuple[int, int]:
@@ -40,8 +41,13 @@ def fused_shard_indices(
 ) -> list[int]:
     """Indices rank ``rank`` holds of a dimension made of ``sections`` equal parts (fused q, k, v):
     its shard of every part, parts kept in order, so each rank's slice is itself fused."""
-    check_divisible(size, sections, what=f"{what} (fused sections)", where=where)
+    check_divisible(size, sections, what=what, where=where, by="sections (fused parts)")
     part = size // sections
+    if n >= 1 and part % n:
+        raise ValueError(
+            f"{where}: {what}/{sections}={part} (each of the {sections} fused sections) "
+            f"is not divisible by tp={n}"
+        )
     start, end = shard_range(part, n, rank, what=f"{what}/{sections}", where=where)
     return [s * part + i for s in range(sections) for i in range(start, end)]
 

@@ -1,4 +1,4 @@
-"""Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2 and Llama.
+"""Ready plans: Tessera's reference GPT, and Hugging Face transformers' GPT-2, Llama and Phi3.
 
 Each is one plan of roles (``roles``, ``modes``) serving every tensor-parallel mode:
 ``plan_for_mode(PLAN, mode, model)`` gives the 2D, 2.5D or 3D plan; in 1D the plan is used
@@ -28,6 +28,15 @@ down_proj; RMSNorms replicated; ``lm_head`` column-parallel, its vocab-sharded l
 ``vocab_parallel_cross_entropy`` (pass no ``labels`` to the model). With sequence parallelism
 the embedding's output stays whole (``vocab_whole``: HF derives positions, rotary embeddings
 and the mask from it) and the sequence is split at the first layer (``sequence_start``).
+
+``PHI3_PLAN`` (``transformers.Phi3ForCausalLM``): ``LLAMA_PLAN``'s layout for Phi3's fused
+layers. Its ``qkv_proj`` (q|k|v, ``colwise_qkv``) is split by heads by the attention style: three
+equal sections with as many KV heads as query heads, else parts of (heads, kv_heads, kv_heads)
+whole heads, the KV part split or, when fewer than tp, replicated; each rank holds
+``[q_r | k_r | v_r]``, as Phi3's forward splits it. Phi3 reads its query head count from its
+config: the attention style gives each attention module a config copy with this rank's counts.
+Its ``gate_up_proj`` (gate|up, ``colwise_gate_up``) is two equal sections each split, so each rank
+holds ``[gate_r | up_r]``; the residual dropouts are ``dropout``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.plan import Plan, Style
 from tessera.tensor_parallel.roles import Roles
 
-__all__ = ["GPT2_PLAN", "GPT_PLAN", "LLAMA_PLAN", "parallel_gpt_loss"]
+__all__ = ["GPT2_PLAN", "GPT_PLAN", "LLAMA_PLAN", "PHI3_PLAN", "parallel_gpt_loss"]
 
 GPT_PLAN = Plan.of(
     {
@@ -106,6 +115,26 @@ LLAMA_PLAN = Plan.of(
         "lm_head": Roles.HEAD,
     },
     name="hf-llama",
+)
+
+PHI3_PLAN = Plan.of(
+    {
+        "model.embed_tokens": Style.VOCAB_WHOLE,
+        "model.layers.0": Style.SEQUENCE_START,
+        "model.layers.*.input_layernorm": Roles.NORM,
+        "model.layers.*.self_attn": Style.ATTENTION,
+        "model.layers.*.self_attn.qkv_proj": Style.COLWISE_QKV,
+        "model.layers.*.self_attn.o_proj": Style.ROWWISE,
+        "model.layers.*.resid_attn_dropout": Style.DROPOUT,
+        "model.layers.*.post_attention_layernorm": Roles.NORM,
+        "model.layers.*.mlp": Style.REGION,
+        "model.layers.*.mlp.gate_up_proj": Style.COLWISE_GATE_UP,
+        "model.layers.*.mlp.down_proj": Style.ROWWISE,
+        "model.layers.*.resid_mlp_dropout": Style.DROPOUT,
+        "model.norm": Roles.NORM,
+        "lm_head": Roles.HEAD,
+    },
+    name="hf-phi3",
 )
 
 

@@ -9,13 +9,19 @@ Which one a module is cannot be read from it, so it is measured: for the first a
 module of each class, every rank's shard is built locally on a copy (the projections' own
 slices, the attributes as ``RegionStyle.localize`` sets them, the output bias on one copy),
 the copies run on one random input, and their outputs' sum must equal the serial module's.
-Pure: nothing is communicated and the model is not touched; a module that cannot be called
-with one tensor (it needs masks or position embeddings as arguments) is not probed.
+A head count read from the module's ``config`` (Hugging Face) is covered too: ``localize``
+gives the module a config copy with one rank's counts, and the probe runs with it.
+Hugging Face attention takes more than the hidden states: a forward with a
+``position_embeddings`` parameter gets random rotary ``(cos, sin)``, each (batch, tokens,
+head_dim), and a required ``attention_mask`` gets None (no mask: the module's own causal
+flag, or none, applies to the whole and the shares alike). Pure: nothing is communicated and
+the model is not touched; a module needing any other argument is not probed (logged at debug).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -86,6 +92,8 @@ def _as_rank(
         for attr in (*PER_RANK_ATTRIBUTES, *KV_HEAD_ATTRIBUTES, *GROUP_ATTRIBUTES):
             if isinstance(getattr(module, attr, None), int):
                 attrs.append((module, attr, getattr(module, attr)))
+        if hasattr(module, "config"):
+            attrs.append((module, "config", module.config))  # localize may give it its own copy
         changed = style.localize(module, name=name, tp=tp)  # reads the whole projections' widths
         for child, b in inner.items():
             sub = module.get_submodule(child)
@@ -123,6 +131,32 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
             m.train(mode)
 
 
+def _call_keywords(
+    module: nn.Module, style: RegionStyle, name: str, like: Tensor, gen: torch.Generator
+) -> dict[str, Any] | None:
+    """The keyword arguments besides the hidden states that ``module``'s forward takes (see the
+    module docstring); None when it needs one the probe cannot make."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.name == "position_embeddings":
+            head_dim = style.layout(module, name=name).head_dim
+            if head_dim is None:
+                return None
+            angles = torch.rand(2, _TOKENS, head_dim, generator=gen, dtype=torch.float64) * 6.3
+            out[p.name] = (angles.cos().to(like.device, like.dtype), angles.sin().to(like.device, like.dtype))
+        elif p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        elif p.name == "attention_mask":
+            out[p.name] = None
+        else:
+            return None
+    return out
+
+
 def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp: int) -> None:
     assert isinstance(a.style, RegionStyle)
     where = f"{a.name} ({a.style.name})"
@@ -133,9 +167,13 @@ def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp
     like = params[0]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, _TOKENS, width, generator=gen, dtype=torch.float64).to(like.device, like.dtype)
+    kwargs = _call_keywords(module, a.style, a.name, like, gen)
+    if kwargs is None:
+        log.debug("probe: %s not probed (its forward needs arguments the probe cannot make)", where)
+        return
     with _evaluating(module):
         try:
-            want = _first_tensor(module(x))
+            want = _first_tensor(module(x, **kwargs))
         except Exception as exc:  # it needs more than a tensor: not probed
             log.debug("probe: %s not probed (%s: %s)", where, type(exc).__name__, exc)
             return
@@ -148,7 +186,7 @@ def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp
             with _as_rank(module, a.style, inner, rank, tp, a.name) as names:
                 changed = names
                 try:
-                    got = _first_tensor(module(x))
+                    got = _first_tensor(module(x, **kwargs))
                 except Exception as exc:
                     raise ValueError(
                         f"{where}: split over tp={tp}, {type(module).__name__} fails on rank {rank}'s "
@@ -176,5 +214,6 @@ def _advice(changed: list[str]) -> str:
     return (
         f"parallelize sets the attributes {attrs} to one rank's share: a forward that derives a head "
         "width from them and its input (x.shape[-1] // heads) breaks; read the width from a head_dim "
-        "attribute or from the projection's output (q.shape[-1] // heads)"
+        "attribute or from the projection's output (q.shape[-1] // heads); a head count it reads from "
+        "anywhere else (another object shared with other modules) stays whole and breaks too"
     )

@@ -17,9 +17,11 @@ from tessera.tensor_parallel.heads import (
     GROUP_ATTRIBUTES,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
+    FusedHeadShardSpec,
     HeadLayout,
     HeadShardSpec,
     head_layout,
+    localize_config,
 )
 from tessera.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -77,21 +79,27 @@ def _is_conv(module: nn.Module) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Colwise(BaseStyle):
-    """Linear / Conv1D -> ColumnParallelLinear (output features split; ``sections`` fused parts
-    each split; ``gather`` all-gathers the output; ``heads``: the output is that many whole KV
-    heads, split or replicated over tp as ``heads.HeadLayout`` says: the ``attention`` style
-    gives its K/V projections this refinement under grouped-query attention)."""
+    """Linear / Conv1D -> ColumnParallelLinear (output features split; ``sections`` equal fused
+    parts each split; ``gather`` all-gathers the output; ``heads``: the output is that many
+    whole KV heads, split or replicated over tp as ``heads.HeadLayout`` says: the ``attention``
+    style gives its K/V projections this refinement under grouped-query attention; ``parts``:
+    the output is fused parts of that many whole heads each, of one width, each split or
+    replicated so (q|k|v: ``(heads, kv_heads, kv_heads)``, set by the ``attention`` style; the
+    empty tuple: not yet told, refused outside an ``attention`` module)."""
 
     role: Role = Role.ENTER
     gather: bool = False
     sections: int = 1
     heads: int | None = None
+    parts: tuple[int, ...] | None = None
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
         out_f, _ = _check_dense(module, where)
-        if self.heads is not None:
-            check_divisible(out_f, self.heads, what=f"out_features (in {self.heads} KV heads)", where=where)
+        if self.parts is not None:
+            self._check_parts(out_f, tp, where=where)
+        elif self.heads is not None:
+            check_divisible(out_f, self.heads, what="out_features", where=where, by=f"{self.heads} KV heads")
             if self.heads % tp and tp % self.heads:
                 raise ValueError(f"{where}: kv_heads={self.heads} neither divides by nor divides tp={tp}")
             if self.sections > 1 or (self.gather and tp > self.heads):
@@ -99,10 +107,42 @@ class Colwise(BaseStyle):
                     f"{where}: KV heads with fused sections or a gathered output are not supported"
                 )
         elif self.sections > 1:
-            check_divisible(out_f, self.sections, what="out_features (fused q, k, v)", where=where)
-            check_divisible(out_f // self.sections, tp, what=f"out_features/{self.sections}", where=where)
+            n = self.sections
+            if out_f % n:
+                hint = " (a q|k|v of grouped KV heads is split by heads inside an 'attention' module)"
+                raise ValueError(
+                    f"{where}: out_features={out_f} is not {n} equal fused sections{hint * (n == 3)}"
+                )
+            if (out_f // n) % tp:
+                raise ValueError(
+                    f"{where}: out_features/{n}={out_f // n} (each of the {n} fused sections) is not "
+                    f"divisible by tp={tp}"
+                )
         else:
             check_divisible(out_f, tp, what="out_features", where=where)
+
+    def _check_parts(self, out_f: int, tp: int, *, where: str) -> None:
+        if not self.parts:
+            raise ValueError(
+                f"{where}: the heads of its fused q|k|v parts are told by the attention module it lies "
+                "in: give that module the 'attention' style"
+            )
+        heads = sum(self.parts)
+        if out_f % heads:
+            raise ValueError(
+                f"{where}: out_features={out_f} is not {heads} heads of one width "
+                f"(fused parts of {', '.join(map(str, self.parts))} heads)"
+            )
+        for n in self.parts:
+            if n % tp and tp % n:
+                raise ValueError(
+                    f"{where}: a fused part of {n} heads (of {', '.join(map(str, self.parts))}) neither "
+                    f"divides by nor divides tp={tp}"
+                )
+        if self.gather and tp > min(self.parts):
+            raise ValueError(
+                f"{where}: fused parts of heads copied over tp and a gathered output are not supported"
+            )
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         return ColumnParallelLinear.from_dense(
@@ -112,12 +152,14 @@ class Colwise(BaseStyle):
             sequence_parallel=ctx.sequence_parallel,
             seq_dim=ctx.seq_dim,
             enter_region=ctx.enter_region,
-            sections=self.sections,
-            blocks=self.heads,
+            sections=1 if self.parts else self.sections,
+            blocks=self.parts or self.heads,
         )
 
     def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
         conv = _is_conv(module) and param == "weight"
+        if self.parts:
+            return FusedHeadShardSpec(1 if conv else 0, transposed=conv, parts=self.parts)
         if self.heads is not None:
             return HeadShardSpec(1 if conv else 0, transposed=conv, heads=self.heads)
         return ShardSpec(1 if conv else 0, self.sections, transposed=conv)
@@ -331,9 +373,11 @@ class RegionStyle(BaseStyle):
         self, module: nn.Module, inner: Mapping[str, tuple[nn.Module, TPStyle]], *, name: str, tp: int
     ) -> dict[str, TPStyle]:
         """Under grouped-query attention, the colwise layers inside whose width is the KV heads'
-        (the K and V projections) split by whole KV heads, replicated when fewer than tp. Where
-        the module names no KV head count, the projections' widths tell it (``kv_widths``);
-        the refined attention style itself is returned under the key ``""``."""
+        (the K and V projections) split by whole KV heads, replicated when fewer than tp, and a
+        fused q|k|v layer (``colwise_qkv``) by its parts of ``(heads, kv_heads, kv_heads)`` whole
+        heads; ``colwise_qkv_heads`` is told its parts' heads with or without grouping. Where the
+        module names no KV head count, the projections' widths tell it (``kv_widths``); the
+        refined attention style itself is returned under the key ``""``."""
         if not self.attention:
             return {}
         where = f"{name} ({self.name})"
@@ -341,19 +385,22 @@ class RegionStyle(BaseStyle):
         out = dict[str, TPStyle]()
         if not layout.grouped:
             inferred = kv_widths(layout, inner)
-            if inferred is None:
-                return {}
-            inferred.check(tp, where=where)
-            layout = inferred
-            out[""] = replace(self, kv_heads=layout.kv_heads, head_dim=layout.head_dim)
-        if layout.head_dim is None:
+            if inferred is not None:
+                inferred.check(tp, where=where)
+                layout = inferred
+                out[""] = replace(self, kv_heads=layout.kv_heads, head_dim=layout.head_dim)
+        if layout.grouped and layout.head_dim is None:
             raise ValueError(
                 f"{where}: grouped-query attention (heads={layout.heads}, kv_heads={layout.kv_heads}) "
                 "needs the head width: give the module an int head_dim"
             )
+        out |= _fused_qkv(layout, inner, name=name)
+        if not layout.grouped:
+            return out
+        assert layout.head_dim is not None
         kv_width = layout.kv_heads * layout.head_dim
         for child, (sub, style) in inner.items():
-            if style.role is not Role.ENTER or not is_dense(sub):
+            if style.role is not Role.ENTER or not is_dense(sub) or child in out:
                 continue
             if int(dense_weights(sub)[0].shape[0]) != kv_width:
                 continue
@@ -382,7 +429,7 @@ class RegionStyle(BaseStyle):
         new |= {a: heads // kv for a, _ in _ints(module, GROUP_ATTRIBUTES)}
         for attr, value in new.items():
             setattr(module, attr, value)
-        return list(new)
+        return [*new, *localize_config(module, heads, kv)]
 
 
 # keyword names a sublayer's input is looked up under when it is not passed positionally
@@ -466,6 +513,31 @@ def kv_widths(layout: HeadLayout, inner: Mapping[str, tuple[nn.Module, TPStyle]]
     return HeadLayout(layout.heads, kv, head_dim) if layout.heads % kv == 0 else None
 
 
+def _fused_qkv(
+    layout: HeadLayout, inner: Mapping[str, tuple[nn.Module, TPStyle]], *, name: str
+) -> dict[str, TPStyle]:
+    """The fused q|k|v layers inside an attention module given their parts' heads: every
+    ``colwise_qkv_heads`` (``Colwise`` with ``parts=()``), and under grouped-query attention every
+    ``colwise_qkv`` (three equal sections would cut across heads); ValueError when a layer's
+    width is not ``(heads + 2 kv_heads) x head_dim``."""
+    out = dict[str, TPStyle]()
+    parts = layout.qkv_parts
+    for child, (sub, style) in inner.items():
+        if not isinstance(style, Colwise) or not is_dense(sub) or style.heads is not None:
+            continue
+        if style.parts != () and not (style.parts is None and style.sections == 3 and layout.grouped):
+            continue
+        width = int(dense_weights(sub)[0].shape[0])
+        if layout.head_dim is not None and width != sum(parts) * layout.head_dim:
+            raise ValueError(
+                f"{name}.{child} ({style.name}): a fused q|k|v projection of {width} output features is not "
+                f"(heads + 2 kv_heads) x head_dim = {sum(parts) * layout.head_dim} (heads={layout.heads}, "
+                f"kv_heads={layout.kv_heads}, head_dim={layout.head_dim})"
+            )
+        out[child] = replace(style, sections=3, parts=parts)
+    return out
+
+
 def _ints(module: nn.Module, attrs: tuple[str, ...]) -> list[tuple[str, int]]:
     out = []
     for attr in attrs:
@@ -481,6 +553,8 @@ class Style:
     COLWISE: Final = register_style(Colwise("colwise"))
     COLWISE_GATHER: Final = register_style(Colwise("colwise_gather", gather=True))
     COLWISE_QKV: Final = register_style(Colwise("colwise_qkv", sections=3))
+    COLWISE_QKV_HEADS: Final = register_style(Colwise("colwise_qkv_heads", sections=3, parts=()))
+    COLWISE_GATE_UP: Final = register_style(Colwise("colwise_gate_up", sections=2))
     ROWWISE: Final = register_style(Rowwise("rowwise"))
     VOCAB: Final = register_style(Vocab("vocab"))
     REGION: Final = register_style(RegionStyle("region"))

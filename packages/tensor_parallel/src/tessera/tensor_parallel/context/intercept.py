@@ -12,7 +12,10 @@ mode's handler torch disables the mode, so the ring and Ulysses kernels (and any
 call) reach the original function.
 
 A routed call may be causal (``is_causal=True``, or an ``attn_mask`` that is exactly the
-causal lower triangle of the local sequence, as Hugging Face builds it) or full (no mask),
+causal lower triangle of the local sequence, as Hugging Face builds it), causal within a
+sliding window (called inside an attention module that has one, `attention_window`: its
+mask is then the band of the window on the local sequence, and the ring skips the blocks
+outside it), or full (no mask),
 with K/V heads fewer than the query heads (GQA, with or without ``enable_gqa``) and any
 ``scale``; anything else (another mask, ``dropout_p > 0``, queries and keys of different
 lengths) raises ValueError naming what was passed, before the call communicates.
@@ -37,7 +40,7 @@ from tessera.tensor_parallel.context.layout import Layout
 from tessera.tensor_parallel.context.ring import ring_attention
 from tessera.tensor_parallel.context.ulysses import ulysses_attention
 
-__all__ = ["AttentionRoute", "RoutingMode", "active_route", "causal_of", "route_modules"]
+__all__ = ["AttentionRoute", "RoutingMode", "active_route", "attention_window", "causal_of", "route_modules"]
 
 _LOG = logging.getLogger(__name__)
 _SDPA: Callable[..., Tensor] = F.scaled_dot_product_attention
@@ -54,17 +57,40 @@ class AttentionRoute:
     layout: Layout
     calls: int = field(default=0)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, window: int | None = None
+    ) -> Tensor:
         """Ring or Ulysses attention of this rank's slice of the sequence (see their modules)."""
         self.calls += 1
         fn = ulysses_attention if self.mode == "ulysses" else ring_attention
-        return fn(q, k, v, group=self.group, causal=causal, layout=self.layout, scale=scale)
+        return fn(q, k, v, group=self.group, causal=causal, layout=self.layout, scale=scale, window=window)
 
 
-def causal_of(mask: Tensor, q_len: int, k_len: int) -> bool | None:
+_NO_WINDOW_SAID = -1  # a module that says nothing of a window (not an attention module)
+
+
+def attention_window(module: nn.Module) -> int | None:
+    """The sliding window of a Hugging Face attention module (``-1``: not one): its own
+    ``sliding_window`` where it has the attribute (Qwen2, Gemma2/3: None on full-attention
+    layers), else its config's (Mistral, Phi3, StarCoder2 read ``config.sliding_window``)."""
+    if not type(module).__name__.endswith("Attention"):
+        return _NO_WINDOW_SAID
+    if hasattr(module, "sliding_window"):
+        own = module.sliding_window
+        return own if isinstance(own, int) and own > 0 else None
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True):
+        return window
+    return None
+
+
+def causal_of(mask: Tensor, q_len: int, k_len: int, window: int | None = None) -> bool | None:
     """True when ``mask`` (bool: True attends; float: 0 attends, very negative does not) is
-    exactly the causal lower triangle on every broadcast slice, False when it allows every
-    pair, None otherwise (a general mask: padding, windows, documents)."""
+    exactly the causal lower triangle on every broadcast slice (with ``window``: the band of
+    it less than ``window`` below the diagonal, as a sliding window masks the local
+    sequence), False when it allows every pair, None otherwise (a general mask: padding,
+    documents, another window)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) not in ((q_len, k_len), (1, k_len)):
         return None
     if mask.dtype == torch.bool:
@@ -81,6 +107,8 @@ def causal_of(mask: Tensor, q_len: int, k_len: int) -> bool | None:
     if q_len != k_len or mask.shape[-2] != q_len:
         return None
     tril = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril()
+    if window is not None:
+        tril = tril.triu(-(window - 1))
     return True if bool((allowed == tril).all()) else None
 
 
@@ -114,16 +142,20 @@ def _route_call(route: AttentionRoute, args: tuple[Any, ...], kwargs: dict[str, 
             f"context parallelism does not support attention dropout: dropout_p={dropout} "
             "(set it to 0, or pass it only in eval)"
         )
+    window = _STATE.windows[-1] if _STATE.windows else None
     if mask is not None:
-        as_causal = causal_of(mask, q.shape[2], k.shape[2]) if isinstance(mask, Tensor) else None
+        as_causal = causal_of(mask, q.shape[2], k.shape[2], window) if isinstance(mask, Tensor) else None
         if as_causal is None or causal:
+            said = f" within a sliding window of {window}" if window is not None else ""
             raise ValueError(
-                "context parallelism supports causal attention (is_causal=True, or a mask that is "
+                f"context parallelism supports causal attention{said} (is_causal=True, or a mask that is "
                 f"exactly causal) or no mask; scaled_dot_product_attention got attn_mask={_describe(mask)}, "
                 f"is_causal={causal}"
             )
         causal = as_causal
-    return route.attend(q, k, v, causal=causal, scale=scale)
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window of {window} on attention that is not causal: not supported")
+    return route.attend(q, k, v, causal=causal, scale=scale, window=window)
 
 
 class RoutingMode(TorchFunctionMode):
@@ -155,6 +187,7 @@ class _Active:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.stack: list[_Active] = []
+        self.windows: list[int | None] = []  # the sliding windows of the attention modules running
 
 
 _STATE = _ThreadState()
@@ -207,15 +240,25 @@ def route_modules(
                 type(module).__name__,
             )
         root = module is model
+        window = attention_window(module)
 
         @functools.wraps(original)
         def forward(
-            *args: Any, _original: Callable[..., Any] = original, _root: bool = root, **kwargs: Any
+            *args: Any,
+            _original: Callable[..., Any] = original,
+            _root: bool = root,
+            _window: int | None = window,
+            **kwargs: Any,
         ) -> Any:
             _enter(route)
+            said = _window != _NO_WINDOW_SAID
+            if said:
+                _STATE.windows.append(_window)
             try:
                 out = _original(*args, **kwargs)
             finally:
+                if said:
+                    _STATE.windows.pop()
                 _leave(route)
             if _root and not (_STATE.stack and _STATE.stack[-1].route is route):
                 check(route)

@@ -32,7 +32,7 @@ from tessera.comm.ops import apply_function
 from tessera.tensor_parallel.context.kernels import block_backward, block_forward
 from tessera.tensor_parallel.context.layout import Layout, local_positions
 
-__all__ = ["check_heads", "ring_attention"]
+__all__ = ["check_heads", "check_window", "ring_attention"]
 
 
 def check_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
@@ -60,14 +60,18 @@ class _Block:
     q_pos: Tensor | None = None  # positions of the kept rows and columns when not all pairs
     k_pos: Tensor | None = None  # are allowed (None: all are)
     causal: bool = False  # the allowed pairs are exactly the lower triangle of a square block
+    window: int | None = None  # a query sees keys less than this many positions back
 
     @staticmethod
-    def between(q_pos: Tensor | None, k_pos: Tensor | None) -> _Block | None:
-        """Causal (key position <= query position) work between two sets of positions; None:
-        none. From the 1-D positions alone: a row has work when its position reaches the
-        first key's, a column when the last query reaches it."""
+    def between(q_pos: Tensor | None, k_pos: Tensor | None, window: int | None = None) -> _Block | None:
+        """Causal (key position <= query position, and within ``window`` of it when given)
+        work between two sets of positions; None: none. From the 1-D positions alone: a row
+        has work when some key is at or before it (and within the window), a column when some
+        query is at or after it (and within the window)."""
         if q_pos is None or k_pos is None:
             return _Block(None, None)
+        if window is not None:
+            return _Block._windowed(q_pos, k_pos, window)
         rows = q_pos >= k_pos.min()
         if not bool(rows.any()):
             return None
@@ -88,12 +92,33 @@ class _Block:
             causal,
         )
 
+    @staticmethod
+    def _windowed(q_pos: Tensor, k_pos: Tensor, window: int) -> _Block | None:
+        """`between` under a sliding window: a block wholly outside it has no work (skipped:
+        no arithmetic, only the K/V passing through), one wholly inside is unmasked."""
+        back = q_pos[:, None] - k_pos[None, :]
+        allowed = (back >= 0) & (back < window)
+        rows, cols = allowed.any(1), allowed.any(0)
+        if not bool(rows.any()):
+            return None
+        q_kept, k_kept = q_pos[rows], k_pos[cols]
+        full = bool(allowed[rows][:, cols].all())
+        return _Block(
+            None if bool(rows.all()) else rows.nonzero().squeeze(1),
+            None if bool(cols.all()) else cols.nonzero().squeeze(1),
+            None if full else q_kept,
+            None if full else k_kept,
+            window=window,
+        )
+
     def mask(self) -> Tensor | None:
         """The allowed pairs among those kept when they are neither all nor the causal
         triangle (``causal``); None otherwise."""
         if self.q_pos is None or self.k_pos is None or self.causal:
             return None
-        return self.k_pos[None, :] <= self.q_pos[:, None]
+        back = self.q_pos[:, None] - self.k_pos[None, :]
+        allowed = back >= 0
+        return allowed if self.window is None else allowed & (back < self.window)
 
     @staticmethod
     def _take(x: Tensor, index: Tensor | None) -> Tensor:
@@ -127,9 +152,16 @@ class _Ring:
     """What every step of one call needs: the group, sizes, positions and GQA expansion."""
 
     def __init__(
-        self, q: Tensor, k: Tensor, group: Group, causal: bool, layout: Layout, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        group: Group,
+        causal: bool,
+        layout: Layout,
+        scale: float,
+        window: int | None,
     ) -> None:
-        self.group, self.scale = group, scale
+        self.group, self.scale, self.window = group, scale, window
         self.sp, self.rank = group_size(group), group_rank(group)
         if self.sp > 1:
             share_memory(group)  # collective once: the ring's messages then go through shared memory
@@ -148,7 +180,8 @@ class _Ring:
         """The work between this rank's queries and the K/V block of ``step``; None: nothing
         (worked out once per call: backward reuses forward's)."""
         if step not in self._blocks:
-            self._blocks[step] = _Block.between(self.positions[self.rank], self.positions[self.source(step)])
+            mine, theirs = self.positions[self.rank], self.positions[self.source(step)]
+            self._blocks[step] = _Block.between(mine, theirs, self.window)
         return self._blocks[step]
 
     def expand(self, kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,9 +216,10 @@ class _RingAttention(torch.autograd.Function):
         causal: bool,
         layout: Layout,
         scale: float,
+        window: int | None,
     ) -> Tensor:
         q32 = q.detach().float()
-        ring = _Ring(q32, k, group, causal, layout, scale)
+        ring = _Ring(q32, k, group, causal, layout, scale, window)
         kv = torch.stack([k.detach(), v.detach()])  # travels in the input dtype
         out = lse = None
         for step in range(ring.sp):
@@ -209,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None, None]:
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
         q32, dout32 = q.float(), dout.float()
@@ -240,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
         if travelling is not None:
             own = own + travelling.wait()
         dk, dv = own.unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -252,15 +286,28 @@ def ring_attention(
     causal: bool = True,
     layout: Layout | str = Layout.CONTIGUOUS,
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of this rank's queries to the whole sequence, K/V passed around the ring.
 
     ``q`` is (batch, heads, local_seq, head_dim), ``k`` and ``v`` (batch, kv_heads, local_seq,
     head_dim) with ``heads`` a multiple of ``kv_heads``; every rank holds its slice of the
     sequence by ``layout``. Returns this rank's slice of the output, shaped like ``q``: equal
-    to ``scaled_dot_product_attention`` of the full sequence, sliced. Sends ``sp - 1`` K/V
-    blocks per rank forward, twice that backward (see the module docstring).
+    to ``scaled_dot_product_attention`` of the full sequence, sliced. ``window`` (causal only):
+    each query attends to the keys less than ``window`` positions before it (sliding-window
+    attention, Mistral's and Gemma's); a block with no pair inside the window is skipped, so
+    the arithmetic shrinks with the window (the K/V blocks still travel the whole ring). Sends
+    ``sp - 1`` K/V blocks per rank forward, twice that backward (see the module docstring).
     """
     check_heads(q, k, v)
+    check_window(window, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return apply_function(_RingAttention, q, k, v, group, causal, Layout(layout), scale)
+    return apply_function(_RingAttention, q, k, v, group, causal, Layout(layout), scale, window)
+
+
+def check_window(window: int | None, causal: bool) -> None:
+    """ValueError unless ``window`` is None or a positive window of causal attention."""
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(
+            f"a sliding window must be positive and causal; got window={window}, causal={causal}"
+        )

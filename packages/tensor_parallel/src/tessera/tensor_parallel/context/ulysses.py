@@ -16,7 +16,7 @@ from torch import Tensor
 
 from tessera.comm import Group, all_to_all_along, group_size
 from tessera.tensor_parallel.context.layout import Layout, local_positions
-from tessera.tensor_parallel.context.ring import check_heads
+from tessera.tensor_parallel.context.ring import check_heads, check_window
 
 __all__ = ["check_ulysses", "ulysses_attention"]
 
@@ -43,14 +43,18 @@ def ulysses_attention(
     causal: bool = True,
     layout: Layout | str = Layout.CONTIGUOUS,
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of this rank's slice of the sequence, computed head-split after an all-to-all.
 
     Shapes as ``ring_attention``: q (batch, heads, local_seq, head_dim), k and v (batch,
     kv_heads, local_seq, head_dim). ``heads`` and ``kv_heads`` must divide by the group size
-    (checked before any communication). Moves 4 all-to-alls forward, 4 backward.
+    (checked before any communication). ``window``: sliding-window causal attention, as
+    ``ring_attention``'s (here a mask over the gathered sequence). Moves 4 all-to-alls
+    forward, 4 backward.
     """
     groups = check_heads(q, k, v)
+    check_window(window, causal)
     sp = group_size(group)
     check_ulysses(q.shape[1], k.shape[1], sp)
     local_len = q.shape[2]
@@ -63,7 +67,13 @@ def ulysses_attention(
     shuffled = causal and bool((order != torch.arange(pos.numel(), device=pos.device)).any())
     if shuffled:  # put the gathered sequence in position order: causal is then is_causal=True,
         qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))  # no seq x seq mask saved
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    if window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    else:  # in position order: the window's mask is a band below the diagonal
+        ordered = torch.arange(pos.numel(), device=q.device)
+        back = ordered[:, None] - ordered[None, :]
+        band = (back >= 0) & (back < window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=scale)
     if shuffled:
         out = out.index_select(2, torch.argsort(order))
     return all_to_all_along(out, 2, 1, group)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather_along
+from tessera.tensor_parallel.embedding import EmbedScale, keep_embed_scale, scaled
 from tessera.tensor_parallel.three_d.cube import Cube3D, CubeShardSpec, check_cube_divisible
 from tessera.tensor_parallel.two_d.embedding import embedding_twin
 
@@ -32,8 +33,11 @@ class Embedding3D(nn.Module):
     """``nn.Embedding(vocab, hidden)`` whose output is 3D: (..., hidden/q), hidden block c.
 
     ``weight`` (vocab, hidden/q^3) is chunk ``tp_rank`` of the serial weight's columns.
+    ``embed_scale`` multiplies the lookups (a scaled embedding's, ``embedding.scaled``).
     Raises ValueError naming the numbers unless q^3 divides hidden.
     """
+
+    embed_scale: EmbedScale
 
     def __init__(
         self,
@@ -43,6 +47,7 @@ class Embedding3D(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        embed_scale: EmbedScale = None,
     ) -> None:
         super().__init__()
         check_cube_divisible(embedding_dim, cube.q**3, what="embedding_dim", where="Embedding3D")
@@ -50,6 +55,7 @@ class Embedding3D(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_embeddings, embedding_dim // cube.q**3, dtype=dtype, device=device)
         )
+        keep_embed_scale(self, embed_scale)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, cube: Cube3D) -> Embedding3D:
@@ -58,7 +64,7 @@ class Embedding3D(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         block = all_gather_along(all_gather_along(self.weight, 1, self.cube.input), 1, self.cube.weight)
-        return F.embedding(idx, block)  # (vocab, hidden/q) block: hidden block c
+        return scaled(F.embedding(idx, block), self.embed_scale)  # (vocab, hidden/q) block: hidden block c
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, q={self.cube.q}"

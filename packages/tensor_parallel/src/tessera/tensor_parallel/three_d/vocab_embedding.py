@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather, reduce_scatter_along
+from tessera.tensor_parallel.embedding import EmbedScale, keep_embed_scale, scaled
 from tessera.tensor_parallel.three_d.cube import Cube3D, CubeShardSpec, check_cube_divisible
 from tessera.tensor_parallel.two_d.embedding import embedding_twin
 
@@ -34,9 +35,12 @@ VOCAB_EMBEDDING_SPEC = CubeShardSpec(split=("ab", "c"))  # vocab chunk a*q + b, 
 class VocabEmbedding3D(nn.Module):
     """``nn.Embedding(vocab, hidden)`` with the table cut on the vocabulary (chunk ``a*q + b``)
     and the hidden (block c); ids (batch/q^2, ...) of batch block ``b*q + a`` in,
-    (batch/q^2, ..., hidden/q) out. ValueError naming the numbers unless q*q divides vocab
+    (batch/q^2, ..., hidden/q) out. ``embed_scale`` multiplies the lookups (a scaled
+    embedding's, ``embedding.scaled``). ValueError naming the numbers unless q*q divides vocab
     and q divides hidden.
     """
+
+    embed_scale: EmbedScale
 
     def __init__(
         self,
@@ -46,6 +50,7 @@ class VocabEmbedding3D(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        embed_scale: EmbedScale = None,
     ) -> None:
         super().__init__()
         q = cube.q
@@ -57,6 +62,7 @@ class VocabEmbedding3D(nn.Module):
         self.vocab_start = (cube.a * q + cube.b) * per
         self.vocab_end = self.vocab_start + per
         self.weight = nn.Parameter(torch.empty(per, embedding_dim // q, dtype=dtype, device=device))
+        keep_embed_scale(self, embed_scale)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, cube: Cube3D) -> VocabEmbedding3D:
@@ -70,6 +76,7 @@ class VocabEmbedding3D(nn.Module):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
         partial = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        partial = scaled(partial, self.embed_scale)  # exact: one term per token is not zero
         return reduce_scatter_along(reduce_scatter_along(partial, 0, self.cube.weight), 0, self.cube.input)
 
     def extra_repr(self) -> str:

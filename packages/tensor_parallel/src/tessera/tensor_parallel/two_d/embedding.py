@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather_along
+from tessera.tensor_parallel.embedding import EmbedScale, embed_scale_of, keep_embed_scale, scaled
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.style import module_kind
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
@@ -45,12 +46,20 @@ def check_plain_embedding(module: nn.Module, where: str) -> nn.Embedding:
 def embedding_twin(
     cls: Callable[..., M], embedding: nn.Embedding, layout: Any, spec: ShardSpec, rank: int, tp: int
 ) -> M:
-    """``cls(vocab, hidden, layout, dtype=, device=)`` holding tp rank ``rank``'s shard (by
-    ``spec`` over ``tp`` ranks) of ``embedding``'s weight: the ``from_dense`` of the 2D and 3D
-    embeddings. ValueError for a padding_idx, max_norm or sparse embedding (not supported)."""
+    """``cls(vocab, hidden, layout, dtype=, device=, embed_scale=)`` holding tp rank ``rank``'s
+    shard (by ``spec`` over ``tp`` ranks) of ``embedding``'s weight and its scale if it is a scaled
+    embedding (``embed_scale_of``): the ``from_dense`` of the 2D and 3D embeddings. ValueError for
+    a padding_idx, max_norm or sparse embedding (not supported)."""
     check_plain_embedding(embedding, getattr(cls, "__name__", "embedding"))
     w = embedding.weight
-    new = cls(embedding.num_embeddings, embedding.embedding_dim, layout, dtype=w.dtype, device=w.device)
+    new = cls(
+        embedding.num_embeddings,
+        embedding.embedding_dim,
+        layout,
+        dtype=w.dtype,
+        device=w.device,
+        embed_scale=embed_scale_of(embedding),
+    )
     with torch.no_grad():
         new.get_parameter("weight").copy_(spec.shard(w, rank, tp))
     return new
@@ -62,9 +71,12 @@ EMBEDDING_SPEC = GridShardSpec(i_dim=1, j_dim=1)  # hidden in q*q chunks, rank (
 class Embedding2D(nn.Module):
     """``nn.Embedding(vocab, hidden)`` whose output is 2D: (..., hidden/q), hidden block j.
 
-    ``weight`` (vocab, hidden/q^2) is chunk ``j*q + i`` of the serial weight's columns.
+    ``weight`` (vocab, hidden/q^2) is chunk ``j*q + i`` of the serial weight's columns;
+    ``embed_scale`` multiplies the lookups (a scaled embedding's, ``embedding.scaled``).
     Raises ValueError naming the numbers unless q*q divides hidden.
     """
+
+    embed_scale: EmbedScale
 
     def __init__(
         self,
@@ -74,6 +86,7 @@ class Embedding2D(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        embed_scale: EmbedScale = None,
     ) -> None:
         super().__init__()
         q = grid.q
@@ -82,6 +95,7 @@ class Embedding2D(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_embeddings, embedding_dim // (q * q), dtype=dtype, device=device)
         )
+        keep_embed_scale(self, embed_scale)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, grid: Grid2D) -> Embedding2D:
@@ -91,7 +105,7 @@ class Embedding2D(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         # (vocab, hidden/q): hidden block j
         block = all_gather_along(self.use_param(self.weight), 1, self.grid.col)
-        return F.embedding(idx, block)
+        return scaled(F.embedding(idx, block), self.embed_scale)
 
     def use_param(self, param: Tensor) -> Tensor:
         """``param`` as forward uses it: itself in 2D (the 2.5D subclass routes it through

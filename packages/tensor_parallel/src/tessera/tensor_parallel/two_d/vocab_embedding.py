@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm import all_gather, reduce_scatter_along
+from tessera.tensor_parallel.embedding import EmbedScale, keep_embed_scale, scaled
 from tessera.tensor_parallel.two_d.embedding import embedding_twin
 from tessera.tensor_parallel.two_d.grid import Grid2D, GridShardSpec, check_grid_divisible
 
@@ -33,9 +34,12 @@ VOCAB_EMBEDDING_SPEC = GridShardSpec(i_dim=0, j_dim=1)  # vocab block i, hidden 
 class VocabEmbedding2D(nn.Module):
     """``nn.Embedding(vocab, hidden)`` with the table split on vocabulary (rows i) and hidden
     (columns j); ids (batch/q, ...) of batch block i in, (batch/q, ..., hidden/q) out.
+    ``embed_scale`` multiplies the lookups (a scaled embedding's, ``embedding.scaled``).
 
     Raises ValueError naming the numbers unless q divides vocab and hidden.
     """
+
+    embed_scale: EmbedScale
 
     def __init__(
         self,
@@ -45,6 +49,7 @@ class VocabEmbedding2D(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        embed_scale: EmbedScale = None,
     ) -> None:
         super().__init__()
         q = grid.q
@@ -54,6 +59,7 @@ class VocabEmbedding2D(nn.Module):
         per = num_embeddings // q
         self.vocab_start, self.vocab_end = grid.i * per, (grid.i + 1) * per
         self.weight = nn.Parameter(torch.empty(per, embedding_dim // q, dtype=dtype, device=device))
+        keep_embed_scale(self, embed_scale)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, grid: Grid2D) -> VocabEmbedding2D:
@@ -67,6 +73,7 @@ class VocabEmbedding2D(nn.Module):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
         partial = F.embedding(local, self.use_param(self.weight)) * mine.unsqueeze(-1).to(self.weight.dtype)
+        partial = scaled(partial, self.embed_scale)  # exact: one term per token is not zero
         return reduce_scatter_along(partial, 0, self.grid.col)
 
     def use_param(self, param: Tensor) -> Tensor:
