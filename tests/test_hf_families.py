@@ -98,7 +98,10 @@ FAMILIES = [
 def _build(name: str) -> nn.Module:
     import transformers
 
-    config_class, model_class, kwargs = _family(name)
+    family, _, variant = name.partition("@")
+    config_class, model_class, kwargs = _family(family)
+    if variant == "nopad":  # the 2D/2.5D/3D embeddings take no padding_idx
+        kwargs = {**kwargs, "pad_token_id": None}
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**kwargs)
     return getattr(transformers, model_class)(config)  # type: ignore[no-any-return]
@@ -153,9 +156,11 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
     "ring": (ParallelConfig(sp=2), 1),
     "ulysses": (ParallelConfig(sp=2, sp_mode="ulysses", sp_layout="zigzag"), 1),
     "dp2-tp2": (ParallelConfig(dp=2, tp=2), 1),
+    "2d": (ParallelConfig(tp=4, tp_mode="2d"), 0),
 }
 DP_TP = ("qwen3", "gemma", "phi3", "gpt_neox")  # dp2 x tp2 for these only (CI time)
 ULYSSES = ("mistral", "gemma3", "phi3")  # Ulysses (zigzag) for the sliding windows only
+TWO_D = ("qwen2", "gemma", "gpt_neox", "phi")  # 2D (SUMMA, 2 x 2) where the shapes allow it
 
 # (family, mode) -> what the refusal names; boost() refuses these before building anything
 REFUSED = {
@@ -179,6 +184,7 @@ def run_family(pools: PoolFactory, name: str, mode: str) -> None:
     parallel, zero = MODES[mode]
     config = _config(parallel, zero)
     assert config.validate() == []
+    name = f"{name}@nopad" if parallel.tp_mode != "1d" else name
     results = pools(config.world_size).run(_parallel, name, config, timeout=240)
     losses, weights = _serial(name)
     merged: dict[str, Tensor] = {}
@@ -195,6 +201,7 @@ CASES = [
     if (name, mode) not in REFUSED
     and (mode != "dp2-tp2" or name in DP_TP)
     and (mode != "ulysses" or name in ULYSSES)
+    and (mode != "2d" or name in TWO_D)
 ]
 
 
@@ -354,3 +361,15 @@ def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:
     text = describe(plan)
     assert "'layers.*.attn.wo': 'rowwise'" in text and "'tok_embeddings': 'vocab_whole'" in text
     assert dict(Plan.of(eval(text)).entries).keys() == roles.keys()  # what a user pastes back
+
+
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f != "opt"])
+def test_every_family_has_its_attention_and_mlp_split(name: str) -> None:
+    """The derived plan splits both halves of every layer (OPT's MLP, two dense layers on the
+    layer itself with no module of their own, stays whole on every rank)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
+    from tessera.launcher.derived_roles import derive_roles
+
+    styles = [style.name for pattern, style in derive_roles(_build(name)).entries if ".*." in pattern]
+    assert styles.count("attention") == 1 and styles.count("region") == 1, styles
+    assert styles.count("rowwise") == 2, styles  # the attention's output and the MLP's

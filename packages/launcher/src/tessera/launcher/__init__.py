@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tessera.launcher.boost import boost
     from tessera.launcher.deferred import deferred_parameters, init_by_name
     from tessera.launcher.engine import Diverged, Engine, StepOutput
-    from tessera.launcher.spec import ModelSpec, model_spec, register_model_spec
+    from tessera.launcher.spec import ModelSpec, model_spec, register_model_family, register_model_spec
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "init_by_name",
     "load_config",
     "model_spec",
+    "register_model_family",
     "register_model_spec",
     "resolve_config",
 ]

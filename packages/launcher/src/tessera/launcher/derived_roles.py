@@ -130,11 +130,12 @@ def derive_roles(model: nn.Module) -> Plan:
     inner: set[str] = set()
     for rel, sub in layers[0].named_children():
         path = f"{layer0}.{rel}"
-        if "attention" in type(sub).__name__.lower() or attention_heads(sub) is not None:
-            roles = _attention_roles(path, sub, hint)
-        elif _is_norm(sub):
+        roles: dict[str, TPStyle] = {}
+        if _is_norm(sub):
             roles = {path: Roles.NORM}
-        else:
+        elif "attention" in type(sub).__name__.lower() or attention_heads(sub) is not None:
+            roles = _attention_roles(path, sub, hint)  # (an MLP holding the config says heads too)
+        if not roles:
             roles = _mlp_roles(path, sub)
         found.update(roles)
         inner |= set(roles)
