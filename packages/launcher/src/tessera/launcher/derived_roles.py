@@ -91,8 +91,14 @@ def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> d
     return roles
 
 
-def _mlp_roles(path: str, module: nn.Module) -> dict[str, TPStyle]:
-    dense = list(_dense(module, path))
+def _mlp_roles(path: str, module: nn.Module, *, direct: bool = False) -> dict[str, TPStyle]:
+    """An MLP's roles: ``module`` a region; ``direct``: its own dense children, no region (OPT's
+    ``fc1`` and ``fc2`` sit on the layer itself: each enters and leaves the tp region alone)."""
+    dense = (
+        [(f"{path}.{n}", m) for n, m in module.named_children() if is_dense(m)]
+        if direct
+        else list(_dense(module, path))
+    )
     if len(dense) < 2:
         return {}
     width = _width(dense[0][1])[1]  # the block's input width
@@ -101,7 +107,9 @@ def _mlp_roles(path: str, module: nn.Module) -> dict[str, TPStyle]:
         return {}  # not one hidden width feeding one output layer: left whole
     exit_name, exit_layer = exits[0]
     hidden = _width(exit_layer)[1]
-    roles: dict[str, TPStyle] = {path: Style.REGION, exit_name: Style.ROWWISE}
+    roles: dict[str, TPStyle] = (
+        {exit_name: Style.ROWWISE} if direct else {path: Style.REGION, exit_name: Style.ROWWISE}
+    )
     for name, sub in dense:
         if name == exit_name:
             continue
@@ -127,7 +135,6 @@ def derive_roles(model: nn.Module) -> Plan:
     layer0 = f"{stack}.0"
     hint = {k.replace(f"{stack}.*.", f"{layer0}."): v for k, v in _hint(model).items()}
     found: dict[str, TPStyle] = {layer0: Style.SEQUENCE_START}
-    inner: set[str] = set()
     for rel, sub in layers[0].named_children():
         path = f"{layer0}.{rel}"
         roles: dict[str, TPStyle] = {}
@@ -138,7 +145,8 @@ def derive_roles(model: nn.Module) -> Plan:
         if not roles:
             roles = _mlp_roles(path, sub)
         found.update(roles)
-        inner |= set(roles)
+    if not any(style is Style.REGION for style in found.values()):
+        found.update(_mlp_roles(layer0, layers[0], direct=True))
     if not any(style is Style.ATTENTION for style in found.values()):
         raise ValueError(
             f"cannot derive tensor-parallel roles for {type(model).__name__}: layer {layer0} has no "

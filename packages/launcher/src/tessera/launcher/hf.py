@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks"]
+__all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks", "opt_blocks"]
 
 
 _HOOK = "_tessera_positions_hook"
@@ -237,6 +237,35 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
     return [*blocks, _Head(after[0], head, config)]
+
+
+class _OPTEmbedding(nn.Module):
+    """OPT's decoder before its layers: tokens (projected in), plus learned positions."""
+
+    def __init__(self, decoder: Any) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.project_in = (
+            decoder.embed_tokens,
+            decoder.embed_positions,
+            decoder.project_in,
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h: Tensor = self.tokens(ids)
+        if self.project_in is not None:
+            h = self.project_in(h)
+        return h + self.positions(None, 0, position_ids=_positions(ids))
+
+
+def opt_blocks(model: nn.Module) -> list[nn.Module]:
+    """``[embedding + positions, *layers, final norm (+ project out) + lm_head]`` of an
+    ``OPTForCausalLM``; each layer's causal mask made in its attention's pre-hook."""
+    decoder: Any = model.get_submodule("model.decoder")
+    config: Any = getattr(model, "config", None)
+    layers = [_DecoderLayer(layer, i, None, config) for i, layer in enumerate(decoder.layers)]
+    after = [m for m in (decoder.final_layer_norm, decoder.project_out) if m is not None]
+    norm = after[0] if len(after) == 1 else nn.Sequential(*after)
+    return [_OPTEmbedding(decoder), *layers, _Head(norm, model.get_submodule("lm_head"), config)]
 
 
 llama_blocks = decoder_blocks  # Llama's layout is the rotary families' own

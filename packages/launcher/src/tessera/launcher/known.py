@@ -13,7 +13,7 @@ imported until a model of it is boosted. A family that cannot take a parallel ax
 
 from __future__ import annotations
 
-from tessera.launcher.hf import decoder_blocks, gpt2_blocks, llama_blocks
+from tessera.launcher.hf import decoder_blocks, gpt2_blocks, llama_blocks, opt_blocks
 from tessera.launcher.hf_moe import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.spec import ModelSpec, register_model_family, register_model_spec
 from tessera.tensor_parallel import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN
@@ -40,10 +40,7 @@ _ALIBI = (
     "its attention biases (ALiBi) are built in the model's forward for every head and the whole sequence, "
     "which a split of the heads, a pipeline stage and a sequence shard do not see"
 )
-_OPT_PP = (
-    "its decoder's forward adds learned positions (offset by 2) from the attention mask and projects in "
-    "and out around its layers; no pipeline blocks are written for it"
-)
+
 
 # model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
 # layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
@@ -55,7 +52,7 @@ _ROTARY = (
 FAMILIES: dict[str, ModelSpec] = {
     **{kind: ModelSpec(blocks=decoder_blocks) for kind in _ROTARY},
     "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "sp": _ALIBI}),
-    "opt": ModelSpec(refuses={"pp": _OPT_PP}),
+    "opt": ModelSpec(blocks=opt_blocks),
     "olmo2": ModelSpec(
         blocks=decoder_blocks,
         refuses={
@@ -64,6 +61,10 @@ FAMILIES: dict[str, ModelSpec] = {
         },
     ),
 }
+
+# any other HF family: the rotary decoder's blocks, which boost() checks against the model's
+# logits before partitioning (a family they do not fit is refused there, naming the block)
+FAMILIES["*"] = ModelSpec(blocks=decoder_blocks)
 
 for _kind, _spec in FAMILIES.items():
     register_model_family(_kind, _spec)

@@ -135,7 +135,8 @@ def register_model_spec(cls: type | str, spec: ModelSpec) -> None:
 
 def register_model_family(model_type: str, spec: ModelSpec) -> None:
     """Make ``spec`` the default of every Hugging Face model whose ``config.model_type`` is
-    ``model_type`` and whose class has no spec of its own (``tessera.launcher.families``)."""
+    ``model_type`` and whose class has no spec of its own (``tessera.launcher.known``);
+    ``"*"``: of every Hugging Face model whose family has none."""
     _FAMILIES[model_type] = spec
 
 
@@ -169,8 +170,8 @@ def model_spec(model: nn.Module) -> ModelSpec:
         if spec is not None:
             return spec
     family = model_family(model)
-    if family is not None and family in _FAMILIES:
-        return _FAMILIES[family]
+    if family is not None:  # "*": the default of every Hugging Face family not registered
+        return _FAMILIES.get(family) or _FAMILIES.get("*") or ModelSpec()
     return ModelSpec()
 
 
