@@ -53,7 +53,15 @@ if TYPE_CHECKING:
         reduce_scatter_along,
         split_along,
     )
-    from tessera.comm.p2p import batch_isend_irecv, recv, ring_shift, ring_shift_async, send, share_memory
+    from tessera.comm.p2p import (
+        batch_isend_irecv,
+        has_p2p,
+        recv,
+        ring_shift,
+        ring_shift_async,
+        send,
+        share_memory,
+    )
 
 # the submodules that need torch: the names of __all__ not imported above come from them
 _LAZY = ("collectives", "memory", "mesh", "meters", "ops", "p2p")
@@ -135,6 +143,7 @@ __all__ = [
     "gather_along",
     "group_rank",
     "group_size",
+    "has_p2p",
     "integer_root",
     "lazy_exports",
     "measure_memory",

@@ -28,9 +28,14 @@ from tessera.comm.profiling import P2P_WAIT, profiled
 from tessera.comm.shm_p2p import share_memory
 from tessera.comm.waiting import poll_budget
 
-__all__ = ["batch_isend_irecv", "recv", "ring_shift", "ring_shift_async", "send", "share_memory"]
+__all__ = ["batch_isend_irecv", "has_p2p", "recv", "ring_shift", "ring_shift_async", "send", "share_memory"]
 
 _CPU = torch.device("cpu")
+
+
+def has_p2p(group: Group = None) -> bool:
+    """Whether ``group``'s backend sends and receives (torch's threaded test backend does not)."""
+    return str(dist.get_backend(group)) != "threaded"
 
 
 def _global(peer: int, group: Group) -> int:
