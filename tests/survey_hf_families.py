@@ -1,0 +1,148 @@
+"""A survey, not a test: every causal-LM family of the installed ``transformers`` through
+``boost()`` with no plan written, at tp2, pp2 (1F1B), ring (sp2), dp2 and GPipe, against its
+serial run. Prints one JSON line per family: ``ok``, ``refused: <first line>`` (a clear error
+before or at the first step), ``WRONG`` (trained, but not as serially: the worst case), or
+why the family could not be built at a tiny size.
+
+    hatch run python tests/survey_hf_families.py [model_type ...]
+
+Each family is built from its config class with tiny sizes (hidden 32, 4 heads of 8, 2 KV
+heads, 2 layers, vocabulary 64; dropouts 0), trains 2 SGD steps (momentum 0.9, lr 0.5) on 2
+gloo processes, and is compared with the same steps in one process: losses to rel 1e-5,
+weights to rel 1e-4 of each tensor's largest value (some families grow a bias to 1e7 in two
+steps; round-off is then far above any absolute bound). Families over 3M parameters at these
+sizes are skipped (their defaults keep large widths). Runs serially, about 25 minutes for
+the 200 families of transformers 5.25 on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm.testing.pool import WorkerPool
+from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 2, 0.5
+COMMON = {
+    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+MODES = {
+    "tp2": (ParallelConfig(tp=2), 0),
+    "pp2": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
+    "ring": (ParallelConfig(sp=2), 1),
+    "dp2": (ParallelConfig(dp=2), 1),
+    "gpipe": (ParallelConfig(pp=2, microbatches=2, schedule="gpipe"), 1),
+}
+
+
+def build(kind: str) -> nn.Module:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = CONFIG_MAPPING[kind](**COMMON)
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)  # type: ignore[no-any-return]
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def logits(out: Any) -> Tensor:
+    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
+
+
+Run = tuple[list[float], dict[str, Tensor]]
+
+
+def serial(kind: str) -> Run:
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.cross_entropy(logits(model(x)).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def config_of(parallel: ParallelConfig, zero: int) -> Config:
+    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))  # type: ignore[arg-type]
+    return dataclasses.replace(
+        c,
+        data=dataclasses.replace(c.data, batch_size=BATCH),
+        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),
+    )
+
+
+def parallel(rank: int, kind: str, config: Config) -> Run:
+    model = build(kind)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    losses = [engine.train_step(*batch(step)).loss for step in range(STEPS)]
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return losses, weights
+
+
+def compare(got: Run, want: Run) -> str:
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0], strict=True))
+    weight = max(
+        float((got[1][n] - w).abs().max()) / max(float(w.abs().max()), 1e-6) for n, w in want[1].items()
+    )
+    return "ok" if loss < 1e-5 and weight < 1e-4 else f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e}"
+
+
+def main(kinds: list[str]) -> None:
+    resource.setrlimit(
+        resource.RLIMIT_AS, (6 << 30, 6 << 30)
+    )  # a large default: MemoryError, not the OOM killer
+    pool = WorkerPool(2)
+    for kind in kinds:
+        try:
+            size = sum(p.numel() for p in build(kind).parameters())
+            if size > 3_000_000:
+                print(json.dumps([kind, f"not run: {size} parameters at the tiny sizes"]), flush=True)
+                continue
+            want = serial(kind)
+        except Exception as exc:
+            print(json.dumps([kind, f"not built: {type(exc).__name__}: {str(exc)[:150]}"]), flush=True)
+            continue
+        row = {}
+        for mode, (degrees, zero) in MODES.items():
+            try:
+                parts = pool.run(parallel, kind, config_of(degrees, zero), timeout=120)
+                merged: dict[str, Tensor] = {}
+                for _, part in parts:
+                    merged.update(part)
+                row[mode] = compare((parts[0][0], merged), want)
+            except Exception as exc:
+                row[mode] = "refused: " + str(exc).split("\n")[0][:160]
+                if "did not finish" in str(exc) or "died" in str(exc):
+                    pool.close()
+                    pool = WorkerPool(2)
+        print(json.dumps([kind, row]), flush=True)
+    pool.close()
+
+
+if __name__ == "__main__":
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    main(sys.argv[1:] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
