@@ -254,7 +254,8 @@ class _OPTEmbedding(nn.Module):
         h: Tensor = self.tokens(ids)
         if self.project_in is not None:
             h = self.project_in(h)
-        return h + self.positions(None, 0, position_ids=_positions(ids))
+        positions: Tensor = self.positions(None, 0, position_ids=_positions(ids))
+        return h + positions
 
 
 def opt_blocks(model: nn.Module) -> list[nn.Module]:
