@@ -25,7 +25,9 @@ if [ "${1:-}" = local ]; then
     other=$!
     status=0
     node 0 127.0.0.1 || status=$?
-    wait "$other" || { echo "node 1 failed:" >&2; cat "$log" >&2; status=1; }
+    # the rendezvous numbers the nodes in the order they join: global rank 0, which prints the
+    # losses, may be on either; so node 1's output follows node 0's
+    if wait "$other"; then cat "$log"; else echo "node 1 failed:" >&2; cat "$log" >&2; status=1; fi
     rm -f "$log"
     exit "$status"
 fi
