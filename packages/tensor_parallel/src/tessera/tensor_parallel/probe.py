@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, KV_HEAD_ATTRIBUTES
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.plan import Assignment
+from tessera.tensor_parallel.probing import evaluating, first_tensor
 from tessera.tensor_parallel.style import Role
 from tessera.tensor_parallel.styles import PER_RANK_ATTRIBUTES, RegionStyle
 
@@ -61,14 +62,6 @@ def probe_attention(model: nn.Module, assignments: list[Assignment], *, tp: int)
             continue
         seen.add(type(module))
         _probe(module, a, inner[a.name], tp)
-
-
-def _first_tensor(out: Any) -> Tensor | None:
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
-        return out[0]
-    return None
 
 
 def _input_width(module: nn.Module, inner: Mapping[str, Assignment]) -> int | None:
@@ -119,18 +112,6 @@ def _as_rank(
             setattr(owner, attr, value)
 
 
-@contextlib.contextmanager
-def _evaluating(module: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, mode in modes:
-            m.train(mode)
-
-
 def _call_keywords(
     module: nn.Module, style: RegionStyle, name: str, like: Tensor, gen: torch.Generator
 ) -> dict[str, Any] | None:
@@ -171,9 +152,9 @@ def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp
     if kwargs is None:
         log.debug("probe: %s not probed (its forward needs arguments the probe cannot make)", where)
         return
-    with _evaluating(module):
+    with evaluating(module):
         try:
-            want = _first_tensor(module(x, **kwargs))
+            want = first_tensor(module(x, **kwargs))
         except Exception as exc:  # it needs more than a tensor: not probed
             log.debug("probe: %s not probed (%s: %s)", where, type(exc).__name__, exc)
             return
@@ -186,7 +167,7 @@ def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp
             with _as_rank(module, a.style, inner, rank, tp, a.name) as names:
                 changed = names
                 try:
-                    got = _first_tensor(module(x, **kwargs))
+                    got = first_tensor(module(x, **kwargs))
                 except Exception as exc:
                     raise ValueError(
                         f"{where}: split over tp={tp}, {type(module).__name__} fails on rank {rank}'s "

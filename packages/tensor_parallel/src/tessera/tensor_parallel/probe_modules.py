@@ -26,13 +26,10 @@ replacement reproduces more than the plain operation: it answers for itself).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +40,7 @@ from tessera.tensor_parallel.heads import HeadShardSpec
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import Assignment
+from tessera.tensor_parallel.probing import evaluating, first_tensor
 from tessera.tensor_parallel.style import TPStyle, module_kind
 
 __all__ = ["ModuleProbe", "probe_modules"]
@@ -115,18 +113,6 @@ def _style_key(style: TPStyle) -> object:
     except TypeError:
         return id(style)
     return style
-
-
-@contextlib.contextmanager
-def _evaluating(module: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, mode in modes:
-            m.train(mode)
 
 
 def _held(spec: ShardSpec, shape: tuple[int, ...], rank: int, tp: int) -> Held:
@@ -270,14 +256,6 @@ def _norm(module: nn.LayerNorm, specs: dict[str, ShardSpec | None], tp: int, x: 
     return got
 
 
-def _first_tensor(out: Any) -> Tensor | None:
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, tuple | list) and out and isinstance(out[0], Tensor):
-        return out[0]
-    return None
-
-
 def _probe(module: nn.Module, a: Assignment, specs: dict[str, ShardSpec | None], tp: int) -> float:
     """The largest relative difference of ``module``'s output from its shares'; ValueError past
     the bound."""
@@ -304,9 +282,9 @@ def _probe(module: nn.Module, a: Assignment, specs: dict[str, ShardSpec | None],
         raise _NotProbed(f"the probe does not know how {module_kind(module)} is split")
     if x.is_floating_point():
         x = x.to(like.device, like.dtype)
-    with _evaluating(module):
+    with evaluating(module):
         try:
-            want = _first_tensor(module(x))
+            want = first_tensor(module(x))
         except Exception as exc:  # its forward needs more than one tensor
             raise _NotProbed(f"{type(exc).__name__}: {exc}") from None
         if want is None:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from tessera.comm import Group, all_reduce, group_rank, group_size, has_p2p
 from tessera.tensor_parallel.context.layout import Layout, sequence_chunks, split_sequence
 from tessera.tensor_parallel.context.positions import find_positions
+from tessera.tensor_parallel.probing import evaluating
 
 __all__ = ["SequenceProbe", "probe_sequence_split"]
 
@@ -183,20 +184,6 @@ def _learned_bound(model: nn.Module, positions: str | None) -> int | None:
     return min(sizes, default=None)
 
 
-@contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
-    """Eval mode and no gradients; every module's training flag is restored after (modules
-    added meanwhile keep the flag they were made with)."""
-    flags = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for module in model.modules():
-            module.training = flags.get(module, module.training)
-
-
 def _tolerance(model: nn.Module, out: Tensor | None) -> float:
     """The bound (see ``_RTOL``) for the coarsest floating dtype of the parameters and output."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -276,7 +263,7 @@ def probe_sequence_split(
         return split_sequence(t, rank, sp, layout, dim=1)
 
     whole, error, out1 = _Record(length, cut), None, None
-    with _evaluating(model), _recording(model, whole):
+    with evaluating(model), _recording(model, whole):
         try:
             out1 = _first_tensor(model(ids))
         except Exception as e:  # whatever it is, the model cannot be probed on this input
@@ -287,7 +274,7 @@ def probe_sequence_split(
         return install()
     result = install()
     part = _Record(length // sp, lambda t: t)
-    with _evaluating(model), _recording(model, part):
+    with evaluating(model), _recording(model, part):
         out2 = _first_tensor(model(cut(ids)))
     compared, tol = _compare(out1, out2, length, cut), _tolerance(model, out1)
     rel, diff = compared if compared is not None else (0.0, 0.0)
