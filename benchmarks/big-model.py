@@ -114,7 +114,7 @@ def write_checkpoint(size: LlamaSize, directory: Path, seed: int) -> int:
 
     from tessera.comm.files import atomic_write
     from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
-    from tessera.launcher.consolidate import split_shards
+    from tessera.launcher.checkpoint.consolidate import split_shards
 
     entries = [Entry(name, torch.float32, shape) for name, shape in size.shapes()]
     shards = split_shards(entries, SHARD_BYTES)  # as an export cuts them
@@ -158,7 +158,7 @@ def tessera_child(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-    from tessera.launcher.deferred import deferred_parameters
+    from tessera.launcher.train.deferred import deferred_parameters
     from tessera.zero import Precision
 
     torch.set_num_threads(1)

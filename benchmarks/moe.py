@@ -3,7 +3,7 @@
 (data parallelism, ``ep = 1``), in one run on the same batches; and the all-to-all bytes
 ``CommMeter`` measures beside the formulas.
 
-The model is the main job's (``tessera.launcher.moe_model.moe_gpt``: the reference GPT with
+The model is the main job's (``tessera.launcher.job.moe_model.moe_gpt``: the reference GPT with
 a ``tessera.moe.MoE`` of SwiGLU experts as each layer's MLP, router losses attached). Both
 systems are ``boost()`` engines on the same model and global batch, AdamW, ZeRO-1, one
 microbatch, differing only in ``parallel.ep`` (``world`` or 1), so the difference is expert
@@ -48,8 +48,8 @@ from peers import peer_python
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import BoostConfig, Engine, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.main_config import MoEConfig
-from tessera.launcher.moe_model import moe_gpt
+from tessera.launcher.config.main_config import MoEConfig
+from tessera.launcher.job.moe_model import moe_gpt
 from tessera.models import GPTConfig
 from tessera.moe import MoE, set_aux_grad_scale
 from tessera.planner.experts import ExpertShape, all_to_all_bytes

@@ -91,7 +91,7 @@ def _node(
     cmd = [
         sys.executable,
         "-m",
-        "tessera.launcher.cli",
+        "tessera.launcher.run.cli",
         "train",
         "--nnodes",
         nnodes,

@@ -62,8 +62,8 @@ from _common import cpu_s, emit, malloc_for_rss, malloc_for_speed, rss_baseline,
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
-from tessera.launcher.auto import estimate_config, model_of, search_config
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
+from tessera.launcher.config.auto import estimate_config, model_of, search_config
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.pipeline import build_schedule
 from tessera.pipeline.tune import tuning_steps

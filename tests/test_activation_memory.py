@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, boost
-from tessera.launcher.recompute import checkpoint_layers
+from tessera.launcher.train.recompute import checkpoint_layers
 from tessera.models import GPT, GPTConfig, make_batch
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=4, bias=False, dropout=0.2)

@@ -28,7 +28,7 @@ import pytest
 import safetensors.torch
 import torch
 
-import tessera.launcher.saving as saving
+import tessera.launcher.checkpoint.saving as saving
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, Engine, ParallelConfig, ZeroConfig, boost
 from tessera.models import GPT, GPTConfig, make_batch
@@ -249,11 +249,11 @@ def test_a_failed_background_write_raises_on_every_rank_naming_the_file(
 _JOB = """
 import json, os, signal, sys, threading
 import torch, torch.distributed as dist
-import tessera.launcher.saving as saving
+import tessera.launcher.checkpoint.saving as saving
 import tessera.zero.checkpoint as zckpt
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.launcher import boost, load_config
-from tessera.launcher.preflight import committed_checkpoint
+from tessera.launcher.run.preflight import committed_checkpoint
 
 point, out, root = sys.argv[1], sys.argv[2], sys.argv[3]
 config = load_config()
@@ -297,7 +297,7 @@ def _launch(tmp: Path, point: str) -> list[dict[str, float]]:
     out, root = tmp / f"{point}.jsonl", tmp / f"ckpt-{point}"
     script = tmp / "job.py"
     script.write_text(_JOB)
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "run", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "run", "--nproc-per-node", "2"]
     sets = [
         "parallel.dp=2",
         "parallel.microbatches=1",

@@ -22,8 +22,8 @@ import torch
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.config_io import ConfigError, resolve_config
-from tessera.launcher.preflight import preflight
+from tessera.launcher.config.config_io import ConfigError, resolve_config
+from tessera.launcher.run.preflight import preflight
 from tessera.models import GPT, GPTConfig, make_batch
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)

@@ -7,7 +7,7 @@ tp=2 with Megatron SP, pp=2 (1F1B), dp=2 under ZeRO-1, under ZeRO-3 (AdamW) and 
 ZeRO-2 with activation checkpointing. Each run starts from a reset dynamo (a mode must
 compile its own graphs: each rank counts them, so a run that fell back to eager fails)
 and every rank's collectives run eagerly between the compiled pieces
-(``tessera.launcher.compiling``).
+(``tessera.launcher.train.compiling``).
 
 Bounds, as ``test_every_mode`` (compiled kernels fuse and reorder float sums, within fp32
 round-off): losses rel 1e-5; weights under SGD with momentum rtol 1e-5, atol 1e-6 (measured
@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost, main_job
-from tessera.launcher.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
-from tessera.launcher.preflight import preflight
+from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.config.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
+from tessera.launcher.job import main_job
+from tessera.launcher.run.preflight import preflight
 from tessera.models import GPT, ForeignConfig, GPTConfig, Llamaish, make_batch
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3

@@ -25,9 +25,9 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.deferred import deferred_parameters, init_by_name
-from tessera.launcher.main_config import MoEConfig
-from tessera.launcher.moe_model import MOE_GPT_PLAN, moe_gpt
+from tessera.launcher.config.main_config import MoEConfig
+from tessera.launcher.job.moe_model import MOE_GPT_PLAN, moe_gpt
+from tessera.launcher.train.deferred import deferred_parameters, init_by_name
 from tessera.models import ForeignConfig, GPT2ish, GPTConfig, Llamaish
 
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11

@@ -29,7 +29,7 @@ def _run(args: list[str], cwd: Path) -> str:
 
 
 def _tessera(nproc: int, *args: str) -> list[str]:
-    return ["-m", "tessera.launcher.cli", "run", "--nproc-per-node", str(nproc), *args]
+    return ["-m", "tessera.launcher.run.cli", "run", "--nproc-per-node", str(nproc), *args]
 
 
 def _losses(out: str) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.spec import model_spec, refusals
+from tessera.launcher.families.spec import model_spec, refusals
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 3, 0.5
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -349,7 +349,7 @@ def test_roles_derived_for_a_model_with_names_of_its_own(
 
 
 def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:
-    from tessera.launcher.derived_roles import derive_roles, describe
+    from tessera.launcher.families.derived_roles import derive_roles, describe
     from tessera.tensor_parallel import Plan
 
     plan = derive_roles(_own("llamaish"))
@@ -367,7 +367,7 @@ def test_every_family_has_its_attention_and_mlp_split(name: str) -> None:
     """The derived plan splits both halves of every layer (OPT's ``fc1`` and ``fc2`` sit on the
     layer itself, with no module of their own to be a region)."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
-    from tessera.launcher.derived_roles import derive_roles
+    from tessera.launcher.families.derived_roles import derive_roles
 
     styles = [style.name for pattern, style in derive_roles(_build(name)).entries if ".*." in pattern]
     assert styles.count("attention") == 1 and styles.count("region") == (name != "opt"), styles

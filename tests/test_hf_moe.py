@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
-from tessera.launcher.hf_moe import (
+from tessera.launcher.families.hf_moe import (
     MIXTRAL_PLAN,
     convert_hf_moe,
     hf_moe_state_dict,

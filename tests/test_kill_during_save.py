@@ -26,11 +26,11 @@ def _script(tmp: Path) -> Path:
         """
 import json, os, signal, sys
 import torch, torch.distributed as dist
-import tessera.launcher.saving as saving
+import tessera.launcher.checkpoint.saving as saving
 import tessera.zero.checkpoint as zckpt
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.launcher import boost, load_config
-from tessera.launcher.preflight import committed_checkpoint
+from tessera.launcher.run.preflight import committed_checkpoint
 
 point, out, root = sys.argv[1], sys.argv[2], sys.argv[3]
 config = load_config()
@@ -77,7 +77,7 @@ dist.destroy_process_group()
 
 def _run(tmp: Path, point: str) -> list[dict[str, float]]:
     out, root = tmp / f"{point}.jsonl", tmp / f"ckpt-{point}"
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "run", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "run", "--nproc-per-node", "2"]
     sets = [
         "parallel.dp=2",
         "parallel.microbatches=1",

@@ -441,10 +441,10 @@ def test_a_layer_built_expert_parallel_is_refused_at_any_ep() -> None:
 # ---------------------------------------------------------------------------- HF Mixtral
 def mixtral() -> nn.Module:
     """A small HF Mixtral from its config (random weights), its sparse blocks converted to
-    ``tessera.moe.MoE`` (``tessera.launcher.hf_moe``: same weights and routing, drop-less)."""
+    ``tessera.moe.MoE`` (``tessera.launcher.families.hf_moe``: same weights and routing, drop-less)."""
     import transformers
 
-    from tessera.launcher.hf_moe import convert_hf_moe
+    from tessera.launcher.families.hf_moe import convert_hf_moe
 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(

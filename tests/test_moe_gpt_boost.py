@@ -25,7 +25,7 @@ from torch import Tensor
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, MoEConfig, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.moe_model import MOE_GPT_SPEC, moe_gpt
+from tessera.launcher.job.moe_model import MOE_GPT_SPEC, moe_gpt
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
 

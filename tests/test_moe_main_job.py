@@ -34,7 +34,7 @@ def _train(tmp_path: Path, name: str, *extra: str) -> list[dict[str, Any]]:
         "optim.warmup_steps=4",
         *extra,
     ]
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train", "--config", str(CONFIG)]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train", "--config", str(CONFIG)]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

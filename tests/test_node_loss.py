@@ -54,7 +54,7 @@ ENV = {**os.environ, "TESSERA_SHM": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFER
 
 
 def _train(*args: str, settings: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train", *args]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train", *args]
     for item in settings:
         cmd += ["--set", item]
     return cmd

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import main_job
 from tessera.launcher.config import Config
-from tessera.launcher.config_io import resolve_config
-from tessera.launcher.token_data import open_data
+from tessera.launcher.config.config_io import resolve_config
+from tessera.launcher.data.token_data import open_data
+from tessera.launcher.job import main_job
 from tessera.models import GPT, GPTConfig
 
 STEPS = 3

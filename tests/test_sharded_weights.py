@@ -91,7 +91,7 @@ def test_a_sharded_checkpoint_loads_into_any_layout_and_exports_for_transformers
 
 
 def test_a_folder_without_weights_is_refused_naming_it(tmp_path: Path) -> None:
-    from tessera.launcher.tensorfile import weight_files
+    from tessera.launcher.checkpoint.tensorfile import weight_files
 
     with pytest.raises(
         ValueError, match=r"holds neither model\.safetensors\.index\.json nor model\.safetensors"

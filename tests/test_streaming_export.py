@@ -24,7 +24,7 @@ import torch
 from tessera.comm.safefile import SafeFile
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.tensorfile import LazyTensors, weight_files
+from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
 from tessera.models import GPT, GPTConfig, make_batch
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)

@@ -42,7 +42,7 @@ dist.destroy_process_group()
 
 
 def _tessera(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tessera.launcher.cli", "run", *args]
+    return [sys.executable, "-m", "tessera.launcher.run.cli", "run", *args]
 
 
 @pytest.mark.parametrize("how", ["flags", "hostfile"])

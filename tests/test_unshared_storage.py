@@ -2,7 +2,7 @@
 
 A "node" here is a set of ranks given their own folder (``node-K/ckpt`` for rank // ranks per
 node): what ranks on machines with their own disks see of one path. The engine finds out by
-itself that the folder is not shared (``tessera.launcher.storage``), keeps every file in two
+itself that the folder is not shared (``tessera.launcher.checkpoint.storage``), keeps every file in two
 nodes' folders, and a load first makes the generation whole in every folder. The losses after
 a resume must equal the uninterrupted run's bit for bit: same ranks, same layout, the same
 values loaded (``==`` on the floats).
@@ -20,7 +20,7 @@ import torch
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, Engine, ParallelConfig, ZeroConfig, boost
-from tessera.launcher.storage import probe_storage
+from tessera.launcher.checkpoint.storage import probe_storage
 from tessera.models import GPT, GPTConfig, make_batch
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, bias=False)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.spec import check_blocks, pipeline_blocks, tied_blocks
+from tessera.launcher.families.spec import check_blocks, pipeline_blocks, tied_blocks
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 3, 0.5

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.engine import Engine
-from tessera.launcher.spec import logits_of
-from tessera.launcher.verify import Verifier, compare_gradients, tolerance
+from tessera.launcher.families.spec import logits_of
+from tessera.launcher.train.engine import Engine
+from tessera.launcher.train.verify import Verifier, compare_gradients, tolerance
 from tessera.models import GPT, GPTConfig
 from tessera.models.foreign import ForeignConfig, Llamaish
 from tessera.tensor_parallel import Plan, Style
@@ -104,7 +104,7 @@ def _train(
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("tessera.launcher.verify")
+    logger = logging.getLogger("tessera.launcher.train.verify")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     lost = mock.patch.object(Engine, "_sum_tied_gradients", lambda self: None)
@@ -168,7 +168,7 @@ def _train_gpt(rank: int, parallel: ParallelConfig) -> list[str]:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("tessera.launcher.verify")
+    logger = logging.getLogger("tessera.launcher.train.verify")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     model = GPT(GPTConfig(vocab_size=64, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2), seed=0)
@@ -247,8 +247,8 @@ def test_dropout_is_refused_with_a_line() -> None:
 
 
 def test_the_flag_and_the_field_reach_boost(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    from tessera.launcher import cli
-    from tessera.launcher.config_io import config_to_toml, resolve_config
+    from tessera.launcher.config.config_io import config_to_toml, resolve_config
+    from tessera.launcher.run import cli
 
     assert Config().train.verify is False
     assert resolve_config(None, ["train.verify=true"], env={}).train.verify is True
@@ -273,7 +273,7 @@ def test_the_flag_and_the_field_reach_boost(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_what_verify_cannot_compare_is_refused_before_spawning() -> None:
-    from tessera.launcher.preflight import preflight, verify_problems
+    from tessera.launcher.run.preflight import preflight, verify_problems
 
     config = dataclasses.replace(Config(), train=TrainConfig(verify=True))
     assert verify_problems(config, main_job=True) == []

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig
-from tessera.launcher.disk_space import MIB, checkpoint_bytes, disk_tier_bytes, model_parameters
-from tessera.launcher.preflight import preflight
+from tessera.launcher.run.disk_space import MIB, checkpoint_bytes, disk_tier_bytes, model_parameters
+from tessera.launcher.run.preflight import preflight
 
 
 def _config(tmp: Path, **zero: Any) -> Config:
@@ -67,7 +67,7 @@ def test_within_twice_the_need_is_a_warning(
     config = _config(tmp_path)
     need = max(disk_tier_bytes(config, 2), checkpoint_bytes(config)) / MIB
     _free(monkeypatch, need * 1.5)
-    with caplog.at_level(logging.WARNING, logger="tessera.launcher.disk_space"):
+    with caplog.at_level(logging.WARNING, logger="tessera.launcher.run.disk_space"):
         errors = preflight(config, main_job=True, processes=2)
     assert not [e for e in errors if "MiB are free" in e], errors
     assert any("(within 2x)" in r.getMessage() for r in caplog.records), caplog.records

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tessera.launcher.checkpoint import _differences, _fingerprint
+from tessera.launcher.checkpoint.engine_io import _differences, _fingerprint
 from tessera.launcher.config import BoostConfig, Config, ModelConfig, ParallelConfig
-from tessera.launcher.config_io import config_from_dict, config_to_dict, load_config, resolve_config
+from tessera.launcher.config.config_io import config_from_dict, config_to_dict, load_config, resolve_config
 
 
 def test_the_core_has_no_model_and_the_main_job_config_is_a_core() -> None:

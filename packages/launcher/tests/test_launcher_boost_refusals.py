@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tessera.launcher import boost
-from tessera.launcher.boost_config import BoostConfig, ParallelConfig
+from tessera.launcher.config.boost_config import BoostConfig, ParallelConfig
 
 
 class Classifier(nn.Module):

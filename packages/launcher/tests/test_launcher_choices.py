@@ -19,7 +19,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tessera.comm import TPMode
-from tessera.launcher.choices import LogLevel, OptimName, RecomputePolicy
 from tessera.launcher.config import (
     Config,
     LoggingConfig,
@@ -28,7 +27,8 @@ from tessera.launcher.config import (
     TrainConfig,
     ZeroConfig,
 )
-from tessera.launcher.config_io import (
+from tessera.launcher.config.choices import LogLevel, OptimName, RecomputePolicy
+from tessera.launcher.config.config_io import (
     ConfigError,
     config_from_dict,
     config_to_dict,
@@ -171,7 +171,7 @@ def test_several_mistakes_of_every_source_are_reported_together() -> None:
 
 def test_a_checkpoint_fingerprint_written_with_names_matches() -> None:
     """A manifest stores the fingerprint as JSON (names): it compares equal to the members."""
-    from tessera.launcher.checkpoint import _differences, _fingerprint
+    from tessera.launcher.checkpoint.engine_io import _differences, _fingerprint
 
     config = _valid("parallel", "tp_mode", TPMode.TWO_D)
     config = dataclasses.replace(config, train=TrainConfig(precision=Precision.BF16))

@@ -40,7 +40,7 @@ dist.destroy_process_group()
 
 def _tessera(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tessera.launcher.cli", *args],
+        [sys.executable, "-m", "tessera.launcher.run.cli", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tessera.launcher.config import Config, ParallelConfig, TrainConfig
-from tessera.launcher.config_io import (
+from tessera.launcher.config.config_io import (
     ConfigError,
     config_from_dict,
     config_to_dict,
@@ -153,7 +153,7 @@ def test_a_package_variable_is_no_config_field_but_is_checked(name: str, good: s
 def test_split_tuning_does_not_shape_a_checkpoint() -> None:
     """``parallel.tune_splits`` orders the halves of each backward, not what is saved: a resume
     may change it, and a checkpoint written before the field existed still matches."""
-    from tessera.launcher.checkpoint import _differences, _fingerprint
+    from tessera.launcher.checkpoint.engine_io import _differences, _fingerprint
 
     base = Config(parallel=ParallelConfig(pp=2, schedule="zb-h1"))
     other = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tune_splits=0))

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.launcher.data import CharTokenizer, TextData, load_corpus
-from tessera.launcher.runlog import MetricsWriter, plot_metrics, read_metrics
+from tessera.launcher.data.chars import CharTokenizer, TextData, load_corpus
+from tessera.launcher.job.runlog import MetricsWriter, plot_metrics, read_metrics
 
 
 def test_stdlib_corpus_is_deterministic_and_capped() -> None:

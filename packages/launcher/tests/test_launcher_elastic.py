@@ -53,7 +53,7 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 def _train(cwd: Path, name: str, *extra: str) -> subprocess.Popen[str]:
     """The main job in the background; its console goes to ``cwd/<name>.log`` (a file, not a
     pipe nobody reads while it runs)."""
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train"]
     for item in [*SETTINGS, f"train.name={name}", *extra]:
         cmd += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

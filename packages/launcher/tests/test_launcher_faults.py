@@ -53,7 +53,7 @@ def _start(job: Path, mode: str, *extra: str) -> tuple[subprocess.Popen[str], li
         [
             sys.executable,
             "-m",
-            "tessera.launcher.cli",
+            "tessera.launcher.run.cli",
             "run",
             "--set",
             "parallel.dp=2",

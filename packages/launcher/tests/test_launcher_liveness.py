@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from tessera.launcher import Config, ParallelConfig
-from tessera.launcher.config_io import RESOLVED_ENV, config_to_dict, load_config
-from tessera.launcher.elastic import ELASTIC_ENV, at_world, elastic_problems
-from tessera.launcher.liveness import NodeWatch
-from tessera.launcher.nodes import parse_nnodes, plan_nodes
-from tessera.launcher.spawn import RESTART_LAST_CALL_S, build_torchrun_argv
-from tessera.launcher.watchdog import Beat, write_beat
+from tessera.launcher.config.config_io import RESOLVED_ENV, config_to_dict, load_config
+from tessera.launcher.config.elastic import ELASTIC_ENV, at_world, elastic_problems
+from tessera.launcher.run.liveness import NodeWatch
+from tessera.launcher.run.nodes import parse_nnodes, plan_nodes
+from tessera.launcher.run.spawn import RESTART_LAST_CALL_S, build_torchrun_argv
+from tessera.launcher.run.watchdog import Beat, write_beat
 
 
 def test_nnodes_takes_a_count_or_a_range() -> None:

@@ -21,9 +21,9 @@ import safetensors.torch
 import torch
 
 from tessera.launcher import Config, ParallelConfig, TrainConfig
-from tessera.launcher.data import CharTokenizer, TextData, load_corpus
-from tessera.launcher.generations import FORMAT, MANIFEST
-from tessera.launcher.preflight import preflight, saved_vocab
+from tessera.launcher.checkpoint.generations import FORMAT, MANIFEST
+from tessera.launcher.data.chars import CharTokenizer, TextData, load_corpus
+from tessera.launcher.run.preflight import preflight, saved_vocab
 from tessera.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_main_job_writes_a_complete_run_folder(tmp_path: Path) -> None:
         "train.sample_chars=40",
         "optim.warmup_steps=2",
     ]
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train"]
     for a in args:
         cmd += ["--set", a]
     proc = subprocess.run(
@@ -91,7 +91,7 @@ def _train(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
     base = ["model.d_model=32", "model.n_layers=2", "model.seq_len=16", "data.batch_size=4",
             "data.max_chars=50000", "train.log_every=2", "train.eval_every=100", "train.sample_chars=10",
             "optim.warmup_steps=1"]  # fmt: skip
-    cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+    cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train"]
     for a in [*base, *sets]:
         cmd += ["--set", a]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.launcher import cli
+from tessera.launcher.run import cli
 
 ONE = ["parallel.dp=2"]
 
@@ -278,7 +278,7 @@ import tessera.comm  # the namespace's other packages as usual; tessera.launcher
 package = types.ModuleType("tessera.launcher")
 package.__path__ = [sys.argv[1]]
 sys.modules["tessera.launcher"] = package
-from tessera.launcher.cli import main
+from tessera.launcher.run.cli import main
 results = []
 for argv, env in json.load(sys.stdin):
     os.environ.update(env)
@@ -296,7 +296,7 @@ def test_no_refusal_imports_torch(tmp_path: Path) -> None:
     _scratch(tmp_path)
     cases = [_case(name, tmp_path) for name in CASES]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    launcher = str(Path(cli.__file__).parent)
+    launcher = str(Path(cli.__file__).parents[1])
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, launcher],
         input=json.dumps(cases),

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm.testing import run_threaded
-from tessera.launcher.auto import config_of, experts_of, job_of, layout_of, model_of
 from tessera.launcher.config import Config, MoEConfig, ParallelConfig
-from tessera.launcher.config_io import resolve_config
-from tessera.launcher.main_job import build_model
-from tessera.launcher.moe_model import ExpertLoad, moe_gpt
-from tessera.launcher.runlog import plot_metrics
+from tessera.launcher.config.auto import config_of, experts_of, job_of, layout_of, model_of
+from tessera.launcher.config.config_io import resolve_config
+from tessera.launcher.job.main_job import build_model
+from tessera.launcher.job.moe_model import ExpertLoad, moe_gpt
+from tessera.launcher.job.runlog import plot_metrics
 from tessera.models import GPT, GPTConfig
 from tessera.moe import MoE
 from tessera.planner import PRESETS, SearchResult

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.launcher.nodes import NodePlan, expand_slurm_nodelist, plan_nodes, read_hostfile
+from tessera.launcher.run.nodes import NodePlan, expand_slurm_nodelist, plan_nodes, read_hostfile
 
 
 def test_slurm_nodelists() -> None:

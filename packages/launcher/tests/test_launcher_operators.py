@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.comm.testing import WorkerPool
 from tessera.launcher import boost
-from tessera.launcher.auto import layout_of
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, ZeroConfig
+from tessera.launcher.config.auto import layout_of
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.planner.operators import OPS_EDGE, OPS_LAYER, operators
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.launcher.placement import Placement, local_part
+from tessera.launcher.checkpoint.placement import Placement, local_part
 from tessera.tensor_parallel import ShardSpec
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tessera.launcher.serial_speed import best_serial_tokens_per_s, serial_tokens_per_s
+from tessera.launcher.job.serial_speed import best_serial_tokens_per_s, serial_tokens_per_s
 
 
 class _Tiny(torch.nn.Module):

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tessera.launcher import runlog
-from tessera.launcher.runlog import TAGS, MetricsWriter
+from tessera.launcher.job import runlog
+from tessera.launcher.job.runlog import TAGS, MetricsWriter
 
 RECORDS: list[dict[str, Any]] = [
     {"step": 0, "serial_tokens_per_s": 12345.6, "threads": 2},
@@ -81,7 +81,7 @@ def test_without_tensorboard_nothing_changes_and_one_line_says_so(
     for r in RECORDS:
         plain.write(**r)
     plain.close()
-    with caplog.at_level(logging.INFO, logger="tessera.launcher.runlog"):
+    with caplog.at_level(logging.INFO, logger="tessera.launcher.job.runlog"):
         for name in ("a", "b"):
             writer = MetricsWriter(tmp_path / f"{name}.jsonl", board=tmp_path / f"board-{name}")
             for r in RECORDS:

@@ -20,14 +20,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.launcher import cli, runlog, text_tokenizers
 from tessera.launcher.config import Config
-from tessera.launcher.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
-from tessera.launcher.data_sources import source_files
-from tessera.launcher.preflight import preflight
-from tessera.launcher.prepare import ensure_prepared, open_tokens, prepare, prepared_dir
-from tessera.launcher.text_tokenizers import ByteVocab, CharVocab, HFTokenizer, from_record
-from tessera.launcher.token_data import TokenData
+from tessera.launcher.config.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
+from tessera.launcher.data import text_tokenizers
+from tessera.launcher.data.data_sources import source_files
+from tessera.launcher.data.prepare import ensure_prepared, open_tokens, prepare, prepared_dir
+from tessera.launcher.data.text_tokenizers import ByteVocab, CharVocab, HFTokenizer, from_record
+from tessera.launcher.data.token_data import TokenData
+from tessera.launcher.job import runlog
+from tessera.launcher.run import cli
+from tessera.launcher.run.preflight import preflight
 
 WORDS = ["def", "return", "self", "value", "the", "quick", "brown", "fox", "lazy", "dog", "naïve", "café"]
 TINY = [
@@ -285,7 +287,7 @@ def test_no_data_refusal_imports_torch(tmp_path: Path) -> None:
     _scratch(tmp_path)
     child = (
         "import contextlib, io, json, sys\n"
-        "from tessera.launcher.cli import main\n"
+        "from tessera.launcher.run.cli import main\n"
         "codes = []\n"
         "for argv in json.load(sys.stdin):\n"
         "    with contextlib.redirect_stderr(io.StringIO()):\n"
@@ -316,7 +318,7 @@ def test_prepare_data_reports_progress_on_stderr(tmp_path: Path, capsys: pytest.
 
 def _train_here(config: Config, run: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
     """The launcher's checks and preparation, then the main job in this process (world 1)."""
-    from tessera.launcher import main_job
+    from tessera.launcher.job import main_job
 
     assert preflight(config, main_job=True) == []
     assert ensure_prepared(config, lambda line: None) == []
@@ -418,7 +420,7 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path: Path) -> None:
     ]
 
     def train(*sets: str) -> tuple[list[float], str]:
-        cmd = [sys.executable, "-m", "tessera.launcher.cli", "train"]
+        cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "train"]
         for s in [*base, *sets]:
             cmd += ["--set", s]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

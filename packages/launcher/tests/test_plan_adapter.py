@@ -1,4 +1,4 @@
-"""The launcher's side of the planner (`tessera.launcher.auto`, `tessera plan`): every
+"""The launcher's side of the planner (`tessera.launcher.config.auto`, `tessera plan`): every
 configuration the search emits is one the launcher accepts, the winner fits, a shape the
 search refuses whole holds no configuration the launcher accepts, ``tessera plan`` writes a
 config that loads, ``parallel.auto`` runs the planner's choice, and a 1000-device search
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.launcher.auto import auto_config, config_of, job_of, layout_of, search_config, validator
-from tessera.launcher.cli import main
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig
-from tessera.launcher.config_io import resolve_config
+from tessera.launcher.config.auto import auto_config, config_of, job_of, layout_of, search_config, validator
+from tessera.launcher.config.config_io import resolve_config
+from tessera.launcher.run.cli import main
 from tessera.planner import PRESETS, load_cluster
 from tessera.planner.search import _parallel_variants, _schedules, _tp_shapes, _Validator, divisors
 
@@ -96,7 +96,7 @@ def test_the_cli_writes_a_winner_that_tessera_run_accepts(
 
 def test_plan_does_not_import_torch(tmp_path: Path) -> None:
     code = (
-        "import sys\nfrom tessera.launcher.cli import main\n"
+        "import sys\nfrom tessera.launcher.run.cli import main\n"
         "assert main(['plan', '--set', 'model.vocab_size=64', '--set', 'data.batch_size=8']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tessera.launcher.auto import auto_config, auto_launch
-from tessera.launcher.cli import main
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig
+from tessera.launcher.config.auto import auto_config, auto_launch
+from tessera.launcher.run.cli import main
 from tessera.planner import PRESETS, cluster_to_toml
 from tessera.planner.cluster import calibrated_path
 

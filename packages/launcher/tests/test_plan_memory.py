@@ -23,8 +23,8 @@ import torch
 
 from tessera.comm.testing import run_threaded
 from tessera.launcher import boost
-from tessera.launcher.auto import estimate_config, layout_of
 from tessera.launcher.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
+from tessera.launcher.config.auto import estimate_config, layout_of
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.planner import PRESETS
 from tessera.planner.estimate import one_reduction

@@ -11,9 +11,9 @@ import torch
 
 from tessera.comm import Mesh
 from tessera.comm.testing import run_threaded
-from tessera.launcher import known  # noqa: F401  (registers the GPT's model spec)
 from tessera.launcher.config import ParallelConfig
-from tessera.launcher.spec import model_spec
+from tessera.launcher.families import known  # noqa: F401  (registers the GPT's model spec)
+from tessera.launcher.families.spec import model_spec
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline.split_backward import backward_input, grad_nodes
 from tessera.planner import ModelShape, TPShape

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from tessera.comm.safefile import DTYPES, SafeFile
-from tessera.launcher.tensorfile import LazyTensors
+from tessera.launcher.checkpoint.tensorfile import LazyTensors
 
 
 def test_lazy_tensors_read_what_safetensors_wrote(tmp_path: Path) -> None:

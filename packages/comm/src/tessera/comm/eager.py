@@ -4,7 +4,7 @@ when compiled code calls it (a graph break there, the function and all it calls 
 Collectives live here: process groups, shared memory, lane threads and locks, and the
 autograd Functions around them (`tessera.comm.ops.apply_function`, the entry every package
 uses) are marked, so a compiled model breaks its graph at each collective and compiles
-what lies between (``tessera.launcher.compiling``).
+what lies between (``tessera.launcher.train.compiling``).
 """
 
 from __future__ import annotations

@@ -25,13 +25,18 @@ from tessera.launcher.config import (
     TrainConfig,
     ZeroConfig,
 )
-from tessera.launcher.config_io import ConfigError, load_config, resolve_config
+from tessera.launcher.config.config_io import ConfigError, load_config, resolve_config
 
 if TYPE_CHECKING:
-    from tessera.launcher.boost import boost
-    from tessera.launcher.deferred import deferred_parameters, init_by_name
-    from tessera.launcher.engine import Diverged, Engine, StepOutput
-    from tessera.launcher.spec import ModelSpec, model_spec, register_model_family, register_model_spec
+    from tessera.launcher.families.spec import (
+        ModelSpec,
+        model_spec,
+        register_model_family,
+        register_model_spec,
+    )
+    from tessera.launcher.train.boost import boost
+    from tessera.launcher.train.deferred import deferred_parameters, init_by_name
+    from tessera.launcher.train.engine import Diverged, Engine, StepOutput
 
 __version__ = "0.1.0"
 
@@ -62,4 +67,5 @@ __all__ = [
 ]
 
 if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as imported above
-    __getattr__, __dir__ = lazy_exports(__name__, ("boost", "deferred", "engine", "spec"))
+    _LAZY = ("train.boost", "train.deferred", "train.engine", "families.spec")
+    __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -25,7 +25,7 @@ OPS_LAYER = 24  # operators one serial layer's forward launches (norms, projecti
 OPS_EDGE = 6  # operators of the embedding or of the head and loss, serial
 
 # dispatched per layer / rest of the model, over serial (serial: 180 per layer, 97 the rest,
-# which holds the step's count of the targets that count: `tessera.launcher.objective`)
+# which holds the step's count of the targets that count: `tessera.launcher.train.objective`)
 LAYER_RATIO = {"serial": 1.0, "1d": 1.39, "1d+sp": 2.13, "2d": 4.4, "2.5d": 5.78, "3d": 8.27}
 EDGE_RATIO = {"serial": 1.0, "1d": 1.95, "1d+sp": 2.86, "2d": 4.57, "2.5d": 5.95, "3d": 6.67}
 # what context parallelism adds, in the same units (the rest has counted a few operators

@@ -1,0 +1,252 @@
+"""Checkpoints that load under another topology: each generation also holds its training
+state in full, by serial parameter name, so that a run with other dp / pp / tp / sp degrees,
+another tensor-parallel mode or another ZeRO stage resumes it exactly.
+
+``portable/pp-K.safetensors`` (one per pipeline rank, written by its dp 0 / tp 0 / sp 0 rank):
+for every parameter of the stages that rank holds, the fp32 master and each elementwise
+optimizer state tensor (``param/<name>``, ``optim.<key>/<name>``; gathered over ZeRO's group,
+then unsharded over tp by each parameter's ``ShardSpec`` and, for an expert bank, over the ep
+group: ``consolidate.full_tensor``) and each optimizer group's scalar
+state (``optim.step/group<i>``); its header holds the step, the optimizer groups'
+hyperparameters (the learning rate a schedule reached) and the fp16 loss scaler's state
+(``DynamicLossScaler.state_dict``). Loading reads every part, keeps each rank's experts of
+each expert bank and its tensor-parallel shard of each of its parameters and hands them to
+ZeRO, which keeps its own shard (``tessera.zero.portable``). The files are
+listed with their checksums in the generation's manifest like every other. Not carried
+across topologies: the RNG state (the ranks' streams differ) and module buffers (the
+reference models have none that are saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
+from tessera.launcher.checkpoint.consolidate import full_tensor
+from tessera.launcher.checkpoint.placement import Boosted
+from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
+
+__all__ = [
+    "PORTABLE",
+    "import_weights",
+    "load_portable_state",
+    "read_portable",
+    "snapshot_portable",
+    "write_portable",
+]
+
+PORTABLE = "portable"
+
+
+_PLAIN = (int, float, bool, str, tuple)  # optimizer hyperparameters the header carries
+
+
+def _part(gen: Path, pp_rank: int) -> Path:
+    return gen / PORTABLE / f"pp-{pp_rank:03d}.safetensors"
+
+
+def _portable_plan(engine: Boosted, gen: Path, step: int) -> tuple[Path, list[Entry], dict[str, str]] | None:
+    """Where this rank writes its pipeline rank's part, its entries and header (None: one of
+    the other ranks of its pipeline rank writes it)."""
+    mesh, zero = engine.mesh, engine.zero
+    if not all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
+        return None
+    entries, full = [], _namer(engine)
+    for key, shape in zero.full_state_layout():
+        name, full_shape = full(key)
+        entries.append(Entry(name, torch.float32, shape if full_shape is None else full_shape))
+    scaler = zero.scaler.state_dict() if zero.scaler is not None else None
+    groups = [
+        {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple))}
+        for g in zero.optimizer.param_groups
+    ]
+    header = {"step": step, "loss_scaler": scaler, "zero_steps": zero.steps, "param_groups": groups}
+    return _part(gen, mesh.coordinate("pp")), entries, {"tessera": json.dumps(header)}
+
+
+def _namer(engine: Boosted) -> Callable[[str], tuple[str, tuple[int, ...] | None]]:
+    """What gives the saved name of ZeRO's full-state key and its full shape (None: a scalar)."""
+    placement, zero = engine.placement, engine.zero
+    serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
+    return lambda key: _full(serial, placement.full_shapes, key)
+
+
+def _full(
+    serial: dict[str, str], shapes: Mapping[str, Sequence[int]], key: str
+) -> tuple[str, tuple[int, ...] | None]:
+    kind, _, name = key.partition("/")
+    if name.startswith("group") and name not in serial:
+        return key, None
+    return f"{kind}/{serial[name]}", tuple(shapes[serial[name]])
+
+
+def _portable_values(engine: Boosted) -> Iterator[Tensor]:
+    """The portable state's tensors in file order, full and fp32 (collective: all-gathers over
+    ZeRO's group, tp and ep; every rank consumes it to the end)."""
+    full = _namer(engine)
+    for key, value in engine.zero.iter_full_state():
+        name, full_shape = full(key)
+        if full_shape is not None:
+            value = full_tensor(engine, name.partition("/")[2], value)
+        yield value.to(torch.float32)
+
+
+def write_portable(engine: Boosted, gen: Path, step: int) -> Path | None:
+    """Write this pipeline rank's part under ``gen`` (collective over every rank: all-gathers
+    over ZeRO's group and tp; one rank per pipeline rank writes); the file this rank wrote.
+    The tensors stream into the file one at a time behind a header laid out beforehand
+    (``full_state_layout``), so no rank holds more than one flat buffer's state in full."""
+    plan = _portable_plan(engine, gen, step)
+    with contextlib.ExitStack() as stack:
+        writer = None if plan is None else stack.enter_context(StreamWriter(*plan))
+        for value in _portable_values(engine):
+            if writer is not None:
+                writer.write(tensor_bytes(value))
+        if writer is not None:
+            writer.commit()
+    return None if plan is None else plan[0]
+
+
+def snapshot_portable(engine: Boosted, gen: Path, step: int) -> tuple[Path, Callable[[], str], int] | None:
+    """``write_portable`` in halves: the gathers now (collective) into one host copy of this
+    pipeline rank's part on the rank that writes it; there, the file, what writes that copy
+    later (no collective, any thread; returns the file's hex sha256) and the bytes copied.
+    None on the other ranks."""
+    plan = _portable_plan(engine, gen, step)
+    values = [v.detach().to("cpu", copy=True) if plan is not None else None for v in _portable_values(engine)]
+    if plan is None:
+        return None
+    target, entries, metadata = plan
+    tensors = [v for v in values if v is not None]
+
+    def write() -> str:
+        with StreamWriter(target, entries, metadata) as out:
+            for t in tensors:
+                out.write(tensor_bytes(t))
+            return out.commit().hex()
+
+    return target, write, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def read_portable(gen: Path, pp: int) -> tuple[LazyTensors, dict[str, Any]]:
+    """Every part of the portable state of generation ``gen`` saved with ``pp`` pipeline
+    ranks, as one mapping read on access, and the header of the first (ValueError naming a
+    missing part)."""
+    parts = [_part(gen, k) for k in range(pp)]
+    for part in parts:
+        if not part.is_file():
+            missing = part.relative_to(gen)
+            raise ValueError(f"{gen} has no {missing}: it cannot be loaded under another topology")
+    state = LazyTensors(parts)
+    return state, json.loads(state.metadata(0)["tessera"])
+
+
+class _TPShards(Mapping[str, Tensor]):
+    """This rank's parts of the full tensors of ``state`` (its experts of an expert bank, then
+    its tensor-parallel shard), by the local names ZeRO knows, each read and cut on access
+    (ValueError naming a missing or misshapen one)."""
+
+    def __init__(self, engine: Boosted, state: Mapping[str, Tensor]) -> None:
+        self._state, self._engine = state, engine
+        kinds = sorted({k.split("/", 1)[0] for k in state if "/group" not in k})
+        self._keys: dict[str, tuple[str, str, nn.Parameter]] = {}
+        for flat in engine.zero.flats:
+            for name, param in zip(flat.names, flat.params, strict=True):
+                full_name = engine.placement.names[param]
+                for kind in ["param"] if flat.frozen else kinds:  # a frozen one has no optimizer state
+                    self._keys[f"{kind}/{name}"] = (kind, full_name, param)
+        self._scalars = {k for k in state if "/group" in k}
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key in self._scalars:
+            return self._state[key]
+        kind, full_name, param = self._keys[key]
+        if f"{kind}/{full_name}" not in self._state:
+            raise ValueError(f"the saved state lacks {kind}/{full_name}")
+        full = self._state[f"{kind}/{full_name}"]
+        mesh = self._engine.mesh
+        try:
+            return self._engine.placement.part(
+                full, full_name, mesh.coordinate("tp"), mesh.size("tp"), param.shape
+            )
+        except ValueError as exc:
+            raise ValueError(f"the saved {kind}/{exc}") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scalars or key in self._keys
+
+    def missing(self) -> list[str]:
+        """The saved tensors this rank needs that ``state`` lacks."""
+        wanted = {f"{kind}/{full_name}" for kind, full_name, _ in self._keys.values()}
+        return sorted(k for k in wanted if k not in self._state)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._keys
+        yield from self._scalars
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._scalars)
+
+
+def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: dict[str, Any]) -> None:
+    """Give this rank's ZeRO its parameters' tensor-parallel shards of ``state`` (read one
+    parameter at a time); local."""
+    zero = engine.zero
+    local = _TPShards(engine, state)
+    missing = local.missing()  # refused before anything changes
+    if missing:
+        raise ValueError(f"the saved state lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    zero.load_full_state(local, int(header.get("zero_steps", zero.steps)))
+    saved_groups = header.get("param_groups", [{} for _ in zero.optimizer.param_groups])
+    if len(saved_groups) != len(zero.optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} optimizer groups, this optimizer "
+            f"{len(zero.optimizer.param_groups)}"
+        )
+    for group, saved in zip(zero.optimizer.param_groups, saved_groups, strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    if zero.scaler is not None and header.get("loss_scaler") is not None:
+        zero.scaler.load_state_dict(header["loss_scaler"])
+    elif zero.scaler is not None and header.get("loss_scale") is not None:  # a header with the scale only
+        zero.scaler.scale = float(header["loss_scale"])
+
+
+class _AsParams(Mapping[str, Tensor]):
+    """A consolidated state dict's tensors as the portable state's ``param/<name>`` in fp32."""
+
+    def __init__(self, weights: Mapping[str, Tensor], names: set[str]) -> None:
+        self._weights, self._names = weights, names
+
+    def __getitem__(self, key: str) -> Tensor:
+        name = key.removeprefix("param/")
+        if not key.startswith("param/") or name not in self._names:
+            raise KeyError(key)
+        return self._weights[name].float()
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"param/{name}" for name in self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def import_weights(engine: Boosted, path: Path) -> None:
+    """Load a consolidated state dict (``Engine.consolidate``'s file or folder, or any
+    safetensors checkpoint of the serial model's parameters by name, e.g. a Hugging Face one,
+    sharded with its index or not: ``tensorfile.weight_files``) into this rank's shards, one
+    parameter at a time; the optimizer state starts
+    fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
+    parameter."""
+    with LazyTensors(weight_files(path)) as weights:
+        wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
+        missing = sorted(wanted - set(weights))
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
+        load_portable_state(engine, _AsParams(weights, wanted), {})

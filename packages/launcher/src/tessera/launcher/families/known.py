@@ -1,0 +1,78 @@
+"""The `ModelSpec` of every model Tessera knows: by class, the reference GPT, Hugging Face
+``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
+(their experts whole on every tp rank: ``hf_moe``), each with one plan of roles serving every
+tensor-parallel mode; by Hugging Face family (``config.model_type``), every decoder-only
+family of the pinned ``transformers`` listed in `FAMILIES`, whose roles are derived from the
+model's module tree (``derived_roles``) and whose pipeline blocks are ``hf.decoder_blocks``.
+
+They use the same contract as a user's model; ``boost()`` finds them with
+``model_spec(model)``. Registered by dotted class name or model type, so no model library is
+imported until a model of it is boosted. A family that cannot take a parallel axis says so in
+``ModelSpec.refuses``, and ``boost()`` refuses it before building anything.
+"""
+
+from __future__ import annotations
+
+from tessera.launcher.families.hf import decoder_blocks, gpt2_blocks, llama_blocks, opt_blocks
+from tessera.launcher.families.hf_moe import MIXTRAL_PLAN, QWEN2_MOE_PLAN
+from tessera.launcher.families.spec import ModelSpec, register_model_family, register_model_spec
+from tessera.tensor_parallel import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN
+
+__all__ = ["FAMILIES", "GPT2_SPEC", "LLAMA_SPEC", "MIXTRAL_SPEC", "QWEN2_MOE_SPEC", "REFERENCE_GPT_SPEC"]
+
+REFERENCE_GPT_SPEC = ModelSpec(
+    roles=GPT_PLAN,
+    attention_cores="layers.*.attn.core",
+    positions="embed.pos",
+)
+GPT2_SPEC = ModelSpec(roles=GPT2_PLAN, blocks=gpt2_blocks)
+LLAMA_SPEC = ModelSpec(roles=LLAMA_PLAN, blocks=llama_blocks)
+MIXTRAL_SPEC = ModelSpec(roles=MIXTRAL_PLAN, blocks=llama_blocks)
+QWEN2_MOE_SPEC = ModelSpec(roles=QWEN2_MOE_PLAN, blocks=llama_blocks)
+
+register_model_spec("tessera.models.gpt.GPT", REFERENCE_GPT_SPEC)
+register_model_spec("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", GPT2_SPEC)
+register_model_spec("transformers.models.llama.modeling_llama.LlamaForCausalLM", LLAMA_SPEC)
+register_model_spec("transformers.models.mixtral.modeling_mixtral.MixtralForCausalLM", MIXTRAL_SPEC)
+register_model_spec("transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM", QWEN2_MOE_SPEC)
+
+_ALIBI = (
+    "its attention biases (ALiBi) are built in the model's forward for every head and the whole sequence, "
+    "which a split of the heads, a pipeline stage and a sequence shard do not see"
+)
+
+
+# model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
+# layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
+# its serial run), and those refused an axis, with the reason.
+_ROTARY = (
+    "cohere", "falcon", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "granite",
+    "mistral", "olmo", "phi", "phi3", "qwen2", "qwen3", "stablelm", "starcoder2",
+)  # fmt: skip
+FAMILIES: dict[str, ModelSpec] = {
+    **{kind: ModelSpec(blocks=decoder_blocks) for kind in _ROTARY},
+    "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "sp": _ALIBI}),
+    "doge": ModelSpec(
+        blocks=decoder_blocks,
+        refuses={
+            "pp": "its pipeline stages do not reproduce its serial step (verify=True finds the loss 9e-4 "
+            "off at the first step, though its blocks chained in one process equal the model); not "
+            "supported until understood"
+        },
+    ),
+    "opt": ModelSpec(blocks=opt_blocks),
+    "olmo2": ModelSpec(
+        blocks=decoder_blocks,
+        refuses={
+            "tp": "its q_norm and k_norm normalize each whole projection (all heads together), which a split "
+            "of the heads over tp cannot compute"
+        },
+    ),
+}
+
+# any other HF family: the rotary decoder's blocks, which boost() checks against the model's
+# logits before partitioning (a family they do not fit is refused there, naming the block)
+FAMILIES["*"] = ModelSpec(blocks=decoder_blocks)
+
+for _kind, _spec in FAMILIES.items():
+    register_model_family(_kind, _spec)
