@@ -80,12 +80,12 @@ CASES: list[tuple[dict[str, Any], int, bool, str]] = [
     ({"dp": 2}, 3, False, "fp32"),
     ({"tp": 2}, 0, False, "fp32"),
     ({"pp": 2, "microbatches": 4}, 0, False, "fp32"),
-    ({"sp": 2}, 1, False, "fp32"),
+    ({"cp": 2}, 1, False, "fp32"),
     ({"dp": 4}, 1, False, "bf16"),
     ({"dp": 2, "tp": 2, "sequence_parallel": True}, 1, False, "fp32"),
     ({"tp": 4, "tp_mode": "2d"}, 0, False, "fp32"),
     ({"dp": 2, "pp": 2, "microbatches": 4, "schedule": "gpipe"}, 1, False, "fp32"),
-    ({"dp": 2, "sp": 2, "sp_mode": "ulysses"}, 2, False, "fp32"),
+    ({"dp": 2, "cp": 2, "cp_mode": "ulysses"}, 2, False, "fp32"),
     ({"dp": 4}, 2, True, "fp32"),
     ({"dp": 8}, 2, False, "fp32"),
     ({"dp": 2, "pp": 2, "tp": 2, "microbatches": 4}, 1, False, "fp32"),
@@ -212,7 +212,7 @@ def measure(
         p = config.parallel
         label = (
             f"dp{p.dp} pp{p.pp} tp{p.tp}/{p.tp_mode}{'+sp' if p.sequence_parallel else ''} "
-            f"cp{p.sp}/{p.sp_mode} {p.schedule} m{p.microbatches} z{config.zero.stage}"
+            f"cp{p.cp}/{p.cp_mode} {p.schedule} m{p.microbatches} z{config.zero.stage}"
             f"{'+off' if config.zero.offload else ''} {config.train.precision}"
         )
         record = {

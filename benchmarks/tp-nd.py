@@ -1,7 +1,7 @@
 """1D, 2D, 2.5D and 3D tensor parallelism side by side on gloo ranks: the reference GPT under
 ``GPT_PLAN`` (1D, Megatron), ``GPT_2D_PLAN`` (SUMMA), ``GPT_2P5D_PLAN`` (Tesseract) and
 ``GPT_3D_PLAN``, each through ``parallelize(model, plan=..., mesh=Mesh(Topology(tp=...,
-tp_mode=..., depth=...)))``, in one run:
+tp_mode=..., tp_depth=...)))``, in one run:
 
 - P=4 (a ``WorkerPool(4)``): 1D tp=4 and 2D q=2;
 - P=8 (a ``WorkerPool(8)``): 1D tp=8, 2.5D q=2 d=2 and 3D q=2.
@@ -36,7 +36,7 @@ Per mode:
 - ``activation_bytes``: peak activation bytes per rank: storage bytes of the tensors
   autograd saves for backward during one forward (a ``saved_tensors_hooks`` pack hook,
   parameters excluded, each storage once by ``tessera.comm.storage_bytes``), the largest over
-  ranks, as in ``benchmarks/sp.py``; op-internal transients are not counted. Beside it
+  ranks, as in ``benchmarks/cp.py``; op-internal transients are not counted. Beside it
   ``formula_activation_bytes``, the tensor_parallel README's activation formula of the mode
   (``activation_bytes_1d`` / ``_2d`` / ``_2p5d`` / ``_3d``: L blocks plus the embedding and
   head), and ``activation_vs_formula`` = measured / formula (1.0: exact).
@@ -111,7 +111,7 @@ class Trainer:
 
     def __init__(self, cfg: GPTConfig, batch: int, mode: Mode, lr: float) -> None:
         self.cfg, self.batch, self.mode = cfg, batch, mode
-        self.mesh = Mesh(Topology(tp=mode.world, tp_mode=TPMode(mode.name), depth=mode.depth))
+        self.mesh = Mesh(Topology(tp=mode.world, tp_mode=TPMode(mode.name), tp_depth=mode.depth))
         self.model = parallelize(GPT(cfg, seed=0), plan=gpt_plan(self.mesh), mesh=self.mesh)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
 

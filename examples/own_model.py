@@ -2,7 +2,7 @@
 
     tessera run --nproc-per-node 2 --set parallel.tp=2 examples/own_model.py
     tessera run --nproc-per-node 4 --set parallel.dp=2 --set parallel.pp=2 examples/own_model.py
-    tessera run --nproc-per-node 2 --set parallel.sp=2 examples/own_model.py --steps 20
+    tessera run --nproc-per-node 2 --set parallel.cp=2 examples/own_model.py --steps 20
 
 The model below is plain PyTorch with its own names (``embed``, ``layers``, ``mix``,
 ``mlp``, ``lm_head``). ``boost`` reads the degrees from the configuration that ``tessera

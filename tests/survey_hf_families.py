@@ -1,5 +1,5 @@
 """A survey, not a test: every causal-LM family of the installed ``transformers`` through
-``boost()`` with no plan written, at tp2, pp2 (1F1B), ring (sp2), dp2 and GPipe, against its
+``boost()`` with no plan written, at tp2, pp2 (1F1B), ring (cp2), dp2 and GPipe, against its
 serial run. Prints one JSON line per family: ``ok``, ``refused: <first line>`` (a clear error
 before or at the first step), ``WRONG`` (trained, but not as serially: the worst case), or
 why the family could not be built at a tiny size.
@@ -39,7 +39,7 @@ COMMON = {
 MODES = {
     "tp2": (ParallelConfig(tp=2), 0),
     "pp2": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
-    "ring": (ParallelConfig(sp=2), 1),
+    "ring": (ParallelConfig(cp=2), 1),
     "dp2": (ParallelConfig(dp=2), 1),
     "gpipe": (ParallelConfig(pp=2, microbatches=2, schedule="gpipe"), 1),
 }

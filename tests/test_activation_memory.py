@@ -94,6 +94,6 @@ def test_the_settings_are_checked() -> None:
     ]
     keep = TrainConfig(activation_checkpointing=True, recompute_policy="save-matmuls")
     assert BoostConfig(parallel=ParallelConfig(tp=2), train=keep).validate() == [
-        "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that reduces "
+        "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and cp = 1: a collective that reduces "
         "a product in place would change the product it keeps"
     ]

@@ -146,12 +146,12 @@ CASES = [
     # ZeRO-2/3 with Megatron sequence parallelism (norm gradients summed over tp first)
     (ParallelConfig(dp=2, tp=2, sequence_parallel=True, microbatches=2), 3, "sgd"),
     (ParallelConfig(dp=2, tp=2, sequence_parallel=True, microbatches=2), 2, "adamw"),
-    # context parallelism: ring (zigzag) and Ulysses, with dp, tp, pp and ZeRO over dp x sp
-    (ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1), 0, "sgd"),
-    (ParallelConfig(dp=2, sp=2, sp_mode="ulysses", microbatches=2), 1, "sgd"),
-    (ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=2), 3, "sgd"),
-    (ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b"), 1, "adamw"),
-    (ParallelConfig(tp=2, sequence_parallel=True, sp=2, microbatches=2), 1, "sgd"),
+    # context parallelism: ring (zigzag) and Ulysses, with dp, tp, pp and ZeRO over dp x cp
+    (ParallelConfig(cp=2, cp_layout="zigzag", microbatches=1), 0, "sgd"),
+    (ParallelConfig(dp=2, cp=2, cp_mode="ulysses", microbatches=2), 1, "sgd"),
+    (ParallelConfig(tp=2, cp=2, cp_layout="zigzag", microbatches=2), 3, "sgd"),
+    (ParallelConfig(pp=2, cp=2, microbatches=2, schedule="1f1b"), 1, "adamw"),
+    (ParallelConfig(tp=2, sequence_parallel=True, cp=2, microbatches=2), 1, "sgd"),
     # 2D tensor parallelism (q = 2), alone, with dp and with pp
     (ParallelConfig(tp=4, tp_mode="2d", microbatches=2), 0, "sgd"),
     (ParallelConfig(dp=2, tp=4, tp_mode="2d", microbatches=1), 1, "sgd"),
@@ -166,7 +166,7 @@ def _case_id(c: Any) -> str:
     if isinstance(c, ParallelConfig):
         megatron_sp = "-msp" if c.sequence_parallel else ""
         mode = f"-{c.tp_mode}" + (f"x{c.tp_depth}" if c.tp_depth > 1 else "") if c.tp_mode != "1d" else ""
-        context = f"-sp{c.sp}-{c.sp_mode}-{c.sp_layout}" if c.sp > 1 else ""
+        context = f"-cp{c.cp}-{c.cp_mode}-{c.cp_layout}" if c.cp > 1 else ""
         return f"dp{c.dp}-pp{c.pp}-tp{c.tp}{mode}{megatron_sp}{context}-{c.schedule}"
     return f"zero{c}" if isinstance(c, int) else str(c)
 
@@ -190,13 +190,13 @@ def test_dp_pp_tp_with_zero_on_eight_ranks(worker_pools: PoolFactory) -> None:
 @pytest.mark.parametrize(
     "parallel",
     [
-        ParallelConfig(sp=2, sp_layout="zigzag", microbatches=1),
-        ParallelConfig(sp=4, sp_mode="ulysses", microbatches=1),
-        ParallelConfig(dp=2, sp=2, microbatches=1),
-        ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=1),
-        ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b"),
+        ParallelConfig(cp=2, cp_layout="zigzag", microbatches=1),
+        ParallelConfig(cp=4, cp_mode="ulysses", microbatches=1),
+        ParallelConfig(dp=2, cp=2, microbatches=1),
+        ParallelConfig(tp=2, cp=2, cp_layout="zigzag", microbatches=1),
+        ParallelConfig(pp=2, cp=2, microbatches=2, schedule="1f1b"),
     ],
-    ids=["sp2-ring-zigzag", "sp4-ulysses", "dp2-sp2-ring", "tp2-sp2-ring-zigzag", "pp2-sp2-ring"],
+    ids=["cp2-ring-zigzag", "cp4-ulysses", "dp2-sp2-ring", "tp2-sp2-ring-zigzag", "pp2-sp2-ring"],
 )
 def test_context_parallelism_follows_twenty_serial_steps(
     worker_pools: PoolFactory, parallel: ParallelConfig
@@ -412,7 +412,7 @@ def test_activation_checkpointing_replays_the_dropout_masks(worker_pools: PoolFa
 
 
 # ---------------------------------------------------------------------------- any composition
-# Hypothesis draws dp, pp, tp (1D, with or without Megatron SP), sp (ring or Ulysses), the
+# Hypothesis draws dp, pp, tp (1D, with or without Megatron SP), cp (ring or Ulysses), the
 # ZeRO stage, the pipeline schedule and the precision; whatever the config accepts trains
 # four SGD steps on the worker pool. fp32 cases are held to this module's bounds against the
 # serial GPT. bf16 cases are held against one rank in bf16 with the same microbatches: losses
@@ -423,16 +423,16 @@ SCHEDULES = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "interleaved-1f1b": 2}
 
 @st.composite
 def compositions(draw: st.DrawFn) -> Config:
-    dp, pp, tp, sp = (draw(st.sampled_from([1, 2])) for _ in range(4))
-    assume(dp * pp * tp * sp <= 8)
+    dp, pp, tp, cp = (draw(st.sampled_from([1, 2])) for _ in range(4))
+    assume(dp * pp * tp * cp <= 8)
     schedule = draw(st.sampled_from(sorted(SCHEDULES))) if pp > 1 else "1f1b"
     parallel = ParallelConfig(
         dp=dp,
         pp=pp,
         tp=tp,
-        sp=sp,
+        cp=cp,
         sequence_parallel=tp > 1 and draw(st.booleans()),
-        sp_mode=draw(st.sampled_from(["ring", "ulysses"])),
+        cp_mode=draw(st.sampled_from(["ring", "ulysses"])),
         schedule=schedule,
         virtual_stages=SCHEDULES[schedule] if pp > 1 else 1,
         microbatches=draw(st.sampled_from([1, 2, 4])),

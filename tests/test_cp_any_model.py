@@ -3,11 +3,11 @@
 ``Llamaish`` (written outside Tessera: GQA with 2 of 4 KV heads, a rotary module inside each
 attention, ``F.scaled_dot_product_attention`` inline) goes through ``boost()`` with a
 ``ModelSpec`` that names no attention cores and no positions: its SDPA calls are routed to
-ring attention and its rotary modules (found by class) follow the zigzag shards. At sp2 x
-tp2 (sp=2 alone is one of ``test_every_mode``'s modes; a 1D plan of roles; each tp rank
+ring attention and its rotary modules (found by class) follow the zigzag shards. At cp2 x
+tp2 (cp=2 alone is one of ``test_every_mode``'s modes; a 1D plan of roles; each tp rank
 routes its 2 query heads and 1 KV head) it
 trains 3 SGD steps (momentum); so does Hugging Face Llama (its built-in spec, which names
-none either) at sp=2 under Ulysses and at pp2 x sp2 (its pipeline blocks call the rotary
+none either) at cp=2 under Ulysses and at pp2 x cp2 (its pipeline blocks call the rotary
 module with local positions, which follow the shards as in its own forward). Each run is
 compared with the same model trained serially (plain PyTorch: forward, mean cross-entropy,
 backward, SGD). Bounds as ``test_user_models``: losses
@@ -18,8 +18,8 @@ package's ``test_cp_route_gloo``).
 
 Each of those runs passes context parallelism's sequence-split probe first (no false alarm).
 ``InlineRope``, Llama-style but computing its rotary angles inline from ``torch.arange`` of the
-length its attention is handed, would train silently wrong at sp=2; boost() refuses it on every
-rank before training, at sp=2 and at dp2 x sp2 with ZeRO-3, naming its attention.
+length its attention is handed, would train silently wrong at cp=2; boost() refuses it on every
+rank before training, at cp=2 and at dp2 x cp2 with ZeRO-3, naming its attention.
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ def _parallel(rank: int, name: str, config: Config) -> tuple[list[float], dict[s
 @pytest.mark.parametrize(
     ("name", "parallel"),
     [
-        ("llamaish", ParallelConfig(tp=2, sp=2, sp_layout="zigzag", microbatches=1)),
-        ("hf-llama", ParallelConfig(sp=2, sp_mode="ulysses", microbatches=1)),
-        ("hf-llama", ParallelConfig(pp=2, sp=2, microbatches=2, schedule="1f1b")),
+        ("llamaish", ParallelConfig(tp=2, cp=2, cp_layout="zigzag", microbatches=1)),
+        ("hf-llama", ParallelConfig(cp=2, cp_mode="ulysses", microbatches=1)),
+        ("hf-llama", ParallelConfig(pp=2, cp=2, microbatches=2, schedule="1f1b")),
     ],
     ids=[
         "llamaish-sp2-tp2-ring-zigzag",
@@ -219,8 +219,8 @@ def _refused(rank: int, config: Config) -> str:
 
 @pytest.mark.parametrize(
     ("parallel", "stage"),
-    [(ParallelConfig(sp=2, microbatches=1), 0), (ParallelConfig(dp=2, sp=2, microbatches=1), 3)],
-    ids=["sp2-ring", "dp2-sp2-ring-zero3"],
+    [(ParallelConfig(cp=2, microbatches=1), 0), (ParallelConfig(dp=2, cp=2, microbatches=1), 3)],
+    ids=["cp2-ring", "dp2-sp2-ring-zero3"],
 )
 def test_positions_from_the_local_length_are_refused_before_training(
     worker_pools: PoolFactory, parallel: ParallelConfig, stage: int

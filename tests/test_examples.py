@@ -39,8 +39,8 @@ def _losses(out: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize(
     "degrees",
-    [["--set", "parallel.tp=2"], ["--set", "parallel.sp=2"], ["--set", "parallel.pp=2"]],
-    ids=["tp2", "sp2", "pp2"],
+    [["--set", "parallel.tp=2"], ["--set", "parallel.cp=2"], ["--set", "parallel.pp=2"]],
+    ids=["tp2", "cp2", "pp2"],
 )
 def test_own_model(tmp_path: Path, degrees: list[str]) -> None:
     out = _run(_tessera(2, *degrees, str(EXAMPLES / "own_model.py"), "--steps", "12"), tmp_path)

@@ -26,7 +26,7 @@ from gpu.ranks import RankError, run_ranks  # noqa: E402
 NEEDS_CUDA = {"mode:dp2-zero3-device-tier", "mode:nccl-zero1"}
 RUN_ON_CPU = (
     "cp-kernels", "mfu", "collective:reduce_scatter", "collective:ring_shift", "mode:dp2-zero3",
-    "mode:tp2-sp", "mode:2d", "mode:2.5d", "mode:3d", "mode:sp2-ring", "mode:sp2-ulysses",
+    "mode:tp2-sp", "mode:2d", "mode:2.5d", "mode:3d", "mode:cp2-ring", "mode:cp2-ulysses",
     "mode:pp2-1f1b", "mode:dp2-zero3-offload", "overlap:dp2-zero3", "overlap:tp2-sp",
 )  # fmt: skip
 

@@ -14,7 +14,7 @@ embedding by 5.1e-3, Mistral's pipeline without its sliding window moved ``v_pro
 Mistral, Phi3, Gemma2 and Gemma3 have sliding windows shorter than the sequence (8 of 16),
 so a pipeline stage that rebuilt a plain causal mask would differ, and so would ring or
 Ulysses attention that applied the window to each rank's chunk alone. Modes: tp2, tp2 + SP,
-pp2 (1F1B, 2 microbatches), dp2 ZeRO-3 and ring attention (sp2) for every family; dp2 x tp2
+pp2 (1F1B, 2 microbatches), dp2 ZeRO-3 and ring attention (cp2) for every family; dp2 x tp2
 for a few, Ulysses (zigzag) for the windows.
 """
 
@@ -153,8 +153,8 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
     "tp2-sp": (ParallelConfig(tp=2, sequence_parallel=True), 0),
     "pp2": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
     "dp2-zero3": (ParallelConfig(dp=2), 3),
-    "ring": (ParallelConfig(sp=2), 1),
-    "ulysses": (ParallelConfig(sp=2, sp_mode="ulysses", sp_layout="zigzag"), 1),
+    "ring": (ParallelConfig(cp=2), 1),
+    "ulysses": (ParallelConfig(cp=2, cp_mode="ulysses", cp_layout="zigzag"), 1),
     "dp2-tp2": (ParallelConfig(dp=2, tp=2), 1),
     "2d": (ParallelConfig(tp=4, tp_mode="2d"), 0),
 }
@@ -176,7 +176,7 @@ REFUSED = {
 
 def _axes(parallel: ParallelConfig) -> list[str]:
     used = {"tp": parallel.tp > 1, "sequence_parallel": parallel.sequence_parallel, "pp": parallel.pp > 1}
-    return [axis for axis, on in {**used, "sp": parallel.sp > 1}.items() if on]
+    return [axis for axis, on in {**used, "cp": parallel.cp > 1}.items() if on]
 
 
 def run_family(pools: PoolFactory, name: str, mode: str) -> None:
@@ -221,7 +221,7 @@ def test_a_mode_a_family_cannot_take_is_refused_in_one_line(name: str, mode: str
 def test_boost_refuses_before_building_anything(worker_pools: PoolFactory) -> None:
     """The refusal comes from boost() itself, before any group or conversion (no rank hangs)."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM \(gemma2\) cannot take sp: .*soft-capped"):
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM \(gemma2\) cannot take cp: .*soft-capped"):
         run_family(worker_pools, "gemma2", "ring")
 
 

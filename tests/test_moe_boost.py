@@ -389,8 +389,8 @@ def test_bad_expert_degrees_are_refused_naming_them() -> None:
         "parallel.ep=3 must divide parallel.dp=4" in line
         for line in config(ParallelConfig(dp=4, ep=3), 0).validate()
     )
-    sp = config(ParallelConfig(dp=2, ep=2, sp=2), 0).validate()
-    assert sp == ["parallel.ep=2 with parallel.sp=2 (context parallelism) is not built"], sp
+    cp = config(ParallelConfig(dp=2, ep=2, cp=2), 0).validate()
+    assert cp == ["parallel.ep=2 with parallel.cp=2 (context parallelism) is not built"], cp
     grid = config(ParallelConfig(dp=2, ep=2, tp=4, tp_mode="2d"), 0).validate()
     assert grid == ["parallel.ep=2 with tp_mode 2d is not built: its grid splits the tokens"], grid
     megatron = config(ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True), 0).validate()

@@ -28,8 +28,8 @@ from tessera.launcher.train.verify import Verifier, compare_gradients, tolerance
 from tessera.models import GPT, GPTConfig
 from tessera.models.foreign import ForeignConfig, Llamaish
 from tessera.tensor_parallel import Plan, Style
+from tessera.tensor_parallel.layer_styles import Colwise
 from tessera.tensor_parallel.style import ApplyContext, register_style
-from tessera.tensor_parallel.styles import Colwise
 
 SEQ, BATCH = 16, 8
 BROKEN = "colwise_half_grad"
@@ -183,8 +183,8 @@ def _train_gpt(rank: int, parallel: ParallelConfig) -> list[str]:
 
 GPT_MODES = {
     "2d-tp4": ParallelConfig(tp=4, tp_mode="2d"),
-    "ring-zigzag-sp2": ParallelConfig(sp=2, sp_mode="ring", sp_layout="zigzag"),
-    "ulysses-sp2": ParallelConfig(sp=2, sp_mode="ulysses"),
+    "ring-zigzag-sp2": ParallelConfig(cp=2, cp_mode="ring", cp_layout="zigzag"),
+    "ulysses-sp2": ParallelConfig(cp=2, cp_mode="ulysses"),
 }
 
 
@@ -192,7 +192,7 @@ GPT_MODES = {
 def test_verify_passes_the_reference_gpt_in_other_modes(
     worker_pools: PoolFactory, parallel: ParallelConfig
 ) -> None:
-    for lines in worker_pools(parallel.tp * parallel.sp).run(_train_gpt, parallel, timeout=180):
+    for lines in worker_pools(parallel.tp * parallel.cp).run(_train_gpt, parallel, timeout=180):
         assert len(lines) == 1 and "equals the serial one" in lines[0]
 
 

@@ -79,8 +79,8 @@ MODES: dict[str, tuple[ParallelConfig, ZeroConfig, bool]] = {
     "2d": (P(tp=4, tp_mode=TPMode.TWO_D), Z(), False),
     "2.5d": (P(tp=8, tp_mode=TPMode.TWO_P5_D, tp_depth=2, microbatches=1), Z(), False),
     "3d": (P(tp=8, tp_mode=TPMode.THREE_D, microbatches=1), Z(), False),
-    "sp2-ring": (P(sp=2, sp_layout=Layout.ZIGZAG), Z(), False),
-    "sp2-ulysses": (P(sp=2, sp_mode=Mode.ULYSSES), Z(), False),
+    "cp2-ring": (P(cp=2, cp_layout=Layout.ZIGZAG), Z(), False),
+    "cp2-ulysses": (P(cp=2, cp_mode=Mode.ULYSSES), Z(), False),
     "pp2-1f1b": (P(pp=2, microbatches=2, schedule="1f1b"), Z(), False),
     "dp2-zero3-offload": (P(dp=2), Z(stage=3, offload=True), False),  # host buffers pinned on CUDA
     # the chunk manager's device tier (only on an accelerator): a budget for about half of each
@@ -90,7 +90,7 @@ MODES: dict[str, tuple[ParallelConfig, ZeroConfig, bool]] = {
 }
 
 
-P2P_MODES = ("pp2-1f1b", "sp2-ring")  # their messages are point-to-point (gloo: CPU tensors only?)
+P2P_MODES = ("pp2-1f1b", "cp2-ring")  # their messages are point-to-point (gloo: CPU tensors only?)
 
 
 def model_of(s: Sizes, device: str) -> nn.Module:

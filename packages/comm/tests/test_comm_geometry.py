@@ -107,7 +107,7 @@ def test_impossible_grids_name_the_numbers(mode: str, tp: int, depth: int, messa
 @given(mode=st.sampled_from(TPMode), q=st.integers(1, 4), depth=st.integers(1, 3))
 def test_the_grid_agrees_with_the_topology_groups(mode: TPMode, q: int, depth: int) -> None:
     grid = _valid(mode, q, depth)
-    topo = Topology(tp=grid.tp, tp_mode=mode, depth=grid.depth)
+    topo = Topology(tp=grid.tp, tp_mode=mode, tp_depth=grid.depth)
     assert topo.grid == grid
     line = grid.line_axis()
     assert line in topo.axes

@@ -101,7 +101,7 @@ def _mesh_groups(rank: int, kwargs: dict[str, object]) -> dict[str, object]:
         {"dp": 2, "tp": 2},
         {"pp": 2, "tp": 2},
         {"tp": 4, "tp_mode": "2d"},
-        {"dp": 2, "sp": 2},
+        {"dp": 2, "cp": 2},
         {"dp": 4, "ep": 2},
     ],
 )
@@ -197,7 +197,7 @@ def _mesh_then_close(rank: int, kwargs: dict[str, object]) -> tuple[int, int, in
     return before, built, _live_groups(rank)
 
 
-@pytest.mark.parametrize("kwargs", [{"dp": 2, "tp": 2}, {"pp": 2, "sp": 2}, {"tp": 4, "tp_mode": "2d"}])
+@pytest.mark.parametrize("kwargs", [{"dp": 2, "tp": 2}, {"pp": 2, "cp": 2}, {"tp": 4, "tp_mode": "2d"}])
 def test_closing_a_mesh_releases_every_group_it_made(
     worker_pools: PoolFactory, kwargs: dict[str, object]
 ) -> None:

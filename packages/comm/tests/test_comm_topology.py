@@ -25,8 +25,8 @@ def topologies(draw: st.DrawFn) -> Topology:
     budget = 4096 // tp
     dp = draw(st.integers(1, max(1, min(16, budget))))
     pp = draw(st.integers(1, max(1, min(8, budget // dp))))
-    sp = draw(st.integers(1, max(1, min(4, budget // (dp * pp)))))
-    return Topology(dp=dp, pp=pp, tp=tp, sp=sp, tp_mode=mode, depth=depth)
+    cp = draw(st.integers(1, max(1, min(4, budget // (dp * pp)))))
+    return Topology(dp=dp, pp=pp, tp=tp, cp=cp, tp_mode=mode, tp_depth=depth)
 
 
 @settings(max_examples=150)
@@ -46,7 +46,7 @@ def test_groups_partition_the_world(t: Topology) -> None:
 def test_coordinates_round_trip(t: Topology, data: st.DataObject) -> None:
     rank = data.draw(st.integers(0, t.world_size - 1))
     coords = t.coordinates(rank)
-    main = {a: coords[Axis(a)] for a in ("pp", "dp", "sp", "tp")}
+    main = {a: coords[Axis(a)] for a in ("pp", "dp", "cp", "tp")}
     assert t.rank(main) == rank
     for axis in t.axes:
         group = t.group_of(rank, axis)
@@ -86,7 +86,7 @@ def test_2d_rows_and_columns() -> None:
 
 
 def test_2p5d_and_3d_axes() -> None:
-    t = Topology(tp=8, tp_mode="2.5d", depth=2)
+    t = Topology(tp=8, tp_mode="2.5d", tp_depth=2)
     assert t.groups("tp_dep") == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert t.groups("tp_row")[0] == (0, 1)
     c = Topology(tp=8, tp_mode="3d")
@@ -100,9 +100,12 @@ def test_2p5d_and_3d_axes() -> None:
     [
         ({"tp": 6, "tp_mode": "2d"}, "tp=6 is not"),
         ({"tp": 9, "tp_mode": "3d"}, "tp=9 is not"),
-        ({"tp": 12, "tp_mode": "2.5d", "depth": 2}, "tp=12 is not q*q*depth: tp/depth = 6 is not a square"),
-        ({"tp": 8, "tp_mode": "2.5d", "depth": 3}, "tp=8 is not q*q*depth: depth=3 does not divide it"),
-        ({"tp": 4, "depth": 2}, "depth=2"),
+        (
+            {"tp": 12, "tp_mode": "2.5d", "tp_depth": 2},
+            "tp=12 is not q*q*depth: tp/depth = 6 is not a square",
+        ),
+        ({"tp": 8, "tp_mode": "2.5d", "tp_depth": 3}, "tp=8 is not q*q*depth: depth=3 does not divide it"),
+        ({"tp": 4, "tp_depth": 2}, "depth=2"),
         ({"dp": 0}, "dp must be a positive integer, got 0"),
         ({"tp_mode": "4d"}, "'4d'"),
     ],
@@ -115,7 +118,7 @@ def test_impossible_topologies_name_the_numbers(kwargs: dict[str, object], messa
 def test_world_size_check_and_bad_axes() -> None:
     t = Topology(dp=2, tp=2)
     t.check_world_size(4)
-    with pytest.raises(ValueError, match="world size 6 != pp\\*dp\\*sp\\*tp = 1\\*2\\*1\\*2 = 4"):
+    with pytest.raises(ValueError, match="world size 6 != pp\\*dp\\*cp\\*tp = 1\\*2\\*1\\*2 = 4"):
         t.check_world_size(6)
     with pytest.raises(ValueError, match="tp_row"):
         t.groups("tp_row")
@@ -129,8 +132,8 @@ def expert_topologies(draw: st.DrawFn) -> Topology:
     dp = ep * draw(st.integers(1, 4))
     tp = draw(st.sampled_from([1, 2, 4]))
     pp = draw(st.integers(1, 3))
-    sp = draw(st.integers(1, 2))
-    return Topology(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+    cp = draw(st.integers(1, 2))
+    return Topology(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
 
 
 @settings(max_examples=150)
@@ -154,7 +157,7 @@ def test_expert_groups_subdivide_the_data_parallel_group(t: Topology, data: st.D
     assert set(t.group_of(rank, ["ep", "edp"])) == set(dp_group)
     # the other coordinates stay fixed along both
     for peer in (*ep_group, *edp_group):
-        for axis in ("pp", "sp", "tp"):
+        for axis in ("pp", "cp", "tp"):
             assert t.coordinate(peer, axis) == t.coordinate(rank, axis), (peer, axis)
 
 
@@ -163,7 +166,7 @@ def test_expert_groups_by_hand() -> None:
     assert t.groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
     assert t.groups("ep") == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert t.groups("edp") == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert t.describe() == "pp=1 dp=4 ep=2 sp=1 tp=2 (1d)"
+    assert t.describe() == "pp=1 dp=4 ep=2 cp=1 tp=2 (1d)"
 
 
 def test_expert_degree_is_validated() -> None:

@@ -61,13 +61,13 @@ def test_checkpoints_compare_across_the_core_and_the_main_job_config() -> None:
 
 
 def test_the_sequence_must_cut_into_the_context_chunks() -> None:
-    """``model.seq_len`` against comm's ``sequence_chunks``: zigzag over sp=2 is 4 chunks, and
+    """``model.seq_len`` against comm's ``sequence_chunks``: zigzag over cp=2 is 4 chunks, and
     Megatron SP at tp=2 doubles them; the core does not know the sequence."""
-    zigzag = ParallelConfig(sp=2, sp_layout="zigzag")  # type: ignore[arg-type]
+    zigzag = ParallelConfig(cp=2, cp_layout="zigzag")  # type: ignore[arg-type]
     config = Config(parallel=zigzag, model=ModelConfig(seq_len=6))
-    assert config.validate() == ["model.seq_len=6 does not split into 4 equal chunks (sp=2, layout zigzag)"]
+    assert config.validate() == ["model.seq_len=6 does not split into 4 equal chunks (cp=2, layout zigzag)"]
     assert Config(parallel=zigzag, model=ModelConfig(seq_len=8)).validate() == []
-    both = ParallelConfig(sp=2, tp=2, sequence_parallel=True)
-    line = "model.seq_len=6 does not split into 4 equal chunks (sp=2, layout contiguous, times tp for"
+    both = ParallelConfig(cp=2, tp=2, sequence_parallel=True)
+    line = "model.seq_len=6 does not split into 4 equal chunks (cp=2, layout contiguous, times tp for"
     assert any(e.startswith(line) for e in Config(parallel=both, model=ModelConfig(seq_len=6)).validate())
     assert BoostConfig.validate(config) == []

@@ -60,8 +60,8 @@ def test_each_choice_is_the_enum_of_the_package_that_owns_it() -> None:
     owners = {(s, n): e for s, n, e in CHOICES}
     assert owners == {
         ("parallel", "tp_mode"): TPMode,
-        ("parallel", "sp_mode"): Mode,
-        ("parallel", "sp_layout"): Layout,
+        ("parallel", "cp_mode"): Mode,
+        ("parallel", "cp_layout"): Layout,
         ("zero", "policy"): Policy,
         ("optim", "name"): OptimName,
         ("train", "precision"): Precision,
@@ -80,8 +80,8 @@ def _valid(section: str, name: str, value: StrEnum) -> Config:
     }
     needs: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
         ("parallel", "tp_mode"): {"parallel": grid, "data": {"batch_size": 64}},
-        ("parallel", "sp_mode"): {"parallel": {"sp": 2}},
-        ("parallel", "sp_layout"): {"parallel": {"sp": 2}},
+        ("parallel", "cp_mode"): {"parallel": {"cp": 2}},
+        ("parallel", "cp_layout"): {"parallel": {"cp": 2}},
         ("zero", "policy"): {"zero": {"host_budget_mb": 64.0}},
         ("train", "recompute_policy"): {"train": {"activation_checkpointing": True}},
     }
@@ -151,9 +151,9 @@ def test_a_toml_choice_of_another_type_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_name_given_in_python_becomes_the_member() -> None:
-    parallel = ParallelConfig(tp=4, tp_mode="2d", sp_mode="ulysses", sp_layout="zigzag")  # type: ignore[arg-type]
-    assert parallel.tp_mode is TPMode.TWO_D and parallel.sp_mode is Mode.ULYSSES
-    assert parallel.sp_layout is Layout.ZIGZAG
+    parallel = ParallelConfig(tp=4, tp_mode="2d", cp_mode="ulysses", cp_layout="zigzag")  # type: ignore[arg-type]
+    assert parallel.tp_mode is TPMode.TWO_D and parallel.cp_mode is Mode.ULYSSES
+    assert parallel.cp_layout is Layout.ZIGZAG
     assert LoggingConfig(level="WARNING").level is LogLevel.WARNING  # type: ignore[arg-type]
     assert ChunkConfig(host_budget_mb=1.0, policy="auto").policy is Policy.AUTO  # type: ignore[arg-type]
     assert ParallelConfig(tp_mode="4d").tp_mode == "4d"  # type: ignore[arg-type]  # left for validate

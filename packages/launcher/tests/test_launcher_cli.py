@@ -92,7 +92,7 @@ def test_a_config_mistake_exits_2_before_anything_spawns(job: Path) -> None:
     proc = _tessera("run", "--nproc-per-node", "3", "--set", "parallel.dp=2", "job.py", cwd=job)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "--nproc-per-node 3 x 1 node(s): world size 3 != pp*dp*sp*tp = 1*2*1*1 = 2" in out
+    assert "--nproc-per-node 3 x 1 node(s): world size 3 != pp*dp*cp*tp = 1*2*1*1 = 2" in out
 
 
 def test_dry_run_prints_commands_and_rank_table(job: Path) -> None:
@@ -100,7 +100,7 @@ def test_dry_run_prints_commands_and_rank_table(job: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "torch.distributed.run --nproc-per-node=4" in out
-    assert "rank  node  local  pp  dp  sp  tp" in out
+    assert "rank  node  local  pp  dp  cp  tp" in out
     assert out.strip().splitlines()[-1].split() == ["3", "0", "3", "0", "1", "0", "1"]
 
 

@@ -92,7 +92,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ),
         (["zero.stage=4"], "zero.stage=4 must be 0, 1, 2 or 3"),
         (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
-        (["parallel.sp=2", "parallel.sp_mode=tree"], "parallel.sp_mode='tree' is not one of ring, ulysses"),
+        (["parallel.cp=2", "parallel.cp_mode=tree"], "parallel.cp_mode='tree' is not one of ring, ulysses"),
         (["train.steps=ten"], "--set: train.steps='ten' is not a valid int"),
         (["parallel.sequence_parallel=maybe"], "is not a boolean"),
         (["train.stepz=1"], "--set: unknown field train.stepz"),

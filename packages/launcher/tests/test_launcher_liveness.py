@@ -56,7 +56,7 @@ def test_an_elastic_plan_and_its_rendezvous_per_attempt() -> None:
 def test_data_parallelism_takes_the_processes_a_smaller_world_has() -> None:
     config = Config(parallel=ParallelConfig(dp=4, tp=2))
     assert at_world(config, 4).parallel.dp == 2 and at_world(config, 4).parallel.tp == 2
-    with pytest.raises(ValueError, match="3 processes do not split into replicas of tp \\* pp \\* sp = 2"):
+    with pytest.raises(ValueError, match="3 processes do not split into replicas of tp \\* pp \\* cp = 2"):
         at_world(config, 3)
     lines = elastic_problems(config, [8, 4, 3], main_job=False)
     assert len(lines) == 1 and lines[0].startswith("at 3 processes:"), lines

@@ -37,7 +37,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "nproc != world": (
         ["run", "--nproc-per-node", "3", "--set", *ONE, "job.py"],
         {},
-        ["--nproc-per-node 3", "pp*dp*sp*tp = 1*2*1*1 = 2"],
+        ["--nproc-per-node 3", "pp*dp*cp*tp = 1*2*1*1 = 2"],
     ),
     "nnodes 0": (["run", "--nnodes", "0", "job.py"], {}, ["--nnodes", "got 0"]),
     "nnodes 2 no endpoint": (["run", "--nnodes", "2", "job.py"], {}, ["--nnodes 2", "--rdzv-endpoint"]),
@@ -47,7 +47,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "elastic world too small": (
         [*ELASTIC, "--set", "parallel.tp=2", "job.py"],
         {},
-        ["--nnodes 1:2: at 1 processes", "replicas of tp * pp * sp = 2 * 1 * 1 = 2"],
+        ["--nnodes 1:2: at 1 processes", "replicas of tp * pp * cp = 2 * 1 * 1 = 2"],
     ),
     "node rank": (
         ["run", "--nnodes", "2", "--node-rank", "3", "--rdzv-endpoint", "h0:29500", "job.py"],
@@ -73,10 +73,10 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
         {},
         ["parallel.ep=3 must divide parallel.dp=4"],
     ),
-    "ep with sp": (
-        ["run", *_sets("parallel.dp=2", "parallel.ep=2", "parallel.sp=2"), "job.py"],
+    "ep with cp": (
+        ["run", *_sets("parallel.dp=2", "parallel.ep=2", "parallel.cp=2"), "job.py"],
         {},
-        ["parallel.ep=2 with parallel.sp=2"],
+        ["parallel.ep=2 with parallel.cp=2"],
     ),
     "moe top_k > experts": (
         ["train", *_sets("moe.enabled=true", "moe.experts=4", "moe.top_k=5")],
@@ -110,10 +110,10 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
         {},
         ["pp=2", "microbatches=1"],
     ),
-    "sp mode": (
-        ["run", *_sets("parallel.sp=2", "parallel.sp_mode=tree"), "job.py"],
+    "cp mode": (
+        ["run", *_sets("parallel.cp=2", "parallel.cp_mode=tree"), "job.py"],
         {},
-        ["parallel.sp_mode='tree'"],
+        ["parallel.cp_mode='tree'"],
     ),
     "batch": (["train", "--set", "parallel.dp=3"], {}, ["data.batch_size=16", "parallel.dp"]),
     "heads": (["train", "--set", "model.d_model=30"], {}, ["model.d_model=30", "model.n_heads=4"]),
@@ -152,7 +152,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "toml bool int": (["run", "--config", "{d}/bool.toml", "job.py"], {}, ["train.steps=True", "bool"]),
     "toml str float": (["run", "--config", "{d}/lr.toml", "job.py"], {}, ["optim.lr='fast'", "str"]),
     "toml int bool": (
-        ["run", "--config", "{d}/sp.toml", "job.py"],
+        ["run", "--config", "{d}/cp.toml", "job.py"],
         {},
         ["parallel.sequence_parallel=1", "int"],
     ),
@@ -163,6 +163,16 @@ CASES: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "env unknown field": (["run", "job.py"], {"TESSERA_TRAIN_STPES": "3"}, ["train.stpes"]),
     "env text int": (["run", "job.py"], {"TESSERA_TRAIN_STEPS": "abc"}, ["train.steps", "abc"]),
     "env dp 0": (["run", "job.py"], {"TESSERA_PARALLEL_DP": "0"}, ["parallel.dp", "got 0"]),
+    "old key sp": (
+        ["run", "job.py"],
+        {"TESSERA_PARALLEL_SP": "2"},
+        ["parallel.sp is now called parallel.cp"],
+    ),
+    "old key sp_mode": (
+        ["run", "--set", "parallel.sp_mode=ulysses", "job.py"],
+        {},
+        ["parallel.sp_mode is now called parallel.cp_mode"],
+    ),
     "env poll wait": (
         ["run", "job.py"],
         {"TESSERA_POLL_WAIT_MS": "fast"},
@@ -215,7 +225,7 @@ FILES = {
     "float.toml": "[train]\nsteps = 2.0\n",
     "bool.toml": "[train]\nsteps = true\n",
     "lr.toml": '[optim]\nlr = "fast"\n',
-    "sp.toml": "[parallel]\nsequence_parallel = 1\n",
+    "cp.toml": "[parallel]\nsequence_parallel = 1\n",
     "top.toml": "steps = 3\n",
     "broken.toml": "[train\n",
     "tiny.txt": "too short",

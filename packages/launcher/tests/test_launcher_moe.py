@@ -59,7 +59,7 @@ def test_compositions_not_built_are_refused() -> None:
         assert not [line for line in ok.validate() if line.startswith("moe.")], ok.validate()
     for degrees, message in [
         ({"tp": 4, "tp_mode": "2d"}, "moe.enabled with parallel.tp_mode=2d"),
-        ({"sp": 2}, "moe.enabled with parallel.sp=2"),
+        ({"cp": 2}, "moe.enabled with parallel.cp=2"),
     ]:
         config = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]
         assert any(line.startswith(message) for line in config.validate()), config.validate()

@@ -30,8 +30,8 @@ from tessera.planner.operators import OPS_EDGE, OPS_LAYER, operators
 MODES: dict[str, dict[str, Any]] = {
     "1d": {"tp": 2},
     "1d+sp": {"tp": 2, "sequence_parallel": True},
-    "ring": {"sp": 2},
-    "ulysses": {"sp": 2, "sp_mode": "ulysses"},
+    "ring": {"cp": 2},
+    "ulysses": {"cp": 2, "cp_mode": "ulysses"},
     "2d": {"tp": 4, "tp_mode": "2d"},
     "2.5d": {"tp": 8, "tp_mode": "2.5d", "tp_depth": 2},
     "3d": {"tp": 8, "tp_mode": "3d"},

@@ -199,10 +199,10 @@ def test_a_shape_refused_whole_holds_no_valid_configuration(
         if not valid.refused_shape(shape, world):
             continue
         rest = world // shape.tp
-        for sp in divisors(rest):
-            for pp in divisors(rest // sp):
-                dp = rest // sp // pp
-                for parallel in _parallel_variants(shape, dp, pp, sp, seq, False):
+        for cp in divisors(rest):
+            for pp in divisors(rest // cp):
+                dp = rest // cp // pp
+                for parallel in _parallel_variants(shape, dp, pp, cp, seq, False):
                     for name, v in _schedules(pp, 3):
                         for m in divisors(batch):
                             par = dataclasses.replace(

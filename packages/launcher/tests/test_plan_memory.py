@@ -48,7 +48,7 @@ CASES: list[tuple[dict[str, Any], int, bool, str]] = [
     ({"dp": 2, "tp": 4, "tp_mode": "2d"}, 1, False, "fp32"),
     ({"tp": 8, "tp_mode": "3d"}, 0, False, "fp32"),
     ({"tp": 8, "tp_mode": "2.5d", "tp_depth": 2}, 0, False, "fp32"),
-    ({"dp": 2, "sp": 2}, 2, False, "fp32"),
+    ({"dp": 2, "cp": 2}, 2, False, "fp32"),
     ({"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, 1, False, "bf16"),
     (
         {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
@@ -86,7 +86,7 @@ def _measure(rank: int, config: Config) -> int:
     idx, targets = make_batch(cfg, config.data.batch_size, seed=0)
     p = config.parallel
     for _ in range(2):
-        if p.pp == 1 and p.sp == 1:
+        if p.pp == 1 and p.cp == 1:
             engine.train_step(idx, targets)
         else:
             with zero.accumulating() if one_reduction(layout_of(config)) else contextlib.nullcontext():

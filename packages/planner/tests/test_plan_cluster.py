@@ -102,9 +102,9 @@ def test_a_crowded_step_takes_each_ranks_work_stretched_by_the_crowd(parallel: d
         cpu = dataclasses.replace(base, crowding=crowding)
         t = estimate(layout, job, cpu).time
         work = t.compute + t.data_comm + t.optimizer
-        crowd = cpu.crowd(layout.world)
+        crowd = cpu.crowd(layout.world_size)
         assert t.total == pytest.approx(max(crowd * work, work + t.bubble), rel=1e-12)
-        if layout.world <= 2:
+        if layout.world_size <= 2:
             assert t.crowding == 0.0
         totals.append(t.total)
     assert totals == sorted(totals)

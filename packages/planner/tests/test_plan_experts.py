@@ -173,7 +173,7 @@ def test_check_refuses_what_it_does_not_model_of_experts() -> None:
     lines = check(Layout(dp=1, tp=4, tp_mode="2d", microbatches=1), _with(moe))
     assert "job.moe: experts are modelled under 1D tp, got tp=4 2d" in lines[0], lines
     lines = check(Layout(dp=1, pp=2, microbatches=2), _with(moe))
-    assert "job.moe: experts are modelled at pp = sp = 1, got pp=2 sp=1" in lines
+    assert "job.moe: experts are modelled at pp = cp = 1, got pp=2 cp=1" in lines
     deep = ExpertShape(layers=9, experts=8, top_k=2, hidden=64)
     assert "job.moe.layers=9 is more than the model's 4 layers" in check(Layout(microbatches=1), _with(deep))
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
@@ -187,6 +187,6 @@ def test_the_search_tries_every_ep_and_predicts_each_as_estimate_does() -> None:
     assert result.ranked and {c.layout.ep for c in result.ranked} == {1, 2, 4}
     assert {1, 2} <= {c.layout.tp for c in result.ranked}  # 1D tp splits the experts
     for cand in result.ranked:
-        assert (cand.layout.pp, cand.layout.sp) == (1, 1)  # Megatron SP is modelled, as for the MLP
+        assert (cand.layout.pp, cand.layout.cp) == (1, 1)  # Megatron SP is modelled, as for the MLP
         assert cand.estimate == estimate(cand.layout, job, cluster)
     assert "dp4/ep2" in next(c.label() for c in result.ranked if c.layout.ep == 2)

@@ -48,7 +48,7 @@ def test_a_measured_all_to_all_equal_to_the_link_predicts_as_the_ring_form(world
     group) predicts every step exactly as one without."""
     base = dataclasses.replace(PRESETS["cpu"], devices_per_node=2, a2a_latency=0.0, a2a_bandwidth=0.0)
     same = dataclasses.replace(base, a2a_latency=2 * base.intra_latency, a2a_bandwidth=base.intra_bandwidth)
-    config = _config(dp=world // 2, sp=2, sp_mode="ulysses")
+    config = _config(dp=world // 2, cp=2, cp_mode="ulysses")
     assert _step(config, same) == pytest.approx(_step(config, base), rel=1e-12)
 
 
@@ -57,9 +57,9 @@ def test_a_slower_all_to_all_costs_ulysses_only() -> None:
     slow = dataclasses.replace(
         base, a2a_latency=4 * base.intra_latency, a2a_bandwidth=base.intra_bandwidth / 4
     )
-    ulysses = _config(sp=2, sp_mode="ulysses")
+    ulysses = _config(cp=2, cp_mode="ulysses")
     assert _step(ulysses, slow) > _step(ulysses, base)
-    for unaffected in (_config(sp=2), _config(dp=2), _config(tp=2, sequence_parallel=True)):
+    for unaffected in (_config(cp=2), _config(dp=2), _config(tp=2, sequence_parallel=True)):
         assert _step(unaffected, slow) == _step(unaffected, base)
 
 

@@ -142,13 +142,13 @@ def test_the_planners_own_check_refuses_what_it_cannot_model() -> None:
         estimate(Layout(dp=3, microbatches=1), SMALL, PRESETS["cpu"])
     with pytest.raises(ValueError, match=r"job\.precision='fp8'"):
         estimate(Layout(), dataclasses.replace(SMALL, precision="fp8"), PRESETS["cpu"])
-    with pytest.raises(ValueError, match=r"layout\.sp_mode='ringg' is not one of ring, ulysses"):
-        Layout(sp=2, sp_mode="ringg")
-    assert Layout(tp=4, tp_mode="2d", sp_layout="zigzag") == Layout(
-        tp=4, tp_mode=TPMode.TWO_D, sp_layout=ContextLayout.ZIGZAG
+    with pytest.raises(ValueError, match=r"layout\.cp_mode='ringg' is not one of ring, ulysses"):
+        Layout(cp=2, cp_mode="ringg")
+    assert Layout(tp=4, tp_mode="2d", cp_layout="zigzag") == Layout(
+        tp=4, tp_mode=TPMode.TWO_D, cp_layout=ContextLayout.ZIGZAG
     )
     result = search(SMALL, PRESETS["cpu"], world=4)
-    assert result.ranked and all(c.layout.world == 4 for c in result.ranked)
+    assert result.ranked and all(c.layout.world_size == 4 for c in result.ranked)
 
 
 def test_a_callers_validate_removes_exactly_what_it_refuses() -> None:

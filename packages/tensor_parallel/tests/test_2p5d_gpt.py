@@ -48,7 +48,7 @@ Out = tuple[Curve, dict[str, DepthShardSpec], dict[str, Tensor]]
 
 
 def _parallel(rank: int, how: str) -> Out:
-    mesh = Mesh(Topology(tp=TP, tp_mode=TPMode.TWO_P5_D, depth=2))
+    mesh = Mesh(Topology(tp=TP, tp_mode=TPMode.TWO_P5_D, tp_depth=2))
     grid = Grid2p5D.from_mesh(mesh)
     if how == "parallelize_2p5d":
         model = parallelize_2p5d(GPT(CFG, seed=0), mesh=mesh)
@@ -82,7 +82,7 @@ def test_the_2p5d_plan_over_a_2d_mesh_says_it_needs_a_2p5d_one() -> None:
 
 
 def _odd_batch(rank: int) -> None:
-    mesh = Mesh(Topology(tp=TP, tp_mode=TPMode.TWO_P5_D, depth=2))
+    mesh = Mesh(Topology(tp=TP, tp_mode=TPMode.TWO_P5_D, tp_depth=2))
     model = parallelize_2p5d(GPT(CFG, seed=0), mesh=mesh)
     idx, targets = make_batch(CFG, 6, seed=1)
     loss_2p5d(model, idx, targets, Grid2p5D.from_mesh(mesh))

@@ -81,7 +81,7 @@ class Layout2p5D:
 
 def _layout(c: dict[str, Any]) -> Layout2p5D:
     q, d = c["q"], c["d"]
-    return Layout2p5D(Grid2p5D.from_mesh(Mesh(Topology(tp=q * q * d, tp_mode=TPMode.TWO_P5_D, depth=d))))
+    return Layout2p5D(Grid2p5D.from_mesh(Mesh(Topology(tp=q * q * d, tp_mode=TPMode.TWO_P5_D, tp_depth=d))))
 
 
 def _run(c: dict[str, Any], fn: Any) -> list[Any]:

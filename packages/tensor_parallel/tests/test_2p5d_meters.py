@@ -49,7 +49,7 @@ def case(draw: st.DrawFn) -> dict[str, Any]:
 
 def _meter(rank: int, c: dict[str, Any], kind: str) -> tuple[int, int, dict[CommOp, int], dict[CommOp, int]]:
     q, d = c["q"], c["d"]
-    grid = Grid2p5D.from_mesh(Mesh(Topology(tp=q * q * d, tp_mode=TPMode.TWO_P5_D, depth=d)))
+    grid = Grid2p5D.from_mesh(Mesh(Topology(tp=q * q * d, tp_mode=TPMode.TWO_P5_D, tp_depth=d)))
     layers: dict[str, Any] = {
         "linear": Linear2p5D,
         "norm": LayerNorm2p5D,

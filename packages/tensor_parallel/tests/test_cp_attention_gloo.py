@@ -77,11 +77,11 @@ def _inputs(seed: int, batch: int, heads: int, kv_heads: int, seq: int, dim: int
 
 
 @st.composite
-def shapes(draw: st.DrawFn, sp: int, mode: Mode, layout: Layout) -> tuple[int, int, int, int, int]:
+def shapes(draw: st.DrawFn, cp: int, mode: Mode, layout: Layout) -> tuple[int, int, int, int, int]:
     """(batch, heads, kv_heads, seq, head_dim) that the mode and layout accept."""
-    kv_heads = draw(st.sampled_from([1, 2, 4] if mode is Mode.RING else [sp]))
+    kv_heads = draw(st.sampled_from([1, 2, 4] if mode is Mode.RING else [cp]))
     heads = kv_heads * draw(st.sampled_from([1, 2]))
-    chunks = 2 * sp if layout is Layout.ZIGZAG else sp
+    chunks = 2 * cp if layout is Layout.ZIGZAG else cp
     seq = chunks * draw(st.integers(1, 32 // chunks))
     return draw(st.integers(1, 2)), heads, kv_heads, seq, draw(st.sampled_from([3, 8]))
 
@@ -89,40 +89,40 @@ def shapes(draw: st.DrawFn, sp: int, mode: Mode, layout: Layout) -> tuple[int, i
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("mode", list(Mode))
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("cp", [2, 4])
 @settings(max_examples=3)
 @given(data=st.data())
 def test_attention_equals_serial(
-    worker_pools: PoolFactory, sp: int, mode: Mode, layout: Layout, causal: bool, data: st.DataObject
+    worker_pools: PoolFactory, cp: int, mode: Mode, layout: Layout, causal: bool, data: st.DataObject
 ) -> None:
     """out, dq, dk, dv of context-parallel attention over shapes (GQA, head dims); TOL above."""
-    shape = data.draw(shapes(sp, mode, layout))
+    shape = data.draw(shapes(cp, mode, layout))
     tensors = _inputs(data.draw(st.integers(0, 99)), *shape)
-    results = worker_pools(sp).run(_attend, mode.value, layout.value, causal, tensors, False)
+    results = worker_pools(cp).run(_attend, mode.value, layout.value, causal, tensors, False)
     want = _serial(*tensors, causal=causal)
     for key, serial in zip(("out", "dq", "dk", "dv"), want, strict=True):
         got = unsplit_sequence([r[key] for r in results], layout, dim=2)
         torch.testing.assert_close(got, serial, **TOL)
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_bytes_moved_per_attention_layer(worker_pools: PoolFactory, sp: int) -> None:
-    """Ring: each rank sends sp-1 local K/V blocks forward ((sp-1)/sp of the full K and V), and
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_moved_per_attention_layer(worker_pools: PoolFactory, cp: int) -> None:
+    """Ring: each rank sends cp-1 local K/V blocks forward ((cp-1)/cp of the full K and V), and
     twice that backward (K/V again plus dK/dV, fp32 like the inputs). Ulysses: 4 all-to-alls
     of the activations forward (q, k, v, out: volume their local bytes), 4 backward. Exact."""
-    tensors = _inputs(0, 2, 4, 4, 8 * sp, 8)
+    tensors = _inputs(0, 2, 4, 4, 8 * cp, 8)
     for mode in Mode:
-        for rank_result in worker_pools(sp).run(_attend, mode.value, "zigzag", True, tensors, True):
+        for rank_result in worker_pools(cp).run(_attend, mode.value, "zigzag", True, tensors, True):
             b = rank_result["bytes"]
             (fwd_sent, fwd_ops, fwd_count), (bwd_sent, bwd_ops, bwd_count) = b["forward"], b["backward"]
             if mode is Mode.RING:
-                assert fwd_sent == (sp - 1) * b["local_kv"]
-                assert bwd_sent == 2 * (sp - 1) * b["local_kv"]
+                assert fwd_sent == (cp - 1) * b["local_kv"]
+                assert bwd_sent == 2 * (cp - 1) * b["local_kv"]
                 assert set(fwd_ops) == set(bwd_ops) == {CommOp.SEND, CommOp.RECV}
             else:
                 assert fwd_ops == bwd_ops == {CommOp.ALL_TO_ALL: b["activations"]}
                 assert fwd_count == bwd_count == 4
-                assert fwd_sent == bwd_sent == b["activations"] * (sp - 1) // sp
+                assert fwd_sent == bwd_sent == b["activations"] * (cp - 1) // cp
 
 
 def _ulysses_error(rank: int) -> str:
@@ -138,4 +138,4 @@ def _ulysses_error(rank: int) -> str:
 
 def test_ulysses_needs_divisible_heads(worker_pools: PoolFactory) -> None:
     for message in worker_pools(4).run(_ulysses_error):
-        assert message == "Ulysses attention needs heads=6 and kv heads=2 divisible by sp=4 after 0 calls"
+        assert message == "Ulysses attention needs heads=6 and kv heads=2 divisible by cp=4 after 0 calls"

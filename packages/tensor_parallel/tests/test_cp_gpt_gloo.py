@@ -1,8 +1,8 @@
-"""Tier 2: the reference GPT made context-parallel (sp=2, gloo) trains like the serial GPT.
+"""Tier 2: the reference GPT made context-parallel (cp=2, gloo) trains like the serial GPT.
 
 ``context_parallelize`` swaps the attention cores and offsets the position embedding; each
 rank gets its slice of every batch (``split_batch``), the loss is the exact global mean
-(``context_parallel_loss``) and gradients are summed over sp (``sync_context_parallel_grads``).
+(``context_parallel_loss``) and gradients are summed over cp (``sync_context_parallel_grads``).
 Compared with the serial GPT under SGD: the loss of every step, every gradient of the first
 step and every weight after the last.
 """

@@ -101,28 +101,28 @@ def test_an_explicit_causal_mask_equals_the_causal_flag() -> None:
 
 
 @pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("sp", [2, 3, 4])
-def test_every_ring_block_is_full_or_causal(layout: Layout, sp: int) -> None:
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_every_ring_block_is_full_or_causal(layout: Layout, cp: int) -> None:
     """Causal attention over both layouts: the block the ring works out from 1-D positions
     (kept rows, columns, all pairs / causal triangle) equals the explicit (query x key)
     comparison, and no block needs a general mask (so every one takes the fused kernel)."""
     local = 2 * 4
-    positions = [local_positions(r, sp, local, layout) for r in range(sp)]
-    for r in range(sp):
-        for s in range(sp):
+    positions = [local_positions(r, cp, local, layout) for r in range(cp)]
+    for r in range(cp):
+        for s in range(cp):
             allowed = positions[s][None, :] <= positions[r][:, None]
             block = _Block.between(positions[r], positions[s])
             if block is None:
-                assert not bool(allowed.any()), (layout, sp, r, s)
+                assert not bool(allowed.any()), (layout, cp, r, s)
                 continue
             rows = torch.arange(local) if block.rows is None else block.rows
             cols = torch.arange(local) if block.cols is None else block.cols
-            assert torch.equal(rows, allowed.any(1).nonzero().squeeze(1)), (layout, sp, r, s)
-            assert torch.equal(cols, allowed.any(0).nonzero().squeeze(1)), (layout, sp, r, s)
+            assert torch.equal(rows, allowed.any(1).nonzero().squeeze(1)), (layout, cp, r, s)
+            assert torch.equal(cols, allowed.any(0).nonzero().squeeze(1)), (layout, cp, r, s)
             kept = allowed[rows][:, cols]
             implied = torch.ones_like(kept).tril() if block.causal else torch.ones_like(kept)
-            assert block.mask() is None, (layout, sp, r, s)
-            assert torch.equal(kept, implied), (layout, sp, r, s, kept)
+            assert block.mask() is None, (layout, cp, r, s)
+            assert torch.equal(kept, implied), (layout, cp, r, s, kept)
 
 
 def test_a_general_block_keeps_its_mask() -> None:

@@ -89,7 +89,7 @@ def test_errors_name_the_module_and_numbers(worker_pools: PoolFactory) -> None:
         assert messages == [
             "context_parallelize: pattern 'blocks.*.core' matches no module of GPT",
             "attention core layers.0.attn.core has dropout 0.1; context parallelism does not support it",
-            "Ulysses attention needs heads=3 and kv heads=3 divisible by sp=2",
+            "Ulysses attention needs heads=3 and kv heads=3 divisible by cp=2",
             "attention core layers.0.attn has parameters; only a parameter-free core can be swapped",
             "0 calls",
         ]

@@ -4,7 +4,7 @@ what works.
 ``RopeLM`` is a small Llama-style model (token embedding, 2 layers of RMSNorm, attention with
 rotary q/k and ``F.scaled_dot_product_attention(is_causal=True)``, MLP, a head). Built with
 ``inline=True`` its attention computes cos/sin from ``torch.arange(t)`` of the length it is
-handed: at sp=2 each rank's slice starts its positions at 0, so ``context_parallelize(...,
+handed: at cp=2 each rank's slice starts its positions at 0, so ``context_parallelize(...,
 probe=...)`` must refuse it on every rank (none may hang), naming ``layers.0.attn`` (the first
 module whose output differs while its input does not: not its projection ``wo`` after it, not
 the layer around it). Built with ``inline=False`` the same arithmetic sits in a ``Rotary``
@@ -144,7 +144,7 @@ def _probed(rank: int, inline: bool, meta: bool = False) -> list[tuple[str, list
 def test_positions_from_the_local_length_are_refused_on_every_rank(worker_pools: PoolFactory) -> None:
     for per_rank in worker_pools(2).run(_probed, True, timeout=120):
         for (mode, layout), (result, _, _) in zip(MODES, per_rank, strict=True):
-            assert f"at sp=2 ({layout} layout)" in result, (mode, result)
+            assert f"at cp=2 ({layout} layout)" in result, (mode, result)
             assert "the first module whose output differs is 'layers.0.attn' (Attention)" in result, result
             assert ADVICE in result and "ModelSpec(positions=...)" in result
 
@@ -154,7 +154,7 @@ def test_a_rotary_module_passes_and_the_cost_is_logged(worker_pools: PoolFactory
         for (mode, layout), (result, lines, training) in zip(MODES, per_rank, strict=True):
             assert result == "passed", (mode, layout, result)
             assert len(lines) == 1, lines
-            assert lines[0].startswith(f"sequence-split probe: RopeLM at sp=2 ({layout}), 2 x 16 tokens")
+            assert lines[0].startswith(f"sequence-split probe: RopeLM at cp=2 ({layout}), 2 x 16 tokens")
             assert training, "the probe left modules in eval mode"
 
 
@@ -168,7 +168,7 @@ def test_a_model_on_the_meta_device_is_not_probed(worker_pools: PoolFactory) -> 
 
 
 @pytest.mark.parametrize(
-    ("sp", "layout", "probe", "limit", "want"),
+    ("cp", "layout", "probe", "limit", "want"),
     [
         (2, "contiguous", SequenceProbe(vocab_size=8), None, 16),
         (2, "zigzag", SequenceProbe(vocab_size=8, length=5), None, 8),  # rounded up to 4 chunks
@@ -179,9 +179,9 @@ def test_a_model_on_the_meta_device_is_not_probed(worker_pools: PoolFactory) -> 
     ],
 )
 def test_the_probe_length_fits_the_layout(
-    sp: int, layout: str, probe: SequenceProbe, limit: int | None, want: int
+    cp: int, layout: str, probe: SequenceProbe, limit: int | None, want: int
 ) -> None:
-    assert probe.sequence_length(sp, layout, limit) == want
+    assert probe.sequence_length(cp, layout, limit) == want
 
 
 def test_every_rank_draws_the_same_ids() -> None:

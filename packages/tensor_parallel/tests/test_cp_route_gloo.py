@@ -5,9 +5,9 @@ a learned position embedding: ``Llamaish`` (GQA, 2 of 4 KV heads, repeated inlin
 module inside each attention, autodetected), ``GPT2ish`` (learned positions, ``wpe``
 named), and Hugging Face Llama (GQA 2 of 4, its rotary module autodetected, SDPA through its
 attention interface with ``enable_gqa``) and GPT-2 (built with ``eager`` attention, switched
-to ``sdpa``; its ``wpe`` autodetected), from configs. At sp=2 under ring (contiguous and
+to ``sdpa``; its ``wpe`` autodetected), from configs. At cp=2 under ring (contiguous and
 zigzag) and Ulysses (zigzag) each rank's loss (the exact global mean) and every gradient
-(summed over sp) are compared with the serial model's on the full sequence.
+(summed over cp) are compared with the serial model's on the full sequence.
 
 Tolerance, fp32: loss rtol 1e-6 / atol 1e-5 and gradients rtol 1e-5 / atol 1e-6. The
 loss is a sum of 2 ranks' partial sums; attention is merged over K/V blocks by log-sum-exp
@@ -109,7 +109,7 @@ def _parallel(rank: int, name: str) -> list[tuple[float, dict[str, Tensor]]]:
 
 @pytest.mark.parametrize("name", ["llamaish", "gpt2ish", "hf-llama", "hf-gpt2"])
 def test_routed_attention_trains_like_serial(worker_pools: PoolFactory, name: str) -> None:
-    """Ring contiguous, ring zigzag, Ulysses zigzag at sp=2: loss and every gradient."""
+    """Ring contiguous, ring zigzag, Ulysses zigzag at cp=2: loss and every gradient."""
     if name.startswith("hf"):
         pytest.importorskip("transformers", reason="transformers is not installed: HF models NOT tested")
     want_loss, want = serial(name)

@@ -65,11 +65,11 @@ def _serial(tensors: list[Tensor], window: int) -> list[Tensor]:
 def test_a_sliding_window_equals_serial_attention_under_its_band(
     worker_pools: PoolFactory, mode: str, layout: str, window: int, seed: int
 ) -> None:
-    sp, seq = 2, 32  # 8 or 16 tokens a block: windows shorter, equal and longer than a block
+    cp, seq = 2, 32  # 8 or 16 tokens a block: windows shorter, equal and longer than a block
     gen = torch.Generator().manual_seed(seed)
     shapes = [(2, 4, seq, 8), (2, 2, seq, 8), (2, 2, seq, 8), (2, 4, seq, 8)]
     tensors = [torch.randn(s, generator=gen) for s in shapes]
-    parts = worker_pools(sp).run(_attend, mode, layout, window, tensors)
+    parts = worker_pools(cp).run(_attend, mode, layout, window, tensors)
     got = [unsplit_sequence([p[i] for p in parts], layout=layout, dim=2) for i in range(4)]
     for g, w in zip(got, _serial(tensors, window), strict=True):  # out, dq, dk, dv
         torch.testing.assert_close(g, w, **TOL)

@@ -83,7 +83,7 @@ def formula(c: dict[str, Any]) -> ActivationBytes:
 def _saved(rank: int, c: dict[str, Any]) -> tuple[list[int], int]:
     """(bytes saved first inside each block, bytes saved elsewhere) on this rank."""
     mode, cfg = c["mode"], c["cfg"]
-    mesh = Mesh(Topology(tp=c["tp"], tp_mode=TPMode(mode), depth=c["depth"]))
+    mesh = Mesh(Topology(tp=c["tp"], tp_mode=TPMode(mode), tp_depth=c["depth"]))
     model = parallelize(GPT(cfg, seed=0), plan=gpt_plan(mesh), mesh=mesh)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     region = ["rest"]

@@ -42,7 +42,7 @@ def _bytes(params: list[nn.Parameter]) -> int:
 
 
 def _rank_bytes(rank: int, mode: str, tp: int, depth: int, bias: bool) -> tuple[int, int]:
-    mesh = Mesh(Topology(tp=tp, tp_mode=TPMode(mode), depth=depth))
+    mesh = Mesh(Topology(tp=tp, tp_mode=TPMode(mode), tp_depth=depth))
     model = parallelize(GPT(_cfg(bias), seed=0), plan=gpt_plan(mesh), mesh=mesh)
     params = list(model.parameters())
     return storage_bytes(params), _bytes(params)

@@ -34,7 +34,7 @@ from tessera.tensor_parallel import (
     shard_specs,
 )
 from tessera.tensor_parallel.heads import fused_head_indices
-from tessera.tensor_parallel.styles import module_input
+from tessera.tensor_parallel.region_style import module_input
 
 VOCAB, D, HEADS = 32, 32, 8
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import tessera.tensor_parallel.styles as styles_module
+import tessera.tensor_parallel.region_style as region_style_module
 from tessera.comm import Mesh, Topology
 from tessera.comm.testing import run_threaded
 from tessera.tensor_parallel import (
@@ -45,8 +45,8 @@ from tessera.tensor_parallel import (
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
+from tessera.tensor_parallel.layer_styles import Colwise
 from tessera.tensor_parallel.probe import probe_attention
-from tessera.tensor_parallel.styles import Colwise
 
 transformers = pytest.importorskip(
     "transformers",
@@ -169,7 +169,7 @@ def test_the_probe_refuses_a_head_count_read_from_the_shared_config(monkeypatch:
     assignments = resolve_plan(model, PHI3_PLAN, tp=TP)
     probe_attention(model, assignments, tp=TP)
     assert model.model.layers[0].self_attn.config is model.config  # the probe put everything back
-    monkeypatch.setattr(styles_module, "localize_config", lambda module, heads, kv: [])
+    monkeypatch.setattr(region_style_module, "localize_config", lambda module, heads, kv: [])
     with pytest.raises(
         ValueError, match=r"^model\.layers\.0\.self_attn \(attention\): split over tp=2, Phi3Attention"
     ):

@@ -34,8 +34,8 @@ from tessera.tensor_parallel import (
     style_named,
 )
 from tessera.tensor_parallel.heads import FusedHeadShardSpec, fused_head_indices
+from tessera.tensor_parallel.layer_styles import Colwise
 from tessera.tensor_parallel.partition import fused_shard_indices
-from tessera.tensor_parallel.styles import Colwise
 
 
 @settings(max_examples=80)

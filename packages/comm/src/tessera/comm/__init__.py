@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tessera.comm.degrees import DEGREE_NAMES, Degrees
 from tessera.comm.geometry import TPGrid, integer_root
 from tessera.comm.logs import RankFilter, configure_logging
 from tessera.comm.topology import Axis, Topology, TPMode
@@ -113,10 +114,12 @@ if not TYPE_CHECKING:  # hidden from mypy, which then checks every name as impor
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEGREE_NAMES",
     "Axis",
     "CommMeter",
     "CommOp",
     "CommRecord",
+    "Degrees",
     "Group",
     "Handle",
     "MemoryReport",

@@ -23,7 +23,7 @@ class Axis(StrEnum):
     DP = "dp"
     EP = "ep"
     EDP = "edp"
-    SP = "sp"
+    CP = "cp"
     TP = "tp"
     TP_ROW = "tp_row"
     TP_COL = "tp_col"

@@ -2,7 +2,7 @@
 
 A Mesh is built collectively (every rank constructs it, in the same order, after
 ``torch.distributed`` is initialised) and owns its groups: ``close()`` destroys them. The
-four main axes come from a torch ``DeviceMesh`` of shape (pp, dp, sp, tp), so DTensor-based
+four main axes come from a torch ``DeviceMesh`` of shape (pp, dp, cp, tp), so DTensor-based
 code can share it; tp sub-axes, the expert axes ``ep`` and ``edp`` (when the topology has
 ep > 1) and combined axes are extra groups over the same ranks.
 """
@@ -45,7 +45,7 @@ def _key(axes: str | Iterable[str]) -> AxisKey:
 class Mesh:
     """Process groups for every axis of ``topology`` on the initialised default group.
 
-    ``combined`` lists extra axis combinations to build groups for, e.g. ``[("dp", "sp")]``
+    ``combined`` lists extra axis combinations to build groups for, e.g. ``[("dp", "cp")]``
     for sharding over data and sequence ranks together. Raises ValueError before any group
     is made if the world size does not match the topology.
     """
@@ -64,10 +64,10 @@ class Mesh:
         self.topology = topology
         self.rank = dist.get_rank()
         self.device = device if device is not None else default_device()
-        names = ("pp", "dp", "sp", "tp")
+        names = ("pp", "dp", "cp", "tp")
         self.device_mesh = DeviceMesh(
             self.device.type,
-            torch.arange(topology.world_size).reshape(topology.pp, topology.dp, topology.sp, topology.tp),
+            torch.arange(topology.world_size).reshape(topology.pp, topology.dp, topology.cp, topology.tp),
             mesh_dim_names=names,
         )
         self._groups: dict[AxisKey, dist.ProcessGroup] = {

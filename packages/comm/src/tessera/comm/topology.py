@@ -2,7 +2,7 @@
 
 Everything here is pure arithmetic over integers: no process group is touched.
 
-Ranks are laid out in the order (pp, dp, sp, tp) from slowest to fastest varying, so the
+Ranks are laid out in the order (pp, dp, cp, tp) from slowest to fastest varying, so the
 ranks of one tensor-parallel group are contiguous (one node keeps its TP traffic).
 
 Expert parallelism subdivides the data-parallel ranks: ``ep`` divides dp, and the dp
@@ -29,9 +29,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tessera.comm.axes import Axis, TPMode
+from tessera.comm.degrees import Degrees
 from tessera.comm.geometry import TPGrid
 
-__all__ = ["Axis", "TPMode", "Topology"]
+__all__ = ["Axis", "Degrees", "TPMode", "Topology"]
 
 
 # The sub-axes of each tp mode, as (axis, atom) pairs, atoms listed slowest first.
@@ -44,10 +45,10 @@ _TP_ATOMS: dict[TPMode, tuple[tuple[str, Axis | None], ...]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Topology:
+class Topology(Degrees):
     """An immutable, validated description of the degrees of a job.
 
-    ``world_size = pp * dp * sp * tp``. ``depth`` is the 2.5d depth d (tp = q*q*d) and must
+    ``world_size = pp * dp * cp * tp``. ``tp_depth`` is the 2.5d depth d (tp = q*q*d) and must
     be 1 for every other mode. ``ep`` (expert parallelism) must divide ``dp``; with ep > 1
     the topology has the ``ep`` and ``edp`` axes (module docstring).
 
@@ -56,18 +57,11 @@ class Topology:
     (8, ((0, 1), (2, 3)))
     """
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    sp: int = 1
-    tp_mode: TPMode = TPMode.ONE_D
-    depth: int = 1
-    ep: int = 1
     _grid: TPGrid = field(init=False, repr=False, compare=False)
     _atoms: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "sp", "depth", "ep"):
+        for name in ("dp", "pp", "tp", "cp", "tp_depth", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
@@ -76,7 +70,7 @@ class Topology:
                 f"Topology.ep ({self.ep}) must divide dp ({self.dp}): the expert-parallel ranks are "
                 "data-parallel ranks"
             )
-        grid = TPGrid.of(self.tp_mode, self.tp, self.depth)
+        grid = TPGrid.of(self.tp_mode, self.tp, self.tp_depth)
         object.__setattr__(self, "tp_mode", grid.mode)
         object.__setattr__(self, "_grid", grid)
         object.__setattr__(self, "_atoms", self._layout(grid))
@@ -97,26 +91,21 @@ class Topology:
         names = (name for name, _ in _TP_ATOMS[grid.mode])
         tp_atoms = tuple(zip(names, sizes, strict=True))
         dp_atoms = (("dp.e", self.dp // self.ep), ("dp.p", self.ep))
-        return (("pp", self.pp), *dp_atoms, ("sp", self.sp), *tp_atoms)
+        return (("pp", self.pp), *dp_atoms, ("cp", self.cp), *tp_atoms)
 
     # ----------------------------------------------------------------------------- queries
-    @property
-    def world_size(self) -> int:
-        """The number of ranks the topology needs."""
-        return self.pp * self.dp * self.sp * self.tp
-
     @property
     def axes(self) -> tuple[Axis, ...]:
         """The axes this topology has groups for (tp sub-axes only for the modes that have them)."""
         subs = tuple(a for _, a in _TP_ATOMS[self.tp_mode] if a is not None)
         experts = (Axis.EP, Axis.EDP) if self.ep > 1 else ()
-        return (Axis.PP, Axis.DP, Axis.SP, Axis.TP, *subs, *experts)
+        return (Axis.PP, Axis.DP, Axis.CP, Axis.TP, *subs, *experts)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless ``world_size`` is exactly what the degrees multiply to."""
         if world_size != self.world_size:
             raise ValueError(
-                f"world size {world_size} != pp*dp*sp*tp = {self.pp}*{self.dp}*{self.sp}*{self.tp}"
+                f"world size {world_size} != pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp}"
                 f" = {self.world_size}"
             )
 
@@ -178,12 +167,12 @@ class Topology:
         return {a: self._compose(digits, self._atoms_of(a)) for a in self.axes}
 
     def rank(self, coords: Mapping[Axis | str, int]) -> int:
-        """The rank at ``coords`` (pp, dp, sp, tp; missing ones are 0): inverse of coordinates."""
-        unknown = set(map(str, coords)) - {"pp", "dp", "sp", "tp"}
+        """The rank at ``coords`` (pp, dp, cp, tp; missing ones are 0): inverse of coordinates."""
+        unknown = set(map(str, coords)) - {"pp", "dp", "cp", "tp"}
         if unknown:
-            raise ValueError(f"rank() takes pp, dp, sp and tp coordinates, not {sorted(unknown)}")
+            raise ValueError(f"rank() takes pp, dp, cp and tp coordinates, not {sorted(unknown)}")
         value = 0
-        for name in ("pp", "dp", "sp", "tp"):
+        for name in ("pp", "dp", "cp", "tp"):
             c, n = coords.get(name, 0), getattr(self, name)
             if not 0 <= c < n:
                 raise ValueError(f"{name} coordinate {c} is outside [0, {n})")
@@ -223,8 +212,8 @@ class Topology:
         return tuple(group)
 
     def describe(self) -> str:
-        """One line naming the degrees, e.g. ``pp=2 dp=2 sp=1 tp=4 (2d)`` (and ``ep=2`` after dp
+        """One line naming the degrees, e.g. ``pp=2 dp=2 cp=1 tp=4 (2d)`` (and ``ep=2`` after dp
         under expert parallelism)."""
-        extra = f", depth={self.depth}" if self.tp_mode is TPMode.TWO_P5_D else ""
+        extra = f", tp_depth={self.tp_depth}" if self.tp_mode is TPMode.TWO_P5_D else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"pp={self.pp} dp={self.dp}{ep} sp={self.sp} tp={self.tp} ({self.tp_mode.value}{extra})"
+        return f"pp={self.pp} dp={self.dp}{ep} cp={self.cp} tp={self.tp} ({self.tp_mode.value}{extra})"

@@ -80,7 +80,7 @@ __all__ = [
 class StepTime:
     """Seconds of one optimizer step, by where they go (they add up to ``total``)."""
 
-    compute: float  # the busiest rank's forward and backward, communication of tp/sp included
+    compute: float  # the busiest rank's forward and backward, communication of tp/cp included
     tensor_comm: float  # of which tensor- and context-parallel communication
     bubble: float  # pipeline idle time of the busiest rank
     data_comm: float  # data-parallel / ZeRO traffic not hidden under compute
@@ -169,40 +169,40 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
     c = DTYPE_BYTES[precision]
     recompute = p.recompute
     shape = p.shape
-    world = p.world
+    world = p.world_size
     try:
         v = schedule_spec(p.schedule).chunks(p.virtual_stages) if p.pp > 1 else 1
         cut = cut_of(model, shape, p.pp, p.schedule, v)
     except ValueError:
         return None
     rows = model.batch / (p.dp * p.microbatches)
-    split = ActivationShape(shape, p.sequence_parallel, p.sp, recompute)
+    split = ActivationShape(shape, p.sequence_parallel, p.cp, recompute)
     act = activation_bytes(model, rows, precision, split, layers=1)
     if shape.mode == "3d":  # gathered inputs and weights kept for backward
         q = shape.grid.side
-        act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.sp)
+        act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.cp)
     rate = cluster.device_flops(precision)
     tokens = rows * model.seq
-    tp_link, sp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.sp, world)
-    layer_tp = tensor_traffic(model, rows, c, shape, tp_link, sp=p.sp)
+    tp_link, cp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.cp, world)
+    layer_tp = tensor_traffic(model, rows, c, shape, tp_link, cp=p.cp)
     heads_split = p.tp if shape.mode == "1d" else 1
-    layer_sp = context_traffic(model, rows, c, p.sp, p.sp_mode, heads_split, sp_link)
-    attention_s = 4.0 * tokens * model.seq * model.hidden / (p.tp * p.sp) / rate * cluster.overlap
+    layer_cp = context_traffic(model, rows, c, p.cp, p.cp_mode, heads_split, cp_link)
+    attention_s = 4.0 * tokens * model.seq * model.hidden / (p.tp * p.cp) / rate * cluster.overlap
     # 1D: each region entry's backward all-reduce runs beside the weight gradients of the
     # column layers reading it (tensor_parallel.overlap): q/k/v for attention, fc_in for the MLP
     entry = layer_tp.hidden_backward / 2
     wgrads = (3 * model.hidden * model.hidden, model.hidden * model.ffn)
     tp_exposed = sum(
-        max(0.0, entry - 2.0 * tokens * n / (p.tp * p.sp) / rate * cluster.overlap) for n in wgrads
+        max(0.0, entry - 2.0 * tokens * n / (p.tp * p.cp) / rate * cluster.overlap) for n in wgrads
     )
     layer_comm = Traffic(layer_tp.forward, layer_tp.backward + (tp_exposed if entry else 0.0)) + Traffic(
-        layer_sp.forward + max(0.0, layer_sp.hidden_forward - attention_s),
-        layer_sp.backward + max(0.0, layer_sp.hidden_backward - 2 * attention_s),
+        layer_cp.forward + max(0.0, layer_cp.hidden_forward - attention_s),
+        layer_cp.backward + max(0.0, layer_cp.hidden_backward - 2 * attention_s),
     )
-    edge_tp = edge_traffic(model, rows, c, shape, tp_link, sp=p.sp)
+    edge_tp = edge_traffic(model, rows, c, shape, tp_link, cp=p.cp)
     ops_layer, ops_edge = operators(p)
-    layer_s = model.layer_flops(tokens) / (p.tp * p.sp) / rate + ops_layer * cluster.op_overhead_s
-    head_s = model.head_flops(tokens) / (p.tp * p.sp) / rate
+    layer_s = model.layer_flops(tokens) / (p.tp * p.cp) / rate + ops_layer * cluster.op_overhead_s
+    head_s = model.head_flops(tokens) / (p.tp * p.cp) / rate
     edge_s = ops_edge * cluster.op_overhead_s
     timed: dict[Kind, tuple[float, float, float]] = {}  # kind -> (forward, backward, comm)
     for kind in cut.kinds:
@@ -231,14 +231,14 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
     boundary = (
         rows
         * model.seq
-        / p.sp
+        / p.cp
         * model.hidden
         * c
         / (p.tp if p.sequence_parallel or shape.mode != "1d" else 1)
     )
     extra = 0.0
     if recompute and model.layers:
-        full = ActivationShape(shape, p.sequence_parallel, p.sp, False)
+        full = ActivationShape(shape, p.sequence_parallel, p.cp, False)
         extra = activation_bytes(model, rows, precision, full, layers=1)[1]
     return Shape(
         f=f,
@@ -252,12 +252,12 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
         act=(act[0], act[1] if model.layers else 0.0, act[-1]),
         recompute_extra=extra,
         backward_extra=(
-            summa_backward(model, rows, precision, shape.grid.side, p.depth, p.sp)
+            summa_backward(model, rows, precision, shape.grid.side, p.tp_depth, p.cp)
             if shape.mode in ("2d", "2.5d")
             else 0.0
         ),
         kept_per_layer=kept_gradients(
-            model, rows, precision, p.tp, p.sequence_parallel or shape.mode != "1d", p.sp
+            model, rows, precision, p.tp, p.sequence_parallel or shape.mode != "1d", p.cp
         ),
         message=rows * model.seq * model.hidden * c,
         split=cluster.split_overhead,
@@ -306,7 +306,7 @@ def memory_floor(p: Layout, shape: Shape, precision: str, optimizer: str) -> flo
         params, grads, state, host = model_state_bytes(
             share.psi,
             stage=3,
-            n=p.dp * p.sp,
+            n=p.dp * p.cp,
             precision=precision,
             offload=True,
             optimizer=optimizer,
@@ -321,7 +321,7 @@ def overheads(p: Layout, precision: str, shape: Shape, cluster: Cluster) -> tupl
     """(data-parallel / ZeRO traffic not hidden, optimizer step) in seconds: what a step adds
     to its pipeline's makespan (the gradients of the rank with most parameters set the pace)."""
     c = DTYPE_BYTES[precision]
-    n = p.dp * p.sp
+    n = p.dp * p.cp
     world = n * p.pp * p.tp
     psi = max(share.psi for share in shape.cut.ranks)
     stage = 1 if one_reduction(p) and p.zero >= 2 else p.zero  # one reduce-scatter and all-gather at the step
@@ -357,7 +357,7 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
     serial_total = float(sum(model.block_params()))
     tp_shape = p.shape
     tp_copies = float(sum(model.block_params(tp_shape)) - model.unsplit_params(tp_shape))
-    n = p.dp * p.sp
+    n = p.dp * p.cp
     state_of: dict[tuple[int, int, int, int], tuple[float, ...]] = {}
     psi_f_of: dict[tuple[int, int, int, int], float] = {}
     worst: MemoryEstimate | None = None
@@ -424,7 +424,7 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
             offload=p.offload,
             precision=precision,
             optimizer=job.optimizer,
-            link=_link(cluster, p.ep * p.tp, p.world),  # the ep group: ep dp ranks, tp apart
+            link=_link(cluster, p.ep * p.tp, p.world_size),  # the ep group: ep dp ranks, tp apart
         )
         dp_, dg, ds, dh = moe.state
         worst = dataclasses.replace(
@@ -440,7 +440,7 @@ def predict(p: Layout, job: Job, cluster: Cluster) -> Estimate:
         worst_psi, most_state = worst_psi + moe.psi, most_state + dp_ + dg + ds
     # ranks sharing a node's cores: each one's work (its compute, collectives and optimizer
     # step; not its idle bubble) stretches, and the step takes at least that
-    crowd = cluster.crowd(cluster.ranks_per_node(p.world))
+    crowd = cluster.crowd(cluster.ranks_per_node(p.world_size))
     work = crowd * (time.compute + time.data_comm + time.optimizer)
     time = dataclasses.replace(time, crowding=max(0.0, work - time.total))
     return Estimate(worst, time, worst_psi, bubble, most_state)
@@ -455,9 +455,9 @@ def _shared(p: Layout, cluster: Cluster, flat: float, activation: float) -> floa
     if slots <= 0:
         return 0.0
     mode = p.tp_mode
-    topo = Topology(tp=p.tp, sp=p.sp, tp_mode=mode, depth=p.depth if mode is TPMode.TWO_P5_D else 1)
+    topo = Topology(tp=p.tp, cp=p.cp, tp_mode=mode, tp_depth=p.tp_depth if mode is TPMode.TWO_P5_D else 1)
     tensor = [a for a in topo.axes if a.value.startswith("tp_")] or [Axis.TP]
-    groups = [(p.dp * p.sp, flat), (p.sp, activation), *((topo.size(a), activation) for a in tensor)]
+    groups = [(p.dp * p.cp, flat), (p.cp, activation), *((topo.size(a), activation) for a in tensor)]
     return sum(shm_segment_bytes(n, message, slots) for n, message in groups)
 
 

@@ -2,8 +2,8 @@
 model, its global batch, precision and optimizer), and `check`, the rules of a layout the
 planner knows itself.
 
-A layout is the degrees ``dp * pp * tp * sp``, the tensor-parallel mode (`TPMode`, with the
-2.5D ``depth``), context parallelism (``sp_mode``: ring or Ulysses; ``sp_layout``:
+A layout is the degrees ``dp * pp * tp * cp``, the tensor-parallel mode (`TPMode`, with the
+2.5D ``tp_depth``), context parallelism (``cp_mode``: ring or Ulysses; ``cp_layout``:
 contiguous or zigzag chunks of the sequence; comm's ``sequence_modes`` enums), Megatron
 sequence parallelism, the pipeline schedule (``virtual_stages`` chunks per rank for the
 interleaved ones, ``microbatches`` per step, ``tune_splits``: the zero-bubble split tuning
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tessera.comm import TPGrid, TPMode
+from tessera.comm import Degrees, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.pipeline import SCHEDULES, schedule_spec
@@ -38,17 +38,12 @@ __all__ = ["Job", "Layout", "check"]
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
-    """How a job is split over ``dp * pp * tp * sp`` ranks, its schedule and its ZeRO stage."""
+class Layout(Degrees):
+    """How a job is split over ``dp * pp * tp * cp`` ranks (its `Degrees`), its schedule and its
+    ZeRO stage."""
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    sp: int = 1
-    tp_mode: TPMode = TPMode.ONE_D
-    depth: int = 1  # 2.5D: the depth of the grid
-    sp_mode: ContextMode = ContextMode.RING
-    sp_layout: ContextLayout = ContextLayout.CONTIGUOUS
+    cp_mode: ContextMode = ContextMode.RING
+    cp_layout: ContextLayout = ContextLayout.CONTIGUOUS
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -57,10 +52,9 @@ class Layout:
     zero: int = 0
     offload: bool = False
     recompute: bool = False
-    ep: int = 1  # expert parallelism over the data-parallel ranks (a job with ``moe``)
 
     def __post_init__(self) -> None:  # names and members alike ("2d", TPMode.TWO_D)
-        for name, enum in (("tp_mode", TPMode), ("sp_mode", ContextMode), ("sp_layout", ContextLayout)):
+        for name, enum in (("tp_mode", TPMode), ("cp_mode", ContextMode), ("cp_layout", ContextLayout)):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(value))
@@ -69,26 +63,21 @@ class Layout:
                 raise ValueError(f"layout.{name}={value!r} is not one of {known}") from None
 
     @property
-    def world(self) -> int:
-        """Ranks the layout uses."""
-        return self.dp * self.pp * self.tp * self.sp
-
-    @property
     def shape(self) -> TPShape:
         """How its tensor parallelism splits the model."""
-        return TPShape(self.tp_mode.value, self.tp, self.depth)
+        return TPShape(self.tp_mode.value, self.tp, self.tp_depth)
 
     def label(self) -> str:
         """A short description of the degrees, schedule and ZeRO stage."""
         tp = (
             f"tp{self.tp}"
             + ("" if self.tp_mode is TPMode.ONE_D else f"/{self.tp_mode.value}")
-            + (f"d{self.depth}" if self.depth > 1 else "")
+            + (f"d{self.tp_depth}" if self.tp_depth > 1 else "")
         )
         tp += "+sp" if self.sequence_parallel else ""
         parts = [f"dp{self.dp}" + (f"/ep{self.ep}" if self.ep > 1 else ""), f"pp{self.pp}", tp]
-        if self.sp > 1:
-            parts.append(f"cp{self.sp}/{self.sp_mode.value}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}/{self.cp_mode.value}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts.append(f"m{self.microbatches}")
@@ -116,14 +105,14 @@ def check(layout: Layout, job: Job) -> list[str]:
     """What keeps the planner from modelling ``layout`` for ``job``, one line each naming
     the values (empty when it can)."""
     lines: list[str] = []
-    for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "virtual_stages", "ep"):
+    for name in ("dp", "pp", "tp", "cp", "tp_depth", "microbatches", "virtual_stages", "ep"):
         value = getattr(layout, name)
         if value < 1:
             lines.append(f"layout.{name} must be >= 1, got {value}")
     if lines:
         return lines
     try:  # the grid of the mode (tessera.comm's geometry)
-        TPGrid.of(layout.tp_mode, layout.tp, layout.depth)
+        TPGrid.of(layout.tp_mode, layout.tp, layout.tp_depth)
     except ValueError as e:
         lines.append(f"layout: {e}")
     if layout.schedule not in SCHEDULES:
@@ -158,8 +147,8 @@ def _expert_lines(layout: Layout, job: Job) -> list[str]:
     lines = []
     if layout.dp % ep or moe.experts % ep:
         lines.append(f"layout.ep={ep} must divide dp={layout.dp} and the experts ({moe.experts})")
-    if layout.pp > 1 or layout.sp > 1:
-        lines.append(f"job.moe: experts are modelled at pp = sp = 1, got pp={layout.pp} sp={layout.sp}")
+    if layout.pp > 1 or layout.cp > 1:
+        lines.append(f"job.moe: experts are modelled at pp = cp = 1, got pp={layout.pp} cp={layout.cp}")
     if layout.tp > 1 and layout.tp_mode is not TPMode.ONE_D:
         lines.append(f"job.moe: experts are modelled under 1D tp, got tp={layout.tp} {layout.tp_mode.value}")
     if moe.layers > job.model.layers:

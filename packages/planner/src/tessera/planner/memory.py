@@ -3,7 +3,7 @@ tensor-parallel mode, sequence and context parallelism, pipeline schedule and re
 
 Model state counts what ``ZeroOptimizer.memory()`` counts after a backward, for a rank
 holding ``psi`` parameter elements (its tensor- and pipeline-parallel share), sharded over
-the ``n`` ranks of its ZeRO group (dp x sp), compute dtype of ``c`` bytes:
+the ``n`` ranks of its ZeRO group (dp x cp), compute dtype of ``c`` bytes:
 
 - parameters: ``c psi`` (stage 3: ``c psi / n``, the full buffers freed between uses);
 - gradients: ``c psi`` in stages 0-1, plus a shard: ``c psi / n`` in stages 2-3, or with
@@ -25,7 +25,7 @@ r = 4) plus ``a s^2 b`` attention probabilities unless attention is fused (flash
 dropout masks (1 byte each) when dropout is on. 1D tensor parallelism splits the part inside
 the attention and MLP regions ``tp`` ways and keeps the 4 layer inputs whole, Megatron
 sequence parallelism splits those too; 2D, 2.5D and 3D split every activation ``tp`` ways
-(batch and hidden blocks); context parallelism splits the sequence ``sp`` ways. Full
+(batch and hidden blocks); context parallelism splits the sequence ``cp`` ways. Full
 recomputation keeps only each layer's input. A pipeline rank holds as many microbatch x
 chunk units as the simulator's ``peak_held`` says; without a pipeline, one microbatch.
 (3D tensor parallelism keeps more: ``tessera.planner.transient.activations_3d`` replaces the split.)
@@ -129,7 +129,7 @@ class ActivationShape:
 
     tp: TPShape = field(default_factory=TPShape)
     sequence_parallel: bool = False
-    sp: int = 1
+    cp: int = 1
     recompute: bool = False
 
 
@@ -140,7 +140,7 @@ def activation_bytes(
     ``rows`` sequences on one rank (``layers``: list that many layers, default all)."""
     c = DTYPE_BYTES[precision]
     t = shape.tp.tp
-    s = model.seq / shape.sp
+    s = model.seq / shape.cp
     sbh = s * rows * model.hidden
     masks = 1.0 if model.dropout else 0.0
     scores = 0.0 if model.flash_attention else model.heads * s * model.seq * rows * (c + masks)

@@ -56,7 +56,7 @@ def operators(p: Layout) -> tuple[float, float]:
     scale = _grid_scale(mode, p.shape.grid.side) if key in ("2d", "2.5d", "3d") else 1.0
     layer = 1.0 + (LAYER_RATIO[key] - 1.0) * scale
     edge = 1.0 + (EDGE_RATIO[key] - 1.0) * scale
-    if p.sp > 1:
-        layer += CONTEXT_LAYER[p.sp_mode.value]
-        edge += CONTEXT_EDGE[p.sp_mode.value]
+    if p.cp > 1:
+        layer += CONTEXT_LAYER[p.cp_mode.value]
+        edge += CONTEXT_EDGE[p.cp_mode.value]
     return OPS_LAYER * layer, OPS_EDGE * edge

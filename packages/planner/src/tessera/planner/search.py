@@ -1,6 +1,6 @@
 """Enumerate every layout of a job a caller accepts for a world size, predict each, rank.
 
-The search space is every split of the world into ``dp * pp * tp * sp`` with every
+The search space is every split of the world into ``dp * pp * tp * cp`` with every
 tensor-parallel mode (1D with and without Megatron sequence parallelism; 2D, 2.5D at every
 depth, 3D where tp is a square or cube), context parallelism (ring or Ulysses), every
 registered pipeline schedule (interleaved ones at 2..``max_chunks`` chunks per rank), every
@@ -122,22 +122,22 @@ def _schedules(pp: int, max_chunks: int) -> Iterator[tuple[str, int]]:
 
 
 def _parallel_variants(
-    shape: TPShape, dp: int, pp: int, sp: int, seq_len: int, recompute: bool
+    shape: TPShape, dp: int, pp: int, cp: int, seq_len: int, recompute: bool
 ) -> Iterator[Layout]:
     mode = TPMode(shape.mode)
-    base = Layout(dp=dp, pp=pp, tp=shape.tp, sp=sp, tp_mode=mode, depth=shape.depth, recompute=recompute)
+    base = Layout(dp=dp, pp=pp, tp=shape.tp, cp=cp, tp_mode=mode, tp_depth=shape.depth, recompute=recompute)
     seq_par = (False, True) if shape.mode == "1d" and shape.tp > 1 else (False,)
-    modes = (ContextMode.RING, ContextMode.ULYSSES) if sp > 1 else (ContextMode.RING,)
+    modes = (ContextMode.RING, ContextMode.ULYSSES) if cp > 1 else (ContextMode.RING,)
     for sequence_parallel in seq_par:
-        for sp_mode in modes:
+        for cp_mode in modes:
             layout = ContextLayout.CONTIGUOUS
             zigzag = sequence_chunks(
-                sp, ContextLayout.ZIGZAG, tp=shape.tp, sequence_parallel=sequence_parallel
+                cp, ContextLayout.ZIGZAG, tp=shape.tp, sequence_parallel=sequence_parallel
             )
-            if sp > 1 and seq_len % zigzag == 0:
+            if cp > 1 and seq_len % zigzag == 0:
                 layout = ContextLayout.ZIGZAG
             yield dataclasses.replace(
-                base, sequence_parallel=sequence_parallel, sp_mode=sp_mode, sp_layout=layout
+                base, sequence_parallel=sequence_parallel, cp_mode=cp_mode, cp_layout=layout
             )
 
 
@@ -193,14 +193,14 @@ class _Validator:
             return False
         common: set[str] | None = None
         mode = TPMode(shape.mode)
-        for dp, sp, pp in ((rest, 1, 1), (1, rest, 1), (1, 1, rest)):
+        for dp, cp, pp in ((rest, 1, 1), (1, rest, 1), (1, 1, rest)):
             layout = Layout(
                 dp=dp,
                 pp=pp,
                 tp=shape.tp,
-                sp=sp,
+                cp=cp,
                 tp_mode=mode,
-                depth=shape.depth,
+                tp_depth=shape.depth,
                 microbatches=1,
                 recompute=self.job.recompute,
             )
@@ -255,15 +255,15 @@ def search(
     for shape in _tp_shapes(world, tp_modes):
         rest = world // shape.tp
         refused = valid.refused_shape(shape, world)
-        for sp in divisors(rest):
-            for pp in divisors(rest // sp):
-                dp = rest // sp // pp
+        for cp in divisors(rest):
+            for pp in divisors(rest // cp):
+                dp = rest // cp // pp
                 dense_bound = job.moe is None  # the fit prunes bound the dense model only
-                if batch % dp or (dense_bound and _cannot_fit(model, shape, pp, dp * sp, precision, cluster)):
+                if batch % dp or (dense_bound and _cannot_fit(model, shape, pp, dp * cp, precision, cluster)):
                     pruned += 1  # dp must divide the batch (check says so): skipped here in bulk
                     continue
                 for parallel in _expert_variants(
-                    _parallel_variants(shape, dp, pp, sp, model.seq, job.recompute), job
+                    _parallel_variants(shape, dp, pp, cp, model.seq, job.recompute), job
                 ):
                     for name, v in _schedules(pp, max_chunks):
                         par = dataclasses.replace(parallel, schedule=name, virtual_stages=v, microbatches=1)

@@ -8,7 +8,7 @@ the entry layers' weight gradients (``hidden_backward``); 2D (SUMMA) moves
 ``(|X| + |W|)/q`` per Linear forward and twice that backward; 2.5D ``(|X|/d + |W|)/q``
 forward, twice backward, plus the depth all-reduce of ``2 |W| / q^2``; 3D
 ``(|X| + |W| + |Y|)/q^2`` each way; LayerNorms of the grid modes all-reduce their statistics
-(16 bytes per token). Context parallelism: ring attention passes ``sp - 1`` K/V blocks
+(16 bytes per token). Context parallelism: ring attention passes ``cp - 1`` K/V blocks
 forward (twice that backward, K/V and their gradients), overlapped with the attention it
 computes; Ulysses moves four all-to-alls each way. Each collective also pays its latencies
 (`Link`).
@@ -76,14 +76,14 @@ def _grid_linear(
 
 
 def tensor_traffic(
-    model: ModelShape, rows: float, c: int, shape: TPShape, link: Link, *, sp: int = 1
+    model: ModelShape, rows: float, c: int, shape: TPShape, link: Link, *, cp: int = 1
 ) -> Traffic:
     """Tensor-parallel communication of one transformer layer for a microbatch of ``rows``
-    sequences (the tensor-parallel group's rows; ``sp`` splits the sequence)."""
+    sequences (the tensor-parallel group's rows; ``cp`` splits the sequence)."""
     t = shape.tp
     if t <= 1:
         return Traffic()
-    tokens = rows * model.seq / sp
+    tokens = rows * model.seq / cp
     if shape.mode == "1d":  # backward: the two region entries, overlapped (estimate hides them)
         y = tokens * model.hidden * c
         return Traffic(2 * link.all_reduce(y, t), 0.0, 0.0, 2 * link.all_reduce(y, t))
@@ -99,13 +99,13 @@ def tensor_traffic(
 
 
 def edge_traffic(
-    model: ModelShape, rows: float, c: int, shape: TPShape, link: Link, *, sp: int = 1
+    model: ModelShape, rows: float, c: int, shape: TPShape, link: Link, *, cp: int = 1
 ) -> Traffic:
     """Tensor-parallel communication of the embedding and the LM head with its loss."""
     t = shape.tp
     if t <= 1:
         return Traffic()
-    tokens = rows * model.seq / sp
+    tokens = rows * model.seq / cp
     if shape.mode == "1d":
         y = tokens * model.hidden * c
         loss = link.all_reduce(12 * tokens, t)
@@ -117,14 +117,14 @@ def edge_traffic(
 
 
 def context_traffic(
-    model: ModelShape, rows: float, c: int, sp: int, mode: str, tp_split: int, link: Link
+    model: ModelShape, rows: float, c: int, cp: int, mode: str, tp_split: int, link: Link
 ) -> Traffic:
     """Context-parallel communication of one attention layer (ring: overlappable)."""
-    if sp <= 1:
+    if cp <= 1:
         return Traffic()
-    local = rows * model.seq / sp * model.hidden / tp_split * c  # one of q, k, v on this rank
+    local = rows * model.seq / cp * model.hidden / tp_split * c  # one of q, k, v on this rank
     if mode == "ring":
-        fwd = (sp - 1) * link.p2p(2 * local)
+        fwd = (cp - 1) * link.p2p(2 * local)
         return Traffic(0.0, 0.0, fwd, 2 * fwd)
-    a2a = 4 * link.all_to_all(local, sp)
+    a2a = 4 * link.all_to_all(local, cp)
     return Traffic(a2a, a2a)

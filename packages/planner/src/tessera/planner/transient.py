@@ -1,7 +1,7 @@
 """Bytes a rank holds besides model state and saved activations, at the three moments where
 its resident set peaks: while ``boost()`` builds the engine, at the end of the backward, and
 inside ``ZeroOptimizer.step()``. Each term is something the runtime does; ``c`` is the
-compute dtype's bytes, ``n`` the ZeRO group (dp x sp), ``psi`` this rank's parameter
+compute dtype's bytes, ``n`` the ZeRO group (dp x cp), ``psi`` this rank's parameter
 elements, ``psi_f`` those of its largest flat buffer (stages 0-2: a 25 MiB bucket; stage 3:
 its largest unit), ``Psi`` the serial model's elements.
 
@@ -119,14 +119,14 @@ def step_scratch(psi_f: float, *, precision: str, n: int, stage: int, offload: b
 
 
 def activations_3d(
-    model: ModelShape, rows: float, precision: str, q: int, sp: int
+    model: ModelShape, rows: float, precision: str, q: int, cp: int
 ) -> tuple[float, float, float]:
     """(embedding, per layer, head) bytes a 3D rank saves for backward for one microbatch of
     ``rows`` sequences: ``three_d/activations.py``'s count, in the compute dtype (the
     embedding keeps the token and position ids; its output is the first layer's input)."""
     c = DTYPE_BYTES[precision]
     d, r = model.hidden / q, model.mlp_ratio
-    t = rows * model.seq / sp / (q * q)  # tokens of a rank
+    t = rows * model.seq / cp / (q * q)  # tokens of a rank
     stats = t * (8 + 4 * model.heads / q)  # LayerNorm rstd and attention log-sum-exp, fp32
     layer = c * t * d * (6 + r + q * (5 + r)) + stats + 2 * c * d + c * d * d * (4 + 2 * r)
     v = model.vocab / q
@@ -135,20 +135,20 @@ def activations_3d(
     return embed, layer, head
 
 
-def summa_backward(model: ModelShape, rows: float, precision: str, q: int, depth: int, sp: int) -> float:
+def summa_backward(model: ModelShape, rows: float, precision: str, q: int, depth: int, cp: int) -> float:
     """Bytes SUMMA's backward of the widest linear layer (fc_out) holds beyond the saved
     activations, for one microbatch of ``rows`` sequences on a q x q (x depth) grid."""
     c = DTYPE_BYTES[precision]
     d, r = model.hidden / q, model.mlp_ratio
-    t = rows * model.seq / sp / (q * depth)
+    t = rows * model.seq / cp / (q * depth)
     return c * (2 * q + 2) * (t * r * d + r * d * d)
 
 
 def kept_gradients(
-    model: ModelShape, rows: float, precision: str, tp: int, split_stream: bool, sp: int
+    model: ModelShape, rows: float, precision: str, tp: int, split_stream: bool, cp: int
 ) -> float:
     """Bytes of output gradients one layer keeps between B and W (zero-bubble) for one
     microbatch of ``rows`` sequences: q, k, v and fc_in's split ``tp`` ways, out_proj's,
     fc_out's and the two norms' split too only when the residual stream is (``split_stream``)."""
-    sbh = DTYPE_BYTES[precision] * rows * model.seq / sp * model.hidden
+    sbh = DTYPE_BYTES[precision] * rows * model.seq / cp * model.hidden
     return sbh * ((3 + model.mlp_ratio) / tp + 4 / (tp if split_stream else 1))

@@ -1,7 +1,7 @@
 """tessera.tensor_parallel: Megatron-style 1D tensor parallelism with sequence parallelism,
 2D (SUMMA / Optimus) over a q x q grid (``two_d``), 2.5D (Tesseract) over q x q x d
 (``two_p5_d``) and 3D over a q x q x q cube (``three_d``) tensor parallelism, and context
-parallelism over the ``sp`` axis: ring and Ulysses attention, zigzag layout (``context``).
+parallelism over the ``cp`` axis: ring and Ulysses attention, zigzag layout (``context``).
 
 Layers (column/row-parallel linear, vocab-parallel embedding and cross-entropy, parallel
 attention and MLP) built from ``tessera.comm``'s differentiable collectives, dropout RNG

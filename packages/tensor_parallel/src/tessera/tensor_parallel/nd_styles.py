@@ -41,9 +41,9 @@ from tessera.tensor_parallel.heads import (
 )
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.partition import ShardSpec
+from tessera.tensor_parallel.region_style import PER_RANK_ATTRIBUTES
 from tessera.tensor_parallel.sequence import mark_sequence_parallel
 from tessera.tensor_parallel.style import ApplyContext, BaseStyle, TPStyle, module_kind
-from tessera.tensor_parallel.styles import PER_RANK_ATTRIBUTES
 from tessera.tensor_parallel.two_d.grid import Grid2D
 from tessera.tensor_parallel.two_d.linear import BIAS_SPEC
 from tessera.tensor_parallel.two_d.tied_head import TiedClassifier2D, TiedClassifier2p5D

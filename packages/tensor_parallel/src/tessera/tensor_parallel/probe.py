@@ -33,8 +33,8 @@ from tessera.tensor_parallel.heads import GROUP_ATTRIBUTES, KV_HEAD_ATTRIBUTES
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.plan import Assignment
 from tessera.tensor_parallel.probing import evaluating, first_tensor
+from tessera.tensor_parallel.region_style import PER_RANK_ATTRIBUTES, RegionStyle
 from tessera.tensor_parallel.style import Role
-from tessera.tensor_parallel.styles import PER_RANK_ATTRIBUTES, RegionStyle
 
 __all__ = ["probe_attention"]
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from tessera.tensor_parallel.layer_styles import Colwise
 from tessera.tensor_parallel.style import BaseStyle, register_style
-from tessera.tensor_parallel.styles import Colwise, SequenceNorm, SequenceSplit
+from tessera.tensor_parallel.styles import SequenceNorm, SequenceSplit
 
 __all__ = ["Replicate", "Roles"]
 

@@ -1,8 +1,8 @@
 """Checkpoints that load under another topology: each generation also holds its training
-state in full, by serial parameter name, so that a run with other dp / pp / tp / sp degrees,
+state in full, by serial parameter name, so that a run with other dp / pp / tp / cp degrees,
 another tensor-parallel mode or another ZeRO stage resumes it exactly.
 
-``portable/pp-K.safetensors`` (one per pipeline rank, written by its dp 0 / tp 0 / sp 0 rank):
+``portable/pp-K.safetensors`` (one per pipeline rank, written by its dp 0 / tp 0 / cp 0 rank):
 for every parameter of the stages that rank holds, the fp32 master and each elementwise
 optimizer state tensor (``param/<name>``, ``optim.<key>/<name>``; gathered over ZeRO's group,
 then unsharded over tp by each parameter's ``ShardSpec`` and, for an expert bank, over the ep
@@ -56,7 +56,7 @@ def _portable_plan(engine: Boosted, gen: Path, step: int) -> tuple[Path, list[En
     """Where this rank writes its pipeline rank's part, its entries and header (None: one of
     the other ranks of its pipeline rank writes it)."""
     mesh, zero = engine.mesh, engine.zero
-    if not all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "sp")):
+    if not all(mesh.coordinate(axis) == 0 for axis in ("dp", "tp", "cp")):
         return None
     entries, full = [], _namer(engine)
     for key, shape in zero.full_state_layout():

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tessera.comm import Topology, TPGrid, TPMode
+from tessera.comm import Degrees, Topology, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.launcher.config.choices import (
@@ -40,12 +40,12 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * sp.
+class ParallelConfig(Degrees):
+    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * cp.
 
     ``tp_mode`` (`tessera.comm.TPMode`): "1d" (Megatron), "2d" (SUMMA over a q x q grid,
     tp = q*q), "2.5d" (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
-    ``sp`` > 1: context parallelism, ``sp_mode`` "ring" or "ulysses", ``sp_layout``
+    ``cp`` > 1: context parallelism, ``cp_mode`` "ring" or "ulysses", ``cp_layout``
     "contiguous" or "zigzag" (balances causal attention over the ranks): the
     ``tessera.tensor_parallel.context`` enums ``Mode`` and ``Layout``. ``schedule``: a name
     registered in ``tessera.pipeline.SCHEDULES`` (users may register their own).
@@ -55,7 +55,7 @@ class ParallelConfig:
     against the better of the two, and runs the faster from then on
     (`tessera.pipeline.tune`); 0: every split.
     ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
-    the world it launches (``tessera.launcher.plan.auto``) before anything spawns, planned
+    the world it launches (``tessera.launcher.config.auto``) before anything spawns, planned
     for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
     ``tessera plan --calibrate`` writes (``plan.cluster.calibrated_path``) if there is one,
     else the ``cpu`` preset. The launcher refuses an unknown cluster before anything spawns.
@@ -64,14 +64,8 @@ class ParallelConfig:
     shards expert parameters over the ``dp / ep`` ranks that hold the same experts.
     """
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    sp: int = 1
-    tp_mode: TPMode = TPMode.ONE_D
-    tp_depth: int = 1
-    sp_mode: ContextMode = ContextMode.RING
-    sp_layout: ContextLayout = ContextLayout.CONTIGUOUS
+    cp_mode: ContextMode = ContextMode.RING
+    cp_layout: ContextLayout = ContextLayout.CONTIGUOUS
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -79,7 +73,6 @@ class ParallelConfig:
     tune_splits: int = 2
     auto: bool = False
     cluster: str = ""
-    ep: int = 1
 
     def __post_init__(self) -> None:
         coerce_choices(self)
@@ -92,15 +85,7 @@ class ParallelConfig:
 
     def topology(self) -> Topology:
         """The degrees as the one validated `Topology` (ValueError naming a bad degree or mode)."""
-        return Topology(
-            dp=self.dp,
-            pp=self.pp,
-            tp=self.tp,
-            sp=self.sp,
-            tp_mode=self.tp_mode,
-            depth=self.tp_depth,
-            ep=self.ep,
-        )
+        return Topology(**self.degree_values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +218,7 @@ class BoostConfig:
 
     @property
     def world_size(self) -> int:
-        """The number of processes the job needs: dp * pp * tp * sp."""
+        """The number of processes the job needs: dp * pp * tp * cp."""
         return self.parallel.topology().world_size
 
     def _sections(self) -> tuple[Any, ...]:
@@ -290,7 +275,7 @@ class BoostConfig:
         if p.ep == 1:
             return []
         refused = [
-            (p.sp > 1, f"parallel.ep={p.ep} with parallel.sp={p.sp} (context parallelism) is not built"),
+            (p.cp > 1, f"parallel.ep={p.ep} with parallel.cp={p.cp} (context parallelism) is not built"),
             (p.auto, f"parallel.ep={p.ep} with parallel.auto is not built: the planner places no experts"),
             (z.chunked, f"parallel.ep={p.ep} with the chunk memory manager (budgets, disk_dir) is not built"),
             (z.offload, f"parallel.ep={p.ep} with zero.offload is not built"),
@@ -320,8 +305,8 @@ class BoostConfig:
                 errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
             else:
                 need(
-                    p.tp_mode is TPMode.ONE_D or not (p.sequence_parallel or p.sp > 1),
-                    f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.sp > 1 is not built",
+                    p.tp_mode is TPMode.ONE_D or not (p.sequence_parallel or p.cp > 1),
+                    f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.cp > 1 is not built",
                 )
                 errors += self._expert_rules()
         need(
@@ -341,8 +326,8 @@ class BoostConfig:
             "train.recompute_every / recompute_policy need train.activation_checkpointing = true",
         )
         need(
-            t.recompute_policy is not RecomputePolicy.SAVE_MATMULS or (p.tp == 1 and p.sp == 1),
-            "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and sp = 1: a collective that "
+            t.recompute_policy is not RecomputePolicy.SAVE_MATMULS or (p.tp == 1 and p.cp == 1),
+            "train.recompute_policy='save-matmuls' needs parallel.tp = 1 and cp = 1: a collective that "
             "reduces a product in place would change the product it keeps",
         )
         if t.compile:

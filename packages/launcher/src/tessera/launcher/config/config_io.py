@@ -137,6 +137,15 @@ def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
     return value
 
 
+# Keys of earlier versions: refused in one line that names the new key. Context parallelism was
+# ``sp``, which read like Megatron's sequence parallelism (``parallel.sequence_parallel``).
+RENAMED = {
+    "parallel.sp": "parallel.cp (context parallelism)",
+    "parallel.sp_mode": "parallel.cp_mode",
+    "parallel.sp_layout": "parallel.cp_layout",
+}
+
+
 def _apply(
     config: Config,
     updates: Mapping[str, Mapping[str, Any]],
@@ -158,6 +167,9 @@ def _apply(
         changes: dict[str, Any] = {}
         for name, value in values.items():
             key = f"{section}.{name}"
+            if key in RENAMED:
+                errors.append(f"{source}: {key} is now called {RENAMED[key]}")
+                continue
             if name not in names:
                 errors.append(f"{source}: unknown field {key} (known: {', '.join(sorted(names))})")
                 continue

@@ -1,5 +1,5 @@
 """Degrees for a world that changed size: an elastic job (``--nnodes MIN:MAX``) restarted on
-fewer nodes keeps its model-parallel degrees (tp, pp, sp) and lets data parallelism take the
+fewer nodes keeps its model-parallel degrees (tp, pp, cp) and lets data parallelism take the
 processes there are. Torch-free."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ def at_world(config: C, world: int) -> C:
     """``config`` with ``parallel.dp`` = ``world`` over the other degrees (ValueError naming
     the numbers when they do not divide it)."""
     p = config.parallel
-    per_replica = p.tp * p.pp * p.sp
+    per_replica = p.tp * p.pp * p.cp
     if world < 1 or world % per_replica:
         raise ValueError(
-            f"{world} processes do not split into replicas of tp * pp * sp = "
-            f"{p.tp} * {p.pp} * {p.sp} = {per_replica}"
+            f"{world} processes do not split into replicas of tp * pp * cp = "
+            f"{p.tp} * {p.pp} * {p.cp} = {per_replica}"
         )
     return dataclasses.replace(config, parallel=dataclasses.replace(p, dp=world // per_replica))
 

@@ -112,7 +112,7 @@ class Config(BoostConfig):
                     f"tp_mode {p.tp_mode} splits each microbatch's {rows} rows (data.batch_size / (dp * "
                     f"microbatches)) into {grid.row_blocks} blocks: not divisible"
                 )
-        if grid is not None and p.sp > 1:
+        if grid is not None and p.cp > 1:
             errors += self._check_context_model()
         errors += self._check_model()
         errors += self._check_moe()
@@ -129,16 +129,16 @@ class Config(BoostConfig):
     def _check_context_model(self) -> list[str]:
         """Context parallelism against the ``[model]`` section (the main job's model)."""
         p, m, errors = self.parallel, self.model, []
-        chunks = sequence_chunks(p.sp, p.sp_layout, tp=p.tp, sequence_parallel=p.sequence_parallel)
+        chunks = sequence_chunks(p.cp, p.cp_layout, tp=p.tp, sequence_parallel=p.sequence_parallel)
         if m.seq_len % chunks:
             errors.append(
-                f"model.seq_len={m.seq_len} does not split into {chunks} equal chunks (sp={p.sp}, "
-                f"layout {p.sp_layout}{', times tp for sequence_parallel' if p.sequence_parallel else ''})"
+                f"model.seq_len={m.seq_len} does not split into {chunks} equal chunks (cp={p.cp}, "
+                f"layout {p.cp_layout}{', times tp for sequence_parallel' if p.sequence_parallel else ''})"
             )
-        if p.sp_mode == "ulysses" and (m.n_heads // p.tp) % p.sp:
+        if p.cp_mode == "ulysses" and (m.n_heads // p.tp) % p.cp:
             errors.append(
-                f"parallel.sp_mode=ulysses needs the heads per tp rank ({m.n_heads} / tp={p.tp}) divisible "
-                f"by parallel.sp={p.sp}"
+                f"parallel.cp_mode=ulysses needs the heads per tp rank ({m.n_heads} / tp={p.tp}) divisible "
+                f"by parallel.cp={p.cp}"
             )
         if m.dropout > 0:
             errors.append(f"model.dropout={m.dropout}: context parallel attention has no dropout; use 0")
@@ -202,6 +202,6 @@ class Config(BoostConfig):
                 p.tp > 1 and p.tp_mode is not TPMode.ONE_D,
                 f"moe.enabled with parallel.tp_mode={p.tp_mode}: the experts are split under 1D tp only",
             ),
-            (p.sp > 1, f"moe.enabled with parallel.sp={p.sp}: context parallelism with MoE is not built"),
+            (p.cp > 1, f"moe.enabled with parallel.cp={p.cp}: context parallelism with MoE is not built"),
         ]
         return [message for bad, message in refused if bad]

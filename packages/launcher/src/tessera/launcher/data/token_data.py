@@ -14,7 +14,7 @@ step): the data position a checkpoint records (its step, ``manifest.json``'s
 ``data_position``) is all a resumed run needs to continue at the exact next sample.
 
 What each rank reads: the main job asks its engine which rows its data-parallel replica
-trains on (``Engine.local_rows``: the same rows on the tp / sp / pp ranks of one replica) and
+trains on (``Engine.local_rows``: the same rows on the tp / cp / pp ranks of one replica) and
 whether it reads the inputs and the targets (``Engine.batch_needs``: a pipeline's first stage
 the inputs, its last the targets, a middle stage neither), and ``parts`` reads just that:
 ``batch_size / dp`` samples of ``seq_len + 1`` tokens through the memmaps (the pages the OS

@@ -51,7 +51,7 @@ _ROTARY = (
 )  # fmt: skip
 FAMILIES: dict[str, ModelSpec] = {
     **{kind: ModelSpec(blocks=decoder_blocks) for kind in _ROTARY},
-    "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "sp": _ALIBI}),
+    "bloom": ModelSpec(refuses={"tp": _ALIBI, "pp": _ALIBI, "cp": _ALIBI}),
     "doge": ModelSpec(
         blocks=decoder_blocks,
         refuses={

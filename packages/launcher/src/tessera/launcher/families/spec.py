@@ -78,13 +78,13 @@ class ModelSpec:
     the layers' ``nn.ModuleList``, or None (found automatically). ``loss(logits, targets)``:
     the mean loss of this rank's batch; None trains the exact cross-entropy of the mode
     (vocab-parallel logits under 1D tensor parallelism). ``output``: the logits in what the
-    model returns. ``attention_cores`` / ``positions``: for context parallelism (sp), the
+    model returns. ``attention_cores`` / ``positions``: for context parallelism (cp), the
     plan-style names of the attention cores (called on q, k, v; None: the model's
     ``F.scaled_dot_product_attention`` calls are found and routed) and of the modules indexed
     by position (learned embeddings, rotary modules; comma-separated; rotary modules are also
     found by class), see ``tessera.tensor_parallel.context_parallelize``. ``refuses``: the
     parallel axes the model cannot take (``"tp"``, ``"sequence_parallel"``, ``"pp"``,
-    ``"sp"``), each with the reason; ``boost()`` refuses them before building anything.
+    ``"cp"``), each with the reason; ``boost()`` refuses them before building anything.
     With neither ``plans`` nor ``roles`` for a mode, the roles are derived from the model's
     module tree (``derived_roles.derive_roles``, logged so that they can be copied).
     """
@@ -149,13 +149,13 @@ def model_family(model: nn.Module) -> str | None:
 
 
 def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str]:
-    """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``sp``) that
-    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``sp``) on attention
+    """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``cp``) that
+    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``cp``) on attention
     whose logits are soft-capped (Gemma2's ``attn_logit_softcapping``)."""
     refused = {axis: spec.refuses[axis] for axis in axes if axis in spec.refuses}
     cap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
-    if "sp" in axes and cap is not None and "sp" not in refused:
-        refused["sp"] = (
+    if "cp" in axes and cap is not None and "cp" not in refused:
+        refused["cp"] = (
             f"its attention logits are soft-capped (tanh, attn_logit_softcapping={cap}), which ring and "
             "Ulysses attention do not apply (they run scaled dot-product attention)"
         )

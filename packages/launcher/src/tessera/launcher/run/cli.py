@@ -128,16 +128,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def rank_table(config: Config, plan: NodePlan) -> str:
-    """One line per rank: node, local rank and (pp, dp, sp, tp) coordinates."""
+    """One line per rank: node, local rank and (pp, dp, cp, tp) coordinates."""
     topo = config.parallel.topology()
-    grid = [a for a in topo.axes if a not in (Axis.PP, Axis.DP, Axis.SP, Axis.TP)]  # tp sub-axes
-    lines = ["rank  node  local  pp  dp  sp  tp" + "".join(f"  {a.value}" for a in grid)]
+    grid = [a for a in topo.axes if a not in (Axis.PP, Axis.DP, Axis.CP, Axis.TP)]  # tp sub-axes
+    lines = ["rank  node  local  pp  dp  cp  tp" + "".join(f"  {a.value}" for a in grid)]
     for rank in range(topo.world_size):
         c = topo.coordinates(rank)
         node, local = divmod(rank, plan.nproc_per_node)
         lines.append(
             f"{rank:>4}  {node:>4}  {local:>5}  "
-            f"{c[Axis.PP]:>2}  {c[Axis.DP]:>2}  {c[Axis.SP]:>2}  {c[Axis.TP]:>2}"
+            f"{c[Axis.PP]:>2}  {c[Axis.DP]:>2}  {c[Axis.CP]:>2}  {c[Axis.TP]:>2}"
             + "".join(f"  {c[a]:>{len(a.value)}}" for a in grid)
         )
     return "\n".join(lines)

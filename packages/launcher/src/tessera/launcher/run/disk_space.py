@@ -53,7 +53,7 @@ def disk_tier_bytes(config: Config, processes: int) -> int:
     if not config.zero.disk_dir:
         return 0
     p, par = model_parameters(config), config.parallel
-    state = p * (4 + 4 + _optimizer_bytes(config)) // (par.tp * par.pp * par.sp)  # masters, grads, moments
+    state = p * (4 + 4 + _optimizer_bytes(config)) // (par.tp * par.pp * par.cp)  # masters, grads, moments
     per_rank = state // par.dp if config.zero.stage >= 1 else state
     fractions = config.zero.fractions
     if len(fractions) == 3:

@@ -9,7 +9,7 @@ swaps the attention cores for ring or Ulysses attention, the pipeline partitione
 the blocks into this rank's stages, the layers are compiled (``train.compile``:
 ``tessera.launcher.train.compiling``) and wrapped for activation checkpointing or offload, and the
 optimizer is rebuilt over the parameters this rank still holds, to be sharded by ZeRO over
-the data-parallel ranks (dp x sp under context parallelism, whose ranks hold partial sums of
+the data-parallel ranks (dp x cp under context parallelism, whose ranks hold partial sums of
 one replica's gradient). Under expert parallelism (``parallel.ep``) every MoE layer's
 experts are split over the ep group before tensor parallelism (``tessera.launcher.train.experts``),
 and ZeRO shards the expert parameters over the expert-data-parallel group instead.
@@ -200,11 +200,11 @@ def _verify_on_twin(model: nn.Module, config: BoostConfig, *, spec: ModelSpec, p
     step, which the verifier compares with a serial one (`tessera.launcher.train.twin`)."""
     p = config.parallel
     layers = max(2, p.pp * p.virtual_stages)
-    twin = shrunken_twin(model, layers=layers, vocab_multiple=p.tp * p.sp, seed=config.train.seed)
+    twin = shrunken_twin(model, layers=layers, vocab_multiple=p.tp * p.cp, seed=config.train.seed)
     vocab = vocabulary(twin)
     assert vocab is not None  # an HF config says its vocab_size
     inputs, targets = twin_batch(
-        vocab, rows=p.dp * p.microbatches, tokens=16 * p.sp * p.tp, seed=config.train.seed,
+        vocab, rows=p.dp * p.microbatches, tokens=16 * p.cp * p.tp, seed=config.train.seed,
         device=next(iter(twin.parameters())).device,
     )  # fmt: skip
 
@@ -222,7 +222,7 @@ def _verify_on_twin(model: nn.Module, config: BoostConfig, *, spec: ModelSpec, p
 
 def _check_refusals(model: nn.Module, spec: ModelSpec, p: Any) -> None:
     """ValueError naming each parallel axis in use that the model refuses (`refusals`)."""
-    used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "sp": p.sp > 1}
+    used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "cp": p.cp > 1}
     refused = refusals(model, spec, [axis for axis, on in used.items() if on])
     if refused:
         kind = model_family(model) or type(model).__name__
@@ -242,7 +242,7 @@ def boost(
     init: InitFn | None = None,
     compile: bool | None = None,
 ) -> Engine:
-    """Compose dp x pp x tp x sp x ZeRO for any ``model`` per ``config``; collective over the
+    """Compose dp x pp x tp x cp x ZeRO for any ``model`` per ``config``; collective over the
     default process group.
 
     ``spec``: the model contract (`ModelSpec`: pipeline blocks, loss, output, tp plans);
@@ -250,7 +250,7 @@ def boost(
     ``plan``: the tensor-parallel plan, overriding the spec's. ``example``: a batch of
     inputs; with pipelining, the blocks are first checked to reproduce ``model(example)``;
     under context parallelism its ids give the vocabulary of the sequence-split probe
-    (``tessera.tensor_parallel.probe_sequence_split``, run before training on every sp rank).
+    (``tessera.tensor_parallel.probe_sequence_split``, run before training on every cp rank).
     ``scheduler_fn(optimizer) -> LRScheduler`` builds the learning-rate schedule on the
     rebuilt optimizer (none by default). ``verify``: compare the first step with a serial step
     of the same model and refuse to train on a mismatch (None: ``train.verify``; see
@@ -276,17 +276,17 @@ def boost(
     tp_plan = None
     if topology.tp > 1:  # resolved on the serial model: the MoE layers' styles are checked before any group
         tp_plan = (spec if plan is None else ModelSpec(roles=plan)).plan(
-            topology.tp_mode, model, depth=topology.depth
+            topology.tp_mode, model, depth=topology.tp_depth
         )
         resolved = resolve_plan(model, tp_plan, tp=topology.tp, sequence_parallel=p.sequence_parallel)
         check_moe_plan(model, resolved, sequence_parallel=p.sequence_parallel)
     group_of = _groups_by_name(model, optimizer)  # before any group: a refusal communicates nothing
-    mesh = Mesh(topology, combined=[("dp", "sp")] if topology.sp > 1 else [])
-    tp, pp, sp = mesh.size("tp"), mesh.size("pp"), mesh.size("sp")
+    mesh = Mesh(topology, combined=[("dp", "cp")] if topology.cp > 1 else [])
+    tp, pp, cp = mesh.size("tp"), mesh.size("pp"), mesh.size("cp")
     full_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     aliases = tied_aliases(model)
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
-    data_group = mesh.group(("dp", "sp")) if sp > 1 else mesh.group("dp")
+    data_group = mesh.group(("dp", "cp")) if cp > 1 else mesh.group("dp")
     verify = config.train.verify if verify is None else verify
     if verify == "twin":
         _verify_on_twin(model, config, spec=spec, plan=plan)
@@ -313,12 +313,12 @@ def boost(
             sequence_parallel=p.sequence_parallel,
             seed=config.train.seed,
         )
-    if sp > 1:  # no cores named: its F.scaled_dot_product_attention calls are found and routed
+    if cp > 1:  # no cores named: its F.scaled_dot_product_attention calls are found and routed
         context_parallelize(
             model,
-            mesh.group("sp"),
-            mode=p.sp_mode,
-            layout=p.sp_layout,
+            mesh.group("cp"),
+            mode=p.cp_mode,
+            layout=p.cp_layout,
             cores=spec.attention_cores,
             positions=spec.positions or _position_roles(plan if plan is not None else spec.roles),
             probe=_sequence_probe(model, example, tp=tp if p.sequence_parallel else 1),
@@ -353,7 +353,7 @@ def boost(
             offload_layers(layers)
         if t.activation_checkpointing:
             checkpoint_layers(layers, every=t.recompute_every, policy=t.recompute_policy)
-    goal = objective(mesh, sp_layout=p.sp_layout, loss=spec.loss)
+    goal = objective(mesh, cp_layout=p.cp_layout, loss=spec.loss)
     specs = dict(shard_specs(model))
     named = dict(model.named_parameters())
     names = {id(param): name for name, param in named.items()}

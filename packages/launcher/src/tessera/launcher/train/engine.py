@@ -121,7 +121,7 @@ class Engine:
     # ------------------------------------------------------------------ training
     def local_rows(self, batch_size: int) -> range:
         """The rows of a global batch of ``batch_size`` rows that this rank trains on: its
-        data-parallel replica's block, the same rows on the tp / sp / pp ranks of a replica.
+        data-parallel replica's block, the same rows on the tp / cp / pp ranks of a replica.
         A loop that reads only these rows passes them with ``local=True``."""
         dp = self.mesh.size("dp")
         if batch_size % dp:
@@ -146,10 +146,10 @@ class Engine:
         self, inputs: Inputs | None, targets: Tensor | None, local: bool, *, parts: int
     ) -> tuple[Inputs | None, Tensor | None]:
         """This rank's part of the batch: its dp rows (``local``: the rows given are they),
-        then its tp-mode / sp share; the rows' targets are counted first (``_count``, for
+        then its tp-mode / cp share; the rows' targets are counted first (``_count``, for
         ``parts`` microbatches per replica). Keyword inputs (a mapping such as
         ``{"input_ids": ..., "attention_mask": ...}``) are split by rows only, so they need a
-        mode whose ranks see whole rows (1D tp, no sp, no pp)."""
+        mode whose ranks see whole rows (1D tp, no cp, no pp)."""
         needs = self.batch_needs
         for name, given, needed in (("inputs", inputs, needs[0]), ("targets", targets, needs[1])):
             if given is None and (needed or not local):
@@ -169,7 +169,7 @@ class Engine:
         if not isinstance(inputs, Mapping):
             return self._shard(None if inputs is None else inputs.to(self.mesh.device), y)
         topology = self.mesh.topology
-        if self.runtime is not None or topology.sp > 1 or topology.tp_mode.value != "1d":
+        if self.runtime is not None or topology.cp > 1 or topology.tp_mode.value != "1d":
             raise ValueError(
                 f"keyword inputs ({', '.join(inputs)}) with {topology.describe()}: only whole-row modes "
                 "take them (1D tp, dp, ZeRO); pass one tensor of inputs"

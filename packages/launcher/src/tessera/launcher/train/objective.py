@@ -8,9 +8,9 @@ Data parallelism gives each dp rank its rows (the Engine does that). Then:
   ``cross_entropy_2d`` is exact over the grid's tokens. 2.5D (q x q x d): batch block
   k*q + i of q*d. 3D (q x q x q): the input block b*q + a of q*q, the targets in the logits'
   layout, block b*q + c.
-- Context parallelism (sp ranks): each rank takes its slice of the sequence (contiguous or
-  zigzag); the loss is its tokens' losses summed over sp (identity backward). Every sp
-  rank's gradient is then a partial sum of the replica's gradient: ZeRO sums over dp x sp
+- Context parallelism (cp ranks): each rank takes its slice of the sequence (contiguous or
+  zigzag); the loss is its tokens' losses summed over cp (identity backward). Every cp
+  rank's gradient is then a partial sum of the replica's gradient: ZeRO sums over dp x cp
   and averages over dp only.
 
 **The built-in cross-entropy is a sum** (``Objective.sums``): the loss of a replica's
@@ -106,14 +106,14 @@ def _multi_dimensional(mesh: Mesh) -> Objective:
     )
 
 
-def objective(mesh: Mesh, *, sp_layout: str = "contiguous", loss: Loss | None = None) -> Objective:
+def objective(mesh: Mesh, *, cp_layout: str = "contiguous", loss: Loss | None = None) -> Objective:
     """The data split and the loss for ``mesh``'s degrees (see the module docstring).
     ``loss(output, targets)``: the user's mean loss over a rank's tokens, in place of the
     cross-entropy (1D tensor parallelism: the outputs are what the user's plan leaves, so
     vocab-split logits need a loss that knows it)."""
     if mesh.topology.tp_mode is not TPMode.ONE_D:
         mode = mesh.topology.tp_mode
-        if mesh.size("sp") > 1:
+        if mesh.size("cp") > 1:
             raise ValueError(f"{mode} tensor parallelism with context parallelism is not built")
         if loss is not None:
             raise ValueError(
@@ -121,7 +121,7 @@ def objective(mesh: Mesh, *, sp_layout: str = "contiguous", loss: Loss | None = 
                 "only its exact cross-entropy is built; use tp_mode 1d or the default loss"
             )
         return _multi_dimensional(mesh)
-    tp_group, sp, sp_group = mesh.group("tp"), mesh.size("sp"), mesh.group("sp")
+    tp_group, cp, sp_group = mesh.group("tp"), mesh.size("cp"), mesh.group("cp")
 
     def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:  # the sum over counted tokens
         flat = targets.flatten()
@@ -130,17 +130,17 @@ def objective(mesh: Mesh, *, sp_layout: str = "contiguous", loss: Loss | None = 
     one_d = loss if loss is not None else cross_entropy
     sums = loss is None
 
-    if sp == 1:
+    if cp == 1:
         return Objective(lambda x, y: (x, y), one_d, sums)
 
     def sequence(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        a, b = split_batch(x, y, group=sp_group, layout=sp_layout)
+        a, b = split_batch(x, y, group=sp_group, layout=cp_layout)
         return a, b
 
-    def over_sp(logits: Tensor, targets: Tensor) -> Tensor:
+    def over_cp(logits: Tensor, targets: Tensor) -> Tensor:
         if sums:
             return reduce_from_region(one_d(logits, targets), sp_group)
-        tokens = targets.numel()  # a user's mean: every sp rank holds as many tokens
-        return reduce_from_region(one_d(logits, targets) * tokens, sp_group) / (tokens * sp)
+        tokens = targets.numel()  # a user's mean: every cp rank holds as many tokens
+        return reduce_from_region(one_d(logits, targets) * tokens, sp_group) / (tokens * cp)
 
-    return Objective(sequence, over_sp, sums)
+    return Objective(sequence, over_cp, sums)

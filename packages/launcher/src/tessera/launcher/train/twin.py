@@ -7,7 +7,7 @@ layers and small widths (`shrunken_config`): every head count, the vocabulary's 
 layer types, windows, scales and tied weights stay as they are, so the twin takes the same
 plan of roles, pipeline blocks, probes and degrees. ``boost`` builds it (same seed on every
 rank), boosts it with ``verify=True`` under the same config, trains one step on a random
-batch (one row per replica and microbatch, 16 tokens per sp rank), which the verifier
+batch (one row per replica and microbatch, 16 tokens per cp rank), which the verifier
 compares with the serial step of a copy of the twin, and drops it, all before the real
 model is touched. A mismatch raises the verifier's ``ValueError`` on every rank.
 

@@ -1,4 +1,4 @@
-"""Context (sequence) parallelism over the ``sp`` axis: ring and Ulysses attention.
+"""Context (sequence) parallelism over the ``cp`` axis: ring and Ulysses attention.
 
 ``layout`` (which positions a rank holds: contiguous or zigzag; ``sequence_chunks``, how
 many equal chunks a sequence is cut into), ``ring`` and ``ulysses`` (the attention cores),
@@ -6,7 +6,7 @@ many equal chunks a sequence is cut into), ``ring`` and ``ulysses`` (the attenti
 attention cores; ``route_attention``: route its SDPA calls, found without names, through
 ``intercept``), ``positions`` (positions modules follow the sequence shards), ``probe``
 (``probe_sequence_split``: the split model computes what the whole one does, checked before
-training) and ``training`` (batch slices, the exact global loss, gradient sums over ``sp``).
+training) and ``training`` (batch slices, the exact global loss, gradient sums over ``cp``).
 """
 
 from tessera.tensor_parallel.context.layout import (

@@ -3,7 +3,7 @@
 While any module of a model made context-parallel by ``route_attention`` runs, a
 ``torch.overrides.TorchFunctionMode`` is active on that thread (modes are thread-local, so
 other threads and code outside the model's forward see plain SDPA). It hands every
-``scaled_dot_product_attention`` call to ring or Ulysses attention over the ``sp`` group and
+``scaled_dot_product_attention`` call to ring or Ulysses attention over the ``cp`` group and
 passes every other torch function through unchanged. Every module's ``forward`` is wrapped
 to enter it when none of the model's modules is running on this thread (a depth count) and
 leave it when that forward returns or raises; so a layer recomputed by activation

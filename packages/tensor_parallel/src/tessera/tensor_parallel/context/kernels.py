@@ -17,7 +17,7 @@ Implementations of that contract (`kernel` says which one a block gets):
   writes and reads the (queries x keys) scores several times. Forward + backward of one fp32
   block, one thread of this 2-core machine: (batch 16, 8 heads, 32 x 32, head dim 32)
   3.4-3.7 ms against 1.3-1.4 ms fused; (1, 4, 2048 x 2048, 16) 480-610 ms against 50-78 ms.
-  With the fused kernel the planner bench's sp=2 ring step went from 0.304 s to 0.271 s.
+  With the fused kernel the planner bench's cp=2 ring step went from 0.304 s to 0.271 s.
 
 A fused kernel is taken when the block has all pairs or exactly the causal triangle (every
 block of the contiguous and zigzag layouts). Every path returns the output in the inputs'

@@ -67,7 +67,7 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _check_core(name: str, core: nn.Module, mode: Mode, sp: int, heads: int | None) -> None:
+def _check_core(name: str, core: nn.Module, mode: Mode, cp: int, heads: int | None) -> None:
     if any(True for _ in core.parameters()):
         raise ValueError(f"attention core {name} has parameters; only a parameter-free core can be swapped")
     if float(getattr(core, "dropout", 0.0)) > 0:
@@ -75,7 +75,7 @@ def _check_core(name: str, core: nn.Module, mode: Mode, sp: int, heads: int | No
             f"attention core {name} has dropout {core.dropout}; context parallelism does not support it"
         )
     if mode is Mode.ULYSSES and heads is not None:
-        check_ulysses(heads, heads, sp)
+        check_ulysses(heads, heads, cp)
 
 
 def context_parallelize(
@@ -96,7 +96,7 @@ def context_parallelize(
     any); ``cores=None`` finds attention without names instead (``route_attention``). The
     modules matching ``positions`` (comma-separated patterns; None: none) follow the
     sequence shards (``positions.follow_positions``). ``heads``, when given, is checked
-    against ``sp`` for Ulysses up front (the cores check the shapes they see anyway).
+    against ``cp`` for Ulysses up front (the cores check the shapes they see anyway).
     Everything is checked before the model changes; returns the model. Feed it this rank's
     slice of each batch (``split_batch``), reduce the loss with ``context_parallel_loss``
     and sum the gradients over ``group`` (``sync_context_parallel_grads``).
@@ -127,22 +127,22 @@ def _swap_cores(
 ) -> nn.Module:
     """``context_parallelize`` with the attention cores named (``cores``)."""
     mode, layout = Mode(mode), Layout(layout)
-    sp = group_size(group)
+    cp = group_size(group)
     found = _matching(model, cores)
     for name, core in found:
-        _check_core(name, core, mode, sp, heads)
+        _check_core(name, core, mode, cp, heads)
     position_modules = _matching(model, positions) if positions is not None else []
     for name, core in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        cp = ContextParallelAttention(
+        wrapped = ContextParallelAttention(
             group,
             mode=mode,
             layout=layout,
             causal=bool(getattr(core, "causal", True)),
             scale=getattr(core, "scale", None),
         )
-        setattr(parent, child, cp)
+        setattr(parent, child, wrapped)
     follow_positions(position_modules, group, layout)
     return model
 
@@ -189,7 +189,7 @@ def route_attention(
     a forward that made no such call raises ValueError. The modules matching ``positions``
     (comma-separated patterns) and the autodetected ones (rotary modules, Hugging Face
     learned position embeddings) follow the sequence shards; an unhooked embedding called
-    with ``arange`` raises (``positions``). ``heads`` is checked against ``sp`` for Ulysses
+    with ``arange`` raises (``positions``). ``heads`` is checked against ``cp`` for Ulysses
     up front. Hooks only: the modules and weights are unchanged. Training as for
     ``context_parallelize``.
     """

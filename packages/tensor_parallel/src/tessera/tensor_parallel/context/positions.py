@@ -1,7 +1,7 @@
 """Positions that follow the sequence shards: each rank's tokens get their global positions.
 
-Under context parallelism a rank holds ``local_len`` tokens of a sequence of ``sp *
-local_len`` (contiguous, or zigzag chunks ``r`` and ``2*sp-1-r``), but the model computes
+Under context parallelism a rank holds ``local_len`` tokens of a sequence of ``cp *
+local_len`` (contiguous, or zigzag chunks ``r`` and ``2*cp-1-r``), but the model computes
 positions from its local length. A *positions module* is one whose output is indexed by
 sequence position; ``follow_positions`` hooks it in one of two ways, chosen per call:
 
@@ -84,8 +84,8 @@ def _ids_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | str, T
 class _Follow:
     """The pre- and post-hook of one positions module (see the module docstring)."""
 
-    def __init__(self, name: str, sp: int, rank: int, layout: Layout) -> None:
-        self.name, self.sp, self.rank, self.layout = name, sp, rank, layout
+    def __init__(self, name: str, cp: int, rank: int, layout: Layout) -> None:
+        self.name, self.cp, self.rank, self.layout = name, cp, rank, layout
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         where = _ids_of(args, kwargs)
@@ -98,7 +98,7 @@ class _Follow:
                     f"{int(ids.max())}]; under context parallelism it expects local positions 0..{n - 1} "
                     "(let the model compute them: do not pass global position ids)"
                 )
-            mapped = local_positions(self.rank, self.sp, n, self.layout, ids.device)[ids]
+            mapped = local_positions(self.rank, self.cp, n, self.layout, ids.device)[ids]
             if isinstance(key, str):
                 return args, {**kwargs, key: mapped}
             return (*args[:key], mapped, *args[key + 1 :]), kwargs
@@ -108,14 +108,14 @@ class _Follow:
             )
         x = args[0]
         shape = list(x.shape)
-        shape[1] *= self.sp
+        shape[1] *= self.cp
         return (x.narrow(1, 0, 1).expand(shape), *args[1:]), kwargs
 
     def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         if _ids_of(args, kwargs) is not None:
             return out
         total = args[0].shape[1]
-        index = local_positions(self.rank, self.sp, total // self.sp, self.layout, args[0].device)
+        index = local_positions(self.rank, self.cp, total // self.cp, self.layout, args[0].device)
 
         def take(t: Any) -> Any:
             if not isinstance(t, Tensor):
@@ -134,10 +134,10 @@ def follow_positions(
     modules: list[tuple[str, nn.Module]], group: Group, layout: Layout | str
 ) -> list[RemovableHandle]:
     """Hook each (name, module) so its positions are this rank's global ones; the handles."""
-    sp, rank, layout = group_size(group), group_rank(group), Layout(layout)
+    cp, rank, layout = group_size(group), group_rank(group), Layout(layout)
     handles = []
     for name, module in modules:
-        follow = _Follow(name, sp, rank, layout)
+        follow = _Follow(name, cp, rank, layout)
         handles.append(module.register_forward_pre_hook(follow.pre, with_kwargs=True))
         handles.append(module.register_forward_hook(follow.post, with_kwargs=True))
     return handles

@@ -4,7 +4,7 @@ Context parallelism routes a model's attention to ring or Ulysses and makes its 
 positions modules follow the sequence shards (``positions``); everything else must work per
 token. A forward that derives positions or a mask from the sequence length it is handed
 (rotary angles from ``torch.arange(x.shape[1])`` inline) sees only its rank's slice and
-trains silently wrong. ``probe_sequence_split`` measures it, collectively over the ``sp``
+trains silently wrong. ``probe_sequence_split`` measures it, collectively over the ``cp``
 group, around the installation of context parallelism: in eval mode and without gradients it
 runs the whole sequence of a small random batch of token ids through the model before the
 routing is installed (pass 1), then, after it, this rank's slice of the same ids (pass 2),
@@ -72,9 +72,9 @@ class SequenceProbe:
             if getattr(self, name) < 1:
                 raise ValueError(f"SequenceProbe.{name} must be >= 1, got {getattr(self, name)}")
 
-    def sequence_length(self, sp: int, layout: Layout | str, limit: int | None = None) -> int:
-        """The probe's sequence length at ``sp`` ranks (0: none fits ``max_len`` / ``limit``)."""
-        chunks = sequence_chunks(sp, layout) * self.multiple
+    def sequence_length(self, cp: int, layout: Layout | str, limit: int | None = None) -> int:
+        """The probe's sequence length at ``cp`` ranks (0: none fits ``max_len`` / ``limit``)."""
+        chunks = sequence_chunks(cp, layout) * self.multiple
         length = chunks * math.ceil(self.length / chunks)
         bounds = [b for b in (self.max_len, limit) if b is not None]
         return min([length, *[b // chunks * chunks for b in bounds]])
@@ -209,11 +209,11 @@ def _compare(out1: Tensor | None, out2: Tensor | None, length: int, cut: _Cut) -
 
 
 def _refusal(
-    what: str, name: str, kind: str, *, sp: int, layout: Layout, length: int, stats: list[float]
+    what: str, name: str, kind: str, *, cp: int, layout: Layout, length: int, stats: list[float]
 ) -> str:
     rel, diff, tol = stats[0], stats[1], stats[4]
     return (
-        f"context parallelism changes what {what} computes: at sp={sp} ({layout.value} layout) its output "
+        f"context parallelism changes what {what} computes: at cp={cp} ({layout.value} layout) its output "
         f"on {length} tokens differs from the whole sequence's by up to {diff:.3g} ({rel:.2g} of its largest "
         f"magnitude; bound {tol:.0e}); the first module whose output differs is {name or '(the model)'!r} "
         f"({kind}): its forward derives positions or a mask from the local sequence length; compute them "
@@ -244,23 +244,23 @@ def probe_sequence_split(
     if probe is None:
         return install()
     layout = Layout(layout)
-    sp, rank = group_size(group), group_rank(group)
+    cp, rank = group_size(group), group_rank(group)
     what = type(model).__name__
     if any(p.is_meta for p in model.parameters()):
         _LOG.info("sequence-split probe skipped: %s has parameters on the meta device (deferred init)", what)
         return install()
     if not has_p2p(group):  # ring attention sends and receives
-        _LOG.info("sequence-split probe skipped: the sp group's backend has no send/recv (a test backend)")
+        _LOG.info("sequence-split probe skipped: the cp group's backend has no send/recv (a test backend)")
         return install()
-    length = probe.sequence_length(sp, layout, _learned_bound(model, positions))
+    length = probe.sequence_length(cp, layout, _learned_bound(model, positions))
     if length == 0:
-        _LOG.info("sequence-split probe skipped: no sequence length fits %s at sp=%d", what, sp)
+        _LOG.info("sequence-split probe skipped: no sequence length fits %s at cp=%d", what, cp)
         return install()
     device, start = _device(model), time.perf_counter()
     ids = probe.ids(length, device)
 
     def cut(t: Tensor) -> Tensor:
-        return split_sequence(t, rank, sp, layout, dim=1)
+        return split_sequence(t, rank, cp, layout, dim=1)
 
     whole, error, out1 = _Record(length, cut), None, None
     with evaluating(model), _recording(model, whole):
@@ -273,7 +273,7 @@ def probe_sequence_split(
         _LOG.warning("sequence-split probe skipped: %s cannot run %d tokens whole: %s", what, length, error)
         return install()
     result = install()
-    part = _Record(length // sp, lambda t: t)
+    part = _Record(length // cp, lambda t: t)
     with evaluating(model), _recording(model, part):
         out2 = _first_tensor(model(cut(ids)))
     compared, tol = _compare(out1, out2, length, cut), _tolerance(model, out1)
@@ -291,10 +291,10 @@ def probe_sequence_split(
     if stats[0] > stats[4]:
         name = whole.order[int(-stats[2])][0] if stats[2] > _NONE else ""
         kind = whole.kinds.get(name, what)
-        raise ValueError(_refusal(what, name, kind, sp=sp, layout=layout, length=length, stats=stats))
+        raise ValueError(_refusal(what, name, kind, cp=cp, layout=layout, length=length, stats=stats))
     _LOG.info(
-        "sequence-split probe: %s at sp=%d (%s), %d x %d tokens, largest difference %.2g of the output's "
+        "sequence-split probe: %s at cp=%d (%s), %d x %d tokens, largest difference %.2g of the output's "
         "largest magnitude (bound %.0e), %.2f s",
-        what, sp, layout.value, probe.batch, length, stats[0], stats[4], seconds,
+        what, cp, layout.value, probe.batch, length, stats[0], stats[4], seconds,
     )  # fmt: skip
     return result

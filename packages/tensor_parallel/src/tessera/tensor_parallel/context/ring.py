@@ -1,6 +1,6 @@
-"""Ring attention: K/V blocks travel around the ``sp`` ring while each rank attends to them.
+"""Ring attention: K/V blocks travel around the ``cp`` ring while each rank attends to them.
 
-Each rank holds q, k, v for its slice of the sequence (a ``Layout``). Forward: ``sp`` steps;
+Each rank holds q, k, v for its slice of the sequence (a ``Layout``). Forward: ``cp`` steps;
 at step i a rank attends its queries to the K/V block of rank ``r - i`` and merges the
 partial result by the log-sum-exp rule, while the next block is already in flight
 (``ring_shift_async``). Under causal attention only the query rows and key columns of a
@@ -8,11 +8,11 @@ block with allowed pairs are computed, so the zigzag layout gives every rank the
 (half a block per step besides its own) and contiguous skips the blocks of later ranks.
 Backward recomputes each block's probabilities from the saved log-sum-exp (flash-attention
 style); K/V travel the ring again and the dK/dV accumulated for a block travel with it,
-arriving home after ``sp - 1`` hops. Each block's arithmetic is `kernels`: torch's fused
+arriving home after ``cp - 1`` hops. Each block's arithmetic is `kernels`: torch's fused
 flash-attention kernel on CPU tensors (every block of both layouts is unmasked or exactly
 causal), separate operators elsewhere.
 
-Bytes sent per rank: forward ``(sp - 1)`` local K and V blocks, i.e. ``(sp-1)/sp`` of the
+Bytes sent per rank: forward ``(cp - 1)`` local K and V blocks, i.e. ``(cp-1)/cp`` of the
 full K and V; backward twice that (K/V again, and their gradients). Grouped-query attention
 sends the smaller K/V and expands heads only for computing. Arithmetic runs in fp32; K/V
 travel in their own dtype, dK/dV accumulate (and travel) in fp32.
@@ -162,19 +162,19 @@ class _Ring:
         window: int | None,
     ) -> None:
         self.group, self.scale, self.window = group, scale, window
-        self.sp, self.rank = group_size(group), group_rank(group)
-        if self.sp > 1:
+        self.cp, self.rank = group_size(group), group_rank(group)
+        if self.cp > 1:
             share_memory(group)  # collective once: the ring's messages then go through shared memory
         self.groups = q.shape[1] // k.shape[1]
         n = q.shape[2]
         self.positions = [
-            local_positions(r, self.sp, n, layout, q.device) if causal else None for r in range(self.sp)
+            local_positions(r, self.cp, n, layout, q.device) if causal else None for r in range(self.cp)
         ]
         self._blocks: dict[int, _Block | None] = {}
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
-        return (self.rank - step) % self.sp
+        return (self.rank - step) % self.cp
 
     def block(self, step: int) -> _Block | None:
         """The work between this rank's queries and the K/V block of ``step``; None: nothing
@@ -202,7 +202,7 @@ class _Ring:
 
 def _shift(x: Tensor, ring: _Ring, step: int) -> Handle[Tensor] | None:
     """Send ``x`` on to the next rank unless this is the last step."""
-    return ring_shift_async(x, ring.group) if step < ring.sp - 1 else None
+    return ring_shift_async(x, ring.group) if step < ring.cp - 1 else None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -222,7 +222,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(q32, k, group, causal, layout, scale, window)
         kv = torch.stack([k.detach(), v.detach()])  # travels in the input dtype
         out = lse = None
-        for step in range(ring.sp):
+        for step in range(ring.cp):
             handle = _shift(kv, ring, step)  # the next block travels while this one is computed
             block = ring.block(step)
             if block is not None:  # only the rows and columns with work (zigzag: half the block)
@@ -252,7 +252,7 @@ class _RingAttention(torch.autograd.Function):
         dq, n = torch.zeros_like(q32), q32.shape[2]
         own = torch.zeros_like(kv, dtype=torch.float32)
         travelling: Handle[Tensor] | None = None  # dK/dV of the block that arrives next
-        for step in range(ring.sp):
+        for step in range(ring.cp):
             handle = _shift(kv, ring, step)
             block = ring.block(step)
             grads = torch.zeros_like(own)
@@ -297,7 +297,7 @@ def ring_attention(
     each query attends to the keys less than ``window`` positions before it (sliding-window
     attention, Mistral's and Gemma's); a block with no pair inside the window is skipped, so
     the arithmetic shrinks with the window (the K/V blocks still travel the whole ring). Sends
-    ``sp - 1`` K/V blocks per rank forward, twice that backward (see the module docstring).
+    ``cp - 1`` K/V blocks per rank forward, twice that backward (see the module docstring).
     """
     check_heads(q, k, v)
     check_window(window, causal)

@@ -1,9 +1,9 @@
 """Training over a split sequence: each rank's slice of a batch, the exact global loss, grad sums.
 
-With the sequence split over ``sp`` ranks, every rank computes the loss of its own tokens.
-The global mean is the sum of token losses all-reduced over ``sp`` divided by the global
+With the sequence split over ``cp`` ranks, every rank computes the loss of its own tokens.
+The global mean is the sum of token losses all-reduced over ``cp`` divided by the global
 count of counted tokens (``context_parallel_loss``); its backward is local, so each rank's
-parameter gradients are partial and are summed over ``sp`` (``sync_context_parallel_grads``),
+parameter gradients are partial and are summed over ``cp`` (``sync_context_parallel_grads``),
 exactly as data parallelism sums over ``dp``.
 """
 
@@ -25,8 +25,8 @@ def split_batch(
     *tensors: Tensor, group: Group, layout: Layout | str = Layout.CONTIGUOUS, dim: int = 1
 ) -> tuple[Tensor, ...]:
     """This rank's slice of the sequence (along ``dim``) of each full-batch tensor (ids, targets, masks)."""
-    sp, rank = group_size(group), group_rank(group)
-    return tuple(split_sequence(t, rank, sp, layout, dim).contiguous() for t in tensors)
+    cp, rank = group_size(group), group_rank(group)
+    return tuple(split_sequence(t, rank, cp, layout, dim).contiguous() for t in tensors)
 
 
 def context_parallel_loss(
@@ -48,7 +48,7 @@ def sync_context_parallel_grads(model: nn.Module | Iterable[nn.Parameter], group
     """Sum every parameter gradient over ``group`` in place; return how many were summed.
 
     One all-reduce per dtype of the flattened gradients (moves 2x their bytes). A training
-    loop that already sums gradients over a data-parallel group spanning dp x sp needs no call.
+    loop that already sums gradients over a data-parallel group spanning dp x cp needs no call.
     """
     params = model.parameters() if isinstance(model, nn.Module) else model
     grads = [p.grad for p in params if p.grad is not None]

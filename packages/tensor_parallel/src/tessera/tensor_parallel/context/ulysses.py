@@ -1,7 +1,7 @@
 """Ulysses (DeepSpeed) attention: all-to-all from sequence-split to head-split and back.
 
 Each rank enters with q, k, v for its slice of the sequence and all heads; one all-to-all
-each turns them into the whole sequence for ``1/sp`` of the heads (and of the K/V heads),
+each turns them into the whole sequence for ``1/cp`` of the heads (and of the K/V heads),
 attention runs locally, and one all-to-all turns the output back. Forward moves four
 all-to-alls of the activations (q, k, v, out); backward four more (their gradients).
 """
@@ -21,17 +21,17 @@ from tessera.tensor_parallel.context.ring import check_heads, check_window
 __all__ = ["check_ulysses", "ulysses_attention"]
 
 
-def check_ulysses(heads: int, kv_heads: int, sp: int) -> None:
-    """ValueError unless ``sp`` divides both ``heads`` and ``kv_heads`` (pure)."""
-    if heads % sp or kv_heads % sp:
+def check_ulysses(heads: int, kv_heads: int, cp: int) -> None:
+    """ValueError unless ``cp`` divides both ``heads`` and ``kv_heads`` (pure)."""
+    if heads % cp or kv_heads % cp:
         raise ValueError(
-            f"Ulysses attention needs heads={heads} and kv heads={kv_heads} divisible by sp={sp}"
+            f"Ulysses attention needs heads={heads} and kv heads={kv_heads} divisible by cp={cp}"
         )
 
 
-def _gathered_positions(sp: int, local_len: int, layout: Layout, device: torch.device) -> Tensor:
+def _gathered_positions(cp: int, local_len: int, layout: Layout, device: torch.device) -> Tensor:
     """Global positions of the sequence as the all-to-all concatenates it: rank 0's, rank 1's, ..."""
-    return torch.cat([local_positions(r, sp, local_len, layout, device) for r in range(sp)])
+    return torch.cat([local_positions(r, cp, local_len, layout, device) for r in range(cp)])
 
 
 def ulysses_attention(
@@ -55,14 +55,14 @@ def ulysses_attention(
     """
     groups = check_heads(q, k, v)
     check_window(window, causal)
-    sp = group_size(group)
-    check_ulysses(q.shape[1], k.shape[1], sp)
+    cp = group_size(group)
+    check_ulysses(q.shape[1], k.shape[1], cp)
     local_len = q.shape[2]
-    qh, kh, vh = (all_to_all_along(t, 1, 2, group) for t in (q, k, v))  # (b, h/sp, seq, d)
+    qh, kh, vh = (all_to_all_along(t, 1, 2, group) for t in (q, k, v))  # (b, h/cp, seq, d)
     if groups > 1:
         kh, vh = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    pos = _gathered_positions(sp, local_len, Layout(layout), q.device)
+    pos = _gathered_positions(cp, local_len, Layout(layout), q.device)
     order = torch.argsort(pos)
     shuffled = causal and bool((order != torch.arange(pos.numel(), device=pos.device)).any())
     if shuffled:  # put the gathered sequence in position order: causal is then is_causal=True,

@@ -2,7 +2,7 @@
 
 A 2.5D tp group of ``tp = q*q*d`` ranks is d depth layers of a q x q 2D grid: tp rank
 ``r = k*q*q + i*q + j`` sits at depth ``k``, row ``i``, column ``j``
-(``tessera.comm.Topology(tp_mode="2.5d", depth=d)``). Inside one depth layer ``tp_row`` and
+(``tessera.comm.Topology(tp_mode="2.5d", tp_depth=d)``). Inside one depth layer ``tp_row`` and
 ``tp_col`` are the 2D grid's groups; ``tp_dep`` holds the d ranks with the same (i, j).
 
 Activations: rank (k, i, j) holds batch block ``k*q + i`` of q*d (depth-major: depth layer k
@@ -71,7 +71,8 @@ class Grid2p5D(Grid2D):
             )
         q = mesh.size("tp_row")
         i, j, k = mesh.coordinate("tp_col"), mesh.coordinate("tp_row"), mesh.coordinate("tp_dep")
-        return cls(q, i, j, mesh.group("tp_row"), mesh.group("tp_col"), topo.depth, k, mesh.group("tp_dep"))
+        rows, cols, deps = mesh.group("tp_row"), mesh.group("tp_col"), mesh.group("tp_dep")
+        return cls(q, i, j, rows, cols, topo.tp_depth, k, deps)
 
     @property
     def tesseract_rank(self) -> int:

@@ -1,6 +1,6 @@
 """Context parallelism (``tessera.tensor_parallel.context``) on gloo ranks: the reference GPT
-with its sequence split over sp=2 and sp=4 ranks (ring and Ulysses attention) beside the
-serial GPT (system "serial", the peer), in one run; sp=2 in a ``WorkerPool(2)``, sp=4 in a
+with its sequence split over cp=2 and cp=4 ranks (ring and Ulysses attention) beside the
+serial GPT (system "serial", the peer), in one run; cp=2 in a ``WorkerPool(2)``, cp=4 in a
 ``WorkerPool(4)`` (on this 2-core machine 4 ranks share 2 cores: see the step time note).
 
 Three measurements:
@@ -13,21 +13,21 @@ Three measurements:
     shared CPU (allocator caching, arenas, other processes); it leaves out transients that
     live only inside one op (the ring's score block of (local_seq)^2 per head, freed before
     the next block). ``activation_ratio_vs_serial`` is at the longest length;
-    ``ratio_times_sp`` = that ratio * sp (goal: within 10% of 1). The longest sequence
+    ``ratio_times_cp`` = that ratio * cp (goal: within 10% of 1). The longest sequence
     that fits ``--budget-mib`` per rank comes from a least-squares fit of bytes =
     a + b*seq + c*seq^2 over the measured lengths (c is ~0 where memory is linear):
-    ``max_seq_in_budget`` (rounded down to a multiple of 2*sp), ``bytes_per_token`` (the
+    ``max_seq_in_budget`` (rounded down to a multiple of 2*cp), ``bytes_per_token`` (the
     slope between the two longest lengths).
-(b) ``step``: one training step (forward, backward, gradient sum over sp, AdamW) at
+(b) ``step``: one training step (forward, backward, gradient sum over cp, AdamW) at
     ``--seq`` tokens, median of ``--iters`` steps after ``--warmup``; the systems alternate
     step by step so background load hits them alike; the slower rank counts. Serial runs
-    on each rank of the sp=2 pool at once (one thread each, like every pool worker), so it
-    is the one-core time of the whole model. ``ratio_vs_peer`` = serial / sp step time.
+    on each rank of the cp=2 pool at once (one thread each, like every pool worker), so it
+    is the one-core time of the whole model. ``ratio_vs_peer`` = serial / cp step time.
     ``loss_match``: the first step's loss (same init, same batch) equals the serial GPT's
     loss on that batch (computed in the launching process) within rtol 1e-5 + atol 1e-5
     (``loss_diff`` gives the gap).
 (c) ``balance``: causal ring attention alone (``ring_attention``, forward + backward of
-    (batch, heads, --balance-seq/sp, head_dim) fp32 q, k, v) at sp=4 with the
+    (batch, heads, --balance-seq/cp, head_dim) fp32 q, k, v) at cp=4 with the
     ``contiguous`` and ``zigzag`` layouts; each repetition starts after a barrier. Busy
     time per rank = CPU time of the rank's main thread over the call
     (``time.thread_time``): it counts the block arithmetic and excludes time blocked in
@@ -37,8 +37,8 @@ Three measurements:
     (barrier to end of backward, waits included).
 
 A token is one sequence position of the (global) batch: ``tokens_per_s`` = batch * seq /
-step time. Lines of one measurement share ``config`` (the workload); ``sp``, ``mode`` and
-``layout`` tell the variants apart (serial: sp=1, mode "serial").
+step time. Lines of one measurement share ``config`` (the workload); ``cp``, ``mode`` and
+``layout`` tell the variants apart (serial: cp=1, mode "serial").
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ def _steps(
 
 # ---------------------------------------------------------------- (c) causal load balance
 def _balance(args: dict[str, int], layouts: list[str], reps: int) -> dict[str, dict[str, float]]:
-    sp, rank = dist.get_world_size(), dist.get_rank()
+    cp, rank = dist.get_world_size(), dist.get_rank()
     heads, head_dim = args["heads"], args["d_model"] // args["heads"]
-    local = args["balance_seq"] // sp
+    local = args["balance_seq"] // cp
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (
         torch.randn(args["batch"], heads, local, head_dim, generator=gen).requires_grad_() for _ in range(3)
@@ -229,15 +229,15 @@ def _balance(args: dict[str, int], layouts: list[str], reps: int) -> dict[str, d
 # ---------------------------------------------------------------- the worker entry
 def _run(rank: int, args: dict[str, int], mem_seqs: list[int], layout: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    sp = dist.get_world_size()
+    cp = dist.get_world_size()
     variants: list[Variant] = [(m, layout) for m in MODES]
     result: dict[str, Any] = {
         "memory": {v: _memory(args, mem_seqs, v) for v in variants},
     }
     dist.barrier()
-    timed = [("serial", "contiguous"), *variants] if sp == 2 else variants
+    timed = [("serial", "contiguous"), *variants] if cp == 2 else variants
     result["steps"] = _steps(args, timed, args["warmup"], args["iters"])
-    if sp == 4:
+    if cp == 4:
         result["balance"] = _balance(args, ["contiguous", "zigzag"], args["balance_reps"])
     return result
 
@@ -256,7 +256,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4, help="must divide by 4 (Ulysses at sp=4)")
+    parser.add_argument("--heads", type=int, default=4, help="must divide by 4 (Ulysses at cp=4)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=64.0, help="(a) activation budget per rank")
     parser.add_argument("--balance-seq", type=int, default=4096, help="(c) sequence length")
     parser.add_argument("--balance-reps", type=int, default=5)
-    parser.add_argument("--worlds", default="2,4", help="sp degrees to run (2 and/or 4)")
+    parser.add_argument("--worlds", default="2,4", help="cp degrees to run (2 and/or 4)")
     ns = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args = {
@@ -307,23 +307,23 @@ def main() -> None:
                 (r["memory"][(mode, ns.layout)] for r in per_world[world]), key=lambda d: d[longest]
             )
             entries.append((world, mode, ns.layout, by_seq))
-    for sp, mode, layout, by_seq in entries:
-        max_seq, slope, quad = fit_max_seq(by_seq, budget, 1 if sp == 1 else 2 * sp)
+    for cp, mode, layout, by_seq in entries:
+        max_seq, slope, quad = fit_max_seq(by_seq, budget, 1 if cp == 1 else 2 * cp)
         ratio = by_seq[longest] / serial_mem[longest]
         records.append(
             {
-                "bench": "sp",
-                "system": "serial" if sp == 1 else "tessera",
+                "bench": "cp",
+                "system": "serial" if cp == 1 else "tessera",
                 "config": mem_config,
                 "step_time_s": None,
                 "tokens_per_s": None,
-                "sp": sp,
+                "cp": cp,
                 "mode": mode,
                 "layout": layout,
                 "activation_bytes": by_seq[longest],
                 "activation_bytes_by_seq": {str(s): b for s, b in by_seq.items()},
                 "activation_ratio_vs_serial": _r(ratio),
-                "ratio_times_sp": _r(ratio * sp),
+                "ratio_times_cp": _r(ratio * cp),
                 "bytes_per_token": round(slope, 1),
                 "quadratic_bytes_per_token2": round(quad, 4),
                 "max_seq_in_budget": max_seq,
@@ -342,12 +342,12 @@ def main() -> None:
     if serial_steps is not None and serial_time is not None:
         records.append(
             {
-                "bench": "sp",
+                "bench": "cp",
                 "system": "serial",
                 "config": step_config,
                 "step_time_s": _r(serial_time),
                 "tokens_per_s": round(tokens / serial_time, 1),
-                "sp": 1,
+                "cp": 1,
                 "mode": "serial",
                 "layout": "-",
                 "final_loss": round(serial_steps[0]["final_loss"], 5),
@@ -362,12 +362,12 @@ def main() -> None:
             diff = abs(first - serial_loss)
             records.append(
                 {
-                    "bench": "sp",
+                    "bench": "cp",
                     "system": "tessera",
                     "config": step_config,
                     "step_time_s": _r(t),
                     "tokens_per_s": round(tokens / t, 1),
-                    "sp": world,
+                    "cp": world,
                     "mode": mode,
                     "layout": ns.layout,
                     "final_loss": round(runs[0]["final_loss"], 5),
@@ -388,12 +388,12 @@ def main() -> None:
             wall = [r["balance"][layout]["wall_s"] for r in per_world[4]]
             records.append(
                 {
-                    "bench": "sp",
+                    "bench": "cp",
                     "system": "tessera",
                     "config": bal_config,
                     "step_time_s": _r(max(wall)),
                     "tokens_per_s": round(ns.batch * ns.balance_seq / max(wall), 1),
-                    "sp": 4,
+                    "cp": 4,
                     "mode": "ring",
                     "layout": layout,
                     "busy_s_per_rank": [_r(b) for b in busy],
@@ -409,17 +409,17 @@ def main() -> None:
         [r for r in records if r["config"] == mem_config],
         (
             "system",
-            "sp",
+            "cp",
             "mode",
             "activation_bytes",
-            "ratio_times_sp",
+            "ratio_times_cp",
             "bytes_per_token",
             "max_seq_in_budget",
         ),
     )
     _table(
         [r for r in records if r["config"] == step_config],
-        ("system", "sp", "mode", "step_time_s", "tokens_per_s", "ratio_vs_peer", "loss_match", "final_loss"),
+        ("system", "cp", "mode", "step_time_s", "tokens_per_s", "ratio_vs_peer", "loss_match", "final_loss"),
     )
     _table(
         [r for r in records if "busy_max_over_mean" in r],
