@@ -15,6 +15,13 @@ class TPMode(StrEnum):
     TWO_P5_D = "2.5d"
     THREE_D = "3d"
 
+    @property
+    def whole_rows(self) -> bool:
+        """Whether every tp rank sees a microbatch's whole rows (1D: only widths split), so that
+        keyword inputs, a user's own loss, Megatron's sequence parallelism and context
+        parallelism compose with it; the grid modes split the rows too (``TPGrid.row_blocks``)."""
+        return self is TPMode.ONE_D
+
 
 class Axis(StrEnum):
     """Names of the axes whose rank groups a Topology lists."""

@@ -36,7 +36,7 @@ from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLine
 from tessera.tensor_parallel.loss import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.parallelize import coverage, parallelize, shard_of, shard_specs
 from tessera.tensor_parallel.partition import ShardSpec
-from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, resolve_plan
+from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, ResolvedPlan, resolve, resolve_plan
 from tessera.tensor_parallel.plans import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN, PHI3_PLAN, parallel_gpt_loss
 from tessera.tensor_parallel.rng import DropoutRNG, ParallelDropout, RNGRegion
 from tessera.tensor_parallel.sequence import (
@@ -143,6 +143,7 @@ __all__ = [
     "ParallelSelfAttention",
     "Plan",
     "PlanLike",
+    "ResolvedPlan",
     "RNGRegion",
     "RefinesInner",
     "Role",
@@ -179,6 +180,7 @@ __all__ = [
     "probe_sequence_split",
     "register_style",
     "registered_styles",
+    "resolve",
     "resolve_plan",
     "ring_attention",
     "seeded_embedding",

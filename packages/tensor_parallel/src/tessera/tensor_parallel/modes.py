@@ -43,13 +43,20 @@ that every size is checked before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from tessera.comm import Group, Mesh, TPMode
 from tessera.tensor_parallel.layers import dense_weights, is_dense
+from tessera.tensor_parallel.mode_objectives import (
+    ModeObjective,
+    objective_1d,
+    objective_2d,
+    objective_2p5d,
+    objective_3d,
+)
 from tessera.tensor_parallel.nd_styles import (
     AttentionND,
     DenseND,
@@ -83,14 +90,22 @@ class ModeSpec:
     a role to why the mode cannot serve it; ``native`` is the prefix of the mode's own style
     names (kept as they are); ``tied_head`` the head style when its weight is the vocab
     embedding's (None: ``roles['head']`` serves tied heads too). ``identity``: the roles are
-    this mode's styles (1D)."""
+    this mode's styles (1D). ``objective(mesh)``: this rank's share of a batch and the mode's
+    exact summed cross-entropy (`ModeObjective`), so that a trainer asks the mode what to feed
+    and how to score, instead of branching on it."""
 
     mode: TPMode
+    objective: Callable[[Mesh], ModeObjective]
     roles: Mapping[str, TPStyle] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
     native: str | None = None
     tied_head: TPStyle | None = None
     identity: bool = False
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every tp rank sees a microbatch's whole rows (``TPMode.whole_rows``)."""
+        return self.mode.whole_rows
 
     def translate(self, plan: PlanLike, model: nn.Module | None = None, *, depth: int | None = None) -> Plan:
         """``plan`` (roles) as this mode's plan (see the module docstring); pure."""
@@ -223,6 +238,7 @@ def _nd(
     mode: TPMode,
     geo: Geometry,
     *,
+    objective: Callable[[Mesh], ModeObjective],
     linear: TPStyle,
     linear_back: TPStyle,
     classifier: TPStyle,
@@ -265,14 +281,15 @@ def _nd(
         "with a rowwise layer after it",
     }
     native = {"2d": "2d_", "2.5d": "2.5d_", "3d": "3d_"}[m]
-    return ModeSpec(mode, roles, refused, native, tied_head)
+    return ModeSpec(mode, objective, roles, refused, native, tied_head)
 
 
-ONE_D = register_mode(ModeSpec(TPMode.ONE_D, identity=True))
+ONE_D = register_mode(ModeSpec(TPMode.ONE_D, objective_1d, identity=True))
 TWO_D = register_mode(
     _nd(
         TPMode.TWO_D,
         Geometry(TPMode.TWO_D, _hidden_2d),
+        objective=objective_2d,
         linear=Styles2D.LINEAR,
         linear_back=Styles2D.LINEAR,
         classifier=Styles2D.CLASSIFIER,
@@ -286,6 +303,7 @@ TWO_P5_D = register_mode(
     _nd(
         TPMode.TWO_P5_D,
         Geometry(TPMode.TWO_P5_D, _hidden_2p5d, depth=None),
+        objective=objective_2p5d,
         linear=Styles2p5D.LINEAR,
         linear_back=Styles2p5D.LINEAR,
         classifier=Styles2p5D.CLASSIFIER,
@@ -299,6 +317,7 @@ THREE_D = register_mode(
     _nd(
         TPMode.THREE_D,
         Geometry(TPMode.THREE_D, _hidden_3d),
+        objective=objective_3d,
         linear=Styles3D.LINEAR,
         linear_back=Styles3D.LINEAR_BACK,
         classifier=Styles3D.CLASSIFIER,

@@ -24,8 +24,9 @@ from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.plan import (
     Assignment,
     PlanLike,
+    ResolvedPlan,
     assigned_spec,
-    resolve_plan,
+    resolve,
     self_contained,
     unplanned_dropouts,
 )
@@ -118,7 +119,7 @@ class _Converter:
 def parallelize(
     model: nn.Module,
     *,
-    plan: PlanLike,
+    plan: PlanLike | ResolvedPlan,
     mesh: Mesh,
     sequence_parallel: bool = False,
     seq_dim: int = -2,
@@ -138,14 +139,23 @@ def parallelize(
     after each backward when ``coverage(model).partial`` is not empty. Dropout streams come
     from ``rng``, or a DropoutRNG seeded ``seed`` for this tp rank. Raises ValueError
     (nothing changed, nothing communicated) if the plan does not fit the model or tp; see
-    ``resolve_plan``, or if an attention module's shards would not add up to it
+    ``resolve_plan`` (``plan`` may be resolved already: `ResolvedPlan`, ``resolve``), or if an
+    attention module's shards would not add up to it
     (``probe.probe_attention``), or if a module whose parameters a style splits would not be
     computed by its shards (a scale or offset its forward adds: ``probe_modules``; one INFO line
     says how many were probed). ``shard_specs(model)`` then says how each split parameter
     maps to its shards.
     """
     tp = mesh.size(axis)
-    assignments = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    if not isinstance(plan, ResolvedPlan):
+        plan = resolve(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    elif (plan.tp, plan.sequence_parallel) != (tp, sequence_parallel):
+        raise ValueError(
+            f"plan {plan.plan.name!r} was resolved for tp={plan.tp}, "
+            f"sequence_parallel={plan.sequence_parallel}; parallelize got tp={tp}, "
+            f"sequence_parallel={sequence_parallel}"
+        )
+    assignments = list(plan.assignments)
     _check_ties(model, assignments)
     if axis == "tp" and mesh.topology.tp_mode is TPMode.ONE_D:
         probe_attention(model, assignments, tp=tp)

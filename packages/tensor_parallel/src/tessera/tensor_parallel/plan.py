@@ -29,10 +29,12 @@ __all__ = [
     "Assignment",
     "Plan",
     "PlanLike",
+    "ResolvedPlan",
     "Style",
     "assigned_spec",
     "attention_heads",
     "match_pattern",
+    "resolve",
     "resolve_plan",
     "self_contained",
     "unplanned_dropouts",
@@ -189,6 +191,26 @@ def resolve_plan(
                 )
         out.append(Assignment(name, style, pattern, enter_region=not (style.role is Role.ENTER and outer)))
     return out
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan matched against one model and validated for ``tp`` ranks (`resolve`): one
+    `Assignment` per matched module, in ``named_modules()`` order. ``parallelize`` applies it as
+    it is, so a caller that checks the assignments first (``boost()``) resolves the plan once."""
+
+    plan: Plan
+    assignments: tuple[Assignment, ...]
+    tp: int
+    sequence_parallel: bool
+
+
+def resolve(model: nn.Module, plan: PlanLike, *, tp: int, sequence_parallel: bool = False) -> ResolvedPlan:
+    """``plan`` matched against ``model`` for ``tp`` ranks (`resolve_plan`, kept with what it was
+    resolved for); pure: ValueError naming the entry and the module when it does not fit."""
+    plan = plan if isinstance(plan, Plan) else Plan.of(plan)
+    assignments = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    return ResolvedPlan(plan, tuple(assignments), tp, sequence_parallel)
 
 
 def unplanned_dropouts(model: nn.Module, assignments: Iterable[Assignment]) -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tessera.comm import Degrees, Topology, TPGrid, TPMode
+from tessera.comm import Degrees, Topology, TPGrid
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.launcher.config.choices import (
@@ -280,7 +280,7 @@ class BoostConfig:
             (z.chunked, f"parallel.ep={p.ep} with the chunk memory manager (budgets, disk_dir) is not built"),
             (z.offload, f"parallel.ep={p.ep} with zero.offload is not built"),
             (
-                p.tp_mode is not TPMode.ONE_D and p.tp > 1,
+                not p.tp_mode.whole_rows and p.tp > 1,
                 f"parallel.ep={p.ep} with tp_mode {p.tp_mode} is not built: its grid splits the tokens",
             ),
         ]
@@ -305,7 +305,7 @@ class BoostConfig:
                 errors.append(f"parallel (tp={p.tp}, tp_mode={p.tp_mode}): {e}")
             else:
                 need(
-                    p.tp_mode is TPMode.ONE_D or not (p.sequence_parallel or p.cp > 1),
+                    p.tp_mode.whole_rows or not (p.sequence_parallel or p.cp > 1),
                     f"tp_mode {p.tp_mode} with parallel.sequence_parallel or parallel.cp > 1 is not built",
                 )
                 errors += self._expert_rules()

@@ -165,7 +165,7 @@ class Config(BoostConfig):
         try:  # how many ways heads and widths split
             split = p.grid().width_split
         except ValueError:  # no valid grid: the core rules report it
-            split = p.tp if p.tp_mode is TPMode.ONE_D else 1
+            split = 1
         need(
             m.n_heads % split == 0,
             f"model.n_heads={m.n_heads} does not split {split} ways (parallel.tp={p.tp})",
@@ -199,7 +199,7 @@ class Config(BoostConfig):
             (e.z_loss_coef < 0, f"moe.z_loss_coef={e.z_loss_coef} must be >= 0"),
             (e.experts % p.ep != 0, f"moe.experts={e.experts} is not divisible by parallel.ep={p.ep}"),
             (
-                p.tp > 1 and p.tp_mode is not TPMode.ONE_D,
+                p.tp > 1 and not (isinstance(p.tp_mode, TPMode) and p.tp_mode.whole_rows),
                 f"moe.enabled with parallel.tp_mode={p.tp_mode}: the experts are split under 1D tp only",
             ),
             (p.cp > 1, f"moe.enabled with parallel.cp={p.cp}: context parallelism with MoE is not built"),

@@ -169,7 +169,7 @@ class Engine:
         if not isinstance(inputs, Mapping):
             return self._shard(None if inputs is None else inputs.to(self.mesh.device), y)
         topology = self.mesh.topology
-        if self.runtime is not None or topology.cp > 1 or topology.tp_mode.value != "1d":
+        if self.runtime is not None or topology.cp > 1 or not topology.tp_mode.whole_rows:
             raise ValueError(
                 f"keyword inputs ({', '.join(inputs)}) with {topology.describe()}: only whole-row modes "
                 "take them (1D tp, dp, ZeRO); pass one tensor of inputs"
