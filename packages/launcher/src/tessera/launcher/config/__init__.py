@@ -8,6 +8,9 @@ every mistake as one line naming the field and the numbers (or the allowed names
 Loading (TOML file, then environment, then command-line flags) lives in ``config_io``.
 """
 
+from typing import TYPE_CHECKING
+
+from tessera.comm import lazy_exports
 from tessera.launcher.config.boost_config import (
     BoostConfig,
     LoggingConfig,
@@ -18,7 +21,11 @@ from tessera.launcher.config.boost_config import (
 )
 from tessera.launcher.config.main_config import Config, DataConfig, ModelConfig, MoEConfig
 
+if TYPE_CHECKING:
+    from tessera.launcher.config.config_io import RESTART_ENV, config_to_toml
+
 __all__ = [
+    "RESTART_ENV",
     "BoostConfig",
     "Config",
     "DataConfig",
@@ -29,4 +36,8 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "ZeroConfig",
+    "config_to_toml",
 ]
+
+if not TYPE_CHECKING:  # config_io imports this package: its names are imported on first use (PEP 562)
+    __getattr__, __dir__ = lazy_exports(__name__, ("config_io",))

@@ -39,9 +39,10 @@ from typing import Any
 from tessera.comm import shm_env
 from tessera.comm.waiting import ENV as POLL_WAIT_ENV
 from tessera.comm.waiting import budget_from_env
-from tessera.launcher.config import BoostConfig, Config
+from tessera.launcher.config.boost_config import BoostConfig
 from tessera.launcher.config.choices import choice_line, choice_of
 from tessera.launcher.config.elastic import ELASTIC_ENV, at_world
+from tessera.launcher.config.main_config import Config
 
 __all__ = [
     "HEARTBEAT_ENV",

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tessera.comm import all_reduce
-from tessera.launcher.config.main_config import MoEConfig
-from tessera.launcher.families.known import REFERENCE_GPT_SPEC
-from tessera.launcher.train.moe_style import MOE_STYLE
+from tessera.launcher.config import MoEConfig
+from tessera.launcher.families import REFERENCE_GPT_SPEC
+from tessera.launcher.train import MOE_STYLE
 from tessera.models import GPT, GPTConfig
 from tessera.moe import MoE
 from tessera.tensor_parallel import GPT_PLAN, Plan

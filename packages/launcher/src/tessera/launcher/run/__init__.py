@@ -2,3 +2,16 @@
 (``preflight``, ``disk_space``), run folders (``runs``), torch.distributed.run attempt after attempt
 (``spawn``, ``worker``), where nodes are (``nodes``, ``fanout``, ``netif``, ``loopback``), and the
 watchdog, heartbeats and node liveness that end a hung or orphaned job."""
+
+from typing import TYPE_CHECKING
+
+from tessera.comm import lazy_exports
+
+if TYPE_CHECKING:
+    from tessera.launcher.run.preflight import committed_checkpoint, saved_vocab
+    from tessera.launcher.run.runs import run_folder
+
+__all__ = ["committed_checkpoint", "run_folder", "saved_vocab"]
+
+if not TYPE_CHECKING:  # imported on first use (PEP 562), so the package stays light to import
+    __getattr__, __dir__ = lazy_exports(__name__, ("runs", "preflight"))
