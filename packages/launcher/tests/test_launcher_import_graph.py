@@ -25,7 +25,11 @@ def test_the_main_job_uses_the_public_api_only() -> None:
     inner = []
     for path in sorted(job.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tessera.launcher"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("tessera.launcher")
+            ):
                 parts = node.module.split(".")
                 if len(parts) > 3 and parts[2] != "job":
                     inner.append(f"{path.name}: from {node.module} import ...")
