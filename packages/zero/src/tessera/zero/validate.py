@@ -5,6 +5,7 @@ Everything here runs before any collective, so every rank raises the same ValueE
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 from tessera.zero.flat import BUCKET_BYTES
 from tessera.zero.precision import compute_dtype
 
-__all__ = ["ZeroOptions", "collect_params"]
+__all__ = ["ZeroOptions", "collect_params", "resolve_device"]
 
 _REFUSED_OPTIMIZERS = {
     "LBFGS": "it re-evaluates a closure and needs whole-model directions, not elementwise shards",
@@ -116,3 +117,15 @@ def collect_params(
     frozen = len(optimizer.param_groups)  # the pseudo-group of parameters that take no gradient
     group_of.update({id(p): frozen for _, p in named if not p.requires_grad})
     return named, group_of
+
+
+def resolve_device(named: Sequence[tuple[str, nn.Parameter]], device: torch.device | None) -> torch.device:
+    """``device``, else the one the model's real parameters are on; refused when neither says."""
+    real = next((p.device for _, p in named if not p.is_meta), None)
+    if device is None and real is None:
+        raise ValueError(
+            "every parameter is on the meta device: give ZeroOptimizer(device=...) to build it on"
+        )
+    if device is not None and real is not None and torch.device(device) != real:
+        raise ValueError(f"device={device} but the model's parameters are on {real}")
+    return torch.device(device) if device is not None else real  # type: ignore[return-value]
