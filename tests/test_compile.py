@@ -43,26 +43,11 @@ from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, Z
 from tessera.launcher.config.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
 from tessera.launcher.job import main_job
 from tessera.launcher.run.preflight import preflight
-from tessera.models import GPT, ForeignConfig, GPTConfig, Llamaish, make_batch
+from tessera.models import GPT, LLAMAISH_ROLES, ForeignConfig, GPTConfig, Llamaish, make_batch
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
-ROLES = {
-    "tok_embeddings": "vocab",
-    "layers.*.attn_norm": "norm",
-    "layers.*.attn": "attention",
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.ffn": "region",
-    "layers.*.ffn.w1": "colwise",
-    "layers.*.ffn.w3": "colwise",
-    "layers.*.ffn.w2": "rowwise",
-    "norm": "norm",
-    "output": "head",
-}
+ROLES = LLAMAISH_ROLES
 
 Run = tuple[list[float], dict[str, Tensor], int]
 

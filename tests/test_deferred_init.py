@@ -28,22 +28,11 @@ from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, bo
 from tessera.launcher.config.main_config import MoEConfig
 from tessera.launcher.job.moe_model import MOE_GPT_PLAN, moe_gpt
 from tessera.launcher.train.deferred import deferred_parameters, init_by_name
-from tessera.models import ForeignConfig, GPT2ish, GPTConfig, Llamaish
+from tessera.models import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, GPTConfig, Llamaish
 
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
-ROLES = {
-    "tok_embeddings": "vocab", "layers.*.attn_norm": "norm", "layers.*.attn": "attention",
-    "layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise", "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise", "layers.*.ffn_norm": "norm", "layers.*.ffn": "region",
-    "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
-    "norm": "norm", "output": "head",
-}  # fmt: skip
-GPT2ISH_ROLES = {
-    "wte": "vocab", "wpe": "embedding", "h.*.norm1": "norm", "h.*.mix": "attention",
-    "h.*.mix.qkv": "colwise_qkv", "h.*.mix.proj": "rowwise", "h.*.norm2": "norm", "h.*.mlp": "region",
-    "h.*.mlp.fc": "colwise", "h.*.mlp.proj": "rowwise", "ln": "norm", "head": "head",
-}  # fmt: skip
+ROLES = LLAMAISH_ROLES
 
 
 def init(name: str, module: nn.Module) -> None:

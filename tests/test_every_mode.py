@@ -34,43 +34,14 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.models import ForeignConfig, GPT2ish, Llamaish
+from tessera.models import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, Llamaish
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
 
-ROLES = {  # what each module is; every mode turns it into its own layers
-    "tok_embeddings": "vocab",
-    "layers.*.attn_norm": "norm",
-    "layers.*.attn": "attention",
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.ffn": "region",
-    "layers.*.ffn.w1": "colwise",
-    "layers.*.ffn.w3": "colwise",
-    "layers.*.ffn.w2": "rowwise",
-    "norm": "norm",
-    "output": "head",
-}
+ROLES = LLAMAISH_ROLES  # what each module is; every mode turns it into its own layers
 
 
-GPT2ISH_ROLES = {  # LayerNorm, biases, fused q|k|v, learned positions, head tied to wte
-    "wte": "vocab",
-    "wpe": "embedding",
-    "h.*.norm1": "norm",
-    "h.*.mix": "attention",
-    "h.*.mix.qkv": "colwise_qkv",
-    "h.*.mix.proj": "rowwise",
-    "h.*.norm2": "norm",
-    "h.*.mlp": "region",
-    "h.*.mlp.fc": "colwise",
-    "h.*.mlp.proj": "rowwise",
-    "ln": "norm",
-    "head": "head",
-}
 
 
 class Trunk(nn.Module):

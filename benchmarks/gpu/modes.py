@@ -27,27 +27,12 @@ from torch import Tensor, nn
 from tessera.comm import TPMode
 from tessera.comm.sequence_modes import Layout, Mode
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.models import ForeignConfig, Llamaish
+from tessera.models import LLAMAISH_ROLES, ForeignConfig, Llamaish
 from tessera.zero.precisions import Precision
 
 __all__ = ["MODES", "P2P_MODES", "Sizes", "compare", "parallel_run", "serial_run", "sizes"]
 
-ROLES = {  # what each module of the user's model is; every mode turns it into its own layers
-    "tok_embeddings": "vocab",
-    "layers.*.attn_norm": "norm",
-    "layers.*.attn": "attention",
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.ffn": "region",
-    "layers.*.ffn.w1": "colwise",
-    "layers.*.ffn.w3": "colwise",
-    "layers.*.ffn.w2": "rowwise",
-    "norm": "norm",
-    "output": "head",
-}
+ROLES = LLAMAISH_ROLES  # what each module of the user's model is; every mode turns it into its own layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology, all_gather
 from tessera.comm.testing import run_threaded
+from tessera.models.foreign import GPT2ISH_ROLES as GPT2ISH
+from tessera.models.foreign import LLAMAISH_ROLES as LLAMAISH
 from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
 from tessera.tensor_parallel import (
     GPT2_PLAN,
@@ -54,42 +56,8 @@ from tessera.tensor_parallel.three_d import batch_block as batch_block_3d
 CFG = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=64, max_len=16)
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 0.5
 
-LLAMAISH_ROLES = Plan.of(
-    {
-        "tok_embeddings": "vocab",
-        "layers.*.attn_norm": "norm",
-        "layers.*.attn": "attention",
-        "layers.*.attn.wq": "colwise",
-        "layers.*.attn.wk": "colwise",
-        "layers.*.attn.wv": "colwise",
-        "layers.*.attn.wo": "rowwise",
-        "layers.*.ffn_norm": "norm",
-        "layers.*.ffn": "region",
-        "layers.*.ffn.w1": "colwise",
-        "layers.*.ffn.w3": "colwise",
-        "layers.*.ffn.w2": "rowwise",
-        "norm": "norm",
-        "output": "head",
-    },
-    name="llamaish",
-)
-GPT2ISH_ROLES = Plan.of(
-    {
-        "wte": "vocab",
-        "wpe": "embedding",
-        "h.*.norm1": "norm",
-        "h.*.mix": "attention",
-        "h.*.mix.qkv": "colwise_qkv",
-        "h.*.mix.proj": "rowwise",
-        "h.*.norm2": "norm",
-        "h.*.mlp": "region",
-        "h.*.mlp.fc": "colwise",
-        "h.*.mlp.proj": "rowwise",
-        "ln": "norm",
-        "head": "head",
-    },
-    name="gpt2ish",
-)
+LLAMAISH_ROLES = Plan.of(LLAMAISH, name="llamaish")
+GPT2ISH_ROLES = Plan.of(GPT2ISH, name="gpt2ish")
 
 
 def _seeded(model: nn.Module) -> nn.Module:
@@ -171,7 +139,7 @@ def _loss(model: nn.Module, idx: Tensor, targets: Tensor, mesh: Mesh) -> Tensor:
 
 MODES = {
     "2d": dict(tp=4, tp_mode="2d"),
-    "2.5d": dict(tp=8, tp_mode="2.5d", depth=2),
+    "2.5d": dict(tp=8, tp_mode="2.5d", tp_depth=2),
     "3d": dict(tp=8, tp_mode="3d"),
 }
 
@@ -217,7 +185,7 @@ def _parallel(rank: int, model_name: str, mode: str) -> Curve:
     mesh = Mesh(topology)
     model = make()
     model = parallelize(
-        model, plan=plan_for_mode(roles, topology.tp_mode, model, depth=topology.depth), mesh=mesh
+        model, plan=plan_for_mode(roles, topology.tp_mode, model, depth=topology.tp_depth), mesh=mesh
     )
     idx, targets = _batch()
     opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -1,9 +1,19 @@
 """tessera.models: the models Tessera ships, in plain PyTorch: the reference GPT, and two
-models shaped the way users write theirs (``foreign``) for tests."""
+models shaped the way users write theirs (``foreign``, with the plans of roles a user writes for
+them) for tests."""
 
-from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
+from tessera.models.foreign import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, Llamaish
 from tessera.models.gpt import GPT, GPTConfig, make_batch
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "ForeignConfig", "GPT2ish", "GPTConfig", "Llamaish", "make_batch"]
+__all__ = [
+    "GPT",
+    "GPT2ISH_ROLES",
+    "LLAMAISH_ROLES",
+    "ForeignConfig",
+    "GPT2ish",
+    "GPTConfig",
+    "Llamaish",
+    "make_batch",
+]

@@ -17,7 +17,41 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ForeignConfig", "GPT2ish", "Llamaish", "Rotary"]
+__all__ = ["GPT2ISH_ROLES", "LLAMAISH_ROLES", "ForeignConfig", "GPT2ish", "Llamaish", "Rotary"]
+
+# The plans of roles a user writes for these models (``tessera.tensor_parallel``'s role names:
+# every tensor-parallel mode turns them into its own layers). One home, so the suites and the
+# benchmarks that train these models split them the same way.
+LLAMAISH_ROLES: dict[str, str] = {
+    "tok_embeddings": "vocab",
+    "layers.*.attn_norm": "norm",
+    "layers.*.attn": "attention",
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.ffn_norm": "norm",
+    "layers.*.ffn": "region",
+    "layers.*.ffn.w1": "colwise",
+    "layers.*.ffn.w3": "colwise",
+    "layers.*.ffn.w2": "rowwise",
+    "norm": "norm",
+    "output": "head",
+}
+GPT2ISH_ROLES: dict[str, str] = {  # LayerNorm, biases, fused q|k|v, learned positions, head tied to wte
+    "wte": "vocab",
+    "wpe": "embedding",
+    "h.*.norm1": "norm",
+    "h.*.mix": "attention",
+    "h.*.mix.qkv": "colwise_qkv",
+    "h.*.mix.proj": "rowwise",
+    "h.*.norm2": "norm",
+    "h.*.mlp": "region",
+    "h.*.mlp.fc": "colwise",
+    "h.*.mlp.proj": "rowwise",
+    "ln": "norm",
+    "head": "head",
+}
 
 
 @dataclass(frozen=True, slots=True)
