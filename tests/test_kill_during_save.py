@@ -30,7 +30,7 @@ import tessera.launcher.checkpoint.saving as saving
 import tessera.zero.checkpoint as zckpt
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.launcher import boost, load_config
-from tessera.launcher.run.preflight import committed_checkpoint
+from tessera.launcher.checkpoint import committed_checkpoint
 
 point, out, root = sys.argv[1], sys.argv[2], sys.argv[3]
 config = load_config()

@@ -273,7 +273,8 @@ def test_the_flag_and_the_field_reach_boost(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_what_verify_cannot_compare_is_refused_before_spawning() -> None:
-    from tessera.launcher.run.preflight import preflight, verify_problems
+    from tessera.launcher.config.verify_rules import verify_problems
+    from tessera.launcher.run.preflight import preflight
 
     config = dataclasses.replace(Config(), train=TrainConfig(verify=True))
     assert verify_problems(config, main_job=True) == []

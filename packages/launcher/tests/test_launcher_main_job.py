@@ -21,9 +21,10 @@ import safetensors.torch
 import torch
 
 from tessera.launcher import Config, ParallelConfig, TrainConfig
+from tessera.launcher.checkpoint import saved_vocab
 from tessera.launcher.checkpoint.generations import FORMAT, MANIFEST
 from tessera.launcher.data.chars import CharTokenizer, TextData, load_corpus
-from tessera.launcher.run.preflight import preflight, saved_vocab
+from tessera.launcher.run.preflight import preflight
 from tessera.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tessera.launcher.checkpoint import committed_checkpoint
 from tessera.launcher.checkpoint.generations import FORMAT
 from tessera.launcher.config import Config, TrainConfig
 from tessera.launcher.run.nodes import endpoint_port, is_loopback
-from tessera.launcher.run.preflight import committed_checkpoint
 from tessera.launcher.run.runs import RunFolderError, create_run_folder, run_folder
 from tessera.launcher.run.watchdog import Beat, Watchdog, read_beats, write_beat
 

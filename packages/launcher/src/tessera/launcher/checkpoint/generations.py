@@ -16,10 +16,12 @@ __all__ = [
     "FORMAT",
     "LATEST",
     "MANIFEST",
+    "committed_checkpoint",
     "committed_generations",
     "generation_name",
     "read_manifest",
     "resolve_generation",
+    "saved_vocab",
 ]
 
 FORMAT = "tessera-engine/3"
@@ -65,3 +67,26 @@ def resolve_generation(path: str | Path) -> Path:
     if not found:
         raise ValueError(f"{path} holds no committed checkpoint generation (step-*/{MANIFEST})")
     return found[-1]
+
+
+def committed_checkpoint(path: str | Path) -> Path | None:
+    """The committed checkpoint generation at ``path`` (itself, or the newest ``step-N/`` under
+    it; torn saves are passed over), or None when there is none: the rule of
+    ``resolve_generation``, which the checkpoint loader uses too."""
+    try:
+        return resolve_generation(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def saved_vocab(resume: str | Path) -> int:
+    """The vocabulary the main job trained with, as the newest committed generation at
+    ``resume`` records it (its configuration's ``model.vocab_size``; 0 when it does not say,
+    as older checkpoints do, or there is no generation)."""
+    generation = committed_checkpoint(resume)
+    if generation is None:
+        return 0
+    try:
+        return int(read_manifest(generation)["config"]["model"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

@@ -32,12 +32,13 @@ import torch.nn.functional as F
 
 from tessera.comm import default_device
 from tessera.launcher import Config, Engine, boost, load_config
+from tessera.launcher.checkpoint import committed_checkpoint, saved_vocab
 from tessera.launcher.config import RESTART_ENV, config_to_toml
 from tessera.launcher.data import Data, TokenData, open_data
 from tessera.launcher.job.moe_model import MOE_GPT_SPEC, ExpertLoad, moe_gpt
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.job.serial_speed import best_serial_tokens_per_s
-from tessera.launcher.run import committed_checkpoint, run_folder, saved_vocab
+from tessera.launcher.run import run_folder
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
 

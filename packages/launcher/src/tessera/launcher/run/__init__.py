@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING
 from tessera.comm import lazy_exports
 
 if TYPE_CHECKING:
-    from tessera.launcher.run.preflight import committed_checkpoint, saved_vocab
     from tessera.launcher.run.runs import run_folder
 
-__all__ = ["committed_checkpoint", "run_folder", "saved_vocab"]
+__all__ = ["run_folder"]
 
 if not TYPE_CHECKING:  # imported on first use (PEP 562), so the package stays light to import
-    __getattr__, __dir__ = lazy_exports(__name__, ("runs", "preflight"))
+    __getattr__, __dir__ = lazy_exports(__name__, ("runs",))

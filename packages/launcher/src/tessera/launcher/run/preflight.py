@@ -12,36 +12,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tessera.launcher.checkpoint.generations import MANIFEST, read_manifest, resolve_generation
-from tessera.launcher.config import BoostConfig, Config
+from tessera.launcher.checkpoint.generations import MANIFEST, committed_checkpoint, saved_vocab
+from tessera.launcher.config import Config
+from tessera.launcher.config.verify_rules import verify_problems
 from tessera.launcher.data.corpus import load_corpus
 from tessera.launcher.data.prepare import problems as data_problems
 from tessera.launcher.run.disk_space import disk_problems
 
-__all__ = ["committed_checkpoint", "preflight", "saved_vocab", "verify_problems"]
-
-
-def committed_checkpoint(path: str | Path) -> Path | None:
-    """The committed checkpoint generation at ``path`` (itself, or the newest ``step-N/`` under
-    it; torn saves are passed over), or None when there is none: the rule of
-    ``generations.resolve_generation``, which the checkpoint loader uses too."""
-    try:
-        return resolve_generation(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def saved_vocab(resume: str | Path) -> int:
-    """The vocabulary the main job trained with, as the newest committed generation at
-    ``resume`` records it (its configuration's ``model.vocab_size``; 0 when it does not say,
-    as older checkpoints do, or there is no generation)."""
-    generation = committed_checkpoint(resume)
-    if generation is None:
-        return 0
-    try:
-        return int(read_manifest(generation)["config"]["model"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+__all__ = ["preflight"]
 
 
 def _writable_dir(field: str, value: str) -> list[str]:
@@ -56,24 +34,6 @@ def _writable_dir(field: str, value: str) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"{field}={value!r}: {str(existing)!r} is not writable"]
     return []
-
-
-def verify_problems(config: BoostConfig, *, main_job: bool) -> list[str]:
-    """Why ``train.verify`` cannot compare a step of ``config``'s job with a serial one, one line
-    each (``tessera.launcher.train.verify`` also refuses a model with dropout; ``main_job``: the main
-    job's model dropout is ``model.dropout``)."""
-    errors = []
-    if config.zero.chunked:
-        errors.append(
-            "train.verify with the chunk memory manager (zero.*budget_mb, zero.disk_dir): it steps "
-            "chunk by chunk; verify without it"
-        )
-    if main_job and isinstance(config, Config) and config.model.dropout > 0:
-        errors.append(
-            f"train.verify with model.dropout={config.model.dropout}: the random streams differ between "
-            "the serial and the parallel model; verify with model.dropout=0"
-        )
-    return errors
 
 
 def preflight(config: Config, *, main_job: bool, processes: int = 0) -> list[str]:

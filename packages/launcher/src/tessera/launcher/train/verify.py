@@ -53,7 +53,7 @@ from tessera.comm.consensus import RemoteFailure, raise_together
 from tessera.launcher.checkpoint.consolidate import local_full_gradients, local_full_parameters
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.launcher.config import BoostConfig
-from tessera.launcher.run.preflight import verify_problems
+from tessera.launcher.config.verify_rules import verify_problems
 from tessera.launcher.train.batches import split_inputs
 from tessera.launcher.train.objective import IGNORE_INDEX
 from tessera.pipeline import split_microbatches
