@@ -57,6 +57,7 @@ wrote one there, else the ``cpu`` preset.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -293,12 +294,20 @@ def load_cluster(spec: str) -> Cluster:
     return _from_mapping(dict(table), spec)
 
 
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: JSON's escapes of quotes, backslashes and control
+    characters are TOML's, and DEL, which JSON leaves as it is, is escaped too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 def cluster_to_toml(cluster: Cluster) -> str:
     """The ``[cluster]`` table `load_cluster` reads back to ``cluster``."""
     lines = ["[cluster]"]
     for f in fields(cluster):
         value = getattr(cluster, f.name)
-        lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
+        lines.append(
+            f"{f.name} = {_toml_string(value)}" if isinstance(value, str) else f"{f.name} = {value!r}"
+        )
     return "\n".join(lines) + "\n"
 
 
