@@ -4,7 +4,7 @@ terms (`tessera.planner.transient`) it adds to model state and activations.
 - No more device bytes or model state as dp grows (the same global batch and microbatch
   count), as the ZeRO stage rises (but stage 3 inside ``accumulating()``), with offload.
 - Recomputation never adds more than the one layer it recomputes, and nothing once a rank
-  holds two layers; under 3D it is not modelled (a bug: the strict xfail below).
+  holds two layers, under 3D too.
 - No more model state as tp grows, nor as a one-stage-per-rank pipeline grows (the
   partitioner's split is the exact min-max optimum, ``tessera.pipeline.partition``).
 - The transient terms: zero where their docstrings say the runtime allocates nothing, no
@@ -148,12 +148,6 @@ def test_recompute_never_adds_more_than_the_layer_it_recomputes(job: Job, layout
         assert with_rc <= without * (1 + REL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: under 3D tensor parallelism estimate.shape_of replaces the activations with "
-    "activations_3d's full count whatever Layout.recompute says, then adds the recomputed "
-    "layer on top: recomputation predicts more memory than none",
-)
 def test_recompute_under_3d_never_holds_more() -> None:
     job = Job(ModelShape(layers=8, hidden=64, heads=4, vocab=256, seq=32, batch=8))
     layout = Layout(tp=8, tp_mode="3d", microbatches=1)

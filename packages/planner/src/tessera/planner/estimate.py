@@ -178,9 +178,11 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
     rows = model.batch / (p.dp * p.microbatches)
     split = ActivationShape(shape, p.sequence_parallel, p.cp, recompute)
     act = activation_bytes(model, rows, precision, split, layers=1)
-    if shape.mode == "3d":  # gathered inputs and weights kept for backward
+    layer_3d = 0.0
+    if shape.mode == "3d":  # gathered inputs and weights kept for backward (a recomputed layer: its input)
         q = shape.grid.side
-        act[0], act[1], act[2] = activations_3d(model, rows, precision, q, p.cp)
+        act[0], layer_3d, act[2] = activations_3d(model, rows, precision, q, p.cp)
+        act[1] = act[1] if recompute else layer_3d
     rate = cluster.device_flops(precision)
     tokens = rows * model.seq
     tp_link, cp_link = _link(cluster, p.tp, world), _link(cluster, p.tp * p.cp, world)
@@ -237,9 +239,9 @@ def _shape_of(p: Layout, model: ModelShape, cluster: Cluster, precision: str) ->
         / (p.tp if p.sequence_parallel or shape.mode != "1d" else 1)
     )
     extra = 0.0
-    if recompute and model.layers:
+    if recompute and model.layers:  # the layer being recomputed holds its activations in full
         full = ActivationShape(shape, p.sequence_parallel, p.cp, False)
-        extra = activation_bytes(model, rows, precision, full, layers=1)[1]
+        extra = layer_3d or activation_bytes(model, rows, precision, full, layers=1)[1]
     return Shape(
         f=f,
         bw=bw,
