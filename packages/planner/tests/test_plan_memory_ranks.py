@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
