@@ -10,6 +10,13 @@ import pytest
 from tessera.comm.testing.fixtures import worker_pools  # noqa: F401
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real launches (marked ``slow``) first, every other test after, each in its order: the
+    pytest workers take the long tests while the rest is still queued, and the short ones fill in
+    at the end, instead of one worker finishing a long launch while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def ip(*args: str) -> None:
     """Run ``ip ARGS`` (raises on failure)."""
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every example is a real launch
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -118,6 +118,7 @@ def test_a_thousand_device_search_returns() -> None:
     assert best.validate() == []
 
 
+@pytest.mark.slow  # the calibration times this machine's collectives over real processes
 def test_calibrate_writes_a_cluster_that_loads(tmp_path: Path) -> None:
     path = tmp_path / "here.toml"
     assert main(["plan", "--calibrate", str(path)]) == 0
