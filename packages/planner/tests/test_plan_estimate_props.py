@@ -293,21 +293,16 @@ def test_without_a_pipeline_the_searchs_bound_never_exceeds_the_estimate(
 
 
 # Found by hypothesis: a pipeline whose stages are unequal (a large vocabulary makes the head's
-# stage the heaviest) finishes sooner than `Shape.bound` says, which charges the pipeline's
-# fill as (pp - 1) forwards of the *heaviest* chunk; the first ranks' chunks are lighter.
-BOUND_BUG = (
-    "bug: Shape.bound = busy + (pp - 1) * f, with f the heaviest chunk's forward, is not a "
-    "lower bound on the step when the chunks before the busiest rank are lighter"
-)
+# stage the heaviest) finishes sooner than busy + (pp - 1) * f, f the *heaviest* chunk's
+# forward (the bound `Shape.bound` once was; the first ranks' chunks are lighter).
 HEAVY_HEAD = Job(ModelShape(layers=4, hidden=32, heads=4, vocab=50000, seq=16, batch=16))
 BOUND_CASES = [
-    Layout(pp=2, schedule="zb-h1", microbatches=2),  # bound 2.72e-4 s, step 2.41e-4 s
-    Layout(pp=4, schedule="zb-h1", microbatches=2),  # bound 3.37e-4 s, step 2.44e-4 s
+    Layout(pp=2, schedule="zb-h1", microbatches=2),  # the old bound 2.72e-4 s, step 2.41e-4 s
+    Layout(pp=4, schedule="zb-h1", microbatches=2),  # the old bound 3.37e-4 s, step 2.44e-4 s
     Layout(pp=2, schedule="1f1b", microbatches=1),
 ]
 
 
-@pytest.mark.xfail(strict=True, reason=BOUND_BUG)
 @pytest.mark.parametrize("layout", BOUND_CASES, ids=lambda p: p.label())
 def test_a_pipelines_bound_never_exceeds_its_estimate(layout: Layout) -> None:
     cluster = CLUSTERS["a100"]

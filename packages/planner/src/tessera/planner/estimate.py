@@ -145,9 +145,13 @@ class Shape:
 
     @property
     def bound(self) -> float:
-        """A lower bound on the makespan under any schedule: every rank computes ``busy``, and
-        the last pipeline rank cannot start before the first microbatch crossed the others."""
-        return self.busy + (len(self.cut.ranks) - 1) * self.f
+        """A lower bound on the estimated makespan under any schedule: the busiest rank's
+        compute, ``busy`` (`timeline` scales the simulated makespan by ``busy`` over the
+        simulated busy time, and a makespan is never shorter than a rank's busy time). The
+        pipeline's fill is not added: with unequal stages the ranks before the busiest may be
+        lighter than ``f``, and busy + (pp - 1) * f then exceeded the estimate (the search
+        dropped the fastest pipeline)."""
+        return self.busy
 
     def unit(self, kind: Kind) -> float:
         """Activation bytes one microbatch of a chunk of ``kind`` keeps for backward."""

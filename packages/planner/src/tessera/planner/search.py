@@ -236,7 +236,7 @@ def search(
     configuration checks) reports nothing; each layout is asked once.
 
     Exact for the ``keep`` fastest: a step can take no less than its busiest rank's compute
-    plus the pipeline's fill (``Shape.bound``), plus its data-parallel traffic and optimizer
+    (``Shape.bound``), plus its data-parallel traffic and optimizer
     step; the compute alone never falls as the microbatch count grows (the same FLOPs and
     bytes, more operator launches and latencies), so each layout family (all but the
     microbatch count) is bounded by its ``m = 1`` member's compute without simulating a
