@@ -15,12 +15,18 @@ from tessera.tensor_parallel.modes import registered_modes
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, n_heads=4, d_model=16)
 
 
-def _parallel(rank: int, resolved_for: int, sequence_parallel: bool) -> dict[str, object]:
+def _parallel(rank: int, resolved_for: int | None, sequence_parallel: bool) -> dict[str, object]:
+    """Parallelize at tp=2 by GPT_PLAN, resolved first for ``resolved_for`` ranks (None: the plan
+    itself, resolved inside ``parallelize``)."""
     mesh = Mesh(Topology(tp=2))
     model = GPT(CFG, seed=1)
-    resolved = resolve(model, GPT_PLAN, tp=resolved_for, sequence_parallel=sequence_parallel)
+    plan = (
+        GPT_PLAN
+        if resolved_for is None
+        else resolve(model, GPT_PLAN, tp=resolved_for, sequence_parallel=sequence_parallel)
+    )
     try:
-        parallelize(model, plan=resolved, mesh=mesh)
+        parallelize(model, plan=plan, mesh=mesh)
     except ValueError as e:
         return {"error": str(e)}
     return {
@@ -30,18 +36,8 @@ def _parallel(rank: int, resolved_for: int, sequence_parallel: bool) -> dict[str
 
 
 def test_a_resolved_plan_is_applied_as_the_plan_itself() -> None:
-    (given, _), (plain, _) = run_threaded(2, _parallel, 2, False), run_threaded(2, _of_plain)
+    given, plain = run_threaded(2, _parallel, 2, False), run_threaded(2, _parallel, None, False)
     assert given == plain, (given, plain)
-
-
-def _of_plain(rank: int) -> dict[str, object]:
-    mesh = Mesh(Topology(tp=2))
-    model = GPT(CFG, seed=1)
-    parallelize(model, plan=GPT_PLAN, mesh=mesh)
-    return {
-        "specs": sorted(shard_specs(model)),
-        "shapes": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
-    }
 
 
 @pytest.mark.parametrize(("tp", "sequence_parallel"), [(4, False), (2, True)])

@@ -11,14 +11,12 @@ line) and nothing imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tessera.comm.axes import TPMode
 
 __all__ = ["DEGREE_NAMES", "Degrees"]
-
-DEGREE_NAMES = ("dp", "pp", "tp", "cp", "tp_mode", "tp_depth", "ep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +47,7 @@ class Degrees:
     def degree_values(self) -> dict[str, Any]:
         """The degrees by name, to build any other `Degrees` from: ``Topology(**d.degree_values())``."""
         return {name: getattr(self, name) for name in DEGREE_NAMES}
+
+
+DEGREE_NAMES = tuple(f.name for f in fields(Degrees))
+"""The degrees' names, in their order."""
