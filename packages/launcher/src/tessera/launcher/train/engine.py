@@ -381,6 +381,8 @@ class Engine:
         background save is committed first."""
         self.wait_for_save()
         self.step, generation = load_engine(self, path)
+        if self.verifier is not None:
+            self.verifier.weights_replaced()
         return generation
 
     def _check_finite(self, what: str) -> None:
@@ -408,6 +410,8 @@ class Engine:
         except (OSError, ValueError, KeyError) as e:
             error = e
         raise_together(error, None, f"importing {path}", self.mesh.device)
+        if self.verifier is not None:
+            self.verifier.weights_replaced()
 
     def consolidate(self, path: str | Path) -> dict[str, Tensor] | None:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""

@@ -4,12 +4,21 @@ same model before anything is updated.
 ``boost`` keeps a deep copy of the user's model (before tensor parallelism touches it) in a
 `Verifier`. On the first ``Engine.train_step`` the verifier
 
-1. loads the parallel model's current weights into the copy (gathered by serial name over
-   tp, ZeRO and pipeline ranks, so a resumed or imported run is verified too) and runs the
+1. gathers the parallel model's current weights by serial name over tp, ep, ZeRO and
+   pipeline ranks; unless the engine loaded a checkpoint or imported weights since ``boost``,
+   they must equal the copy's (the model as given, to the tolerance below): a parameter
+   split, placed or shuffled wrongly (an expert bank's slice on the wrong rank) is refused
+   here, naming it, since a model trained consistently from a wrong start passes step 2;
+   then loads them into the copy (so a resumed or imported run is verified too) and runs the
    serial fp32 forward and backward of the whole global batch on it, in as many equal row
    chunks as the engine trains (dp x microbatches): the cross-entropy's mean over every
    counted token of the batch (targets of -100 count for nothing), or, for a
-   ``ModelSpec.loss``, each chunk's loss averaged, as the engine trains them;
+   ``ModelSpec.loss``, each chunk's loss averaged, as the engine trains them. The copy is
+   the model's deep copy in every respect the engine sets: the router losses that
+   ``tessera.moe.MoE`` layers train on from inside their backward weigh ``1 / chunks`` per
+   call, as the engine's scale and the dp average weigh them, and a loss function that reads
+   the model (an auxiliary loss summed over its layers, through a closure, a bound method,
+   a partial or a module-level name) reads the copy instead (`tessera.launcher.train.bound`);
 2. lets the parallel step run as usual, and, from an optimizer step pre-hook (after every
    reduction: dp average, tp / sequence-parallel sums, tied-weight sums, loss scaling
    undone), gathers the parallel gradients by serial name (`local_full_gradients`), undoes
@@ -55,7 +64,9 @@ from tessera.launcher.checkpoint.placement import Boosted
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.config.verify_rules import verify_problems
 from tessera.launcher.train.batches import split_inputs
+from tessera.launcher.train.bound import bound_to_copy
 from tessera.launcher.train.objective import IGNORE_INDEX
+from tessera.moe import set_aux_grad_scale
 from tessera.pipeline import split_microbatches
 from tessera.zero.clip import clip_coefficient
 
@@ -165,11 +176,16 @@ class Verifier:
         problems = _unverifiable(model, config)
         if problems:
             raise ValueError("verify: cannot compare with a serial step: " + "; ".join(problems))
-        self.model = copy.deepcopy(model).float()
+        memo: dict[int, Any] = {}
+        self.model = copy.deepcopy(model, memo).float()
         self.precision = config.train.precision
         self.rtol = tolerance(self.precision)
         self.chunks = config.parallel.dp * config.parallel.microbatches
-        self.loss = loss if loss is not None else _cross_entropy_sum
+        # the layers' own router losses weigh 1 / chunks each, as the engine's scale and the dp
+        # average weigh them in the parallel step (`tessera.moe.aux`)
+        set_aux_grad_scale(self.model, 1.0 / self.chunks)
+        self.loss = bound_to_copy(loss, memo) if loss is not None else _cross_entropy_sum
+        self.given = True  # the parallel weights are still the model's own (no load since boost)
         self.sums = loss is None  # the built-in cross-entropy: a sum, over the batch's counted tokens
         self.output = output
         self.done = False
@@ -191,6 +207,8 @@ class Verifier:
         if missing:
             raise ValueError(f"verify: the boosted model lacks serial parameters {missing[:5]}")
         device = next(iter(named.values())).device
+        if self.given:
+            self._check_given(named, full, engine)
         with torch.no_grad():
             for name, param in named.items():
                 param.copy_(full[name])
@@ -214,6 +232,31 @@ class Verifier:
         }
         model.zero_grad(set_to_none=True)
         self.seconds += time.perf_counter() - start
+
+    def weights_replaced(self) -> None:
+        """The engine loaded other weights (a checkpoint, an import): the first step is then
+        verified from those, without comparing them with the model given to ``boost``."""
+        self.given = False
+
+    def _check_given(self, named: Mapping[str, Tensor], full: Mapping[str, Tensor], engine: Boosted) -> None:
+        """Before the first step, the parallel weights gathered by serial name must be the
+        weights of the model given to ``boost`` (in the compute dtype): a parameter split,
+        placed or shuffled wrongly (an expert bank's slice on the wrong rank) would otherwise
+        train consistently from the wrong start and pass the gradient comparison."""
+        mine = {n: full[n] for n in named if n in full}
+        differ, _ = compare_gradients({n: p.detach().cpu() for n, p in named.items()}, mine, self.rtol)
+        error = None
+        if differ:
+            error = ValueError(
+                f"verify: before any step, {len(differ)} of {len(mine)} parallel weights differ from the "
+                f"model given to boost() ({engine.mesh.topology.describe()}): "
+                + "; ".join(str(d) for d in differ[:6])
+                + "; a parameter was split, placed or converted wrongly; nothing was updated"
+            )
+        try:
+            raise_together(error, None, "verify", engine.mesh.device)
+        except RemoteFailure as e:
+            raise ValueError(str(e)) from None
 
     @contextlib.contextmanager
     def comparing(self, engine: Boosted, local_loss: float) -> Iterator[None]:
