@@ -51,11 +51,7 @@ def _rebound(fn: Any, memo: dict[int, Any], depth: int) -> Any:
     if not inspect.isfunction(fn):
         return _swap(fn, memo, depth)
     cells = fn.__closure__ or ()
-    contents = [_swap(c.cell_contents, memo, depth) if _filled(c) else c for c in cells]
-    new_cells = tuple(
-        old if new is old or not _filled(old) else types.CellType(new)
-        for old, new in zip(cells, contents, strict=True)
-    )
+    new_cells = tuple(_new_cell(cell, memo, depth) for cell in cells)
     scope = fn.__globals__
     names = [n for n in fn.__code__.co_names if n in scope]
     changed = {n: v for n in names if (v := _swap(scope[n], memo, depth)) is not scope[n]}
@@ -68,12 +64,14 @@ def _rebound(fn: Any, memo: dict[int, Any], depth: int) -> Any:
     return out
 
 
-def _filled(cell: types.CellType) -> bool:
+def _new_cell(cell: types.CellType, memo: dict[int, Any], depth: int) -> types.CellType:
+    """``cell`` itself, or a new cell holding the copy of what it holds."""
     try:
-        cell.cell_contents  # noqa: B018  # an empty cell raises
-    except ValueError:
-        return False
-    return True
+        held = cell.cell_contents
+    except ValueError:  # an empty cell (a name not bound yet)
+        return cell
+    swapped = _swap(held, memo, depth)
+    return cell if swapped is held else types.CellType(swapped)
 
 
 def bound_to_copy(fn: Callable[..., Any], memo: dict[int, Any]) -> Callable[..., Any]:
