@@ -17,20 +17,19 @@ the 200 families of transformers 5.25 on a 2-core machine.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
 import sys
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.pool import WorkerPool
-from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import Config, ParallelConfig
+from tessera.launcher.testing import RandomTokens, Run, boosted_run, oracle_config, serial_run, sgd
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 2, 0.5
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 COMMON = {
     "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
@@ -58,48 +57,8 @@ def build(kind: str) -> nn.Module:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)  # type: ignore[no-any-return]
 
 
-def batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def logits(out: Any) -> Tensor:
-    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
-
-
-Run = tuple[list[float], dict[str, Tensor]]
-
-
-def serial(kind: str) -> Run:
-    model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = F.cross_entropy(logits(model(x)).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def config_of(parallel: ParallelConfig, zero: int) -> Config:
-    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))  # type: ignore[arg-type]
-    return dataclasses.replace(
-        c,
-        data=dataclasses.replace(c.data, batch_size=BATCH),
-        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),
-    )
-
-
 def parallel(rank: int, kind: str, config: Config) -> Run:
-    model = build(kind)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
-    losses = [engine.train_step(*batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+    return boosted_run(build(kind), TOKENS.first(STEPS), config, sgd(LR))
 
 
 def compare(got: Run, want: Run) -> str:
@@ -121,14 +80,14 @@ def main(kinds: list[str]) -> None:
             if size > 3_000_000:
                 print(json.dumps([kind, f"not run: {size} parameters at the tiny sizes"]), flush=True)
                 continue
-            want = serial(kind)
+            want = serial_run(build(kind), TOKENS.first(STEPS), sgd(LR))
         except Exception as exc:
             print(json.dumps([kind, f"not built: {type(exc).__name__}: {str(exc)[:150]}"]), flush=True)
             continue
         row = {}
         for mode, (degrees, zero) in MODES.items():
             try:
-                parts = pool.run(parallel, kind, config_of(degrees, zero), timeout=120)
+                parts = pool.run(parallel, kind, oracle_config(degrees, zero, batch_size=BATCH), timeout=120)
                 merged: dict[str, Tensor] = {}
                 for _, part in parts:
                     merged.update(part)

@@ -27,7 +27,6 @@ masks: measured equal here; other masks move the losses by about 2e-3 relative).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,21 +34,27 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import BoostConfig, Config, ParallelConfig, boost
 from tessera.launcher.config.config_io import RESOLVED_ENV, RUN_FOLDER_ENV, config_to_dict, resolve_config
 from tessera.launcher.job import main_job
 from tessera.launcher.run.preflight import preflight
+from tessera.launcher.testing import (
+    RandomTokens,
+    Run,
+    assert_matches_serial,
+    boosted_run,
+    oracle_config,
+    serial_run,
+)
 from tessera.models import GPT, LLAMAISH_ROLES, ForeignConfig, GPTConfig, Llamaish, make_batch
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
 ROLES = LLAMAISH_ROLES
-
-Run = tuple[list[float], dict[str, Tensor], int]
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
@@ -58,42 +63,25 @@ def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _serial(adamw: bool) -> tuple[list[float], dict[str, Tensor]]:
-    model = Llamaish(SIZES, seed=0)
-    opt = _optimizer(model, adamw)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _compiled(rank: int, config: Config, adamw: bool, argument: bool) -> Run:
+def _compiled(rank: int, config: Config, adamw: bool, argument: bool) -> tuple[Run, int]:
     """Train compiled (``argument``: by ``boost(compile=True)``, else by ``train.compile``)
     and count the graphs this rank compiled."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = Llamaish(SIZES, seed=0)
-    engine = boost(model, _optimizer(model, adamw), config, plan=ROLES, compile=True if argument else None)
-    try:
-        losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-        weights = engine.full_state_dict()
-    finally:
-        engine.mesh.close()
+    compile = True if argument else None
+    run = boosted_run(
+        Llamaish(SIZES, seed=0),
+        TOKENS.first(STEPS),
+        config,
+        lambda m: _optimizer(m, adamw),
+        plan=ROLES,
+        compile=compile,
+    )
     graphs = int(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    return losses, weights, graphs
+    return run, graphs
 
 
 P = ParallelConfig
@@ -108,12 +96,8 @@ MODES: dict[str, tuple[ParallelConfig, dict[str, Any]]] = {
 
 
 def _config(parallel: ParallelConfig, stage: int, *, compile: bool, checkpointing: bool = False) -> Config:
-    train = TrainConfig(precision="fp32", compile=compile, activation_checkpointing=checkpointing)
-    base = Config(parallel=parallel, zero=ZeroConfig(stage=stage), train=train)
-    return dataclasses.replace(
-        base,
-        data=dataclasses.replace(base.data, batch_size=BATCH),
-        optim=dataclasses.replace(base.optim, clip_grad_norm=0.0),  # the serial run does not clip
+    return oracle_config(
+        parallel, stage, batch_size=BATCH, compile=compile, activation_checkpointing=checkpointing
     )
 
 
@@ -129,16 +113,11 @@ def test_a_compiled_model_follows_its_eager_serial_run(worker_pools: PoolFactory
     )
     assert BoostConfig.validate(config) == []
     results = worker_pools(config.world_size).run(_compiled, config, adamw, argument, timeout=300)
-    losses, weights = _serial(adamw)
-    merged: dict[str, Tensor] = {}
-    for rank, (curve, part, graphs) in enumerate(results):
+    for rank, (_, graphs) in enumerate(results):
         assert graphs > 0, f"rank {rank} compiled no graph: it trained eagerly"
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
-    if adamw:
-        torch.testing.assert_close(merged, weights, rtol=1e-4, atol=1e-4)
-    else:
-        torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    serial = serial_run(Llamaish(SIZES, seed=0), TOKENS.first(STEPS), lambda m: _optimizer(m, adamw))
+    rtol, atol = (1e-4, 1e-4) if adamw else (1e-5, 1e-6)  # the bounds of the module docstring
+    assert_matches_serial([run for run, _ in results], serial, rtol=rtol, atol=atol)
 
 
 def test_a_schedule_that_splits_the_backward_is_refused_compiled() -> None:
@@ -215,7 +194,7 @@ def _saved_bytes(checkpointing: bool, compile: bool) -> int:
     model = Llamaish(SIZES, seed=0)
     config = _config(P(microbatches=1), 0, compile=compile, checkpointing=checkpointing)
     engine = boost(model, _optimizer(model, False), config, plan=ROLES)
-    ids = _batch(0)[0]
+    ids = TOKENS.at(0)[0]
     engine.module(ids).sum().backward()
     kept = 0
 

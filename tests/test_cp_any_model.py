@@ -24,9 +24,6 @@ rank before training, at cp=2 and at dp2 x cp2 with ZeRO-3, naming its attention
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,12 +31,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import Config, ModelSpec, ParallelConfig, boost
+from tessera.launcher.testing import (
+    RandomTokens,
+    Run,
+    assert_matches_serial,
+    boosted_run,
+    oracle_config,
+    serial_run,
+    sgd,
+)
 from tessera.models.foreign import ForeignConfig, Llamaish
 from tessera.tensor_parallel import Plan, Style
 
 CFG = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=48, max_len=16)
 SEQ, BATCH, STEPS, LR = 16, 8, 3, 0.5
+TOKENS = RandomTokens(vocab=CFG.vocab, batch=BATCH, seq=SEQ)
 
 LLAMAISH_PLAN = Plan.of(
     {
@@ -59,11 +66,6 @@ LLAMAISH_PLAN = Plan.of(
 )
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def _hf_llama() -> nn.Module:
     import transformers
 
@@ -80,42 +82,10 @@ def _build(name: str) -> nn.Module:
     return Llamaish(CFG, seed=0) if name == "llamaish" else _hf_llama()
 
 
-def _logits(out: Any) -> Tensor:
-    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
-
-
-def _serial(name: str) -> tuple[list[float], dict[str, Tensor]]:
-    model = _build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(_logits(model(ids)).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _config(parallel: ParallelConfig) -> Config:
-    c = Config(parallel=parallel, zero=ZeroConfig(stage=0), train=TrainConfig(precision="fp32"))
-    return dataclasses.replace(
-        c,
-        data=dataclasses.replace(c.data, batch_size=BATCH),
-        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),  # the serial run does not clip
-    )
-
-
-def _parallel(rank: int, name: str, config: Config) -> tuple[list[float], dict[str, Tensor]]:
-    model = _build(name)
+def _parallel(rank: int, name: str, config: Config) -> Run:
     # no attention_cores, no positions; HF Llama: its built-in spec (which names none either)
     spec = ModelSpec(plans={"1d": LLAMAISH_PLAN}) if name == "llamaish" else None
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+    return boosted_run(_build(name), TOKENS.first(STEPS), config, sgd(LR), spec=spec)
 
 
 @pytest.mark.parametrize(
@@ -136,15 +106,10 @@ def test_routed_attention_follows_the_serial_run(
 ) -> None:
     if name.startswith("hf"):
         pytest.importorskip("transformers", reason="transformers is not installed: HF Llama NOT tested")
-    config = _config(parallel)
+    config = oracle_config(parallel, batch_size=BATCH)
     assert config.validate() == []
     results = worker_pools(config.world_size).run(_parallel, name, config, timeout=180)
-    losses, weights = _serial(name)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
-    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    assert_matches_serial(results, serial_run(_build(name), TOKENS.first(STEPS), sgd(LR)))
 
 
 class InlineRopeAttention(nn.Module):
@@ -212,7 +177,7 @@ def _refused(rank: int, config: Config) -> str:
         for group in set(dist.distributed_c10d._world.pg_map) - before:
             dist.destroy_process_group(group)
         return str(e)
-    engine.train_step(*_batch(0))
+    engine.train_step(*TOKENS.at(0))
     engine.close()
     return "trained"
 
@@ -225,7 +190,7 @@ def _refused(rank: int, config: Config) -> str:
 def test_positions_from_the_local_length_are_refused_before_training(
     worker_pools: PoolFactory, parallel: ParallelConfig, stage: int
 ) -> None:
-    config = dataclasses.replace(_config(parallel), zero=ZeroConfig(stage=stage))
+    config = oracle_config(parallel, stage, batch_size=BATCH)
     for message in worker_pools(config.world_size).run(_refused, config, timeout=180):
         assert "the first module whose output differs is 'layers.0.attn' (InlineRopeAttention)" in message
         assert "derives positions or a mask from the local sequence length" in message

@@ -29,19 +29,26 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.testing import (
+    Batch,
+    RandomTokens,
+    Run,
+    assert_matches_serial,
+    boosted_run,
+    oracle_config,
+    serial_run,
+)
 from tessera.models import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, Llamaish
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 8, 3
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 ROLES = LLAMAISH_ROLES  # what each module is; every mode turns it into its own layers
-
-
 
 
 class Trunk(nn.Module):
@@ -100,9 +107,8 @@ def _optimizer(model: nn.Module, adamw: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def _batch(step: int, ignored: bool = False) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+def _batch(step: int, ignored: bool = False) -> Batch:
+    inputs, targets = TOKENS.at(step)
     if ignored:  # targets that count for nothing, unevenly over rows, microbatches and positions
         targets[:3, 4:] = -100  # three rows mostly padding
         targets[5] = -100  # a row that counts nothing
@@ -110,21 +116,8 @@ def _batch(step: int, ignored: bool = False) -> tuple[Tensor, Tensor]:
     return inputs, targets
 
 
-Run = tuple[list[float], dict[str, Tensor]]
-
-
-def _serial(kv: int, heads: int, adamw: bool, frozen: bool, ignored: bool = False) -> Run:
-    model = _model(kv, heads, frozen)
-    opt = _optimizer(model, adamw)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step, ignored)
-        loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+def _batches(ignored: bool) -> list[Batch]:
+    return [_batch(step, ignored) for step in range(STEPS)]
 
 
 def _parallel(
@@ -132,11 +125,7 @@ def _parallel(
 ) -> Run:
     model = _model(kv, heads, frozen)
     plan = {0: GPT2ISH_ROLES, -1: NESTED_ROLES}.get(kv, ROLES)  # context parallelism reads positions from it
-    engine = boost(model, _optimizer(model, adamw), config, plan=plan)
-    losses = [engine.train_step(*_batch(step, ignored)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+    return boosted_run(model, _batches(ignored), config, lambda m: _optimizer(m, adamw), plan=plan)
 
 
 P = ParallelConfig
@@ -206,29 +195,18 @@ def test_a_foreign_model_follows_its_serial_run_in_every_mode(
     zero = ZeroConfig(stage=int(extra.get("stage", 0)))
     if extra.get("disk"):
         zero = dataclasses.replace(zero, disk_dir=str(tmp_path), host_budget_mb=0.5, chunk_numel=2048)
-    base = Config(parallel=parallel, zero=zero, train=TrainConfig(precision="fp32"))
-    config = dataclasses.replace(
-        base,
-        data=dataclasses.replace(base.data, batch_size=BATCH),
-        optim=dataclasses.replace(base.optim, clip_grad_norm=0.0),  # the serial run does not clip
-    )
+    config = oracle_config(parallel, zero, batch_size=BATCH)
     assert BoostConfig.validate(config) == []  # the core: the degrees are checked against the model given
     if heads == 8:  # ... not against [model], the main job's GPT, which tp=8 would not split
         assert any("model.n_heads=4 does not split 8 ways" in e for e in config.validate())
     results = worker_pools(config.world_size).run(
         _parallel, kv, heads, adamw, frozen, config, ignored, timeout=240
     )
-    losses, weights = _serial(kv, heads, adamw, frozen, ignored)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
     if extra.get("disk"):
         assert any(p.is_file() for p in tmp_path.rglob("*")), "no chunk reached the disk"
-    if adamw:
-        torch.testing.assert_close(merged, weights, rtol=1e-4, atol=1e-4)
-    else:
-        torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    serial = serial_run(_model(kv, heads, frozen), _batches(ignored), lambda m: _optimizer(m, adamw))
+    rtol, atol = (1e-4, 1e-4) if adamw else (1e-5, 1e-6)  # the bounds of the module docstring
+    merged = assert_matches_serial(results, serial, rtol=rtol, atol=atol)
     start = dict(_model(kv, heads, frozen).named_parameters())
     for name in [n for n, p in start.items() if not p.requires_grad]:  # exported as they were
         torch.testing.assert_close(merged[name], start[name].detach(), rtol=0, atol=0)

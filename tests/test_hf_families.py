@@ -29,10 +29,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import Config, ParallelConfig, boost
 from tessera.launcher.families.spec import model_spec, refusals
+from tessera.launcher.testing import (
+    RandomTokens,
+    Run,
+    assert_losses_close,
+    assert_matches_serial,
+    boosted_run,
+    oracle_config,
+    serial_run,
+    sgd,
+)
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 3, 0.5
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Llama-shaped sizes: 4 query heads of width 8, 2 KV heads
 _COMMON = {
@@ -107,45 +118,12 @@ def _build(name: str) -> nn.Module:
     return getattr(transformers, model_class)(config)  # type: ignore[no-any-return]
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-Run = tuple[list[float], dict[str, Tensor]]
-
-
 def _serial(name: str) -> Run:
-    model = _build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _config(parallel: ParallelConfig, zero: int) -> Config:
-    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
-    return dataclasses.replace(
-        c,
-        data=dataclasses.replace(c.data, batch_size=BATCH),
-        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),  # the serial run does not clip
-    )
+    return serial_run(_build(name), TOKENS.first(STEPS), sgd(LR))
 
 
 def _parallel(rank: int, name: str, config: Config) -> Run:
-    model = _build(name)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+    return boosted_run(_build(name), TOKENS.first(STEPS), config, sgd(LR))
 
 
 MODES: dict[str, tuple[ParallelConfig, int]] = {
@@ -181,16 +159,11 @@ def _axes(parallel: ParallelConfig) -> list[str]:
 
 def run_family(pools: PoolFactory, name: str, mode: str) -> None:
     parallel, zero = MODES[mode]
-    config = _config(parallel, zero)
+    config = oracle_config(parallel, zero, batch_size=BATCH)
     assert config.validate() == []
     name = f"{name}@nopad" if parallel.tp_mode != "1d" else name
     results = pools(config.world_size).run(_parallel, name, config, timeout=240)
-    losses, weights = _serial(name)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
-    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    assert_matches_serial(results, _serial(name))
 
 
 CASES = [
@@ -228,7 +201,7 @@ def test_boost_refuses_before_building_anything(worker_pools: PoolFactory) -> No
 def _train_and_consolidate(rank: int, name: str, config: Config, folder: str) -> None:
     model = _build(name)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
-    engine.train_step(*_batch(0))
+    engine.train_step(*TOKENS.at(0))
     if rank == 0:
         model.config.save_pretrained(folder)  # config.json, as transformers writes it
     engine.consolidate(f"{folder}/model.safetensors")
@@ -245,16 +218,15 @@ def test_a_tied_head_exports_under_both_names(worker_pools: PoolFactory, tmp_pat
     )
     import safetensors.torch
 
-    worker_pools(2).run(
-        _train_and_consolidate, name, _config(ParallelConfig(tp=2), 0), str(tmp_path), timeout=240
-    )
+    config = oracle_config(ParallelConfig(tp=2), batch_size=BATCH)
+    worker_pools(2).run(_train_and_consolidate, name, config, str(tmp_path), timeout=240)
     weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
     serial = _build(name)
     head = serial.get_output_embeddings()
     assert head is not None and head.weight is serial.get_input_embeddings().weight
     serial.load_state_dict(weights, strict=True)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    ids = _batch(1)[0]
+    ids = TOKENS.at(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, serial(ids).logits, rtol=0, atol=0)
 
@@ -272,7 +244,7 @@ def _twin_verified(rank: int, name: str, config: Config, broken: bool) -> list[f
     engine = boost(
         model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, spec=spec, verify="twin"
     )
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*batch).loss for batch in TOKENS.first(STEPS)]
     engine.mesh.close()
     return losses
 
@@ -285,18 +257,16 @@ def test_verify_on_a_shrunken_twin_passes_a_correct_layout(
     model itself (unverified) exactly as without it: the same losses as the serial run."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
     parallel, zero = MODES[mode]
-    config = _config(parallel, zero)
+    config = oracle_config(parallel, zero, batch_size=BATCH)
     results = worker_pools(config.world_size).run(_twin_verified, name, config, False, timeout=240)
-    want, _ = _serial(name)
-    for losses in results:
-        assert losses == pytest.approx(want, rel=1e-5)
+    assert_losses_close(results, _serial(name)[0])
 
 
 def test_verify_on_a_shrunken_twin_refuses_a_wrong_step(worker_pools: PoolFactory) -> None:
     """A loss that differs between dp ranks makes the parallel step differ from the serial one:
     the twin's verified step refuses it before the model itself is touched."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
-    config = _config(ParallelConfig(dp=2), 1)
+    config = oracle_config(ParallelConfig(dp=2), 1, batch_size=BATCH)
     with pytest.raises(ValueError, match=r"differ"):
         worker_pools(2).run(_twin_verified, "qwen2", config, True, timeout=240)
 
@@ -310,24 +280,9 @@ def _own(name: str) -> nn.Module:
     return Llamaish(config) if name == "llamaish" else GPT2ish(config)
 
 
-def _own_run(rank: int, name: str, config: Config | None) -> Run:
-    model = _own(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    if config is None:  # serial
-        losses = []
-        for step in range(STEPS):
-            ids, targets = _batch(step)
-            loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = boost(model, opt, config)  # no plan: the roles are derived from its module tree
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+def _own_run(rank: int, name: str, config: Config) -> Run:
+    # no plan: the roles are derived from its module tree
+    return boosted_run(_own(name), TOKENS.first(STEPS), config, sgd(LR))
 
 
 @pytest.mark.parametrize("mode", ["tp2", "tp2-sp"])
@@ -339,13 +294,9 @@ def test_roles_derived_for_a_model_with_names_of_its_own(
     output layer registered before the last input) and ``GPT2ish`` (fused ``qkv``, learned
     positions, LayerNorms) get their roles from their module trees alone; bounds as above."""
     parallel, zero = MODES[mode]
-    config = _config(parallel, zero)
-    losses, weights = _own_run(0, name, None)
-    merged: dict[str, Tensor] = {}
-    for curve, part in worker_pools(2).run(_own_run, name, config, timeout=240):
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
-    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    config = oracle_config(parallel, zero, batch_size=BATCH)
+    serial = serial_run(_own(name), TOKENS.first(STEPS), sgd(LR))
+    assert_matches_serial(worker_pools(2).run(_own_run, name, config, timeout=240), serial)
 
 
 def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:

@@ -12,7 +12,6 @@ an update.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
-from tessera.launcher import Config, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher import Config, ModelSpec, ParallelConfig, boost
 from tessera.launcher.families.spec import check_blocks, pipeline_blocks, tied_blocks
+from tessera.launcher.testing import (
+    RandomTokens,
+    Run,
+    assert_matches_serial,
+    boosted_run,
+    logits_of,
+    oracle_config,
+    serial_run,
+    sgd,
+)
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 3, 0.5
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 # ---------------------------------------------------------------------------- a user's model
@@ -146,56 +156,10 @@ def _build(name: str) -> nn.Module:
     return BUILDERS[name]()
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _logits(out: Any) -> Tensor:
-    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
-
-
-Run = tuple[list[float], dict[str, Tensor]]
-
-
-def _serial(name: str) -> Run:
-    model = _build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(_logits(model(ids)).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _config(parallel: ParallelConfig, zero: int) -> Config:
-    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
-    return dataclasses.replace(
-        c,
-        data=dataclasses.replace(c.data, batch_size=BATCH),
-        optim=dataclasses.replace(c.optim, clip_grad_norm=0.0),  # the serial run does not clip
-    )
-
-
 def _parallel(rank: int, name: str, config: Config) -> Run:
-    model = _build(name)
     spec = ModelSpec(plans={"1d": TINY_PLAN}) if name == "tiny" else None
-    engine = boost(
-        model,
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        config,
-        spec=spec,
-        example=_batch(0)[0][:2],
-    )
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
-    engine.mesh.close()
-    return losses, weights
+    example = TOKENS.at(0)[0][:2]
+    return boosted_run(_build(name), TOKENS.first(STEPS), config, sgd(LR), spec=spec, example=example)
 
 
 CASES = [
@@ -221,15 +185,10 @@ def test_a_model_tessera_never_saw_follows_its_serial_run(
 ) -> None:
     if name != "tiny":
         pytest.importorskip("transformers", reason="transformers is not installed: HF models NOT tested")
-    config = _config(parallel, zero)
+    config = oracle_config(parallel, zero, batch_size=BATCH)
     assert config.validate() == []
     results = worker_pools(config.world_size).run(_parallel, name, config, timeout=180)
-    losses, weights = _serial(name)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:
-        assert curve == pytest.approx(losses, rel=1e-5)
-        merged.update(part)
-    torch.testing.assert_close(merged, weights, rtol=1e-5, atol=1e-6)
+    assert_matches_serial(results, serial_run(_build(name), TOKENS.first(STEPS), sgd(LR)))
 
 
 # ---------------------------------------------------------------------------- refusals, no ranks
@@ -247,10 +206,10 @@ def test_blocks_are_found_and_checked_against_the_model() -> None:
     model = TinyLlama()
     blocks = pipeline_blocks(model, ModelSpec())
     assert blocks == [model.tokens, *model.blocks, model.final_norm, model.out]
-    check_blocks(model, blocks, _batch(0)[0], _logits)
+    check_blocks(model, blocks, TOKENS.at(0)[0], logits_of)
     scaled = Scaled()
     with pytest.raises(ValueError, match=r"do not reproduce model\(example\): largest difference"):
-        check_blocks(scaled, pipeline_blocks(scaled, ModelSpec()), _batch(0)[0], _logits)
+        check_blocks(scaled, pipeline_blocks(scaled, ModelSpec()), TOKENS.at(0)[0], logits_of)
 
 
 def test_a_weight_tied_across_blocks_is_found_with_its_blocks() -> None:
@@ -274,7 +233,7 @@ def test_a_model_without_layers_or_plan_gets_one_line() -> None:
 def _train_and_export(rank: int, config: Config, path: str) -> None:
     model = _build("llama")
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
-    engine.train_step(*_batch(0))
+    engine.train_step(*TOKENS.at(0))
     engine.consolidate(path)
     engine.mesh.close()
 
@@ -284,7 +243,7 @@ def _import_and_eval(rank: int, config: Config, path: str) -> float:
     model = BUILDERS["llama"]()
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
     engine.import_weights(path)
-    loss = engine.eval_loss(*_batch(1))
+    loss = engine.eval_loss(*TOKENS.at(1))
     engine.mesh.close()
     return loss
 
@@ -299,13 +258,15 @@ def test_hf_llama_exports_hf_names_and_imports_under_another_topology(
     import safetensors.torch
 
     path = str(tmp_path / "llama.safetensors")
-    saver = _config(ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1)
+    saver = oracle_config(
+        ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, schedule="1f1b"), 1, batch_size=BATCH
+    )
     worker_pools(8).run(_train_and_export, saver, path, timeout=180)
     serial = _build("llama")
     serial.load_state_dict(safetensors.torch.load_file(path), strict=True)
-    ids, targets = _batch(1)
+    ids, targets = TOKENS.at(1)
     with torch.no_grad():
-        want = F.cross_entropy(_logits(serial(ids)).flatten(0, 1), targets.flatten()).item()
-    importer = _config(ParallelConfig(dp=2, tp=2), 3)
+        want = F.cross_entropy(logits_of(serial(ids)).flatten(0, 1), targets.flatten()).item()
+    importer = oracle_config(ParallelConfig(dp=2, tp=2), 3, batch_size=BATCH)
     for got in worker_pools(4).run(_import_and_eval, importer, path, timeout=180):
         assert got == pytest.approx(want, rel=1e-5)

@@ -29,6 +29,7 @@ from tessera.planner import PRESETS, Cluster, Job, Layout, ModelShape, TPShape, 
 from tessera.planner.estimate import overheads, shape_of
 from tessera.planner.links import Link
 from tessera.planner.operators import OPS_EDGE, OPS_LAYER, operators
+from tessera.planner.testing import jobs
 from tessera.planner.traffic import Traffic, context_traffic, edge_traffic, tensor_traffic
 
 REL = 1e-12
@@ -41,17 +42,7 @@ CLUSTERS = {
 }
 
 
-@st.composite
-def jobs(draw: st.DrawFn) -> Job:
-    model = ModelShape(
-        layers=draw(st.integers(2, 8)),
-        hidden=draw(st.sampled_from([32, 64, 128])),
-        heads=4,
-        vocab=draw(st.sampled_from([64, 500, 4000])),
-        seq=draw(st.sampled_from([16, 32])),
-        batch=BATCH,
-    )
-    return Job(model, draw(st.sampled_from(["fp32", "bf16"])), draw(st.sampled_from(["adamw", "sgd"])))
+JOBS = jobs(batch=BATCH)
 
 
 @st.composite
@@ -94,7 +85,7 @@ def _cuts(layout: Layout, job: Job) -> bool:
 
 # ------------------------------------------------------------------ the parts of a step
 @settings(max_examples=100, deadline=None)
-@given(job=jobs(), layout=layouts(), where=st.sampled_from(sorted(CLUSTERS)))
+@given(job=JOBS, layout=layouts(), where=st.sampled_from(sorted(CLUSTERS)))
 def test_the_parts_of_a_step_are_not_negative_and_add_up(job: Job, layout: Layout, where: str) -> None:
     """Every part of a step is >= 0, they add up to the total (``==``: `StepTime.total`'s own
     sum), and a part is zero where its parallelism is absent."""
@@ -133,7 +124,7 @@ def _other_links(cluster: Cluster, k: float) -> Cluster:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    job=jobs(), zero=st.integers(0, 3), offload=st.booleans(), recompute=st.booleans(), k=st.floats(0.01, 100)
+    job=JOBS, zero=st.integers(0, 3), offload=st.booleans(), recompute=st.booleans(), k=st.floats(0.01, 100)
 )
 def test_one_rank_communicates_nothing_and_no_link_changes_it(
     job: Job, zero: int, offload: bool, recompute: bool, k: float
@@ -152,7 +143,7 @@ def test_one_rank_communicates_nothing_and_no_link_changes_it(
 # ------------------------------------------------------------------ monotone
 @settings(max_examples=100, deadline=None)
 @given(
-    job=jobs(),
+    job=JOBS,
     layout=layouts(),
     where=st.sampled_from(sorted(CLUSTERS)),
     k=st.floats(1.0, 1000.0),
@@ -178,7 +169,7 @@ GROW = {
 
 @settings(max_examples=100, deadline=None)
 @given(
-    job=jobs(),
+    job=JOBS,
     layout=layouts(pipelines=False),
     where=st.sampled_from(sorted(CLUSTERS)),
     grow=st.sampled_from(sorted(GROW)),
@@ -195,7 +186,7 @@ def test_a_bigger_model_never_predicts_a_faster_step(job: Job, layout: Layout, w
 
 
 @settings(max_examples=60, deadline=None)
-@given(job=jobs(), layout=layouts(pipelines=False), k=st.floats(1.0, 100.0))
+@given(job=JOBS, layout=layouts(pipelines=False), k=st.floats(1.0, 100.0))
 def test_a_faster_device_never_predicts_a_slower_step(job: Job, layout: Layout, k: float) -> None:
     """FLOP/s and memory bandwidths k times higher: less to hide communication under, but
     never more than the compute saved. Without a pipeline: `timeline` rounds a pipeline's
@@ -216,7 +207,7 @@ def test_a_faster_device_never_predicts_a_slower_step(job: Job, layout: Layout, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(job=jobs(), layout=layouts(), where=st.sampled_from(sorted(PRESETS)))
+@given(job=JOBS, layout=layouts(), where=st.sampled_from(sorted(PRESETS)))
 def test_offload_never_makes_a_step_faster_on_a_preset(job: Job, layout: Layout, where: str) -> None:
     """What the search's shortcut (offload tried only when the layout without it does not
     fit) relies on: on every preset an offloaded optimizer step (PCIe copies, host memory)
@@ -262,7 +253,7 @@ def test_the_bubble_is_the_pipeline_simulators(name: str, p: int, m: int) -> Non
 
 # ------------------------------------------------------------------ what the search prunes with
 @settings(max_examples=100, deadline=None)
-@given(job=jobs(), layout=layouts(), where=st.sampled_from(sorted(CLUSTERS)))
+@given(job=JOBS, layout=layouts(), where=st.sampled_from(sorted(CLUSTERS)))
 def test_the_compute_at_one_microbatch_bounds_every_count(job: Job, layout: Layout, where: str) -> None:
     """The search orders and cuts off layout families by their ``m = 1`` member's compute
     (``Shape.busy``): more microbatches never compute less (the same FLOPs and bytes, more
@@ -278,7 +269,7 @@ def test_the_compute_at_one_microbatch_bounds_every_count(job: Job, layout: Layo
 
 
 @settings(max_examples=100, deadline=None)
-@given(job=jobs(), layout=layouts(pipelines=False), where=st.sampled_from(sorted(CLUSTERS)))
+@given(job=JOBS, layout=layouts(pipelines=False), where=st.sampled_from(sorted(CLUSTERS)))
 def test_without_a_pipeline_the_searchs_bound_never_exceeds_the_estimate(
     job: Job, layout: Layout, where: str
 ) -> None:

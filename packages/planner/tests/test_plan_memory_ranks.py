@@ -30,6 +30,7 @@ from tessera.planner.memory import (
     MemoryEstimate,
     activation_bytes,
 )
+from tessera.planner.testing import jobs
 from tessera.planner.transient import build_peak, gradient_peak, kept_grad_buffers, step_scratch
 
 PRECISIONS = sorted(DTYPE_BYTES)
@@ -41,18 +42,7 @@ BATCH = 48
 GRIDS = [("1d", 1, 1), ("1d", 2, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
 
 
-@st.composite
-def jobs(draw: st.DrawFn) -> Job:
-    model = ModelShape(
-        layers=draw(st.integers(2, 8)),
-        hidden=draw(st.sampled_from([32, 64, 128])),
-        heads=4,
-        vocab=draw(st.sampled_from([64, 500, 4000])),
-        seq=draw(st.sampled_from([16, 32])),
-        batch=BATCH,
-        flash_attention=draw(st.booleans()),
-    )
-    return Job(model, draw(st.sampled_from(PRECISIONS)), draw(st.sampled_from(OPTIMIZERS)))
+JOBS = jobs(batch=BATCH, precisions=PRECISIONS, optimizers=OPTIMIZERS, flash_attention=st.booleans())
 
 
 @st.composite
@@ -82,9 +72,7 @@ def _at(layout: Layout, job: Job, **change: object) -> float:
 
 
 @settings(max_examples=120, deadline=None)
-@given(
-    job=jobs(), layout=layouts(), dps=st.lists(st.sampled_from([1, 2, 3, 4, 6, 12]), min_size=2, max_size=2)
-)
+@given(job=JOBS, layout=layouts(), dps=st.lists(st.sampled_from([1, 2, 3, 4, 6, 12]), min_size=2, max_size=2))
 def test_more_data_parallel_ranks_never_hold_more(job: Job, layout: Layout, dps: list[int]) -> None:
     """The same global batch and microbatch count over more data-parallel ranks, at any ZeRO
     stage: the fullest rank's device bytes and the most model state of any rank do not grow
@@ -98,7 +86,7 @@ def test_more_data_parallel_ranks_never_hold_more(job: Job, layout: Layout, dps:
 
 
 @settings(max_examples=120, deadline=None)
-@given(job=jobs(), layout=layouts(), dp=st.sampled_from([1, 2, 3, 4]))
+@given(job=JOBS, layout=layouts(), dp=st.sampled_from([1, 2, 3, 4]))
 def test_a_higher_zero_stage_never_holds_more(job: Job, layout: Layout, dp: int) -> None:
     """Stages 0 to 3 at the same layout: device bytes of the fullest rank never grow with the
     stage, except stage 3 under ``accumulating()`` (a pipeline or Megatron SP), whose shard
@@ -111,7 +99,7 @@ def test_a_higher_zero_stage_never_holds_more(job: Job, layout: Layout, dp: int)
 
 
 @settings(max_examples=120, deadline=None)
-@given(job=jobs(), layout=layouts(), dp=st.sampled_from([1, 2, 4]))
+@given(job=JOBS, layout=layouts(), dp=st.sampled_from([1, 2, 4]))
 def test_offload_never_adds_device_bytes_and_puts_state_on_the_host(
     job: Job, layout: Layout, dp: int
 ) -> None:
@@ -125,7 +113,7 @@ def test_offload_never_adds_device_bytes_and_puts_state_on_the_host(
 
 
 @settings(max_examples=120, deadline=None)
-@given(job=jobs(), layout=layouts(), dp=st.sampled_from([1, 2, 4]))
+@given(job=JOBS, layout=layouts(), dp=st.sampled_from([1, 2, 4]))
 def test_recompute_never_adds_more_than_the_layer_it_recomputes(job: Job, layout: Layout, dp: int) -> None:
     """Full recomputation keeps each layer's input instead of its activations, and holds one
     layer's full activations while it recomputes it: the fullest rank never holds more than
@@ -154,7 +142,7 @@ def test_recompute_under_3d_never_holds_more() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(job=jobs(), mode=st.sampled_from(["1d", "2d"]), zero=st.integers(0, 3))
+@given(job=JOBS, mode=st.sampled_from(["1d", "2d"]), zero=st.integers(0, 3))
 def test_more_tensor_parallelism_never_holds_more_model_state(job: Job, mode: str, zero: int) -> None:
     """The same job at tp = 1, 4, 16 (1D or a 2D grid): the most model state of any rank
     and the parameters of the fullest rank never grow (every split weight a smaller share)."""
@@ -169,7 +157,7 @@ def test_more_tensor_parallelism_never_holds_more_model_state(job: Job, mode: st
 
 @settings(max_examples=60, deadline=None)
 @given(
-    job=jobs(),
+    job=JOBS,
     name=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
     zero=st.integers(0, 1),
     tp=st.sampled_from([1, 2]),
@@ -247,7 +235,7 @@ def test_building_holds_the_callers_model_and_zero_keeps_at_most_stage_zeros_buf
 
 
 @settings(max_examples=60, deadline=None)
-@given(job=jobs(), layout=layouts(), dp=st.sampled_from([1, 2, 4]))
+@given(job=JOBS, layout=layouts(), dp=st.sampled_from([1, 2, 4]))
 def test_the_fullest_rank_holds_its_state_and_the_larger_of_its_activations_and_scratch(
     job: Job, layout: Layout, dp: int
 ) -> None:

@@ -1,0 +1,191 @@
+"""The serial oracle: a model trained in one process with plain PyTorch, against which the
+same model trained through ``boost()`` is held, rank by rank.
+
+The serial run is the definition of correct: forward, mean cross-entropy over every token,
+backward, one optimizer step, on the whole batch. A composition of dp, pp, tp, cp and ZeRO
+must reproduce its losses and, once every rank's shards are merged, its weights, up to the
+round-off of summing in another order. A test file keeps its model builder and one
+module-level worker (the pool resolves it by file path)::
+
+    TOKENS = RandomTokens(vocab=64, batch=8, seq=16)
+
+    def _parallel(rank: int, config: Config) -> Run:
+        return boosted_run(build(), TOKENS.first(3), config, sgd(0.5))
+
+    def test_follows_the_serial_run(worker_pools: PoolFactory) -> None:
+        config = oracle_config(ParallelConfig(tp=2), batch_size=8)
+        results = worker_pools(config.world_size).run(_parallel, config)
+        assert_matches_serial(results, serial_run(build(), TOKENS.first(3), sgd(0.5)))
+
+Nothing here imports pytest: mismatches are reported by ``torch.testing.assert_close`` (its
+own report of how far apart the values are) and by assertions that name the rank and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.launcher.config import Config, ParallelConfig, TrainConfig, ZeroConfig
+from tessera.launcher.train.boost import boost
+from tessera.zero import Precision
+
+__all__ = [
+    "Batch",
+    "OptimizerFactory",
+    "RandomTokens",
+    "Run",
+    "assert_losses_close",
+    "assert_matches_serial",
+    "boosted_run",
+    "logits_of",
+    "oracle_config",
+    "serial_run",
+    "sgd",
+]
+
+Batch = tuple[Tensor, Tensor]
+"""Token ids and their targets, both (batch, seq)."""
+
+Run = tuple[list[float], dict[str, Tensor]]
+"""The loss of every step and the trained weights by serial parameter name (on a pipeline
+rank: its stages' only)."""
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+"""Builds the optimizer over a freshly built model (the serial one, or a rank's before boost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RandomTokens:
+    """Batches of ``batch`` rows of ``seq`` uniform random token ids below ``vocab``, each with
+    its next-token targets; step ``k``'s batch comes from a generator seeded with ``k`` (the
+    global random state is not touched), so every process draws the same batches."""
+
+    vocab: int
+    batch: int
+    seq: int
+
+    def at(self, step: int) -> Batch:
+        """The batch of ``step``: ids ``tokens[:, :-1]`` and targets ``tokens[:, 1:]``."""
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def first(self, steps: int) -> list[Batch]:
+        """The batches of steps ``0 .. steps - 1``."""
+        return [self.at(step) for step in range(steps)]
+
+
+def sgd(lr: float, momentum: float = 0.9) -> OptimizerFactory:
+    """SGD with momentum over every parameter: the oracle's optimizer (linear in the gradient,
+    so round-off in a gradient stays round-off in the weights)."""
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+    return make
+
+
+def logits_of(output: object) -> Tensor:
+    """A model's logits: its output itself, or a Hugging Face output's ``.logits``."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"a model output of type {type(output).__name__} is no Tensor and has no .logits")
+    return logits
+
+
+def serial_run(model: nn.Module, batches: Iterable[Batch], optimizer: OptimizerFactory) -> Run:
+    """Train ``model`` in this process, one step per batch: the mean cross-entropy of its logits
+    over every token, backward, ``optimizer`` step (no clipping, nothing else)."""
+    opt = optimizer(model)
+    losses = []
+    for ids, targets in batches:
+        loss = F.cross_entropy(logits_of(model(ids)).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def oracle_config(
+    parallel: ParallelConfig, zero: int | ZeroConfig = 0, *, batch_size: int, **train: Any
+) -> Config:
+    """A configuration whose boosted run is comparable with `serial_run`: ``parallel``, ZeRO
+    stage ``zero`` (or a whole `ZeroConfig`), fp32, a global batch of ``batch_size`` rows and
+    no gradient clipping; ``train``: further `TrainConfig` fields (``compile=True``, ...)."""
+    stage = zero if isinstance(zero, ZeroConfig) else ZeroConfig(stage=zero)
+    base = Config(parallel=parallel, zero=stage, train=TrainConfig(precision=Precision.FP32, **train))
+    return dataclasses.replace(
+        base,
+        data=dataclasses.replace(base.data, batch_size=batch_size),
+        optim=dataclasses.replace(base.optim, clip_grad_norm=0.0),  # the serial run does not clip
+    )
+
+
+def boosted_run(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    config: Config,
+    optimizer: OptimizerFactory,
+    **boost_kwargs: Any,
+) -> Run:
+    """On each rank (collective): ``boost(model, optimizer(model), config, **boost_kwargs)``,
+    one ``train_step`` per batch, then this rank's full weights (``Engine.full_state_dict``).
+    The engine's mesh is closed at the end, also on an error (its process groups do not
+    outlive the run in a long-lived worker); the rest of the engine (a chunk manager's disk
+    files) is left as it is, for the caller to inspect."""
+    engine = boost(model, optimizer(model), config, **boost_kwargs)
+    try:
+        losses = [engine.train_step(ids, targets).loss for ids, targets in batches]
+        weights = engine.full_state_dict()
+    finally:
+        engine.mesh.close()
+    return losses, weights
+
+
+def assert_losses_close(
+    curves: Iterable[Sequence[float]], want: Sequence[float], *, rel: float = 1e-5
+) -> None:
+    """Every rank's loss curve equals ``want`` step by step within ``rel`` of the wanted loss
+    (as ``pytest.approx(want, rel=rel)``: also within 1e-12 absolute)."""
+    for rank, curve in enumerate(curves):
+        assert len(curve) == len(want), f"rank {rank}: {len(curve)} losses, the serial run has {len(want)}"
+        far = []
+        for step, (got, expected) in enumerate(zip(curve, want, strict=True)):
+            if not (got == expected or abs(got - expected) <= max(rel * abs(expected), 1e-12)):
+                off = abs(got - expected) / abs(expected or 1.0)
+                far.append(f"step {step}: {got!r} against {expected!r} (rel {off:.2e})")
+        assert not far, f"rank {rank}: losses beyond rel {rel} of the serial run's: " + "; ".join(far)
+
+
+def assert_matches_serial(
+    results: Iterable[Run], serial: Run, *, rel: float = 1e-5, rtol: float = 1e-5, atol: float = 1e-6
+) -> dict[str, Tensor]:
+    """Every rank's losses against the serial run's (``rel``), then the weights of all ranks
+    merged (each pipeline rank holds its stages') against the serial weights, elementwise
+    (``atol + rtol * |serial|``, every name present on both sides); returns the merged weights.
+
+    The default bounds are for a few SGD steps in fp32 (the tests take 3). A loss is a mean over the
+    batch's token losses, which tp, dp, cp and microbatches sum in another order: a few ulps,
+    well inside rel 1e-5. SGD with momentum is linear in the gradient, so the weights stay at
+    round-off (measured at most ~1e-7): atol 1e-6 + rtol 1e-5. Under AdamW, whose update
+    divides by the root of the second moment and so amplifies round-off in near-zero
+    gradients, a caller passes its own wider bound and says why. A wrong shard, a lost
+    gradient contribution or a block run out of order is off by the size of an update.
+    """
+    runs = list(results)
+    assert_losses_close((curve for curve, _ in runs), serial[0], rel=rel)
+    merged: dict[str, Tensor] = {}
+    for _, weights in runs:
+        merged.update(weights)
+    torch.testing.assert_close(merged, serial[1], rtol=rtol, atol=atol)
+    return merged
