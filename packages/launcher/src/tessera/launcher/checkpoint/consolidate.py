@@ -26,6 +26,7 @@ from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import Entry, SafeFile, StreamWriter, tensor_bytes
+from tessera.launcher.checkpoint.exported import export_names, parts_of
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
@@ -162,7 +163,12 @@ def _write_shards(
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
     names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
-    entries = [Entry(n, dtype, tuple(placement.full_shapes[n])) for n in names]
+    parts = [parts_of(n, placement.exported) for n in names]  # the user's names, where boost() renamed
+    entries = [
+        Entry(p.name, dtype, p.shape(placement.full_shapes[n]))
+        for n, ps in zip(names, parts, strict=True)
+        for p in ps
+    ]
     shards = split_shards(entries, max_shard_bytes)
     counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
     p, topology = mesh.coordinate("pp"), mesh.topology
@@ -170,24 +176,26 @@ def _write_shards(
     group = [r for r in range(topology.world_size) if topology.coordinate(r, "pp") == p]
     owner = [j for j, shard in enumerate(shards) for _ in shard]  # each entry's shard
     error: BaseException | None = None
+    k = 0  # the entry written next
     with contextlib.ExitStack() as stack:
         writer: StreamWriter | None = None
         for i, (_, value) in enumerate(zero.iter_full_state(params_only=True)):
             full = full_tensor(engine, names[i], value.to(mesh.device))  # collective over tp and ep
-            j = owner[i]
-            if group[j % len(group)] != mesh.rank or error is not None:
-                continue
-            try:
-                if writer is None:
-                    target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
-                    meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
-                    writer = stack.enter_context(StreamWriter(target, shards[j], meta))
-                writer.write(tensor_bytes(full.to("cpu", dtype).contiguous()))
-                if i + 1 == len(owner) or owner[i + 1] != j:
-                    writer.commit()
-                    writer = None
-            except (OSError, RuntimeError, ValueError) as e:
-                error = e
+            for part in parts[i]:
+                j, k = owner[k], k + 1
+                if group[j % len(group)] != mesh.rank or error is not None:
+                    continue
+                try:
+                    if writer is None:
+                        target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
+                        meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
+                        writer = stack.enter_context(StreamWriter(target, shards[j], meta))
+                    writer.write(tensor_bytes(part.take(full).to("cpu", dtype).contiguous()))
+                    if k == len(owner) or owner[k] != j:
+                        writer.commit()
+                        writer = None
+                except (OSError, RuntimeError, ValueError) as e:
+                    error = e
     return total, error
 
 
@@ -226,7 +234,8 @@ def export_sharded(
                     if tensor not in weight_map:
                         weight_map[tensor] = name
                         total += entry.nbytes
-            missing = set(engine.placement.full_shapes) - set(weight_map)
+            missing = set(export_names(list(engine.placement.full_shapes), engine.placement.exported))
+            missing -= set(weight_map)
             if missing:
                 raise RuntimeError(f"the shards lack {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
             body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

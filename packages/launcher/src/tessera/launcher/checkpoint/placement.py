@@ -10,6 +10,7 @@ from typing import Protocol
 from torch import Tensor, nn
 
 from tessera.comm import Mesh
+from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
@@ -30,6 +31,9 @@ class Placement:
     split, if any, is of that slice. ``aliases`` maps every further name of a tied parameter
     in the serial model's state dict (HF's ``lm_head.weight`` tied to the token embedding)
     to the name it trains under, so that an export holds every key a strict load expects.
+    ``exported`` maps a parameter trained under a name and shape of boost()'s own (a user's
+    mixture of experts converted to ``tessera.moe.MoE``) to the tensors it exports as, under
+    the user's names (`tessera.launcher.checkpoint.exported`).
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -39,6 +43,7 @@ class Placement:
     stage_to_rank: tuple[int, ...] = field(default=())  # pipeline: rank of every stage
     experts: dict[str, tuple[int, int]] = field(default_factory=dict)  # serial name -> ep slice
     aliases: dict[str, str] = field(default_factory=dict)  # tied: second name -> parameter's name
+    exported: dict[str, tuple[ExportPart, ...]] = field(default_factory=dict)  # name -> the user's names
 
     def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
         """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""

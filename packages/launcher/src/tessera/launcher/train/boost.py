@@ -36,9 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
+from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import Placement
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
+from tessera.launcher.families.own_moe import Conversion, convert_own_moe
 from tessera.launcher.families.spec import (
     ModelSpec,
     check_blocks,
@@ -168,6 +170,7 @@ class _Job:
     group_of: dict[str, int]  # each trainable parameter's optimizer group, by serial name
     full_shapes: dict[str, tuple[int, ...]]
     aliases: dict[str, str]
+    exported: dict[str, tuple[ExportPart, ...]]  # trained name -> the user's names (own_moe)
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ def _checked(
         raise ValueError("; ".join(errors))
     p = config.parallel
     topology = p.topology()
-    check_experts(model, topology.ep)  # before anything changes the model
+    group_of, conversion = _own_experts(model, groups_by_name(model, optimizer), topology.ep)
+    check_experts(model, topology.ep)  # before anything else changes the model
     spec = spec if spec is not None else model_spec(model)
     _check_refusals(model, spec, p)
     tp_plan = None
@@ -207,10 +211,29 @@ def _checked(
         spec=spec,
         plan=plan,
         tp_plan=tp_plan,
-        group_of=groups_by_name(model, optimizer),
+        group_of=group_of,
         full_shapes={name: tuple(param.shape) for name, param in model.named_parameters()},
         aliases=tied_aliases(model),
+        exported=conversion.exported,
     )
+
+
+def _own_experts(model: nn.Module, group_of: dict[str, int], ep: int) -> tuple[dict[str, int], Conversion]:
+    """Step 1's first change: a user's own mixture-of-experts blocks become ``tessera.moe.MoE``
+    layers (`tessera.launcher.families.own_moe`), which ``parallel.ep`` can split, at every ep
+    so that the trained names do not depend on it; a block that does not convert is refused at
+    ep > 1 and left as it is at ep = 1 (it trains as the user wrote it). Returns the optimizer
+    groups by the names trained from now on, and the conversion (the user's names for export)."""
+    try:
+        conversion = convert_own_moe(model, group_of)
+    except ValueError as e:
+        if ep > 1:
+            raise
+        log.info("mixture-of-experts blocks left as written (ep = 1): %s", e)
+        return group_of, Conversion()
+    converted = tuple(f"{block}." for block in conversion.blocks)
+    kept = {n: g for n, g in group_of.items() if not n.startswith(converted)}
+    return {**kept, **conversion.groups}, conversion
 
 
 def _mesh(job: _Job) -> Mesh:
@@ -336,6 +359,7 @@ def _place(
         stage_to_rank=stage_to_rank,
         experts=experts,
         aliases=job.aliases,
+        exported=job.exported,
     )
     return module, placement, [(name, param, id(param) in local_ids) for name, param in tied]
 
