@@ -1,6 +1,7 @@
 """Tier 0: one typed object for the degrees. The launcher's ``[parallel]`` section, the planner's
 `Layout` and the process layout `Topology` are each a `tessera.comm.Degrees` with more, under the
-same field names, and each converts to the others through it without losing a degree."""
+same field names, and each converts to the others through it without losing a degree; the first
+two are a `tessera.comm.Parallelism` (the degrees and how they run) as well."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessera.comm import DEGREE_NAMES, Degrees, Topology, TPMode
+from tessera.comm import DEGREE_NAMES, PARALLELISM_NAMES, Degrees, Parallelism, Topology, TPMode
 from tessera.launcher import ParallelConfig
 from tessera.planner import Layout
 
@@ -52,3 +53,32 @@ def test_the_degrees_round_trip_through_every_shape(d: Degrees) -> None:
         assert shape.degrees() == d, (type(shape).__name__, shape.degrees(), d)
         assert shape.world_size == d.dp * d.pp * d.tp * d.cp
     assert Topology(**layout.degree_values()) == topology
+
+
+@given(
+    degrees(),
+    st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]),
+    st.integers(1, 8),
+    st.booleans(),
+    st.sampled_from(["ring", "ulysses"]),
+)
+def test_how_the_degrees_run_has_one_home_too(
+    d: Degrees, schedule: str, microbatches: int, sp: bool, cp_mode: str
+) -> None:
+    """The schedule, microbatches, context mode and the rest are `Parallelism`'s fields, which the
+    launcher's ``[parallel]`` and the planner's `Layout` both are: each converts to the other
+    through ``parallelism_values`` without losing one."""
+    for shape in (ParallelConfig, Layout):
+        assert issubclass(shape, Parallelism)
+        own = {f.name for f in dataclasses.fields(shape)} - set(PARALLELISM_NAMES)
+        assert own == ({"auto", "cluster"} if shape is ParallelConfig else {"zero", "offload", "recompute"})
+    config = ParallelConfig(
+        **d.degree_values(),
+        schedule=schedule,
+        microbatches=microbatches,
+        sequence_parallel=sp,
+        cp_mode=cp_mode,
+    )
+    layout = Layout(**config.parallelism_values())
+    assert ParallelConfig(**layout.parallelism_values()) == config
+    assert layout.parallelism_values() == config.parallelism_values()

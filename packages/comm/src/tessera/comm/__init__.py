@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tessera.comm.degrees import DEGREE_NAMES, Degrees
+from tessera.comm.degrees import DEGREE_NAMES, PARALLELISM_NAMES, Degrees, Parallelism
 from tessera.comm.geometry import TPGrid, integer_root
 from tessera.comm.logs import RankFilter, configure_logging
 from tessera.comm.topology import Axis, Topology, TPMode
@@ -115,6 +115,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEGREE_NAMES",
+    "PARALLELISM_NAMES",
     "Axis",
     "CommMeter",
     "CommOp",
@@ -124,6 +125,7 @@ __all__ = [
     "Handle",
     "MemoryReport",
     "Mesh",
+    "Parallelism",
     "RankFilter",
     "TPGrid",
     "TPMode",

@@ -1,5 +1,7 @@
 """The degrees of a job, one name each: the fields that the launcher's ``[parallel]`` section,
-the planner's `Layout` and the process layout `Topology` all are (each is a `Degrees` with more).
+the planner's `Layout` and the process layout `Topology` all are (each is a `Degrees` with more);
+and `Parallelism`, the degrees with how they run (the schedule, context parallelism's mode),
+which the launcher's ``[parallel]`` section and the planner's `Layout` both are.
 
 ``dp`` data, ``pp`` pipeline, ``tp`` tensor (``tp_mode`` "1d", "2d", "2.5d" or "3d", and
 ``tp_depth``, the 2.5D grid's depth), ``cp`` context (the sequence split over ranks; Megatron's
@@ -15,8 +17,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tessera.comm.axes import TPMode
+from tessera.comm.sequence_modes import Layout as ContextLayout
+from tessera.comm.sequence_modes import Mode as ContextMode
 
-__all__ = ["DEGREE_NAMES", "Degrees"]
+__all__ = ["DEGREE_NAMES", "PARALLELISM_NAMES", "Degrees", "Parallelism"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +55,32 @@ class Degrees:
 
 DEGREE_NAMES = tuple(f.name for f in fields(Degrees))
 """The degrees' names, in their order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parallelism(Degrees):
+    """The degrees and how they run. ``cp_mode`` ("ring" or "ulysses") and ``cp_layout``
+    ("contiguous" or "zigzag": balances causal attention over the cp ranks) for ``cp`` > 1;
+    ``sequence_parallel``: Megatron's sequence parallelism over the tp ranks; ``schedule``: a
+    pipeline schedule's name (``tessera.pipeline.SCHEDULES``), ``microbatches`` per step,
+    ``virtual_stages`` chunks per pipeline rank for the interleaved schedules, ``tune_splits``: a
+    split-backward schedule (zb-h1, zbv) times its first steps split and unsplit, this many
+    pairs of steps after a warm-up, then keeps a split only where the simulated step under the
+    measured costs gains (``tessera.pipeline.tune``); 0: every split. Nothing here is validated
+    (module docstring)."""
+
+    cp_mode: ContextMode = ContextMode.RING
+    cp_layout: ContextLayout = ContextLayout.CONTIGUOUS
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+    tune_splits: int = 2
+
+    def parallelism_values(self) -> dict[str, Any]:
+        """The degrees and how they run, by name, to build any other `Parallelism` from."""
+        return {name: getattr(self, name) for name in PARALLELISM_NAMES}
+
+
+PARALLELISM_NAMES = tuple(f.name for f in fields(Parallelism))
+"""The names of `Parallelism`'s fields (the degrees first), in their order."""

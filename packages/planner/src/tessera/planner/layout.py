@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tessera.comm import Degrees, TPGrid, TPMode
+from tessera.comm import Parallelism, TPGrid, TPMode
 from tessera.comm.sequence_modes import Layout as ContextLayout
 from tessera.comm.sequence_modes import Mode as ContextMode
 from tessera.pipeline import SCHEDULES, schedule_spec
@@ -38,17 +38,10 @@ __all__ = ["Job", "Layout", "check"]
 
 
 @dataclass(frozen=True, slots=True)
-class Layout(Degrees):
-    """How a job is split over ``dp * pp * tp * cp`` ranks (its `Degrees`), its schedule and its
-    ZeRO stage."""
+class Layout(Parallelism):
+    """How a job is split over ``dp * pp * tp * cp`` ranks and run (its `Parallelism`, which the
+    launcher's ``[parallel]`` section is too), its ZeRO stage, offload and recompute."""
 
-    cp_mode: ContextMode = ContextMode.RING
-    cp_layout: ContextLayout = ContextLayout.CONTIGUOUS
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 1
-    tune_splits: int = 2
     zero: int = 0
     offload: bool = False
     recompute: bool = False

@@ -106,23 +106,10 @@ def layout_of(config: Config) -> Layout:
     """``config``'s ``[parallel]`` and ``[zero]`` as a planner layout."""
     p, z = config.parallel, config.zero
     return Layout(
-        dp=p.dp,
-        pp=p.pp,
-        tp=p.tp,
-        cp=p.cp,
-        tp_mode=p.tp_mode,
-        tp_depth=p.tp_depth,
-        cp_mode=p.cp_mode,
-        cp_layout=p.cp_layout,
-        sequence_parallel=p.sequence_parallel,
-        schedule=p.schedule,
-        microbatches=p.microbatches,
-        virtual_stages=p.virtual_stages,
-        tune_splits=p.tune_splits,
+        **p.parallelism_values(),
         zero=z.stage,
         offload=z.offload,
         recompute=config.train.activation_checkpointing,
-        ep=p.ep,
     )
 
 
@@ -130,22 +117,7 @@ def config_of(base: Config, layout: Layout) -> Config:
     """``base`` run as ``layout``: its ``[parallel]`` the layout's degrees, mode and schedule
     (``auto`` off, no cluster), its ``[zero]`` the layout's stage and offload (the other ZeRO
     settings at their defaults), activation checkpointing the layout's."""
-    parallel = ParallelConfig(
-        dp=layout.dp,
-        pp=layout.pp,
-        tp=layout.tp,
-        cp=layout.cp,
-        tp_mode=layout.tp_mode,
-        tp_depth=layout.tp_depth,
-        cp_mode=layout.cp_mode,
-        cp_layout=layout.cp_layout,
-        sequence_parallel=layout.sequence_parallel,
-        schedule=layout.schedule,
-        microbatches=layout.microbatches,
-        virtual_stages=layout.virtual_stages,
-        tune_splits=layout.tune_splits,
-        ep=layout.ep,
-    )
+    parallel = ParallelConfig(**layout.parallelism_values())
     train = base.train
     if train.activation_checkpointing != layout.recompute:
         train = dataclasses.replace(train, activation_checkpointing=layout.recompute)

@@ -14,9 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tessera.comm import Degrees, Topology, TPGrid
-from tessera.comm.sequence_modes import Layout as ContextLayout
-from tessera.comm.sequence_modes import Mode as ContextMode
+from tessera.comm import Parallelism, Topology, TPGrid
 from tessera.launcher.config.choices import (
     LogLevel,
     OptimName,
@@ -40,20 +38,15 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelConfig(Degrees):
-    """Degrees of parallelism and the pipeline schedule. world size = dp * pp * tp * cp.
+class ParallelConfig(Parallelism):
+    """Degrees of parallelism and the pipeline schedule (`tessera.comm.Parallelism`, which the
+    planner's ``Layout`` is too), and how the launcher picks them. world size = dp * pp * tp * cp.
 
     ``tp_mode`` (`tessera.comm.TPMode`): "1d" (Megatron), "2d" (SUMMA over a q x q grid,
     tp = q*q), "2.5d" (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
-    ``cp`` > 1: context parallelism, ``cp_mode`` "ring" or "ulysses", ``cp_layout``
-    "contiguous" or "zigzag" (balances causal attention over the ranks): the
-    ``tessera.tensor_parallel.context`` enums ``Mode`` and ``Layout``. ``schedule``: a name
+    ``cp_mode``, ``cp_layout``, ``sequence_parallel``, ``schedule``, ``microbatches``,
+    ``virtual_stages`` and ``tune_splits``: `tessera.comm.Parallelism`; a schedule's name is one
     registered in ``tessera.pipeline.SCHEDULES`` (users may register their own).
-    ``tune_splits``: a split-backward schedule (zb-h1, zbv) times its first steps split and
-    unsplit, this many pairs of steps after a warm-up, then a merge that keeps a split only
-    where the simulated step under the measured costs gains (`tessera.pipeline.merge_splits`)
-    against the better of the two, and runs the faster from then on
-    (`tessera.pipeline.tune`); 0: every split.
     ``auto``: the launcher replaces this section and ``[zero]`` by the planner's choice for
     the world it launches (``tessera.launcher.config.auto``) before anything spawns, planned
     for ``cluster``: a preset ("cpu", "a100-80g", ...) or a cluster TOML file; empty: the file
@@ -64,13 +57,6 @@ class ParallelConfig(Degrees):
     shards expert parameters over the ``dp / ep`` ranks that hold the same experts.
     """
 
-    cp_mode: ContextMode = ContextMode.RING
-    cp_layout: ContextLayout = ContextLayout.CONTIGUOUS
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 1
-    tune_splits: int = 2
     auto: bool = False
     cluster: str = ""
 
