@@ -4,8 +4,12 @@
 The same reference GPT (``tessera.models.GPT``, put on ``PYTHONPATH``) with every layer's
 MLP replaced by ``deepspeed.moe.layer.MoE``: ``experts`` SwiGLU experts of the bench's width
 (``w1``, ``w3``: d -> h, ``w2``: h -> d, no biases, as ``tessera.moe``), top-k gating with the
-same capacity factor (tokens beyond it dropped, no random token selection), expert
-parallelism over every rank (``ep_size = world``). The loss is the cross-entropy plus
+same capacity factor (tokens beyond it dropped, no random token selection; ``--dropless``:
+``drop_tokens=False``), expert parallelism over every rank (``ep_size = world``). With a
+shared expert (``--shared-hidden``), DeepSpeed's nearest layer: Residual-MoE
+(``use_residual``), a dense copy of the expert whose output is mixed with the mixture's by a
+learned per-token coefficient (two more d-wide weights; the shared expert must be as wide as
+the experts). The loss is the cross-entropy plus
 ``aux_coef`` times the layers' load-balancing losses (DeepSpeed has no router z-loss).
 ``deepspeed.initialize`` with ZeRO stage 1 and AdamW (lr 1e-3) on the parameter groups
 DeepSpeed splits for MoE (expert parameters reduced over their expert-data-parallel group),
@@ -58,10 +62,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("rank", "world", "d_model", "heads", "layers", "mlp_ratio", "vocab", "seq", "batch"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
-    for name in ("experts", "top_k", "warmup", "iters"):
+    for name in ("experts", "top_k", "warmup", "iters", "expert_hidden", "shared_hidden"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
     parser.add_argument("--capacity-factor", type=float, required=True)
     parser.add_argument("--aux-coef", type=float, required=True)
+    parser.add_argument("--dropless", action="store_true")
     parser.add_argument("--store", required=True)
     args = parser.parse_args()
 
@@ -75,7 +80,11 @@ def main() -> None:
     deepspeed_gloo(args.store, rank, world)
     cfg = GPTConfig(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.mlp_ratio)
     model = GPT(cfg, seed=0)
-    hidden = args.mlp_ratio * args.d_model
+    hidden = args.expert_hidden
+    if args.shared_hidden not in (0, hidden):
+        raise SystemExit(
+            f"DeepSpeed's residual expert is as wide as the experts ({hidden}), not {args.shared_hidden}"
+        )
     for block in model.layers:
         block.mlp = _Mixture(
             MoE(
@@ -87,8 +96,9 @@ def main() -> None:
                 capacity_factor=args.capacity_factor,
                 eval_capacity_factor=args.capacity_factor,
                 min_capacity=0,
-                drop_tokens=True,
+                drop_tokens=not args.dropless,
                 use_rts=False,
+                use_residual=args.shared_hidden > 0,
             )
         )
     groups = split_params_into_different_moe_groups_for_optimizer(

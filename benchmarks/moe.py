@@ -61,7 +61,13 @@ SYSTEMS = ("tessera-ep", "tessera-dp")
 def _engine(args: argparse.Namespace, ep: int) -> tuple[Engine, list[MoE]]:
     cfg = GPTConfig(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.mlp_ratio)
     moe = MoEConfig(
-        enabled=True, experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor
+        enabled=True,
+        experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        dropless=args.dropless,
+        expert_hidden=args.expert_hidden,
+        shared_hidden=args.shared_hidden,
     )
     model = moe_gpt(cfg, moe, seed=0)
     config = BoostConfig(
@@ -154,6 +160,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--dropless", action="store_true", help="keep every assignment (no capacity)")
+    parser.add_argument("--expert-hidden", type=int, default=0, help="each expert's width (0: mlp_ratio * d)")
+    parser.add_argument("--shared-hidden", type=int, default=0, help="a shared expert's width (0: none)")
+    parser.add_argument(
+        "--preset",
+        choices=("deepseek",),
+        default=None,
+        help="deepseek: 16 experts of width d, top-4, a shared expert of width d, drop-less",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument(
@@ -162,6 +177,10 @@ def main() -> None:
         help="a Python with DeepSpeed (default: benchmarks/out/peers/deepspeed, made if missing)",
     )
     args = parser.parse_args()
+    if args.preset == "deepseek":  # many narrow experts and a shared one (DeepSeek-MoE's layout)
+        args.experts, args.top_k, args.dropless = 16, 4, True
+        args.expert_hidden = args.shared_hidden = args.d_model
+    args.expert_hidden = args.expert_hidden or args.mlp_ratio * args.d_model
     logging.basicConfig(level=logging.WARNING)
     if args.batch % args.world or args.experts % args.world:
         raise SystemExit(
@@ -174,16 +193,20 @@ def main() -> None:
         layers=args.layers,
         experts=args.experts,
         top_k=args.top_k,
-        hidden=args.mlp_ratio * args.d_model,
-        capacity_factor=args.capacity_factor,
+        hidden=args.expert_hidden,
+        shared_hidden=args.shared_hidden,
+        capacity_factor=None if args.dropless else args.capacity_factor,
     )
     per_rank = tokens // args.world
     counts = 8 * (args.experts - args.experts // args.world)
     dispatch = all_to_all_bytes(moe, per_rank, args.d_model, ep=args.world)  # rows and counts
     planner = args.layers * (4 * (dispatch - counts) + counts)  # combine, and both backward
     config = (
-        f"world={args.world} d={args.d_model} layers={args.layers} experts={args.experts} top_k={args.top_k} "
-        f"capacity={args.capacity_factor:g} batch={args.batch}x{args.seq} fp32 gloo AdamW"
+        f"world={args.world} d={args.d_model} layers={args.layers} "
+        f"experts={args.experts}x{args.expert_hidden} "
+        f"shared={args.shared_hidden} top_k={args.top_k} "
+        f"capacity={'dropless' if args.dropless else f'{args.capacity_factor:g}'} "
+        f"batch={args.batch}x{args.seq} fp32 gloo AdamW"
     )
     records = []
     for system in SYSTEMS:
@@ -240,8 +263,9 @@ def _deepspeed(args: argparse.Namespace, config: str, tokens: int) -> dict[str, 
             "mlp-ratio": args.mlp_ratio, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
             "experts": args.experts, "top-k": args.top_k, "warmup": args.warmup, "iters": args.iters,
             "capacity-factor": args.capacity_factor, "aux-coef": MoEConfig().aux_loss_coef,
+            "expert-hidden": args.expert_hidden, "shared-hidden": args.shared_hidden,
         }.items()
-    ]  # fmt: skip
+    ] + (["--dropless"] if args.dropless else [])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tessera-bench-moe-ds-") as store:
         procs = [
             subprocess.Popen(

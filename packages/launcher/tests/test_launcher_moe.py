@@ -46,6 +46,8 @@ def test_moe_is_off_by_default_and_the_config_file_is_valid() -> None:
         ({"experts": 0, "top_k": 1}, "moe.experts must be >= 1, got 0"),
         ({"aux_loss_coef": -0.1}, "moe.aux_loss_coef=-0.1 must be >= 0"),
         ({"z_loss_coef": -1.0}, "moe.z_loss_coef=-1.0 must be >= 0"),
+        ({"expert_hidden": -8}, "moe.expert_hidden must be >= 0, got -8"),
+        ({"shared_hidden": -1}, "moe.shared_hidden must be >= 0, got -1"),
     ],
 )
 def test_bad_moe_sections_are_refused_naming_the_values(changes: dict[str, object], message: str) -> None:
@@ -88,6 +90,21 @@ def test_moe_gpt_replaces_each_mlp_and_keeps_everything_else() -> None:
     torch.testing.assert_close(dict(again.named_parameters()), got, rtol=0, atol=0)
     assert moe_gpt(CFG, dataclasses.replace(moe, dropless=True), seed=5).layers[0].mlp.capacity_factor is None
     assert type(build_model(CFG, Config(), seed=0).layers[0].mlp).__name__ == "MLP"
+    narrow = moe_gpt(CFG, dataclasses.replace(moe, expert_hidden=4, shared_hidden=6), seed=5).layers[0].mlp
+    assert narrow.experts.w1.shape == (3, 8, 4) and narrow.shared is not None and narrow.shared.hidden == 6
+    assert layers[0].shared is None  # none unless asked
+
+
+def test_the_planner_sees_the_expert_widths() -> None:
+    wide = experts_of(_moe())
+    narrow = experts_of(_moe(expert_hidden=32, shared_hidden=64, dropless=True))
+    assert wide is not None and wide.hidden == Config().model.mlp_ratio * Config().model.d_model
+    assert wide.shared_hidden == 0
+    assert narrow is not None and (narrow.hidden, narrow.shared_hidden, narrow.capacity_factor) == (
+        32,
+        64,
+        None,
+    )
 
 
 def _count(rank: int) -> tuple[dict[str, object], list[torch.Tensor]]:

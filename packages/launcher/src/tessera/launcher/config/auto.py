@@ -89,15 +89,17 @@ def job_of(config: Config) -> Job:
 
 def experts_of(config: Config) -> ExpertShape | None:
     """The planner's shape of ``[moe]`` (the main job's mixtures: every layer's MLP, SwiGLU
-    experts of the dense MLP's width), None when it is off."""
+    experts and the shared expert of ``[moe]``'s widths), None when it is off."""
     e, m = config.moe, config.model
     if not e.enabled:
         return None
+    hidden, shared = e.widths(m.d_model, m.mlp_ratio)
     return ExpertShape(
         layers=m.n_layers,
         experts=e.experts,
         top_k=e.top_k,
-        hidden=m.mlp_ratio * m.d_model,
+        hidden=hidden,
+        shared_hidden=shared,
         capacity_factor=None if e.dropless else e.capacity_factor,
     )
 

@@ -244,6 +244,8 @@ class BoostConfig:
                             "max_restarts",
                             "chunk_numel",
                             "tune_splits",
+                            "expert_hidden",  # 0: the dense width
+                            "shared_hidden",  # 0: no shared expert
                         )
                         else 1
                     )

@@ -55,8 +55,10 @@ class DataConfig:
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """The main job's mixture of experts (``enabled``: every layer's MLP is a
-    ``tessera.moe.MoE`` of ``experts`` SwiGLU experts of width ``model.mlp_ratio * d_model``,
-    each token to ``top_k`` of them). ``capacity_factor``: each expert keeps at most
+    ``tessera.moe.MoE`` of ``experts`` SwiGLU experts of width ``expert_hidden``, 0: the dense
+    MLP's ``model.mlp_ratio * d_model``, each token to ``top_k`` of them, plus an always-on
+    shared expert of width ``shared_hidden`` when it is above 0: many narrow experts and a
+    shared one are DeepSeek-MoE's layout). ``capacity_factor``: each expert keeps at most
     ``ceil(factor * tokens * top_k / experts)`` of a call's assignments (``dropless``: all).
     ``aux_loss_coef`` / ``z_loss_coef``: the load-balancing and router z-losses' weights,
     trained from inside each layer (``tessera.moe.aux``)."""
@@ -68,6 +70,12 @@ class MoEConfig:
     dropless: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    expert_hidden: int = 0
+    shared_hidden: int = 0
+
+    def widths(self, d_model: int, mlp_ratio: int) -> tuple[int, int]:
+        """Each expert's hidden width and the shared expert's (0: none)."""
+        return self.expert_hidden or mlp_ratio * d_model, self.shared_hidden
 
 
 @dataclass(frozen=True, slots=True)

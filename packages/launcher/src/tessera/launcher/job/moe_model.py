@@ -4,8 +4,9 @@ roles with each mixture split inside its experts over tp, `moe_style`), and the 
 it logs (`ExpertLoad`).
 
 The reference GPT (``tessera.models``) knows nothing of experts; this module builds it and
-replaces each ``layers.i.mlp`` by an ``MoE`` of ``[moe].experts`` SwiGLU experts of the
-dense MLP's width, initialised from ``seed + i`` (``tessera.moe.init``: the same weights on
+replaces each ``layers.i.mlp`` by an ``MoE`` of ``[moe].experts`` SwiGLU experts of
+``[moe].expert_hidden`` (0: the dense MLP's width) and a shared expert when
+``[moe].shared_hidden`` > 0, initialised from ``seed + i`` (``tessera.moe.init``: the same weights on
 every rank, whatever the global RNG). The router's auxiliary losses are trained from inside
 each layer (``aux_loss_coef``, ``z_loss_coef``); the caller sets their backward scale with
 ``tessera.moe.set_aux_grad_scale`` before each step (the main job: the loss scale over the
@@ -45,13 +46,15 @@ MOE_GPT_SPEC = dataclasses.replace(REFERENCE_GPT_SPEC, roles=MOE_GPT_PLAN)
 def moe_gpt(cfg: GPTConfig, moe: MoEConfig, *, seed: int) -> GPT:
     """The reference GPT of ``cfg`` whose every layer's MLP is an `MoE` as ``moe`` says."""
     model = GPT(cfg, seed=seed)
+    hidden, shared = moe.widths(cfg.d_model, cfg.mlp_ratio)
     for i, layer in enumerate(model.layers):
         layer.mlp = MoE(
             cfg.d_model,
-            cfg.mlp_ratio * cfg.d_model,
+            hidden,
             moe.experts,
             moe.top_k,
             capacity_factor=None if moe.dropless else moe.capacity_factor,
+            shared_hidden=shared or None,
             seed=seed + i,
             aux_loss_coef=moe.aux_loss_coef,
             z_loss_coef=moe.z_loss_coef,
