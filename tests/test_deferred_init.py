@@ -3,8 +3,10 @@
 ``deferred_parameters()`` builds ``Llamaish`` (rotary tables as buffers, RMSNorm ``scale``
 without ``reset_parameters``: given an ``init``), ``GPT2ish`` (the head tied to the token
 embedding), a Hugging Face Llama and GPT-2 (its head tied, Conv1D layers) from config
-(their ``_init_weights``) and the reference GPT with a mixture of experts in every layer
-with every parameter on the meta device. ``boost`` materializes what the rank holds after
+(their ``_init_weights``), the reference GPT with a mixture of experts in every layer and
+a user's own mixture (``Mixish``: a router and a list of experts, which ``boost`` converts to
+``tessera.moe.MoE`` and whose stacked banks it makes from the user's per-expert layers) with
+every parameter on the meta device. ``boost`` materializes what the rank holds after
 tensor parallelism (1D, Megatron SP, 2D, 2.5D, 3D), expert parallelism and the pipeline
 cut. The result must equal the same model built eagerly and initialized by
 ``init_by_name`` with the same seed, element for element (``torch.equal``: each value is
@@ -29,6 +31,7 @@ from tessera.launcher.config.main_config import MoEConfig
 from tessera.launcher.job.moe_model import MOE_GPT_PLAN, moe_gpt
 from tessera.launcher.train.deferred import deferred_parameters, init_by_name
 from tessera.models import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, GPTConfig, Llamaish
+from tessera.models.foreign_moe import MixConfig, Mixish
 
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
@@ -56,6 +59,8 @@ def _build(kind: str, deferred: bool) -> nn.Module:
             return model
         if kind == "gpt2ish":
             return GPT2ish(SIZES, seed=0)
+        if kind == "mixish":  # a user's own mixture (router + a list of experts), converted by boost()
+            return Mixish(MixConfig(base=dataclasses.replace(SIZES, dim=32, hidden=24), shared=8), seed=0)
         if kind == "moe-gpt":  # every MLP a mixture of 4 experts, top 2, no token dropped
             cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=4, n_layers=2)
             return moe_gpt(cfg, MoEConfig(enabled=True, experts=4, top_k=2, dropless=True), seed=0)
@@ -136,6 +141,8 @@ CASES = {
     "moe-gpt-dp2-ep2-tp2-megatron-sp": ("moe-gpt", P(dp=2, ep=2, tp=2, sequence_parallel=True), {}),
     "moe-gpt-dp4-ep2-zero3": ("moe-gpt", P(dp=4, ep=2, microbatches=1), {"stage": 3}),
     "gpt2ish-tied-3d": ("gpt2ish", P(tp=8, tp_mode="3d", microbatches=1), {}),
+    "own-moe-dp2-ep2": ("mixish", P(dp=2, ep=2), {}),
+    "own-moe-dp2-ep2-zero3": ("mixish", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
     "llamaish-frozen-dp2-tp2-zero3": ("llamaish-frozen", P(dp=2, tp=2), {"stage": 3}),
 }
 

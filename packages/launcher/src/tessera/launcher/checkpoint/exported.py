@@ -6,7 +6,8 @@ experts converted to ``tessera.moe.MoE`` trains each bank of experts as one stac
 (``experts.<e>.gate_proj.weight [h, d]``). An `ExportPart` names one tensor of the export
 and how it is taken from the trained parameter's full value: the slice ``index`` along the
 first dimension (None: the whole tensor), transposed or not. ``export`` and
-``consolidate`` write the parts in place of the parameter, one at a time as it streams.
+``consolidate`` write the parts in place of the parameter, one at a time as it streams;
+`assemble` is the way back (a deferred model's parameters are made under the user's names).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-__all__ = ["ExportPart", "export_names", "parts_of"]
+__all__ = ["ExportPart", "assemble", "export_names", "parts_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +49,15 @@ def parts_of(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> tuple
 def export_names(names: Sequence[str], exported: Mapping[str, tuple[ExportPart, ...]]) -> list[str]:
     """Every exported name of the parameters ``names``, in order."""
     return [part.name for name in names for part in parts_of(name, exported)]
+
+
+def assemble(parts: Sequence[ExportPart], values: Sequence[Tensor]) -> Tensor:
+    """The trained parameter's full value from its parts' ``values`` (`ExportPart.take` undone):
+    one part without an index is the whole tensor; parts with indices 0..n-1 are its slices."""
+    if len(parts) == 1 and parts[0].index is None:
+        return values[0].t() if parts[0].transpose else values[0]
+    index = [-1 if p.index is None else p.index for p in parts]
+    order = sorted(range(len(parts)), key=index.__getitem__)
+    if [index[i] for i in order] != list(range(len(parts))):
+        raise ValueError(f"export parts {[p.name for p in parts]} are not the slices 0..{len(parts) - 1}")
+    return torch.stack([values[i].t() if parts[i].transpose else values[i] for i in order])

@@ -30,6 +30,7 @@ one group, trainable or frozen alike).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from collections.abc import Iterator, Mapping
@@ -207,30 +208,49 @@ def _scalars(module: nn.Module) -> dict[str, Tensor]:
     return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and v.dim() == 0}
 
 
+def _materialized(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` whose meta parameters hold random values: what the probe runs when
+    the model was built without storage (``deferred_parameters``). The readings are a matter of
+    the block's function, not of its values."""
+    copied = copy.deepcopy(block)
+    gen = torch.Generator().manual_seed(1)
+    for module in copied.modules():
+        for pname, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                value = torch.randn(p.shape, generator=gen).to(p.dtype) / max(p.shape[-1], 1) ** 0.5
+                module._parameters[pname] = nn.Parameter(value, requires_grad=p.requires_grad)
+    return copied
+
+
 def _converted(name: str, block: nn.Module, found: _Block) -> tuple[NamedMoE, tuple[str, ...]]:
     """The `NamedMoE` reproducing ``block`` (module docstring) and the reading it took."""
-    router: nn.Linear = getattr(block, found.router)
+    meta = any(p.is_meta for p in block.parameters())
+    probe = _materialized(block) if meta else block
+    router: nn.Linear = getattr(probe, found.router)
     d = router.in_features
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*_PROBE_SHAPE, d, generator=gen).to(router.weight.device, router.weight.dtype)
-    before = _scalars(block)
+    before = _scalars(probe)
     with torch.no_grad():
-        want = block(x)
+        want = probe(x)
     if not isinstance(want, Tensor) or want.shape != x.shape:
         raise ValueError(
             f"{name} ({type(block).__name__}) returns {type(want).__name__}, not one tensor shaped like its "
             "input: a converted tessera.moe.MoE could not stand in for it"
         )
-    recorded = {k: v for k, v in _scalars(block).items() if before.get(k) is not v}
+    recorded = {k: v for k, v in _scalars(probe).items() if before.get(k) is not v}
     expert0: Any = getattr(block, found.experts)[0]
     tried = []
     for reading, renormalize in itertools.product(_readings(_mlp(expert0) or {}, d), (True, False)):
-        layer = _layer(block, found, reading, renormalize)
+        layer = _layer(probe, found, reading, renormalize)
         with torch.no_grad():
             got = layer(x)
         scale = float(want.abs().max()) or 1.0
         if float((got - want).abs().max()) <= _RTOL * scale:
-            layer.aliases = _aliases(name, recorded, layer)
+            aliases = _aliases(name, recorded, layer)
+            if meta:  # the same reading, with the block's own (meta) parameters
+                layer = _layer(block, found, reading, renormalize)
+            layer.aliases = aliases
             for key, value in vars(block).items():  # the block's plain settings
                 if (
                     isinstance(value, int | float | bool | str)

@@ -6,8 +6,7 @@ and return an Engine, as a sequence of named steps (``docs/design.md`` draws the
    a refusal here has communicated nothing.
 2. ``_mesh``: the process groups of the degrees.
 3. ``_serial_references``: what must be taken from the serial model before it changes: the
-   verifier's serial copy (``verify``), a deferred model's meta copy, the pipeline blocks
-   checked against the logits.
+   verifier's serial copy (``verify``), the pipeline blocks checked against the logits.
 4. ``_parallelize``: experts split over ep (``tessera.launcher.train.experts``), tensor
    parallelism (the resolved plan: modules replaced by their sharded twins, keeping the serial
    weights' slices), context parallelism (ring or Ulysses attention).
@@ -171,6 +170,7 @@ class _Job:
     full_shapes: dict[str, tuple[int, ...]]
     aliases: dict[str, str]
     exported: dict[str, tuple[ExportPart, ...]]  # trained name -> the user's names (own_moe)
+    deferred: nn.Module | None  # a deferred model's meta copy, as the user built it
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,7 @@ def _checked(
         raise ValueError("; ".join(errors))
     p = config.parallel
     topology = p.topology()
+    deferred = copy.deepcopy(model) if has_deferred(model) else None  # as meta, before anything converts it
     group_of, conversion = _own_experts(model, groups_by_name(model, optimizer), topology.ep)
     check_experts(model, topology.ep)  # before anything else changes the model
     spec = spec if spec is not None else model_spec(model)
@@ -215,6 +216,7 @@ def _checked(
         full_shapes={name: tuple(param.shape) for name, param in model.named_parameters()},
         aliases=tied_aliases(model),
         exported=conversion.exported,
+        deferred=deferred,
     )
 
 
@@ -244,14 +246,15 @@ def _mesh(job: _Job) -> Mesh:
 def _serial_references(
     model: nn.Module, job: _Job, verify: bool | Literal["twin"], example: Tensor | None
 ) -> tuple[Verifier | None, nn.Module | None]:
-    """Step 3: the verifier (its serial copy), a deferred model's meta copy, and under pp the
-    blocks checked to reproduce the model's logits, all before anything changes the model."""
+    """Step 3: the verifier (its serial copy) and under pp the blocks checked to reproduce the
+    model's logits, before tensor parallelism changes the model; with a deferred model, its
+    meta copy as the user built it (taken in step 1, before its own mixtures were converted)."""
     config, spec, p = job.config, job.spec, job.config.parallel
     if verify == "twin":
         _verify_on_twin(model, config, spec=spec, plan=job.plan)
         verify = False
     verifier = Verifier(model, config, loss=spec.loss, output=spec.output) if verify else None
-    serial = copy.deepcopy(model) if has_deferred(model) else None  # kept as meta, before tp converts it
+    serial = job.deferred
     if p.pp > 1:
         blocks = pipeline_blocks(model, spec)
         if len(blocks) < p.pp * p.virtual_stages:
@@ -502,6 +505,7 @@ def boost(
             tp_rank=mesh.coordinate("tp"),
             tp=mesh.size("tp"),
             experts=experts,
+            exported=job.exported,
         )
     )
     _wrap_layers(model, job)

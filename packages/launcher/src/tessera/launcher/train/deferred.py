@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from tessera.launcher.checkpoint.exported import ExportPart, assemble
 from tessera.launcher.checkpoint.placement import local_part
 from tessera.tensor_parallel import shard_specs
 
@@ -133,7 +134,10 @@ class DeferredValues:
     tensor-parallel mode: 1D slices, the 2D / 2.5D / 3D grids' blocks) for tensor-parallel
     rank ``tp_rank`` of ``tp``, after taking the experts ``(start, stop)`` of an expert bank
     this rank holds (``experts``: by parameter name, ``expert_slices``); a parameter neither
-    names is whole. A module's values are
+    names is whole. A parameter boost() trains under a name of its own (a user's mixture
+    converted to ``tessera.moe.MoE``: ``exported``) is assembled from the serial model's
+    parameters it exports as (`tessera.launcher.checkpoint.exported.assemble`), each made as
+    for any other parameter. A module's values are
     made once for all its parameters (kept until another module's are asked for).
     ``made``: the number of elements given so far."""
 
@@ -147,10 +151,12 @@ class DeferredValues:
         tp_rank: int = 0,
         tp: int = 1,
         experts: Mapping[str, tuple[int, int]] | None = None,
+        exported: Mapping[str, tuple[ExportPart, ...]] | None = None,
     ) -> None:
         self._serial = serial
         self._specs = shard_specs(model)
         self._experts = dict(experts or {})
+        self._exported = dict(exported or {})
         self._tp_rank, self._tp = tp_rank, tp
         self._seed = seed
         self._init = init if init is not None else default_init(serial)
@@ -164,6 +170,17 @@ class DeferredValues:
             raise ValueError(
                 f"a parameter of shape {tuple(param.shape)} is not a deferred parameter of the model"
             )
+        parts = self._exported.get(name)
+        full = self._value(name) if parts is None else assemble(parts, [self._value(p.name) for p in parts])
+        try:
+            part = local_part(full, name, self._specs, self._experts, self._tp_rank, self._tp, param.shape)
+        except ValueError as exc:
+            raise ValueError(f"deferred initialization: {exc}") from None
+        self.made += part.numel()
+        return part
+
+    def _value(self, name: str) -> torch.Tensor:
+        """The full value of the serial model's parameter ``name``."""
         owner, _, pname = name.rpartition(".")
         if self._last is None or self._last[0] != owner:
             self._last = None  # the previous module's values go first
@@ -172,10 +189,4 @@ class DeferredValues:
             except AttributeError:
                 raise ValueError(f"deferred initialization found no serial module for {name}") from None
             self._last = (owner, _initialized(module, owner, self._seed, self._init))
-        full = self._last[1][pname]
-        try:
-            part = local_part(full, name, self._specs, self._experts, self._tp_rank, self._tp, param.shape)
-        except ValueError as exc:
-            raise ValueError(f"deferred initialization: {exc}") from None
-        self.made += part.numel()
-        return part
+        return self._last[1][pname]
