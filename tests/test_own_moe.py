@@ -53,6 +53,60 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------------------ tier 0
+class Stacked(nn.Module):
+    """A mixture with its experts stacked as torchtitan's ``GroupedExperts`` store them (``w1``,
+    ``w3`` ``[E, h, d]``, ``w2`` ``[E, d, h]``) and its router's ``gate`` inside a ``router``
+    module; the same routing and ``balance_loss`` as ``Mixish``'s blocks."""
+
+    def __init__(self, d: int, h: int, experts: int, top_k: int, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.top_k, self.num_experts = top_k, experts
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(d, experts, bias=False)
+        with torch.no_grad():
+            self.router.gate.weight.copy_(torch.randn(experts, d, generator=gen))
+        self.w1 = nn.Parameter(torch.randn(experts, h, d, generator=gen) / d**0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, h, d, generator=gen) / d**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, d, h, generator=gen) / h**0.5)
+        self.balance_loss = torch.zeros(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router.gate(tokens).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(chosen == e)
+            t = tokens[rows]
+            y = (F.silu(t @ self.w1[e].t()) * (t @ self.w3[e].t())) @ self.w2[e].t()
+            out = out.index_add(0, rows, y * weights[rows, slot][:, None])
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).to(probs.dtype)
+        self.balance_loss = self.num_experts * torch.dot(counts / counts.sum(), probs.mean(dim=0))
+        return out.view(x.shape)
+
+
+def _stacked() -> Mixish:
+    model = Mixish(MixConfig(), seed=0)
+    for i, layer in enumerate(model.layers):
+        layer.moe = Stacked(32, 24, 4, 2, seed=7 + i)
+    return model
+
+
+def test_stacked_experts_and_a_nested_router_convert() -> None:
+    model = _stacked()
+    converted = copy.deepcopy(model)
+    conversion = convert_own_moe(converted)
+    assert conversion.blocks == ["layers.0.moe", "layers.1.moe"]
+    ids = _batch(0)[0]
+    torch.testing.assert_close(converted(ids), model(ids), **TOL)
+    torch.testing.assert_close(converted.aux_loss(), model.aux_loss(), **TOL)
+    parts = conversion.exported["layers.0.moe.experts.w1"]
+    assert [(p.name, p.index, p.transpose) for p in parts] == [("layers.0.moe.w1", None, True)]
+    assert conversion.exported["layers.0.moe.router.weight"][0].name == "layers.0.moe.router.gate.weight"
+
+
 @pytest.mark.parametrize(
     "config",
     [MixConfig(), MixConfig(shared=8), MixConfig(top_k=1, norm_topk=False)],
@@ -136,14 +190,14 @@ def test_at_ep1_a_block_that_does_not_convert_trains_as_written() -> None:
 
 
 # ------------------------------------------------------------------------------------ tier 2
-def _build() -> Mixish:
-    return Mixish(MixConfig(shared=8), seed=0)
+def _build(kind: str = "list") -> Mixish:
+    return Mixish(MixConfig(shared=8), seed=0) if kind == "list" else _stacked()
 
 
-def _serial(chunks: int, aux: float) -> tuple[list[float], dict[str, Tensor]]:
+def _serial(chunks: int, aux: float, kind: str) -> tuple[list[float], dict[str, Tensor]]:
     """The user's model as written, each step's batch in ``chunks`` chunks (dp x microbatches),
     each chunk's loss ``cross_entropy + aux * aux_loss()``, averaged."""
-    model = _build()
+    model = _build(kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
@@ -160,9 +214,9 @@ def _serial(chunks: int, aux: float) -> tuple[list[float], dict[str, Tensor]]:
 
 
 def _parallel(
-    rank: int, config: BoostConfig, aux: float, plan: Any, export: str
+    rank: int, config: BoostConfig, aux: float, plan: Any, export: str, kind: str
 ) -> tuple[list[float], dict[str, Tensor]]:
-    model = _build()
+    model = _build(kind)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux * model.aux_loss()
@@ -179,19 +233,21 @@ def _parallel(
 # the user's roles with the head whole: their loss function reads whole logits
 TP_ROLES = {k: v for k, v in MIXISH_ROLES.items() if k != "output"}
 CASES = [
-    ("dp2-ep2", ParallelConfig(dp=2, ep=2, microbatches=1), 1, AUX, None, True),
-    ("dp2-ep2-mb2-zero3", ParallelConfig(dp=2, ep=2, microbatches=2), 3, AUX, None, False),
-    ("tp2", ParallelConfig(tp=2, microbatches=1), 0, AUX, TP_ROLES, True),
-    ("pp2", ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1, 0.0, None, False),
+    ("dp2-ep2", "list", ParallelConfig(dp=2, ep=2, microbatches=1), 1, AUX, None, True),
+    ("dp2-ep2-mb2-zero3", "list", ParallelConfig(dp=2, ep=2, microbatches=2), 3, AUX, None, False),
+    ("tp2", "list", ParallelConfig(tp=2, microbatches=1), 0, AUX, TP_ROLES, True),
+    ("pp2", "list", ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1, 0.0, None, False),
+    ("stacked-dp2-ep2", "stacked", ParallelConfig(dp=2, ep=2, microbatches=1), 1, AUX, None, True),
 ]
 
 
 @pytest.mark.parametrize(
-    ("parallel", "zero", "aux", "plan", "verify"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("kind", "parallel", "zero", "aux", "plan", "verify"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_a_users_moe_trains_through_boost_as_written(
     worker_pools: PoolFactory,
     tmp_path: Path,
+    kind: str,
     parallel: ParallelConfig,
     zero: int,
     aux: float,
@@ -207,13 +263,13 @@ def test_a_users_moe_trains_through_boost_as_written(
         optim=dataclasses.replace(BoostConfig().optim, clip_grad_norm=0.0),  # the serial run does not clip
     )
     path = tmp_path / "model.safetensors"
-    results = worker_pools(config.world_size).run(_parallel, config, aux, plan, str(path), timeout=240)
-    want_losses, want = _serial(parallel.dp * parallel.microbatches, aux)
+    results = worker_pools(config.world_size).run(_parallel, config, aux, plan, str(path), kind, timeout=240)
+    want_losses, want = _serial(parallel.dp * parallel.microbatches, aux, kind)
     for rank, (losses, _) in enumerate(results):
         assert losses == pytest.approx(want_losses, rel=1e-5), f"rank {rank}: {losses} vs {want_losses}"
     state = safetensors.torch.load_file(path)
     assert state.keys() == want.keys(), sorted(set(state) ^ set(want))[:6]  # the user's names
     for name, value in want.items():
         torch.testing.assert_close(state[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    fresh = _build()
+    fresh = _build(kind)
     fresh.load_state_dict(state, strict=True)

@@ -23,8 +23,8 @@ __all__ = ["ExportPart", "assemble", "export_names", "parts_of"]
 
 @dataclass(frozen=True, slots=True)
 class ExportPart:
-    """One exported tensor: ``name``, taken as ``full[index]`` (or ``full``), transposed when
-    ``transpose`` (a 2-D tensor)."""
+    """One exported tensor: ``name``, taken as ``full[index]`` (or ``full``), its last two
+    dimensions swapped when ``transpose``."""
 
     name: str
     index: int | None = None
@@ -33,12 +33,12 @@ class ExportPart:
     def shape(self, full: Sequence[int]) -> tuple[int, ...]:
         """The exported tensor's shape from the trained parameter's full shape."""
         shape = tuple(full[1:]) if self.index is not None else tuple(full)
-        return (shape[1], shape[0]) if self.transpose else shape
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transpose else shape
 
     def take(self, full: Tensor) -> Tensor:
         """The exported tensor from the trained parameter's full value."""
         out = full[self.index] if self.index is not None else full
-        return out.t().contiguous() if self.transpose else out
+        return out.transpose(-2, -1).contiguous() if self.transpose else out
 
 
 def parts_of(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> tuple[ExportPart, ...]:
@@ -55,9 +55,9 @@ def assemble(parts: Sequence[ExportPart], values: Sequence[Tensor]) -> Tensor:
     """The trained parameter's full value from its parts' ``values`` (`ExportPart.take` undone):
     one part without an index is the whole tensor; parts with indices 0..n-1 are its slices."""
     if len(parts) == 1 and parts[0].index is None:
-        return values[0].t() if parts[0].transpose else values[0]
+        return values[0].transpose(-2, -1) if parts[0].transpose else values[0]
     index = [-1 if p.index is None else p.index for p in parts]
     order = sorted(range(len(parts)), key=index.__getitem__)
     if [index[i] for i in order] != list(range(len(parts))):
         raise ValueError(f"export parts {[p.name for p in parts]} are not the slices 0..{len(parts) - 1}")
-    return torch.stack([values[i].t() if parts[i].transpose else values[i] for i in order])
+    return torch.stack([values[i].transpose(-2, -1) if parts[i].transpose else values[i] for i in order])

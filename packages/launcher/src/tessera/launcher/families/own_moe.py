@@ -1,16 +1,21 @@
 """A user's own mixture-of-experts blocks, found by their layout and converted to
 ``tessera.moe.MoE``, under their own names again in exports.
 
-A block is found by its roles, whatever it and its parts are called: a **router** (a
-bias-free ``nn.Linear(d, E)``), **experts** (an ``nn.ModuleList`` of ``E`` alike MLPs, each
-made of bias-free ``nn.Linear`` only: SwiGLU with three, GELU with two) and, optionally, a
-**shared expert** (one more such MLP, always on). ``top_k`` is read from the block
-(``top_k``, ``num_experts_per_tok``, ``topk``, ``k``). What the names cannot say (which
-projection is the gate and which the up projection, whether the top-k weights are
-renormalised) is measured, not assumed: every reading is built as an ``MoE`` with copies
-of the block's weights and run beside the block on the same random tokens, and the one
-that gives the block's output (fp32 round-off: rtol 1e-4 of the output's scale) is kept; a
-block no reading reproduces is refused, naming what was tried.
+A block is found by its roles, whatever it and its parts are called: a **router** (a child
+whose one parameter is an ``[E, d]`` matrix: an ``nn.Linear(d, E, bias=False)`` or a module
+holding one), **experts**, either an ``nn.ModuleList`` of ``E`` alike MLPs made of bias-free
+``nn.Linear`` layers only (SwiGLU with three, GELU with two) or ``E`` experts stored stacked
+(two or three ``[E, a, b]`` tensors, held by the block itself or by one child) and,
+optionally, a **shared expert** (one more such MLP, always on). ``top_k`` is read from the
+block (``top_k``, ``num_experts_per_tok``, ``topk``, ``k``). What the names cannot say is
+measured, not assumed: an MLP's gate, up and down projections by running it beside each
+candidate (`own_moe_readings.mlp_reading`); for stacked experts, every assignment and
+orientation their shapes allow, and whether the top-k weights are renormalised, by building
+each as an ``MoE`` with copies of the block's weights and running it beside the block on
+the same random tokens: the one that gives the block's output (fp32 round-off: rtol 1e-4 of
+the output's scale) is kept, and a block none reproduces is refused, naming what was tried.
+A model built without storage (``deferred_parameters``) is probed on a copy with random
+values (a reading is a matter of function, not of values) and its layers stay on meta.
 
 The block's own loss attributes keep working: a scalar tensor the block's forward sets (a
 load-balancing loss recorded as ``self.balance_loss``, say) that equals the ``MoE``'s
@@ -30,10 +35,9 @@ one group, trainable or frozen alike).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,14 @@ import torch
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.own_moe_readings import (
+    Reading,
+    Source,
+    linear_children,
+    materialized,
+    mlp_reading,
+    stacked_readings,
+)
 from tessera.moe import MoE
 
 __all__ = ["Conversion", "NamedMoE", "convert_own_moe", "find_own_moe"]
@@ -67,16 +79,6 @@ class NamedMoE(MoE):
         return super().__getattr__(name)
 
 
-@dataclass(frozen=True, slots=True)
-class _Block:
-    """One block found: its router, experts and shared expert (child names) and top-k."""
-
-    router: str
-    experts: str
-    shared: str | None
-    top_k: int
-
-
 @dataclass
 class Conversion:
     """What `convert_own_moe` did: ``exported`` maps each new parameter's trained name to its
@@ -88,23 +90,27 @@ class Conversion:
     blocks: list[str] = field(default_factory=list)
 
 
-def _mlp(module: nn.Module) -> dict[str, nn.Linear] | None:
-    """The bias-free ``nn.Linear`` children of ``module`` when that is all it holds (two or
-    three of them), else None."""
-    if any(True for _ in module.named_parameters(recurse=False)):
-        return None
-    children = dict(module.named_children())
-    linears: dict[str, nn.Linear] = {}
-    for n, c in children.items():
-        if isinstance(c, nn.Linear) and c.bias is None:
-            linears[n] = c
-    holding = {n for n, c in children.items() if any(True for _ in c.parameters())}
-    return linears if len(linears) in (2, 3) and holding == set(linears) else None
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """One block found: the router's weight, the experts (a ``ModuleList`` child, or the
+    stacked tensors by name), the shared expert (a child) and top-k; ``d`` the model width."""
+
+    router: str
+    experts: str | None
+    stacked: dict[str, tuple[int, ...]]
+    shared: str | None
+    top_k: int
+    count: int
+    d: int
+
+
+def _params(module: nn.Module) -> dict[str, Tensor]:
+    return dict(module.named_parameters())
 
 
 def _width(module: nn.Module, d: int) -> int | None:
-    """The hidden width of an MLP ``d -> h -> d`` (None when it is not one)."""
-    linears = _mlp(module)
+    """The hidden width of an MLP ``d -> h -> d`` of ``nn.Linear`` layers (None: not one)."""
+    linears = linear_children(module)
     if linears is None:
         return None
     ins = {lin.out_features for lin in linears.values() if lin.in_features == d}
@@ -112,45 +118,70 @@ def _width(module: nn.Module, d: int) -> int | None:
     return next(iter(ins & outs)) if len(ins & outs) == 1 else None
 
 
+def _banks(module: nn.Module) -> list[tuple[str | None, dict[str, tuple[int, ...]], int]]:
+    """Candidate expert banks of ``module``: a ``ModuleList`` child of two or more modules
+    (name, {}, count), or two or three stacked ``[E, a, b]`` tensors held by the module itself
+    or by one child (``None`` or the child's name, the tensors by name relative to the block)."""
+    out: list[tuple[str | None, dict[str, tuple[int, ...]], int]] = []
+    own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+    holders = [("", own)] + [
+        (c, {f"{c}.{n}": tuple(p.shape) for n, p in child.named_parameters()})
+        for c, child in module.named_children()
+    ]
+    for name, bank in module.named_children():
+        if isinstance(bank, nn.ModuleList) and len(bank) >= 2:
+            out.append((name, {}, len(bank)))
+    for holder, shapes in holders:
+        leading = {s[0] for s in shapes.values() if len(s) == 3}
+        if 2 <= len(shapes) <= 3 and all(len(s) == 3 for s in shapes.values()) and len(leading) == 1:
+            out.append((holder or None, shapes, leading.pop()))
+    return out
+
+
+def _router(module: nn.Module, count: int, skip: set[str]) -> tuple[str, int] | None:
+    """The one child (not in ``skip``) whose only parameter is an ``[count, d]`` matrix: its
+    parameter's name relative to the block and ``d``."""
+    found = []
+    for name, child in module.named_children():
+        params = _params(child)
+        if name in skip or len(params) != 1:
+            continue
+        ((pname, p),) = params.items()
+        if p.dim() == 2 and p.shape[0] == count:
+            found.append((f"{name}.{pname}", int(p.shape[1])))
+    return found[0] if len(found) == 1 else None
+
+
 def _block(module: nn.Module) -> _Block | None:
     """Whether ``module`` is laid out as a mixture (module docstring)."""
     if isinstance(module, MoE):
         return None
-    children = dict(module.named_children())
-    for name, bank in children.items():
-        if not isinstance(bank, nn.ModuleList) or len(bank) < 2:
+    for experts, stacked, count in _banks(module):
+        skip = {experts} if experts else {n.partition(".")[0] for n in stacked if "." in n}
+        router = _router(module, count, skip)
+        if router is None:
             continue
-        routers = [
-            n
-            for n, c in children.items()
-            if isinstance(c, nn.Linear) and c.bias is None and c.out_features == len(bank)
-        ]
-        if len(routers) != 1:
-            continue
-        router = children[routers[0]]
-        assert isinstance(router, nn.Linear)
-        d = router.in_features
-        widths = {_width(e, d) for e in bank}
-        if len(widths) != 1 or None in widths:
-            continue
-        rest = [
-            n
-            for n, c in children.items()
-            if n not in (name, routers[0]) and any(True for _ in c.parameters())
-        ]
-        shared = rest[0] if len(rest) == 1 and _width(children[rest[0]], d) is not None else None
+        weight, d = router
+        if not stacked:
+            bank: Any = getattr(module, experts or "")
+            widths = {_width(e, d) for e in bank}
+            if len(widths) != 1 or None in widths:
+                continue
+        taken = skip | {weight.partition(".")[0]}
+        rest = [n for n, c in module.named_children() if n not in taken and any(True for _ in c.parameters())]
+        shared = rest[0] if len(rest) == 1 and _width(getattr(module, rest[0]), d) is not None else None
         if rest and shared is None:
             raise ValueError(
-                f"{type(module).__name__} looks like a mixture of experts (router {routers[0]!r}, experts "
-                f"{name!r}) but also holds {rest}: only a router, the experts and one shared expert convert"
+                f"{type(module).__name__} looks like a mixture of experts (router {weight!r}, {count} "
+                f"experts) but also holds {rest}: only a router, the experts and one shared expert convert"
             )
         top_k = next((getattr(module, a) for a in _TOP_K if isinstance(getattr(module, a, None), int)), None)
         if top_k is None:
             raise ValueError(
-                f"{type(module).__name__}: a mixture of {len(bank)} experts without a top-k attribute (one "
+                f"{type(module).__name__}: a mixture of {count} experts without a top-k attribute (one "
                 f"of {', '.join(_TOP_K)}): set one on the block so boost() can convert it"
             )
-        return _Block(routers[0], name, shared, int(top_k))
+        return _Block(weight, experts if not stacked else None, stacked, shared, int(top_k), count, d)
     return None
 
 
@@ -159,48 +190,58 @@ def find_own_moe(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if _block(m) is not None]
 
 
-def _readings(linears: Mapping[str, nn.Linear], d: int) -> Iterator[tuple[str, ...]]:
-    """The ways to read an expert's projections as (gate, up, down) or (fc, down)."""
-    for order in itertools.permutations(linears):
-        first, last = linears[order[0]], linears[order[-1]]
-        if first.in_features == d and last.out_features == d:
-            yield order
+def _mlp_sources(path: str, module: nn.Module, d: int, per_expert: list[str] | None) -> Reading | None:
+    """The reading of an MLP child at ``path`` (or of every expert ``per_expert`` paths, read
+    as the first), its ``nn.Linear`` weights transposed into the layer's layout."""
+    roles = mlp_reading(module, d)
+    if roles is None:
+        return None
+    paths = per_expert if per_expert is not None else [path]
+    sources = {t: Source(tuple(f"{p}.{c}.weight" for p in paths), True, True) for t, c in roles.items()}
+    return Reading("swiglu" if len(roles) == 3 else "gelu", sources)
 
 
-def _layer(block: nn.Module, found: _Block, reading: tuple[str, ...], renormalize: bool) -> NamedMoE:
+def _bank_readings(block: nn.Module, found: _Block) -> list[Reading]:
+    if found.experts is None:
+        return list(stacked_readings(found.stacked, found.d))
     bank: Any = getattr(block, found.experts)
-    router: nn.Linear = getattr(block, found.router)
-    experts = [dict(e.named_children()) for e in bank]
-    d, hidden = router.in_features, experts[0][reading[0]].out_features
-    shared: Any = getattr(block, found.shared) if found.shared is not None else None
+    paths = [f"{found.experts}.{e}" for e in range(len(bank))]
+    reading = _mlp_sources(paths[0], bank[0], found.d, paths)
+    return [] if reading is None else [reading]
+
+
+def _layer(
+    block: nn.Module, found: _Block, bank: Reading, shared: Reading | None, renormalize: bool
+) -> NamedMoE:
+    tensors = {n: p.detach() for n, p in block.named_parameters()}
+    router = tensors[found.router]
+    w1 = bank.sources["w1"].value(tensors)
+    if shared is not None and shared.activation != bank.activation:
+        raise ValueError("the shared expert's activation differs from the experts'")
     layer = NamedMoE(
-        d,
-        hidden,
-        len(experts),
+        found.d,
+        int(w1.shape[-1]),
+        found.count,
         found.top_k,
-        activation="swiglu" if len(reading) == 3 else "gelu",
+        activation=bank.activation,
         renormalize=renormalize,
-        shared_hidden=None if shared is None else getattr(shared, reading[0]).out_features,
+        shared_hidden=None if shared is None else int(shared.sources["w1"].value(tensors).shape[-1]),
         seed=0,
         aliases={},
-    ).to(device=router.weight.device, dtype=router.weight.dtype)
-    targets = ("w1", "w3", "w2") if len(reading) == 3 else ("w1", "w2")
+    ).to(device=router.device, dtype=router.dtype)
+    params = dict(block.named_parameters())
     with torch.no_grad():
-        layer.router.weight.copy_(router.weight)
-        for e, expert in enumerate(experts):
-            for target, source in zip(targets, reading, strict=True):
-                getattr(layer.experts, target)[e].copy_(expert[source].weight.t())
-        if shared is not None:
-            assert layer.shared is not None
-            for target, source in zip(targets, reading, strict=True):
-                getattr(layer.shared, target)[0].copy_(getattr(shared, source).weight.t())
-    for name, bank_or_shared in (("experts", bank), ("shared", shared)):  # frozen stays frozen
-        if bank_or_shared is not None:
-            trains = {p.requires_grad for p in bank_or_shared.parameters()}
-            if len(trains) > 1:
-                raise ValueError(f"{type(block).__name__}.{name}: some parameters are frozen and some not")
-            getattr(layer, name).requires_grad_(trains.pop())
-    layer.router.requires_grad_(router.weight.requires_grad)
+        layer.router.weight.copy_(router)
+        for prefix, reading in (("experts", bank), ("shared", shared)):
+            if reading is None:
+                continue
+            for target, source in reading.sources.items():
+                layer.get_parameter(f"{prefix}.{target}").copy_(source.value(tensors))
+                trains = {params[n].requires_grad for n in source.names}
+                if len(trains) > 1:
+                    raise ValueError(f"{type(block).__name__}: {source.names} are partly frozen")
+                layer.get_parameter(f"{prefix}.{target}").requires_grad_(trains.pop())
+    layer.router.requires_grad_(params[found.router].requires_grad)
     return layer
 
 
@@ -208,28 +249,16 @@ def _scalars(module: nn.Module) -> dict[str, Tensor]:
     return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and v.dim() == 0}
 
 
-def _materialized(block: nn.Module) -> nn.Module:
-    """A copy of ``block`` whose meta parameters hold random values: what the probe runs when
-    the model was built without storage (``deferred_parameters``). The readings are a matter of
-    the block's function, not of its values."""
-    copied = copy.deepcopy(block)
-    gen = torch.Generator().manual_seed(1)
-    for module in copied.modules():
-        for pname, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                value = torch.randn(p.shape, generator=gen).to(p.dtype) / max(p.shape[-1], 1) ** 0.5
-                module._parameters[pname] = nn.Parameter(value, requires_grad=p.requires_grad)
-    return copied
-
-
-def _converted(name: str, block: nn.Module, found: _Block) -> tuple[NamedMoE, tuple[str, ...]]:
-    """The `NamedMoE` reproducing ``block`` (module docstring) and the reading it took."""
+def _converted(
+    name: str, block: nn.Module, found: _Block
+) -> tuple[NamedMoE, dict[str, tuple[ExportPart, ...]]]:
+    """The `NamedMoE` reproducing ``block`` (module docstring) and its parameters' parts under
+    the block's names."""
     meta = any(p.is_meta for p in block.parameters())
-    probe = _materialized(block) if meta else block
-    router: nn.Linear = getattr(probe, found.router)
-    d = router.in_features
+    probe = materialized(block) if meta else block
+    router = dict(probe.named_parameters())[found.router]
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*_PROBE_SHAPE, d, generator=gen).to(router.weight.device, router.weight.dtype)
+    x = torch.randn(*_PROBE_SHAPE, found.d, generator=gen).to(router.device, router.dtype)
     before = _scalars(probe)
     with torch.no_grad():
         want = probe(x)
@@ -239,17 +268,24 @@ def _converted(name: str, block: nn.Module, found: _Block) -> tuple[NamedMoE, tu
             "input: a converted tessera.moe.MoE could not stand in for it"
         )
     recorded = {k: v for k, v in _scalars(probe).items() if before.get(k) is not v}
-    expert0: Any = getattr(block, found.experts)[0]
+    shared = None
+    if found.shared is not None:
+        shared = _mlp_sources(found.shared, getattr(probe, found.shared), found.d, None)
+        if shared is None:
+            raise ValueError(
+                f"{name}.{found.shared}: no reading of the shared expert as SwiGLU or GELU gives its output"
+            )
+    readings = _bank_readings(probe, found)
     tried = []
-    for reading, renormalize in itertools.product(_readings(_mlp(expert0) or {}, d), (True, False)):
-        layer = _layer(probe, found, reading, renormalize)
+    for bank, renormalize in itertools.product(readings, (True, False)):
+        layer = _layer(probe, found, bank, shared, renormalize)
         with torch.no_grad():
             got = layer(x)
         scale = float(want.abs().max()) or 1.0
         if float((got - want).abs().max()) <= _RTOL * scale:
             aliases = _aliases(name, recorded, layer)
             if meta:  # the same reading, with the block's own (meta) parameters
-                layer = _layer(block, found, reading, renormalize)
+                layer = _layer(block, found, bank, shared, renormalize)
             layer.aliases = aliases
             for key, value in vars(block).items():  # the block's plain settings
                 if (
@@ -258,11 +294,11 @@ def _converted(name: str, block: nn.Module, found: _Block) -> tuple[NamedMoE, tu
                     and not key.startswith("_")
                 ):
                     setattr(layer, key, value)
-            return layer, reading
-        tried.append(f"{'/'.join(reading)} renormalize={renormalize}")
+            return layer, _exported(f"{name}.", found, bank, shared)
+        tried.append(f"[{bank.describe()}] renormalize={renormalize}")
     raise ValueError(
         f"{name} ({type(block).__name__}): no reading of its experts as tessera.moe.MoE "
-        f"(softmax top-{found.top_k}, every token kept) gives its output; tried {'; '.join(tried)}"
+        f"(softmax top-{found.top_k}, every token kept) gives its output; tried {'; '.join(tried) or 'none'}"
     )
 
 
@@ -285,23 +321,13 @@ def _aliases(name: str, recorded: Mapping[str, Tensor], layer: MoE) -> dict[str,
 
 
 def _exported(
-    prefix: str, block: nn.Module, found: _Block, reading: tuple[str, ...]
+    prefix: str, found: _Block, bank: Reading, shared: Reading | None
 ) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's parameters under the block's own names."""
-    targets = ("w1", "w3", "w2") if len(reading) == 3 else ("w1", "w2")
-    bank: Any = getattr(block, found.experts)
-    out: dict[str, tuple[ExportPart, ...]] = {
-        f"{prefix}router.weight": (ExportPart(f"{prefix}{found.router}.weight"),)
-    }
-    for target, source in zip(targets, reading, strict=True):
-        out[f"{prefix}experts.{target}"] = tuple(
-            ExportPart(f"{prefix}{found.experts}.{e}.{source}.weight", index=e, transpose=True)
-            for e in range(len(bank))
-        )
-        if found.shared is not None:
-            out[f"{prefix}shared.{target}"] = (
-                ExportPart(f"{prefix}{found.shared}.{source}.weight", index=0, transpose=True),
-            )
+    out: dict[str, tuple[ExportPart, ...]] = {f"{prefix}router.weight": (ExportPart(prefix + found.router),)}
+    for group, reading in (("experts", bank), ("shared", shared)):
+        if reading is not None:
+            out.update({f"{prefix}{group}.{t}": s.parts(prefix) for t, s in reading.sources.items()})
     return out
 
 
@@ -317,7 +343,7 @@ def convert_own_moe(model: nn.Module, groups: Mapping[str, int] | None = None) -
         found = _block(block)
         if found is None:
             continue
-        layer, reading = _converted(name, block, found)
+        layer, exported = _converted(name, block, found)
         prefix = f"{name}."
         if groups is not None:
             held = {groups[f"{prefix}{n}"] for n, p in block.named_parameters() if f"{prefix}{n}" in groups}
@@ -327,7 +353,7 @@ def convert_own_moe(model: nn.Module, groups: Mapping[str, int] | None = None) -
                 group = held.pop()
                 trained = (n for n, p in layer.named_parameters() if p.requires_grad)
                 conversion.groups.update({f"{prefix}{n}": group for n in trained})
-        conversion.exported.update(_exported(prefix, block, found, reading))
+        conversion.exported.update(exported)
         conversion.blocks.append(name)
         layers.append((name, layer))
     for name, layer in layers:
