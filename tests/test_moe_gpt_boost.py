@@ -20,12 +20,12 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, MoEConfig, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.job.moe_model import MOE_GPT_SPEC, moe_gpt
+from tessera.launcher.testing import serial_run, sgd
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
 
@@ -51,21 +51,7 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 
 
 def _serial(chunks: int, frozen: bool) -> Run:
-    model = _build(frozen)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    set_aux_grad_scale(model, 1 / chunks)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        opt.zero_grad()
-        total = 0.0
-        for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            (loss / chunks).backward()
-            total += loss.item() / chunks
-        opt.step()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return serial_run(_build(frozen), [_batch(step) for step in range(STEPS)], sgd(LR), chunks=chunks)
 
 
 def _parallel(rank: int, config: Config, frozen: bool) -> Run:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.families.own_moe import NamedMoE, convert_own_moe, find_own_moe
+from tessera.launcher.testing import serial_run, sgd
 from tessera.models.foreign_moe import MIXISH_ROLES, MixConfig, Mixish
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 64, 8, 8, 3, 0.1, 0.05
@@ -198,19 +199,11 @@ def _serial(chunks: int, aux: float, kind: str) -> tuple[list[float], dict[str, 
     """The user's model as written, each step's batch in ``chunks`` chunks (dp x microbatches),
     each chunk's loss ``cross_entropy + aux * aux_loss()``, averaged."""
     model = _build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        opt.zero_grad()
-        total = 0.0
-        for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
-            loss = (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + aux * model.aux_loss()) / chunks
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux * model.aux_loss()
+
+    return serial_run(model, [_batch(step) for step in range(STEPS)], sgd(LR), chunks=chunks, loss=loss)
 
 
 def _parallel(

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from tessera.launcher.config import Config, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.launcher.train.boost import boost
+from tessera.moe import set_aux_grad_scale
 from tessera.zero import Precision
 
 __all__ = [
@@ -102,18 +103,40 @@ def logits_of(output: object) -> Tensor:
     return logits
 
 
-def serial_run(model: nn.Module, batches: Iterable[Batch], optimizer: OptimizerFactory) -> Run:
+def serial_run(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    optimizer: OptimizerFactory,
+    *,
+    chunks: int = 1,
+    loss: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Run:
     """Train ``model`` in this process, one step per batch: the mean cross-entropy of its logits
-    over every token, backward, ``optimizer`` step (no clipping, nothing else)."""
+    over every token (or ``loss(logits, targets)``), backward, ``optimizer`` step (no clipping,
+    nothing else). ``chunks``: each batch trains as that many equal row chunks, each chunk's
+    loss divided by ``chunks``, as a boosted run over dp x microbatches chunks trains it (what
+    a loss that is no mean over tokens needs: an MoE's load-balancing loss is per call); the
+    router losses that ``tessera.moe.MoE`` layers train on from inside then weigh ``1 / chunks``
+    per call, as the engine weighs them."""
     opt = optimizer(model)
+    objective = loss if loss is not None else _cross_entropy
+    if chunks > 1:
+        set_aux_grad_scale(model, 1 / chunks)
     losses = []
     for ids, targets in batches:
-        loss = F.cross_entropy(logits_of(model(ids)).flatten(0, 1), targets.flatten())
         opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        total = 0.0
+        for x, y in zip(ids.chunk(chunks), targets.chunk(chunks), strict=True):
+            value = objective(logits_of(model(x)), y)
+            (value / chunks).backward()  # type: ignore[no-untyped-call]
+            total += value.item() / chunks
         opt.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def oracle_config(
