@@ -44,14 +44,15 @@ MIXISH_ROLES: dict[str, str] = {
 }
 
 
+_BASE = ForeignConfig(vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=24, max_len=32)
+
+
 @dataclass(frozen=True, slots=True)
 class MixConfig:
     """``Mixish``'s sizes: ``base`` the Llamaish sizes (its ``hidden`` each expert's width),
     ``experts`` and ``top_k`` the mixture, ``shared`` the shared expert's width (0: none)."""
 
-    base: ForeignConfig = ForeignConfig(
-        vocab=64, dim=32, heads=4, kv_heads=2, layers=2, hidden=24, max_len=32
-    )
+    base: ForeignConfig = _BASE
     experts: int = 4
     top_k: int = 2
     norm_topk: bool = True
