@@ -47,7 +47,7 @@ from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, SHARED_STREAM, expert_stream, generator, uniform
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
-from tessera.moe.router import TopKRouter
+from tessera.moe.router import RouterSpec, TopKRouter
 
 __all__ = ["MoE", "MoEStats", "hidden_split_problem", "set_aux_grad_scale", "shard_experts", "split_hidden"]
 
@@ -89,7 +89,9 @@ class MoE(nn.Module):
 
     ``capacity_factor``: each expert keeps at most ``ceil(factor * T * top_k / experts)``
     assignments of a call's ``T`` tokens (on this rank), the first in token order; None keeps
-    all (drop-less). ``renormalize``: the ``top_k`` weights of a token sum to 1.
+    all (drop-less). ``renormalize``: the ``top_k`` weights of a token sum to 1. ``routing``:
+    sigmoid scores, a choice bias, group-limited choice, scaled weights (`RouterSpec`; None:
+    softmax top-k).
     ``shared_hidden``: add an always-on MLP of that width; ``shared_gate``: scale its output
     per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate [1, d_model]``, as Qwen2-MoE).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
@@ -115,6 +117,7 @@ class MoE(nn.Module):
         activation: Activation = "swiglu",
         capacity_factor: float | None = None,
         renormalize: bool = True,
+        routing: RouterSpec | None = None,
         shared_hidden: int | None = None,
         shared_gate: bool = False,
         grouped: bool = True,
@@ -145,7 +148,7 @@ class MoE(nn.Module):
         self.first_expert = start
         self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
         self.sequence_parallel, self.seq_dim = False, -2
-        self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed)
+        self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed, spec=routing)
         self.experts = Experts(
             d_model, hidden, activation, seed=seed, streams=[expert_stream(e) for e in range(start, stop)]
         )

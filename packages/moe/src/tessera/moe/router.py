@@ -1,25 +1,101 @@
-"""The top-k router: a bias-free linear map to one logit per expert, softmax, top-k."""
+"""The top-k router: a bias-free linear map to one logit per expert, scores, each token's top-k.
+
+By default (Mixtral, Qwen, OLMoE) the scores are the softmax of the logits in fp32 and a
+token's ``top_k`` experts are those of highest probability, weighted by their probabilities
+(renormalised to sum to 1 when asked). A `RouterSpec` describes the routers of DeepSeek-V2,
+DeepSeek-V3 and the families that copy them, in four independent parts:
+
+- ``score="sigmoid"``: each expert's score is ``sigmoid(logit)``, on its own (DeepSeek-V3);
+- ``choice_bias=True``: the router holds a buffer ``score_bias [E]`` (DeepSeek-V3's
+  ``e_score_correction_bias``) added to the scores to *choose* the experts (and the groups),
+  never to weigh them: the weights are the chosen experts' unbiased scores. This is
+  DeepSeek-V3's auxiliary-loss-free balancing, whose paper moves the bias after each step by
+  ``-gamma`` for an overloaded expert and ``+gamma`` for an underloaded one. ``transformers``
+  does not implement that update (its bias is a buffer read from the checkpoint and left as
+  it is in training), and neither does this router: it never changes ``score_bias``, no
+  gradient reaches it (it is not a parameter), and an optimizer does not see it. A caller who
+  wants the update writes it between steps (``router.score_bias += gamma * sign(mean_load -
+  load)`` from `MoE.stats`, the same on every rank);
+- ``groups=G, top_groups=M``: the ``E`` experts form ``G`` groups of ``E / G`` consecutive
+  experts; each token keeps its ``M`` groups of highest group score (``group_score="max"``: the
+  best (biased) score in the group, DeepSeek-V2's ``group_limited_greedy``; ``"top2"``: the sum
+  of the two best, DeepSeek-V3) and chooses its ``top_k`` experts among theirs only;
+- ``scale``: the weights, after renormalisation, multiplied by ``scale`` (DeepSeek's
+  ``routed_scaling_factor``).
+
+Outside the default, renormalisation divides by ``sum + 1e-20`` as DeepSeek-V3 does (no
+difference unless the chosen scores sum below about ``1e-13``). The default spec takes the
+original code path, so a default router routes bit for bit as before `RouterSpec` existed.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from tessera.moe.init import ROUTER_STREAM, generator, uniform
 
-__all__ = ["Routing", "TopKRouter", "route"]
+__all__ = ["GroupScore", "RouterSpec", "Routing", "ScoreFunction", "TopKRouter", "limit_to_groups", "route"]
+
+ScoreFunction = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2"]
+_EPS = 1e-20  # DeepSeek-V3's renormalisation guard
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """How a router turns logits into choices and weights (module docstring). The default is
+    softmax, no bias, one group, scale 1: Mixtral's router."""
+
+    score: ScoreFunction = "softmax"
+    choice_bias: bool = False
+    groups: int = 1
+    top_groups: int = 1
+    group_score: GroupScore = "max"
+    scale: float = 1.0
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is plain softmax top-k (the original code path)."""
+        return self == RouterSpec()
+
+    def problem(self, experts: int, top_k: int) -> str:
+        """Why this spec cannot route ``top_k`` of ``experts`` experts ("" when it can)."""
+        if self.score not in ("softmax", "sigmoid"):
+            return f"score must be 'softmax' or 'sigmoid', got {self.score!r}"
+        if self.group_score not in ("max", "top2"):
+            return f"group_score must be 'max' or 'top2', got {self.group_score!r}"
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            return f"scale must be finite and > 0, got {self.scale}"
+        if self.groups < 1 or experts % self.groups:
+            return f"groups ({self.groups}) must be >= 1 and divide experts ({experts})"
+        if not 1 <= self.top_groups <= self.groups:
+            return f"top_groups ({self.top_groups}) must be between 1 and groups ({self.groups})"
+        per_group = experts // self.groups
+        if self.top_groups * per_group < top_k:
+            return (
+                f"top_groups ({self.top_groups}) x experts per group ({per_group}) must be >= top_k "
+                f"({top_k}): the kept groups must hold top_k experts"
+            )
+        if self.groups > 1 and self.group_score == "top2" and per_group < 2:
+            return f"group_score 'top2' needs >= 2 experts per group, got {per_group} (experts {experts})"
+        return ""
 
 
 @dataclass(frozen=True, slots=True)
 class Routing:
     """One call's routing of ``T`` tokens over ``E`` experts.
 
-    ``logits`` and ``probs``: ``[T, E]`` (probs in fp32, softmax of the logits);
-    ``choices``: ``[T, k]`` expert indices, highest probability first; ``weights``:
-    ``[T, k]`` their combine weights (the probabilities, renormalised to sum to 1 per
-    token when asked).
+    ``logits``: ``[T, E]``; ``probs``: ``[T, E]`` in fp32, the router's probabilities that the
+    load-balancing loss reads: the softmax of the logits, or with sigmoid scores those scores
+    normalised to sum to 1 per token (as DeepSeek-V3's sequence-wise balance loss does);
+    ``choices``: ``[T, k]`` expert indices, highest (biased) score first; ``weights``: ``[T, k]``
+    their combine weights (the unbiased scores, renormalised to sum to 1 per token when asked,
+    times the spec's scale).
     """
 
     logits: Tensor
@@ -28,31 +104,105 @@ class Routing:
     weights: Tensor
 
 
-def route(logits: Tensor, top_k: int, *, renormalize: bool) -> Routing:
-    """Softmax over experts (in fp32), then each token's ``top_k`` experts and weights."""
+def limit_to_groups(choice: Tensor, groups: int, top_groups: int, group_score: GroupScore) -> Tensor:
+    """``choice [T, E]`` with every expert outside each token's ``top_groups`` best groups of
+    ``E / groups`` consecutive experts set to ``-inf`` (group score: the best expert's, or the
+    sum of the best two)."""
+    tokens, experts = choice.shape
+    per_group = choice.view(tokens, groups, experts // groups)
+    if group_score == "max":
+        group = per_group.max(dim=-1).values
+    else:
+        group = per_group.topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.zeros_like(group, dtype=torch.bool)
+    kept.scatter_(1, torch.topk(group, top_groups, dim=-1).indices, True)
+    return choice.masked_fill(~kept.repeat_interleave(experts // groups, dim=1), float("-inf"))
+
+
+def route(
+    logits: Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    spec: RouterSpec | None = None,
+    bias: Tensor | None = None,
+) -> Routing:
+    """Each token's ``top_k`` experts and weights from ``logits [T, E]`` (in fp32): softmax
+    top-k by default, else as ``spec`` says, choosing by the scores plus ``bias [E]`` (given
+    exactly when ``spec.choice_bias``)."""
     experts = logits.shape[-1]
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, choices = torch.topk(probs, top_k, dim=-1)
+    spec = spec or RouterSpec()
+    if spec.is_default:
+        if bias is not None:
+            raise ValueError("a choice bias needs RouterSpec(choice_bias=True)")
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, choices = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits=logits, probs=probs, choices=choices, weights=weights)
+    problem = spec.problem(experts, top_k)
+    if problem:
+        raise ValueError(problem)
+    if spec.choice_bias != (bias is not None) or (bias is not None and bias.shape != (experts,)):
+        shape = None if bias is None else tuple(bias.shape)
+        raise ValueError(
+            f"choice_bias={spec.choice_bias} needs a bias of shape ({experts},) exactly then, got {shape}"
+        )
+    scores = (
+        torch.softmax(logits.float(), dim=-1) if spec.score == "softmax" else torch.sigmoid(logits.float())
+    )
+    choice = scores.detach() if bias is None else scores.detach() + bias.float()
+    if spec.groups > 1:
+        choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score)
+    choices = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, choices)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _EPS)
+    if spec.scale != 1.0:
+        weights = weights * spec.scale
+    probs = scores if spec.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     return Routing(logits=logits, probs=probs, choices=choices, weights=weights)
 
 
 class TopKRouter(nn.Module):
-    """``x [T, d] -> Routing``: logits ``x @ weight.T`` (``weight [E, d]``, no bias).
+    """``x [T, d] -> Routing``: logits ``x @ weight.T`` (``weight [E, d]``, no bias), routed as
+    ``spec`` says (`route`); with ``spec.choice_bias`` a persistent buffer ``score_bias [E]``
+    (zeros; loaded, never trained: module docstring).
 
     Initialised uniformly in ``±1/sqrt(d)`` from stream 0 of ``seed`` (`tessera.moe.init`). Under expert
     parallelism every rank holds the same router (a data-parallel parameter).
     """
 
-    def __init__(self, d_model: int, experts: int, top_k: int, *, renormalize: bool, seed: int) -> None:
+    score_bias: Tensor | None
+
+    def __init__(
+        self,
+        d_model: int,
+        experts: int,
+        top_k: int,
+        *,
+        renormalize: bool,
+        seed: int,
+        spec: RouterSpec | None = None,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+        self.spec = spec or RouterSpec()
+        problem = self.spec.problem(experts, top_k)
+        if problem:
+            raise ValueError(problem)
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(uniform((experts, d_model), d_model, generator(seed, ROUTER_STREAM)))
+        self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
 
     def forward(self, x: Tensor) -> Routing:
-        return route(x @ self.weight.t(), self.top_k, renormalize=self.renormalize)
+        return route(
+            x @ self.weight.t(),
+            self.top_k,
+            renormalize=self.renormalize,
+            spec=self.spec,
+            bias=self.score_bias,
+        )

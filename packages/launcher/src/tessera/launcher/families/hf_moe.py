@@ -1,26 +1,21 @@
-"""Hugging Face Mixtral and Qwen2-MoE: their sparse MoE blocks as ``tessera.moe.MoE`` layers,
-and the plans of roles that leave experts whole under tensor parallelism.
+"""Hugging Face sparse MoE blocks as ``tessera.moe.MoE`` layers: Mixtral, Qwen2/3-MoE, OLMoE,
+DeepSeek-V2/V3, GraniteMoE and the families that copy their blocks (``hf_moe_routing``).
 
-``transformers``' ``MixtralSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock`` hold a router
-``gate.weight [E, d]`` (softmax in fp32, top-k; Mixtral renormalises the k weights, Qwen2-MoE
-when ``norm_topk_prob``) and experts ``experts.gate_up_proj [E, 2h, d]`` (gate rows, then
-up rows) and ``experts.down_proj [E, d, h]`` computing ``down(silu(gate x) * up x)``;
-Qwen2-MoE adds a shared SwiGLU expert scaled per token by ``sigmoid(shared_expert_gate x)``.
-`moe_from_hf` builds the `MoE` computing the same function with the same weights
-(``w1 = gate.T``, ``w3 = up.T``, ``w2 = down.T`` per expert; drop-less, as HF routes every
-token), and `convert_hf_moe` swaps every such block of a model for one, in place, so that
-``boost()`` trains it and ``parallel.ep`` can split its experts. HF's own router loss (from
-``output_router_logits``) is not kept: pass ``aux_loss_coef`` / ``z_loss_coef`` to train the
-routers with the layer's own losses (`tessera.moe.aux`). `hf_moe_state_dict` maps a
-converted model's weights (what ``consolidate`` writes) back to transformers' names.
-
-`MIXTRAL_PLAN` and `QWEN2_MOE_PLAN` are `LLAMA_PLAN`'s attention, norms, embedding and head
-with each layer's ``mlp`` replicated (``Roles.REPLICATE``): under tensor parallelism every tp
-rank runs the whole mixture on the same tokens, so no expert is cut; a dense Qwen2-MoE layer
-(``mlp_only_layers``, ``decoder_sparse_step``) is replicated too. They refuse sequence
-parallelism (a replicated mixture would see each rank's slice of the sequence). A converted
-Mixtral whose plan gives ``model.layers.*.mlp`` the ``moe`` style (`moe_style`) has every
-expert split over tp instead, and takes sequence parallelism.
+Their blocks hold a router and experts ``experts.gate_up_proj [E, 2h, d]`` (gate rows, then
+up rows) and ``experts.down_proj [E, d, h]`` computing ``down(silu(gate x) * up x)``, some a
+shared SwiGLU expert (Qwen2-MoE's scaled per token by ``sigmoid(shared_expert_gate x)``).
+`moe_from_hf` builds the `MoE` computing the same function with the same weights (``w1 =
+gate.T``, ``w3 = up.T``, ``w2 = down.T`` per expert; drop-less, as HF routes every token; the
+router as ``hf_moe_routing.read_layout`` reads it: softmax or sigmoid scores, DeepSeek-V3's
+score-correction bias as the router's ``score_bias`` buffer, group-limited choice, the routed
+scaling factor), and `convert_hf_moe` swaps every such block of a model for one, in place, so
+that ``boost()`` trains it and ``parallel.ep`` can split its experts. A block it cannot
+reproduce is refused, naming why, before anything is swapped. Dense layers between MoE ones
+(DeepSeek's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``) are left as they are. HF's
+own router loss (from ``output_router_logits``) is not kept: pass ``aux_loss_coef`` /
+``z_loss_coef`` to train the routers with the layer's own losses (`tessera.moe.aux`).
+`hf_moe_state_dict` maps a converted model's weights (what ``consolidate`` writes) back to
+transformers' names. The plans of roles of these families are in ``hf_moe_plans``.
 """
 
 from __future__ import annotations
@@ -32,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
+from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.moe import MoE
-from tessera.tensor_parallel import LLAMA_PLAN, Plan
-from tessera.tensor_parallel.roles import Roles
 
 __all__ = [
     "MIXTRAL_PLAN",
@@ -48,81 +43,81 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _plan(name: str) -> Plan:
-    entries = {p: s for p, s in LLAMA_PLAN.as_dict().items() if not p.startswith("model.layers.*.mlp")}
-    return Plan.of(
-        {**entries, "model.layers.*.mlp": Roles.REPLICATE}, name=name, supports_sequence_parallel=False
-    )
-
-
 def is_hf_sparse_moe(module: nn.Module) -> bool:
-    """Whether ``module`` is laid out as HF's Mixtral / Qwen2-MoE sparse block (by its
-    attributes, whatever its class is called)."""
-    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    """Whether ``module`` is laid out as an HF sparse MoE block (by its attributes, whatever
+    its class is called): experts ``experts.gate_up_proj`` and ``experts.down_proj`` beside a
+    router submodule ``gate`` or ``router``. Whether it can be reproduced is `moe_from_hf`'s
+    to say."""
+    experts = getattr(module, "experts", None)
+    routers = (getattr(module, "gate", None), getattr(module, "router", None))
     return (
-        isinstance(getattr(gate, "weight", None), Tensor)
+        any(isinstance(router, nn.Module) for router in routers)
         and isinstance(getattr(experts, "gate_up_proj", None), Tensor)
         and isinstance(getattr(experts, "down_proj", None), Tensor)
     )
 
 
-def _silu(act: Any, where: str) -> None:
-    if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
-        raise ValueError(
-            f"{where}: activation {type(act).__name__} is not SiLU; tessera.moe's SwiGLU needs SiLU"
-        )
+def _tensor(module: nn.Module, dotted: str) -> Tensor:
+    """The parameter or buffer ``dotted`` of ``module``."""
+    owner, _, name = dotted.rpartition(".")
+    value = getattr(module.get_submodule(owner) if owner else module, name)
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{type(module).__name__}.{dotted} is not a tensor")
+    return value
 
 
 def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> MoE:
     """The `MoE` computing what HF sparse MoE ``block`` computes, with copies of its weights
     (on its device, in its dtype); refuses a block it cannot reproduce, naming why."""
     if not is_hf_sparse_moe(block):
-        raise ValueError(f"{type(block).__name__} is not a Mixtral / Qwen2-MoE sparse MoE block")
-    gate: Any = block.gate
+        raise ValueError(
+            f"{type(block).__name__} is not a Mixtral / Qwen2-MoE sparse MoE block, nor any HF sparse MoE "
+            "block (experts.gate_up_proj, experts.down_proj and a gate or router)"
+        )
+    layout = read_layout(block)
     bank: Any = block.experts
-    name = type(block).__name__
-    if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
-        raise ValueError(f"{name}: router_jitter_noise={block.jitter_noise} is not reproduced; use 0")
-    _silu(bank.act_fn, name)
     gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]
-    experts, d, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
-    shared: Any = getattr(block, "shared_expert", None)
-    if shared is not None:
-        _silu(shared.act_fn, f"{name}.shared_expert")
     layer = MoE(
-        d,
-        hidden,
-        experts,
-        int(gate.top_k),
-        renormalize=bool(getattr(gate, "norm_topk_prob", True)),
-        shared_hidden=None if shared is None else int(shared.gate_proj.weight.shape[0]),
-        shared_gate=getattr(block, "shared_expert_gate", None) is not None,
+        layout.d_model,
+        layout.hidden,
+        layout.experts,
+        layout.top_k,
+        renormalize=layout.renormalize,
+        routing=layout.routing,
+        shared_hidden=layout.shared_hidden,
+        shared_gate=layout.shared_gate is not None,
         seed=0,
         aux_loss_coef=aux_loss_coef,
         z_loss_coef=z_loss_coef,
     ).to(device=gate_up.device, dtype=gate_up.dtype)
+    h = layout.hidden
     with torch.no_grad():
-        layer.router.weight.copy_(gate.weight)
-        layer.experts.w1.copy_(gate_up[:, :hidden].transpose(1, 2))
+        layer.router.weight.copy_(_tensor(block, layout.router_weight))
+        if layout.score_bias is not None:
+            assert layer.router.score_bias is not None  # RouterSpec(choice_bias=True)
+            layer.router.score_bias.copy_(_tensor(block, layout.score_bias).reshape(-1))
+        layer.experts.w1.copy_(gate_up[:, :h].transpose(1, 2))
         assert layer.experts.w3 is not None  # SwiGLU
-        layer.experts.w3.copy_(gate_up[:, hidden:].transpose(1, 2))
+        layer.experts.w3.copy_(gate_up[:, h:].transpose(1, 2))
         layer.experts.w2.copy_(down.transpose(1, 2))
-        if shared is not None:
+        if layout.shared is not None:
+            shared: Any = block.get_submodule(layout.shared)
             assert layer.shared is not None and layer.shared.w3 is not None
             layer.shared.w1.copy_(shared.gate_proj.weight.t().unsqueeze(0))
             layer.shared.w3.copy_(shared.up_proj.weight.t().unsqueeze(0))
             layer.shared.w2.copy_(shared.down_proj.weight.t().unsqueeze(0))
-        if layer.shared_gate is not None:
-            gate_weight: Any = getattr(block, "shared_expert_gate").weight  # noqa: B009  # an HF module
-            layer.shared_gate.copy_(gate_weight)
+        if layout.shared_gate is not None:
+            assert layer.shared_gate is not None
+            layer.shared_gate.copy_(_tensor(block, f"{layout.shared_gate}.weight"))
     return layer
 
 
 def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> int:
     """Replace every HF sparse MoE block of ``model`` by its `moe_from_hf` layer, in place,
     under the same name (so plans and checkpoints see ``...mlp.router.weight``,
-    ``...mlp.experts.w1``, ...). Returns how many; refuses a model asking for HF's router
-    logits (``output_router_logits``: the converted layers do not record them)."""
+    ``...mlp.experts.w1``, ...). Returns how many. Refuses, changing nothing, a model with a
+    block it cannot reproduce, or asking for HF's router logits (``output_router_logits``: the
+    converted layers do not record them)."""
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         raise ValueError(
@@ -130,38 +125,59 @@ def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef:
             "False and pass aux_loss_coef / z_loss_coef for the layers' own losses"
         )
     found = [(n, m) for n, m in model.named_modules() if n and is_hf_sparse_moe(m)]
+    layers = []
     for name, block in found:
+        try:
+            layers.append(moe_from_hf(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef))
+        except ValueError as exc:
+            raise ValueError(f"{type(model).__name__}.{name}: {exc}") from exc
+    for (name, _), layer in zip(found, layers, strict=True):
         parent, _, child = name.rpartition(".")
-        setattr(
-            model.get_submodule(parent),
-            child,
-            moe_from_hf(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef),
-        )
+        setattr(model.get_submodule(parent), child, layer)
     log.debug("converted %d sparse MoE blocks of %s", len(found), type(model).__name__)
     return len(found)
 
 
-MIXTRAL_PLAN = _plan("hf-mixtral")
-QWEN2_MOE_PLAN = _plan("hf-qwen2-moe")
+_MIXTRAL_NAMES = ("gate.weight", "gate.e_score_correction_bias", "shared_expert", "shared_expert_gate")
 
 
-def hf_moe_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None) -> dict[str, Tensor]:
     """A converted model's state dict (``convert_hf_moe``'s names, e.g. what ``consolidate``
-    writes) under transformers' names again, so ``MixtralForCausalLM`` /
-    ``Qwen2MoeForCausalLM`` load it strictly: per MoE layer ``gate.weight`` (the router),
-    ``experts.gate_up_proj = [w1.T | w3.T]`` and ``experts.down_proj = w2.T`` per expert, the
-    shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` and ``shared_expert_gate``.
-    Every other entry is kept as it is."""
+    writes) under transformers' names again, so that the HF model loads it strictly: per MoE
+    layer the router's weight (and score-correction bias), ``experts.gate_up_proj = [w1.T |
+    w3.T]`` and ``experts.down_proj = w2.T`` per expert, the shared expert's ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` and its gate. The names are those of ``like``'s blocks at the
+    same places (an unconverted model of the family, e.g. the one to load into; its weights are
+    not read, so it may be on the meta device); without it, Mixtral's and Qwen2-MoE's
+    (``gate``, ``shared_expert``, ``shared_expert_gate``). Every other entry is kept as it is."""
     out: dict[str, Tensor] = {}
-    layers = {k.removesuffix(".router.weight") for k in state if k.endswith(".router.weight")}
+    layers = {
+        k.removesuffix(".router.weight")
+        for k in state
+        if k.endswith(".router.weight") and k.replace(".router.weight", ".experts.w1") in state
+    }
+    names: dict[str, tuple[str, str | None, str | None, str | None]] = {}
+    shapes: dict[str, torch.Size] = {}
+    for layer in layers:
+        if like is None:
+            names[layer] = _MIXTRAL_NAMES
+            continue
+        block = like.get_submodule(layer)
+        layout: HFLayout = read_layout(block)
+        names[layer] = (layout.router_weight, layout.score_bias, layout.shared, layout.shared_gate)
+        if layout.score_bias is not None:
+            shapes[layer] = _tensor(block, layout.score_bias).shape
     for name, value in state.items():
         prefix = next((p for p in layers if name.startswith(p + ".")), None)
         if prefix is None:
             out[name] = value
             continue
+        router, bias, shared, shared_gate = names[prefix]
         rest = name[len(prefix) + 1 :]
         if rest == "router.weight":
-            out[f"{prefix}.gate.weight"] = value
+            out[f"{prefix}.{router}"] = value
+        elif rest == "router.score_bias" and bias is not None:
+            out[f"{prefix}.{bias}"] = value.reshape(shapes.get(prefix, value.shape))
         elif rest == "experts.w1":
             w3 = state[f"{prefix}.experts.w3"]
             out[f"{prefix}.experts.gate_up_proj"] = torch.cat(
@@ -169,11 +185,11 @@ def hf_moe_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
             )
         elif rest == "experts.w2":
             out[f"{prefix}.experts.down_proj"] = value.transpose(1, 2).contiguous()
-        elif rest.startswith("shared.w"):
+        elif rest.startswith("shared.w") and shared is not None:
             hf = {"shared.w1": "gate_proj", "shared.w3": "up_proj", "shared.w2": "down_proj"}[rest]
-            out[f"{prefix}.shared_expert.{hf}.weight"] = value[0].t().contiguous()
-        elif rest == "shared_gate":
-            out[f"{prefix}.shared_expert_gate.weight"] = value
+            out[f"{prefix}.{shared}.{hf}.weight"] = value[0].t().contiguous()
+        elif rest == "shared_gate" and shared_gate is not None:
+            out[f"{prefix}.{shared_gate}.weight"] = value
         elif rest != "experts.w3":
             raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
     return out

@@ -3,7 +3,9 @@
 (their experts whole on every tp rank: ``hf_moe``), each with one plan of roles serving every
 tensor-parallel mode; by Hugging Face family (``config.model_type``), every decoder-only
 family of the pinned ``transformers`` listed in `FAMILIES`, whose roles are derived from the
-model's module tree (``derived_roles``) and whose pipeline blocks are ``hf.decoder_blocks``.
+model's module tree (``derived_roles``), or for the MoE families whose blocks ``hf_moe``
+converts (Qwen3-MoE, DeepSeek-V2/V3, GraniteMoE, GraniteMoeShared) written in ``hf_moe_plans``
+with each mixture replicated, and whose pipeline blocks are ``hf.decoder_blocks``.
 
 They use the same contract as a user's model; ``boost()`` finds them with
 ``model_spec(model)``. Registered by dotted class name or model type, so no model library is
@@ -14,7 +16,14 @@ imported until a model of it is boosted. A family that cannot take a parallel ax
 from __future__ import annotations
 
 from tessera.launcher.families.hf import decoder_blocks, gpt2_blocks, llama_blocks, opt_blocks
-from tessera.launcher.families.hf_moe import MIXTRAL_PLAN, QWEN2_MOE_PLAN
+from tessera.launcher.families.hf_moe_plans import (
+    DEEPSEEK_PLAN,
+    GRANITEMOE_PLAN,
+    GRANITEMOE_SHARED_PLAN,
+    MIXTRAL_PLAN,
+    QWEN2_MOE_PLAN,
+    QWEN3_MOE_PLAN,
+)
 from tessera.launcher.families.spec import ModelSpec, register_model_family, register_model_spec
 from tessera.tensor_parallel import GPT2_PLAN, GPT_PLAN, LLAMA_PLAN
 
@@ -42,6 +51,12 @@ _ALIBI = (
 )
 
 
+_WHOLE_QK_NORM = (
+    "its q_norm and k_norm normalize each whole projection (all heads together), which a split of the "
+    "heads over tp cannot compute"
+)
+
+
 # model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
 # layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
 # its serial run), and those refused an axis, with the reason.
@@ -61,13 +76,14 @@ FAMILIES: dict[str, ModelSpec] = {
         },
     ),
     "opt": ModelSpec(blocks=opt_blocks),
-    "olmo2": ModelSpec(
-        blocks=decoder_blocks,
-        refuses={
-            "tp": "its q_norm and k_norm normalize each whole projection (all heads together), which a split "
-            "of the heads over tp cannot compute"
-        },
-    ),
+    # MoE families (convert their blocks with hf_moe.convert_hf_moe; tests/test_hf_moe_families.py)
+    "qwen3_moe": ModelSpec(roles=QWEN3_MOE_PLAN, blocks=decoder_blocks),
+    "deepseek_v2": ModelSpec(roles=DEEPSEEK_PLAN, blocks=decoder_blocks),
+    "deepseek_v3": ModelSpec(roles=DEEPSEEK_PLAN, blocks=decoder_blocks),
+    "granitemoe": ModelSpec(roles=GRANITEMOE_PLAN, blocks=decoder_blocks),
+    "granitemoeshared": ModelSpec(roles=GRANITEMOE_SHARED_PLAN, blocks=decoder_blocks),
+    "olmoe": ModelSpec(blocks=decoder_blocks, refuses={"tp": _WHOLE_QK_NORM}),
+    "olmo2": ModelSpec(blocks=decoder_blocks, refuses={"tp": _WHOLE_QK_NORM}),
 }
 
 # any other HF family: the rotary decoder's blocks, which boost() checks against the model's

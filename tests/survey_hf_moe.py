@@ -1,0 +1,262 @@
+"""A survey, not a test: every mixture-of-experts causal-LM family of the installed
+``transformers`` against ``tessera.launcher.families.hf_moe``. Prints one table, a row per
+family: whether it builds at a tiny size, whether its sparse block has the layout
+``moe_from_hf`` reads (a ``gate`` or ``router`` beside ``experts.gate_up_proj [E, 2h, d]`` and
+``experts.down_proj [E, d, h]``), its routing (scores; group-limited ``n_group`` /
+``topk_group``; a score-correction bias; a routed scale; ``norm_topk_prob``; shared experts,
+how many and whether gated; expert biases; the experts' activation), and the outcome:
+``same logits`` (converted, and the converted model's logits equal the original's to rtol and
+atol 1e-5), ``DIFFERENT`` (converted, but not equal: the worst case), or why it was refused.
+
+    hatch run python tests/survey_hf_moe.py [model_type ...]
+
+A family is one whose config counts experts (``num_experts``, ``num_local_experts``,
+``n_routed_experts``, ...). Each is built from its config class with 2 layers, hidden 32, 4
+heads, vocabulary 64, 8 experts of width 16, top-2, 4 groups of which 2 kept where it groups
+them, small latent-attention ranks, dropouts 0; then every parameter and score-correction bias
+is drawn from a seeded normal (HF initialises routers and biases to zero, where every expert
+ties). The routing columns come from ``hf_moe_routing.read_layout`` where it reads the block,
+else from the router's attributes and source (marked ``~``). The logits are compared in
+training mode (no dropout), as the converted model trains. A minute on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.launcher.families.hf_moe import convert_hf_moe, is_hf_sparse_moe
+from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
+
+COMMON = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+MOE = {
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8,
+    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 16,
+    "expert_interval": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+    "topk_method": "group_limited_greedy", "n_shared_experts": 1, "shared_expert_intermediate_size": 16,
+    "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+}  # fmt: skip
+FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs at these sizes
+    "bamba": {"mamba_n_heads": 8, "mamba_d_head": 8},
+    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
+    "kolibri1_1": {"head_dim": 16},
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "zaya": {"num_experts_per_tok": 1},
+    "dbrx": {
+        "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+        "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 16},
+    },
+}  # fmt: skip
+EXPERT_COUNTS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_routed_experts",
+)
+SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert")
+TOL = 1e-5
+
+
+def build(kind: str) -> nn.Module:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    defaults = CONFIG_MAPPING[kind]()
+    wanted = {**COMMON, **MOE, **FIXES.get(kind, {})}
+    if hasattr(defaults, "kv_lora_rank"):  # latent attention: a key per query head, rotary width 4
+        wanted |= {"num_key_value_heads": COMMON["num_attention_heads"], "head_dim": MOE["qk_rope_head_dim"]}
+    types = vars(defaults).get("layer_types")
+    if isinstance(types, list) and "layer_types" not in wanted:  # the first two kinds of layer
+        kinds = list(dict.fromkeys(types))
+        wanted["layer_types"] = (kinds * 2)[:2]
+    own = FIXES.get(kind, COMMON)  # a family with a config of its own names takes only those
+    config = CONFIG_MAPPING[kind](**{k: v for k, v in wanted.items() if k in own or hasattr(defaults, k)})
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model: nn.Module = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for name, b in sorted(model.named_buffers()):
+            if "bias" in name and b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Modules holding an ``experts`` bank: the sparse blocks, of any layout."""
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+
+
+def _layout_ok(block: nn.Module) -> str:
+    """``yes`` when ``block`` has the layout ``moe_from_hf`` reads, else ``no`` and what it has."""
+    bank: Any = getattr(block, "experts")  # noqa: B009
+    if not is_hf_sparse_moe(block):
+        names = ", ".join(n for n, _ in bank.named_parameters())
+        return f"no ({names or type(bank).__name__})"
+    gate_up, down = bank.gate_up_proj, bank.down_proj
+    fits = gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+    return "yes" if fits else f"no (gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)})"
+
+
+def _from_layout(layout: HFLayout, config: Any) -> dict[str, str]:
+    spec = layout.routing
+    shared = "-"
+    if layout.shared is not None:  # as many as the config says, fused into one MLP this wide
+        count = _first(config, SHARED_COUNTS) or 1
+        shared = f"{count} ({layout.shared_hidden}w)" + (" gated" if layout.shared_gate else "")
+    return {
+        "score": spec.score,
+        "groups": f"{spec.top_groups}/{spec.groups} {spec.group_score}" if spec.groups > 1 else "-",
+        "bias": "yes" if spec.choice_bias else "-",
+        "scale": f"{spec.scale:g}" if spec.scale != 1 else "-",
+        "norm": "yes" if layout.renormalize else "no",
+        "shared": shared,
+    }
+
+
+def _first(obj: Any, names: tuple[str, ...]) -> Any:
+    return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
+
+
+def _guessed(block: nn.Module, config: Any) -> dict[str, str]:
+    """Routing features read from the router's attributes and source (no reader knows it)."""
+    router = _first(block, ("gate", "router"))
+    try:
+        src = inspect.getsource(type(router).forward) if router is not None else ""
+    except (OSError, TypeError):
+        src = ""
+    score = "sigmoid" if "sigmoid" in src else "softmax" if "softmax" in src else "?"
+    groups = _first(router, ("num_group", "n_group")) or getattr(config, "n_group", None)
+    top = _first(router, ("topk_group",)) or getattr(config, "topk_group", None)
+    tensors = {n for n, _ in block.named_parameters()} | {n for n, _ in block.named_buffers()}
+    bias = any("bias" in n and "experts" not in n and "proj" not in n for n in tensors)
+    scale = _first(router, ("routed_scaling_factor", "route_scale", "router_scaling_factor"))
+    scale = scale if scale is not None else _first(block, ("routed_scaling_factor",))
+    norm = _first(router, ("norm_topk_prob",))
+    shared_module = _first(block, ("shared_expert", "shared_experts", "shared_mlp"))
+    count = _first(config, SHARED_COUNTS)
+    gated = " gated" if hasattr(block, "shared_expert_gate") else ""
+    shared = "-" if shared_module is None else f"{count or 1}{gated}"
+    return {
+        "score": f"~{score}",
+        "groups": f"~{top}/{groups}" if groups and int(groups) > 1 else "-",
+        "bias": "~yes" if bias else "-",
+        "scale": f"~{scale:g}" if isinstance(scale, float) and scale != 1 else "-",
+        "norm": "?" if norm is None else f"~{'yes' if norm else 'no'}",
+        "shared": f"~{shared}",
+    }
+
+
+def survey(kind: str) -> dict[str, str]:
+    row = {"family": kind}
+    try:
+        model = build(kind)
+    except Exception as exc:
+        return {
+            **row,
+            "builds": "no",
+            "result": f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}",
+        }
+    row["builds"] = "yes"
+    blocks = _blocks(model)
+    if not blocks:
+        return {**row, "result": "no experts module found"}
+    block = blocks[0]
+    row["layout"] = _layout_ok(block)
+    bank: Any = getattr(block, "experts")  # noqa: B009
+    row["exp.bias"] = "yes" if any("bias" in n for n, _ in bank.named_parameters()) else "-"
+    act = getattr(bank, "act_fn", None)
+    row["act"] = type(act).__name__.removesuffix("Activation") if act is not None else "?"
+    try:
+        row |= _from_layout(read_layout(block), getattr(model, "config", None))
+    except ValueError:
+        row |= _guessed(block, getattr(model, "config", None))
+    if not is_hf_sparse_moe(block):
+        return {**row, "result": "not converted: not the layout moe_from_hf reads"}
+    converted = copy.deepcopy(model)
+    try:
+        count = convert_hf_moe(converted)
+    except ValueError as exc:
+        return {**row, "result": f"refused: {_reason(str(exc))}"}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        try:
+            want = model(ids, use_cache=False).logits
+        except Exception as exc:
+            return {**row, "result": f"converted; the original does not run here: {type(exc).__name__}"}
+        got = converted(ids, use_cache=False).logits
+    if torch.allclose(got, want, rtol=TOL, atol=TOL):
+        return {**row, "result": f"same logits ({count} MoE layers)"}
+    return {**row, "result": f"DIFFERENT (max |diff| {float((got - want).abs().max()):.2g})"}
+
+
+def _reason(message: str) -> str:
+    """A refusal's reason without the names of the model, the module and the class before it."""
+    reason = message.split(": ", 2)[-1]
+    if "has a forward tessera.moe has no reading" in reason:
+        return reason.split(" (source key")[0].replace(
+            " has a forward tessera.moe has no reading of", ": unknown forward"
+        )
+    return reason[:150]
+
+
+COLUMNS = [
+    "family",
+    "builds",
+    "layout",
+    "score",
+    "groups",
+    "bias",
+    "scale",
+    "norm",
+    "shared",
+    "exp.bias",
+    "act",
+    "result",
+]
+
+
+def main(kinds: list[str]) -> None:
+    rows = [survey(kind) for kind in kinds]
+    widths = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in COLUMNS[:-1]}
+    line = " | ".join(c.ljust(widths[c]) for c in COLUMNS[:-1]) + " | result"
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print(" | ".join(r.get(c, "").ljust(widths[c]) for c in COLUMNS[:-1]) + " | " + r.get("result", ""))
+    converted = sum(r.get("result", "").startswith("same logits") for r in rows)
+    print(f"\n{len(rows)} MoE families; {converted} converted with the same logits")
+
+
+def moe_families() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kinds = []
+    for kind, cls in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        try:
+            config = CONFIG_MAPPING[kind]()
+        except Exception:  # a config that does not build with its defaults is not surveyed
+            continue
+        if cls.endswith("ForCausalLM") and any(hasattr(config, n) for n in (*EXPERT_COUNTS, "ffn_config")):
+            kinds.append(kind)
+    return kinds
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or moe_families())
