@@ -16,8 +16,8 @@ SGD steps (momentum 0.9). Qwen3-MoE and DeepSeek-V3 at dp=2 x ep=2 (ZeRO 1), dp=
 others at dp=2 x ep=2 (ZeRO 1), and besides GraniteMoeShared (its plan) at tp=2 and GraniteMoE
 (its multipliers in the pipeline blocks) at pp=2, to keep the file short: every mode runs the
 same layer code, and the two families above hold both kinds of router (softmax top-k;
-sigmoid, bias, groups, scale). DeepSeek-V2 at tp=2 is a strict xfail: its latent attention
-without query LoRA is refused by the head check of ``tensor_parallel.heads`` (see the mark).
+sigmoid, bias, groups, scale). DeepSeek-V2 at tp=2 has its latent attention without query
+LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
@@ -280,17 +280,7 @@ MODES: dict[str, Callable[[], tuple[ParallelConfig, int]]] = {
 CASES = [
     *[(f, m) for f in ("deepseek_v3", "qwen3_moe") for m in MODES],
     *[(f, "ep2") for f in ("olmoe", "deepseek_v2", "granitemoe", "granitemoeshared")],
-    pytest.param(
-        "deepseek_v2",
-        "tp2",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=ValueError,
-            reason="tensor_parallel.heads checks q_proj against heads x config.head_dim, which DeepSeek sets "
-            "to the rotary width (4), not the query head's (8): a latent attention without query LoRA is "
-            "refused at tp (with query LoRA, q_b_proj, it trains: deepseek_v3-tp2)",
-        ),
-    ),
+    ("deepseek_v2", "tp2"),  # a latent attention without query LoRA: q_proj split by its qk heads
     ("granitemoeshared", "tp2"),  # GRANITEMOE_SHARED_PLAN: block_sparse_moe and shared_mlp replicated
     ("granitemoe", "pp2"),  # decoder_blocks apply Granite's embedding and logits multipliers
 ]
@@ -322,13 +312,6 @@ def _train_and_consolidate(rank: int, config: Config, family: str, path: str) ->
     engine.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="consolidate (export_sharded) writes the parameters only: the persistent buffer "
-    "mlp.router.score_bias (HF's gate.e_score_correction_bias) is missing from the file, so the strict "
-    "load misses it; its docstring promises a file a strict load of the serial model takes",
-)
 def test_a_deepseek_v3_trained_at_ep2_loads_into_transformers(
     worker_pools: PoolFactory, tmp_path: Path
 ) -> None:

@@ -271,7 +271,8 @@ def head_layout(module: nn.Module, *, where: str = "attention") -> HeadLayout | 
     ``config.num_key_value_heads``, else heads over ``num_key_value_groups`` / ``n_rep``, else the
     width of ``k_proj`` over ``head_dim``, else as many as query heads. ``head_dim``: the
     module's, else its config's, else ``hidden_size`` (module or config) over heads. Where
-    ``head_dim`` and ``q_proj`` / ``k_proj`` are known their widths must agree (ValueError).
+    ``head_dim`` and ``q_proj`` / ``k_proj`` are known their widths must agree (ValueError); a
+    module's ``qk_head_dim`` (a latent attention's query head width) stands for ``q_proj``'s.
     """
     config = getattr(module, "config", None)
     head_dim = _int_attr(module, ("head_dim",)) or _int_attr(config, ("head_dim",))
@@ -291,12 +292,18 @@ def head_layout(module: nn.Module, *, where: str = "attention") -> HeadLayout | 
         hidden = _int_attr(module, ("hidden_size",)) or _int_attr(config, ("hidden_size",))
         head_dim = hidden // heads if hidden and hidden % heads == 0 else None
     layout = HeadLayout(heads, kv or heads, head_dim)
+    # a latent attention's query heads (DeepSeek's qk_head_dim: the rotary and the plain part) are
+    # wider than the head_dim its config names (the rotary part alone)
+    q_dim = _int_attr(module, ("qk_head_dim",)) or head_dim
     if head_dim:
-        for child, width, count in (("q_proj", q_width, heads), ("k_proj", k_width, layout.kv_heads)):
-            if width is not None and width != count * head_dim:
+        for child, width, count, dim in (
+            ("q_proj", q_width, heads, q_dim),
+            ("k_proj", k_width, layout.kv_heads, head_dim),
+        ):
+            if width is not None and dim and width != count * dim:
                 raise ValueError(
                     f"{where}: {child} has {width} output features, not {count} heads x head_dim "
-                    f"{head_dim} (heads={heads}, kv_heads={layout.kv_heads})"
+                    f"{dim} (heads={heads}, kv_heads={layout.kv_heads})"
                 )
     return layout
 

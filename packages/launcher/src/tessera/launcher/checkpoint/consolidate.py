@@ -158,8 +158,9 @@ def _write_shards(
 ) -> tuple[int, BaseException | None]:
     """Stream this pipeline rank's fp32 masters, one ZeRO flat buffer at a time, each gathered
     over tp and ep (``full_tensor``), into its shards; shard ``j`` is written by the ``j``-th
-    rank of the pipeline rank's group (round robin). Collective; returns how many shards the
-    model has in all and this rank's error, if any (it still takes part to the end)."""
+    rank of the pipeline rank's group (round robin), then the stage's persistent buffers as
+    they are held (``Placement.buffers``). Collective; returns how many shards the model has in
+    all and this rank's error, if any (it still takes part to the end)."""
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
     names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
@@ -169,6 +170,9 @@ def _write_shards(
         for n, ps in zip(names, parts, strict=True)
         for p in ps
     ]
+    held = dict(engine.module.named_buffers())
+    buffers = sorted((serial, held[local]) for local, serial in placement.buffers.items())
+    entries += [Entry(n, dtype if b.is_floating_point() else b.dtype, tuple(b.shape)) for n, b in buffers]
     shards = split_shards(entries, max_shard_bytes)
     counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
     p, topology = mesh.coordinate("pp"), mesh.topology
@@ -177,25 +181,32 @@ def _write_shards(
     owner = [j for j, shard in enumerate(shards) for _ in shard]  # each entry's shard
     error: BaseException | None = None
     k = 0  # the entry written next
+    writer: StreamWriter | None = None
+
+    def write(stack: contextlib.ExitStack, tensor: Tensor) -> None:
+        nonlocal k, writer, error
+        j, k = owner[k], k + 1
+        if group[j % len(group)] != mesh.rank or error is not None:
+            return
+        try:
+            if writer is None:
+                target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
+                meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
+                writer = stack.enter_context(StreamWriter(target, shards[j], meta))
+            writer.write(tensor_bytes(tensor.to("cpu", entries[k - 1].dtype).contiguous()))
+            if k == len(owner) or owner[k] != j:
+                writer.commit()
+                writer = None
+        except (OSError, RuntimeError, ValueError) as e:
+            error = e
+
     with contextlib.ExitStack() as stack:
-        writer: StreamWriter | None = None
         for i, (_, value) in enumerate(zero.iter_full_state(params_only=True)):
             full = full_tensor(engine, names[i], value.to(mesh.device))  # collective over tp and ep
             for part in parts[i]:
-                j, k = owner[k], k + 1
-                if group[j % len(group)] != mesh.rank or error is not None:
-                    continue
-                try:
-                    if writer is None:
-                        target = directory / f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
-                        meta = {"format": "pt", "tessera.rank": str(mesh.rank)}  # which rank wrote it
-                        writer = stack.enter_context(StreamWriter(target, shards[j], meta))
-                    writer.write(tensor_bytes(part.take(full).to("cpu", dtype).contiguous()))
-                    if k == len(owner) or owner[k] != j:
-                        writer.commit()
-                        writer = None
-                except (OSError, RuntimeError, ValueError) as e:
-                    error = e
+                write(stack, part.take(full))
+        for _, buffer in buffers:  # held whole on every rank of the stage: no collective
+            write(stack, buffer)
     return total, error
 
 
@@ -206,7 +217,8 @@ def export_sharded(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write the serial model as a sharded safetensors checkpoint in Hugging Face's layout:
+    """Write the serial model (its parameters, then its persistent buffers: whatever a strict
+    load expects) as a sharded safetensors checkpoint in Hugging Face's layout:
     ``model-0000K-of-0000N.safetensors`` of at most ``max_shard_bytes`` each (a larger tensor
     alone), every pipeline rank's parameters in shards of their own, each shard written by one
     rank of that pipeline rank's group in turn as the fp32 masters stream past one ZeRO flat

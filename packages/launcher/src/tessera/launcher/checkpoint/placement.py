@@ -14,7 +14,7 @@ from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
-__all__ = ["Boosted", "Placement", "local_part"]
+__all__ = ["Boosted", "Placement", "local_part", "persistent_buffers"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,10 @@ class Placement:
     to the name it trains under, so that an export holds every key a strict load expects.
     ``exported`` maps a parameter trained under a name and shape of boost()'s own (a user's
     mixture of experts converted to ``tessera.moe.MoE``) to the tensors it exports as, under
-    the user's names (`tessera.launcher.checkpoint.exported`).
+    the user's names (`tessera.launcher.checkpoint.exported`). ``buffers`` maps each
+    persistent buffer this rank's module holds whole (by its name in that module) to its
+    serial name: exports and imports carry them beside the parameters (a router's
+    score-correction bias is state a strict load expects).
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -44,10 +47,21 @@ class Placement:
     experts: dict[str, tuple[int, int]] = field(default_factory=dict)  # serial name -> ep slice
     aliases: dict[str, str] = field(default_factory=dict)  # tied: second name -> parameter's name
     exported: dict[str, tuple[ExportPart, ...]] = field(default_factory=dict)  # name -> the user's names
+    buffers: dict[str, str] = field(default_factory=dict)  # local persistent buffer -> serial name
 
     def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
         """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""
         return local_part(full, name, self.shard_specs, self.experts, tp_rank, tp, shape)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """Every persistent buffer of ``model`` (one its state dict holds) by name."""
+    out = {}
+    for owner, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{owner}.{name}" if owner else name] = buf
+    return out
 
 
 def local_part(

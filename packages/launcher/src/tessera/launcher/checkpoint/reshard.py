@@ -241,7 +241,7 @@ def import_weights(engine: Boosted, path: Path) -> None:
     """Load a consolidated state dict (``Engine.consolidate``'s file or folder, or any
     safetensors checkpoint of the serial model's parameters by name, e.g. a Hugging Face one,
     sharded with its index or not: ``tensorfile.weight_files``) into this rank's shards, one
-    parameter at a time; the optimizer state starts
+    parameter at a time, and the persistent buffers it holds; the optimizer state starts
     fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
     parameter."""
     with LazyTensors(weight_files(path)) as weights:
@@ -250,3 +250,14 @@ def import_weights(engine: Boosted, path: Path) -> None:
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
         load_portable_state(engine, _AsParams(weights, wanted), {})
+        held = dict(engine.module.named_buffers())
+        with torch.no_grad():  # the persistent buffers the file holds (a router's bias), as they are
+            for local, serial in engine.placement.buffers.items():
+                if serial in weights:
+                    value = weights[serial]
+                    if tuple(value.shape) != tuple(held[local].shape):
+                        raise ValueError(
+                            f"{path}: buffer {serial} has shape {tuple(value.shape)}, the model's "
+                            f"{tuple(held[local].shape)}"
+                        )
+                    held[local].copy_(value)

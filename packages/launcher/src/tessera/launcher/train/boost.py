@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
 from tessera.launcher.checkpoint.exported import ExportPart
-from tessera.launcher.checkpoint.placement import Placement
+from tessera.launcher.checkpoint.placement import Placement, persistent_buffers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
@@ -171,6 +171,7 @@ class _Job:
     aliases: dict[str, str]
     exported: dict[str, tuple[ExportPart, ...]]  # trained name -> the user's names (own_moe)
     deferred: nn.Module | None  # a deferred model's meta copy, as the user built it
+    buffer_shapes: dict[str, tuple[int, ...]]  # serial shape of every persistent buffer
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ def _checked(
         aliases=tied_aliases(model),
         exported=conversion.exported,
         deferred=deferred,
+        buffer_shapes={name: tuple(b.shape) for name, b in persistent_buffers(model).items()},
     )
 
 
@@ -354,6 +356,12 @@ def _place(
     local_ids = {id(param) for param in local}
     if pipe is not None:
         release_others(named.values(), local_ids)
+    serial_buffers = {id(b): name for name, b in persistent_buffers(model).items()}
+    buffers = {  # held whole (a buffer a tp style split would not be the serial one)
+        local: serial_buffers[id(b)]
+        for local, b in persistent_buffers(module).items()
+        if id(b) in serial_buffers and tuple(b.shape) == job.buffer_shapes.get(serial_buffers[id(b)])
+    }
     placement = Placement(
         names={param: names[id(param)] for param in local},
         full_shapes=job.full_shapes,
@@ -363,6 +371,7 @@ def _place(
         experts=experts,
         aliases=job.aliases,
         exported=job.exported,
+        buffers=buffers,
     )
     return module, placement, [(name, param, id(param) in local_ids) for name, param in tied]
 
