@@ -2,7 +2,8 @@
 
 `MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
 matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
-shared experts; with an ``ep_group`` (or `shard_experts`) its experts are split over the
+shared experts, and routers of DeepSeek's kinds (`RouterSpec`: sigmoid scores, a choice bias,
+group-limited top-k, a routed scale); with an ``ep_group`` (or `shard_experts`) its experts are split over the
 group's ranks and tokens travel to them by uneven all-to-all; with `split_hidden` every
 expert's hidden units are split over a tensor-parallel group. Depends on torch and
 ``tessera.comm`` only.
@@ -15,7 +16,7 @@ from tessera.moe.grads import expert_parameters, reduce_gradients
 from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
-from tessera.moe.router import Routing, TopKRouter, route
+from tessera.moe.router import RouterSpec, Routing, TopKRouter, route
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "Experts",
     "MoE",
     "MoEStats",
+    "RouterSpec",
     "Routing",
     "TopKRouter",
     "capacity",

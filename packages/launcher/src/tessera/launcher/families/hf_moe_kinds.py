@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.moe.router import RouterSpec
+from tessera.moe import RouterSpec
 
 __all__ = [
     "BLOCK_KINDS",

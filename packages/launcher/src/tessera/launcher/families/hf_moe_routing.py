@@ -40,7 +40,7 @@ from tessera.launcher.families.hf_moe_kinds import (
     RouterKind,
     source_key,
 )
-from tessera.moe.router import RouterSpec
+from tessera.moe import RouterSpec
 
 __all__ = ["HFLayout", "read_layout"]
 
