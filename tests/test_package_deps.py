@@ -11,9 +11,11 @@ Otherwise ``pip install ./packages/<name>[test]`` would fail at collection.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
+from collections.abc import Mapping
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
@@ -30,12 +32,19 @@ def _dist(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(0)).lower()
 
 
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level module -> the installed distributions providing it (read once: each reading
+    walks every installed distribution's file list, tens of milliseconds)."""
+    return packages_distributions()
+
+
 def _dists_of(module: str) -> set[str]:
     """The distributions that may provide a top-level module (``tessera.comm`` -> tessera-comm)."""
     top, _, sub = module.partition(".")
     if top == "tessera":
         return {_dist(f"tessera-{sub.partition('.')[0]}")}
-    return {_dist(d) for d in packages_distributions().get(top, [])} | {_dist(top)}
+    return {_dist(d) for d in _distributions().get(top, [])} | {_dist(top)}
 
 
 def imports_of(path: Path) -> dict[str, int]:
