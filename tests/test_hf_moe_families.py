@@ -17,7 +17,9 @@ others at dp=2 x ep=2 (ZeRO 1), and besides GraniteMoeShared (its plan) at tp=2 
 (its multipliers in the pipeline blocks) at pp=2, to keep the file short: every mode runs the
 same layer code, and the two families above hold both kinds of router (softmax top-k;
 sigmoid, bias, groups, scale). DeepSeek-V2 at tp=2 has its latent attention without query
-LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads).
+LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads). Qwen3-MoE also with its experts
+split inside over tp (the ``moe`` style; its dense layer split as Llama's MLP) under Megatron
+SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
@@ -262,9 +264,9 @@ def _serial(family: str) -> Run:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(rank: int, config: Config, family: str) -> Run:
+def _parallel(rank: int, config: Config, family: str, plan: Any = None) -> Run:
     model = _converted(family)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
+    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, plan=plan)
     losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
@@ -276,9 +278,26 @@ MODES: dict[str, Callable[[], tuple[ParallelConfig, int]]] = {
     "ep2-zero3": lambda: (ParallelConfig(dp=2, ep=2, microbatches=1), 3),
     "tp2": lambda: (ParallelConfig(tp=2, microbatches=1), 0),
     "pp2": lambda: (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
+    # every expert split inside over tp (the ``moe`` style), with Megatron SP and ep around it
+    "tp2-sp-split": lambda: (ParallelConfig(tp=2, sequence_parallel=True, microbatches=1), 1),
+    "dp2-ep2-tp2-sp-split": lambda: (
+        ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1),
+        3,
+    ),
+}
+# the tiny Qwen3-MoE: layer 0 a mixture, split inside over tp; layer 1 dense, split as Llama's MLP
+SPLIT = {
+    **{k: v for k, v in plans.QWEN3_MOE_PLAN.as_dict().items() if k != "model.layers.*.mlp"},
+    "model.layers.0.mlp": "moe",
+    "model.layers.1.mlp": "region",
+    "model.layers.1.mlp.gate_proj": "colwise",
+    "model.layers.1.mlp.up_proj": "colwise",
+    "model.layers.1.mlp.down_proj": "rowwise",
 }
 CASES = [
-    *[(f, m) for f in ("deepseek_v3", "qwen3_moe") for m in MODES],
+    *[(f, m) for f in ("deepseek_v3", "qwen3_moe") for m in ("ep2", "ep2-zero3", "tp2", "pp2")],
+    ("qwen3_moe", "tp2-sp-split"),
+    ("qwen3_moe", "dp2-ep2-tp2-sp-split"),
     *[(f, "ep2") for f in ("olmoe", "deepseek_v2", "granitemoe", "granitemoeshared")],
     ("deepseek_v2", "tp2"),  # a latent attention without query LoRA: q_proj split by its qk heads
     ("granitemoeshared", "tp2"),  # GRANITEMOE_SHARED_PLAN: block_sparse_moe and shared_mlp replicated
@@ -293,7 +312,8 @@ def test_a_converted_family_trains_through_boost_as_serially(
     parallel, zero = MODES[mode]()
     c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
     config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
-    results = worker_pools(config.world_size).run(_parallel, config, family, timeout=180)
+    plan = SPLIT if mode.endswith("split") else None
+    results = worker_pools(config.world_size).run(_parallel, config, family, plan, timeout=180)
     losses, weights = _serial(family)
     merged: dict[str, Tensor] = {}
     for curve, part in results:  # each rank: its pipeline stages' weights in full
