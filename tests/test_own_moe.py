@@ -136,16 +136,20 @@ def test_a_converted_model_computes_what_the_users_model_computes(config: MixCon
 
 
 class _Sigmoid(nn.Module):
-    """A mixture whose router scores with a sigmoid: no softmax reading reproduces it."""
+    """A mixture whose router scores each expert with a sigmoid (weights unnormalised) and whose
+    experts are ``nn.Sequential(Linear, GELU, Linear)``; ``doubled``: its output times 2, which no
+    reading reproduces."""
 
-    def __init__(self) -> None:
+    def __init__(self, doubled: bool = False) -> None:
         super().__init__()
-        self.top_k = 2
+        self.top_k, self.doubled = 2, doubled
         self.router = nn.Linear(8, 4, bias=False)
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(8, 6, bias=False), nn.GELU(), nn.Linear(6, 8, bias=False))
             for _ in range(4)
         )
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(5)))
 
     def forward(self, x: Tensor) -> Tensor:
         scores = torch.sigmoid(self.router(x))
@@ -154,12 +158,22 @@ class _Sigmoid(nn.Module):
         for e, expert in enumerate(self.experts):
             hit = (idx == e).any(-1, keepdim=True).to(x.dtype) * (w * (idx == e)).sum(-1, keepdim=True)
             out = out + hit * expert(x)
-        return out
+        return 2 * out if self.doubled else out
+
+
+def test_a_sigmoid_router_and_gelu_experts_convert() -> None:
+    model = nn.Sequential(_Sigmoid())
+    converted = copy.deepcopy(model)
+    convert_own_moe(converted)
+    layer = converted[0]
+    assert isinstance(layer, NamedMoE) and layer.experts.activation == "gelu" and not layer.router.renormalize
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(converted(x), model(x), **TOL)
 
 
 def test_what_cannot_be_reproduced_is_refused_naming_why() -> None:
-    with pytest.raises(ValueError, match=r"no reading of its experts.*tried"):
-        convert_own_moe(nn.Sequential(_Sigmoid()))
+    with pytest.raises(ValueError, match=r"no reading of its experts.*tried.*sigmoid renormalize=False"):
+        convert_own_moe(nn.Sequential(_Sigmoid(doubled=True)))
     no_k = Mixish(MixConfig())
     for layer in no_k.layers:
         del layer.moe.top_k
@@ -183,7 +197,7 @@ def test_what_cannot_be_reproduced_is_refused_naming_why() -> None:
 def test_at_ep1_a_block_that_does_not_convert_trains_as_written() -> None:
     from tessera.launcher.train.boost import _own_experts
 
-    model = nn.Sequential(_Sigmoid())
+    model = nn.Sequential(_Sigmoid(doubled=True))
     groups = {n: 0 for n, _ in model.named_parameters()}
     assert _own_experts(model, groups, 1)[0] == groups and isinstance(model[0], _Sigmoid)
     with pytest.raises(ValueError, match="no reading of its experts"):

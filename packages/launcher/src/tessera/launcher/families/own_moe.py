@@ -9,9 +9,10 @@ holding one), **experts**, either an ``nn.ModuleList`` of ``E`` alike MLPs made 
 optionally, a **shared expert** (one more such MLP, always on). ``top_k`` is read from the
 block (``top_k``, ``num_experts_per_tok``, ``topk``, ``k``). What the names cannot say is
 measured, not assumed: an MLP's gate, up and down projections by running it beside each
-candidate (`own_moe_readings.mlp_reading`); for stacked experts, every assignment and
-orientation their shapes allow, and whether the top-k weights are renormalised, by building
-each as an ``MoE`` with copies of the block's weights and running it beside the block on
+candidate (`own_moe_readings.mlp_reading`); the rest (for stacked experts, every assignment
+and orientation their shapes allow; whether the router scores by softmax or by sigmoid;
+whether the top-k weights are renormalised) by building each reading as an ``MoE`` with
+copies of the block's weights and running it beside the block on
 the same random tokens: the one that gives the block's output (fp32 round-off: rtol 1e-4 of
 the output's scale) is kept, and a block none reproduces is refused, naming what was tried.
 A model built without storage (``deferred_parameters``) is probed on a copy with random
@@ -53,7 +54,7 @@ from tessera.launcher.families.own_moe_readings import (
     mlp_reading,
     stacked_readings,
 )
-from tessera.moe import MoE
+from tessera.moe import MoE, RouterSpec
 
 __all__ = ["Conversion", "NamedMoE", "convert_own_moe", "find_own_moe"]
 
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 _TOP_K = ("top_k", "num_experts_per_tok", "topk", "k")
 _PROBE_SHAPE = (2, 16)  # the probe's tokens: batch x sequence
 _RTOL = 1e-4
+_SCORES = ("softmax", "sigmoid")  # the router scores a probe tries (tessera.moe.RouterSpec)
 
 
 class NamedMoE(MoE):
@@ -211,7 +213,7 @@ def _bank_readings(block: nn.Module, found: _Block) -> list[Reading]:
 
 
 def _layer(
-    block: nn.Module, found: _Block, bank: Reading, shared: Reading | None, renormalize: bool
+    block: nn.Module, found: _Block, bank: Reading, shared: Reading | None, renormalize: bool, score: str
 ) -> NamedMoE:
     tensors = {n: p.detach() for n, p in block.named_parameters()}
     router = tensors[found.router]
@@ -225,6 +227,7 @@ def _layer(
         found.top_k,
         activation=bank.activation,
         renormalize=renormalize,
+        routing=RouterSpec(score=score),  # type: ignore[arg-type]  # "softmax" or "sigmoid"
         shared_hidden=None if shared is None else int(shared.sources["w1"].value(tensors).shape[-1]),
         seed=0,
         aliases={},
@@ -277,15 +280,15 @@ def _converted(
             )
     readings = _bank_readings(probe, found)
     tried = []
-    for bank, renormalize in itertools.product(readings, (True, False)):
-        layer = _layer(probe, found, bank, shared, renormalize)
+    for bank, score, renormalize in itertools.product(readings, _SCORES, (True, False)):
+        layer = _layer(probe, found, bank, shared, renormalize, score)
         with torch.no_grad():
             got = layer(x)
         scale = float(want.abs().max()) or 1.0
         if float((got - want).abs().max()) <= _RTOL * scale:
             aliases = _aliases(name, recorded, layer)
             if meta:  # the same reading, with the block's own (meta) parameters
-                layer = _layer(block, found, bank, shared, renormalize)
+                layer = _layer(block, found, bank, shared, renormalize, score)
             layer.aliases = aliases
             for key, value in vars(block).items():  # the block's plain settings
                 if (
@@ -295,10 +298,11 @@ def _converted(
                 ):
                     setattr(layer, key, value)
             return layer, _exported(f"{name}.", found, bank, shared)
-        tried.append(f"[{bank.describe()}] renormalize={renormalize}")
+        tried.append(f"[{bank.describe()}] {score} renormalize={renormalize}")
     raise ValueError(
         f"{name} ({type(block).__name__}): no reading of its experts as tessera.moe.MoE "
-        f"(softmax top-{found.top_k}, every token kept) gives its output; tried {'; '.join(tried) or 'none'}"
+        f"(softmax or sigmoid top-{found.top_k}, every token kept) gives its output; tried "
+        f"{'; '.join(tried) or 'none'}"
     )
 
 
