@@ -9,13 +9,15 @@ by the model's ``aux_loss()``. Its loss function is what a user writes:
 ``cross_entropy + AUX * model.aux_loss()``, a closure over the model.
 
 Tier 0: ``convert_own_moe`` finds the blocks by their roles, measures which projection is
-the gate and whether the top-k weights are renormalised, and the converted model gives the
-same logits, input gradients and ``aux_loss()``; what it cannot reproduce is refused, naming
-why. Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and ZeRO 3
+the gate, whether the router scores by softmax or sigmoid and whether the top-k weights are
+renormalised, and the converted model gives the same logits, input gradients and
+``aux_loss()`` (also for experts stored stacked with a router nested in a module, and for a
+sigmoid router over GELU experts); what it cannot reproduce is refused, naming why. Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and ZeRO 3
 with two microbatches), tp2 (the mixture replicated) and pp2, equal to the serial run of the
 model as the user wrote it, which adds the aux loss to each (rank, microbatch) chunk's loss
-(the load-balancing loss is a per-call statistic); ``verify=True`` passes; the export
-carries the user's names and loads strictly into a fresh ``Mixish``.
+(the load-balancing loss is a per-call statistic), and the stacked mixture at dp2 x ep2;
+``verify=True`` passes; each export carries the user's names and loads strictly into a fresh
+copy of the user's model.
 
 Bounds: logits and gradients of the conversion fp32 rtol 1e-5 / atol 1e-6 (the same
 products, a per-expert loop against one batched matmul: summation order only). Trained runs:
