@@ -12,7 +12,8 @@ Tier 0: ``convert_own_moe`` finds the blocks by their roles, measures which proj
 the gate, whether the router scores by softmax or sigmoid and whether the top-k weights are
 renormalised, and the converted model gives the same logits, input gradients and
 ``aux_loss()`` (also for experts stored stacked with a router nested in a module, and for a
-sigmoid router over GELU experts); what it cannot reproduce is refused, naming why. Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and ZeRO 3
+sigmoid router over GELU experts); what it cannot reproduce is refused, naming why.
+Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and ZeRO 3
 with two microbatches), tp2 (the mixture replicated) and pp2, equal to the serial run of the
 model as the user wrote it, which adds the aux loss to each (rank, microbatch) chunk's loss
 (the load-balancing loss is a per-call statistic), and the stacked mixture at dp2 x ep2;
