@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
@@ -37,6 +36,7 @@ from tessera.launcher.families.hf_moe import (
     is_hf_sparse_moe,
     moe_from_hf,
 )
+from tessera.launcher.testing import RandomTokens, serial_run, sgd
 from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -170,26 +170,14 @@ def _build(name: str = "mixtral") -> nn.Module:
     return model
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 Run = tuple[list[float], dict[str, Tensor]]
 
 
 def _serial(name: str = "mixtral") -> Run:
-    model = _build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return serial_run(_build(name), TOKENS.first(STEPS), sgd(LR))
 
 
 # MIXTRAL_PLAN with each mixture split inside its experts over tp (the ``moe`` style), which
@@ -200,7 +188,7 @@ SPLIT = {**MIXTRAL_PLAN.as_dict(), "model.layers.*.mlp": "moe"}
 def _parallel(rank: int, config: Config, name: str, plan: Any = None) -> Run:
     model = _build(name)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, plan=plan)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
     return losses, weights
@@ -209,7 +197,7 @@ def _parallel(rank: int, config: Config, name: str, plan: Any = None) -> Run:
 def _train_and_consolidate(rank: int, config: Config, path: str) -> list[float]:
     model = _build()
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
     engine.consolidate(path)
     engine.close()
     return losses
@@ -237,7 +225,7 @@ def test_a_mixtral_trained_through_boost_loads_into_transformers(
     _, weights = _serial()
     trained = _build()
     trained.load_state_dict(weights)
-    ids, _ = _batch(99)
+    ids, _ = TOKENS.at(99)
     torch.testing.assert_close(fresh(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
 
 

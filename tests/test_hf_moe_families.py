@@ -42,7 +42,6 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
@@ -50,6 +49,7 @@ from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, bo
 from tessera.launcher.families import hf_moe_plans as plans
 from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_state_dict, is_hf_sparse_moe, moe_from_hf
 from tessera.launcher.families.hf_moe_kinds import BLOCK_KINDS, EXPERTS, ROUTER_KINDS, SHARED_MLP, source_key
+from tessera.launcher.testing import RandomTokens, serial_run, sgd
 from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -236,9 +236,7 @@ def test_every_kind_still_reads_the_forward_it_was_written_for(like: str, key: s
 
 
 # ---------------------------------------------------------------------------- tier 2
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 Run = tuple[list[float], dict[str, Tensor]]
@@ -251,23 +249,13 @@ def _converted(family: str) -> nn.Module:
 
 
 def _serial(family: str) -> Run:
-    model = _converted(family)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return serial_run(_converted(family), TOKENS.first(STEPS), sgd(LR))
 
 
 def _parallel(rank: int, config: Config, family: str, plan: Any = None) -> Run:
     model = _converted(family)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, plan=plan)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
     return losses, weights
@@ -327,7 +315,7 @@ def _train_and_consolidate(rank: int, config: Config, family: str, path: str) ->
     model = _converted(family)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
     for step in range(STEPS):
-        engine.train_step(*_batch(step))
+        engine.train_step(*TOKENS.at(step))
     engine.consolidate(path)
     engine.close()
 
