@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.families.hf_moe import MIXTRAL_PLAN, convert_hf_moe
+from tessera.launcher.testing import RandomTokens
 from tessera.moe import MoE
 from tessera.moe.exchange import exchange_rows
 from tessera.moe.experts import Experts
@@ -60,9 +61,7 @@ def _mixtral(inside: bool) -> nn.Module:
     return model  # type: ignore[no-any-return]
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 def _config(parallel: ParallelConfig, zero: int) -> BoostConfig:
@@ -113,7 +112,7 @@ def _train(rank: int, config: BoostConfig, inside: bool, plan: Any, mutation: st
         engine = boost(model, opt, config, spec=spec, plan=plan)
         try:
             for step in range(2):
-                engine.train_step(*_batch(step))
+                engine.train_step(*TOKENS.at(step))
         except ValueError as e:
             return str(e)
         finally:

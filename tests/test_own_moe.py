@@ -44,16 +44,14 @@ from torch import Tensor, nn
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.families.own_moe import NamedMoE, convert_own_moe, find_own_moe
-from tessera.launcher.testing import serial_run, sgd
+from tessera.launcher.testing import RandomTokens, serial_run, sgd
 from tessera.models.foreign_moe import MIXISH_ROLES, MixConfig, Mixish
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 64, 8, 8, 3, 0.1, 0.05
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
 # ------------------------------------------------------------------------------------ tier 0
@@ -103,7 +101,7 @@ def test_stacked_experts_and_a_nested_router_convert() -> None:
     converted = copy.deepcopy(model)
     conversion = convert_own_moe(converted)
     assert conversion.blocks == ["layers.0.moe", "layers.1.moe"]
-    ids = _batch(0)[0]
+    ids = TOKENS.at(0)[0]
     torch.testing.assert_close(converted(ids), model(ids), **TOL)
     torch.testing.assert_close(converted.aux_loss(), model.aux_loss(), **TOL)
     parts = conversion.exported["layers.0.moe.experts.w1"]
@@ -124,7 +122,7 @@ def test_a_converted_model_computes_what_the_users_model_computes(config: MixCon
     layer = converted.get_submodule("layers.0.moe")
     assert isinstance(layer, NamedMoE) and layer.router.renormalize == config.norm_topk
     assert layer.aliases == {"balance_loss": "aux_loss"} and layer.top_k == config.top_k
-    ids = _batch(0)[0]
+    ids = TOKENS.at(0)[0]
     want, got = model(ids), converted(ids)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(converted.aux_loss(), model.aux_loss(), **TOL)
@@ -220,7 +218,7 @@ def _serial(chunks: int, aux: float, kind: str) -> tuple[list[float], dict[str, 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux * model.aux_loss()
 
-    return serial_run(model, [_batch(step) for step in range(STEPS)], sgd(LR), chunks=chunks, loss=loss)
+    return serial_run(model, TOKENS.first(STEPS), sgd(LR), chunks=chunks, loss=loss)
 
 
 def _parallel(
@@ -233,7 +231,7 @@ def _parallel(
 
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     engine = boost(model, opt, config, spec=ModelSpec(loss=loss), plan=plan)
-    losses = [engine.train_step(*_batch(step)).loss for step in range(STEPS)]
+    losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
     if export:
         engine.consolidate(export)
     engine.close()

@@ -106,10 +106,6 @@ class _Block:
     d: int
 
 
-def _params(module: nn.Module) -> dict[str, Tensor]:
-    return dict(module.named_parameters())
-
-
 def _width(module: nn.Module, d: int) -> int | None:
     """The hidden width of an MLP ``d -> h -> d`` of ``nn.Linear`` layers (None: not one)."""
     linears = linear_children(module)
@@ -145,7 +141,7 @@ def _router(module: nn.Module, count: int, skip: set[str]) -> tuple[str, int] | 
     parameter's name relative to the block and ``d``."""
     found = []
     for name, child in module.named_children():
-        params = _params(child)
+        params = dict(child.named_parameters())
         if name in skip or len(params) != 1:
             continue
         ((pname, p),) = params.items()
