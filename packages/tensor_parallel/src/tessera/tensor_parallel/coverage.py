@@ -18,7 +18,9 @@ tp group before the optimizer steps. The rule, decided before anything runs:
   partial otherwise.
 - A style may say better for its module's parameters: ``grad_complete = True`` (e.g.
   ``sequence_split``, whose output is split after the module, so backward all-gathers its
-  whole gradient; ``replicate``, the user's word that the module sees whole activations).
+  whole gradient; ``replicate``, the user's word that the module sees whole activations);
+  ``after_exit = True`` (``adapters.AfterExit``: applied to a region's summed output, so
+  complete, and partial only under SP).
 
 Partial parameters are tagged (``sequence.mark_sequence_parallel``) so that
 ``sync_sequence_parallel_grads`` sums exactly them; ``parallelize`` logs, once, those the
@@ -90,6 +92,8 @@ def cover(
         region = next((r for r in regions if _within(owner, r)), None)
         if a is not None and a.style.role in (Role.ENTER, Role.EXIT) and not every_element_once:
             reason = None  # the parallel linear keeps its whole bias right itself (tagged under SP)
+        elif a is not None and getattr(a.style, "after_exit", False) and not every_element_once:
+            reason = "in the sequence-parallel stream" if sequence_parallel else None
         elif every_element_once:
             reason = "each rank holds a block of every activation"
         elif region is not None:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tessera.comm import Group, Mesh, TPMode
+from tessera.tensor_parallel.adapters import has_adapters
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.mode_objectives import (
     ModeObjective,
@@ -142,6 +143,11 @@ class ModeSpec:
         block of every activation, so an unplanned norm would normalise one block (wrong)."""
         patterns = [p for p, _ in plan.entries]
         for name, module in model.named_modules():
+            if has_adapters(module):
+                raise ValueError(
+                    f"{name} ({type(module).__qualname__}) carries low-rank adapters: adapters split only "
+                    f"with a 1D colwise or rowwise layer, not in tp mode {self.mode.value}"
+                )
             if any(True for _ in module.parameters(recurse=False)) and not any(
                 match_pattern(p, name) for p in patterns
             ):

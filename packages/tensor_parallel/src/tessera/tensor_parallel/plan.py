@@ -8,8 +8,10 @@ communicating: every pattern matches a module, no module gets two styles, each s
 its module (the style's ``check``: type, and every split size divides by tp), and regions
 hold layers that enter and exit the tp region. A region style that ``RefinesInner`` may
 replace the styles inside it (attention under grouped-query attention splits its K/V
-projections by whole KV heads). Each failure is a ValueError naming the module and the
-numbers. Styles are typed objects (``style``); plans name them.
+projections by whole KV heads). A layer carrying low-rank adapters (PEFT's LoRA) takes its
+entry's colwise or rowwise style onto its parts (``adapters.expand``). Each failure is a
+ValueError naming the module and the numbers. Styles are typed objects (``style``); plans
+name them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tessera.tensor_parallel.adapters import expand, has_adapters
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.style import RefinesInner, Role, TPStyle, style_named
 from tessera.tensor_parallel.styles import HEAD_ATTRIBUTES, Style, attention_heads
@@ -163,6 +166,11 @@ def resolve_plan(
         if name not in chosen:
             continue
         style, pattern = chosen[name]
+        if has_adapters(modules[name]) and style.role in (Role.ENTER, Role.EXIT):
+            out += _adapted(
+                name, modules, style, pattern, regions, tp=tp, sequence_parallel=sequence_parallel
+            )
+            continue
         style.check(modules[name], name=name, tp=tp)
         if style.role is Role.REGION and isinstance(style, RefinesInner):  # e.g. attention's K/V under GQA
             nested = {n[len(name) + 1 :]: (modules[n], chosen[n][0]) for n in chosen if _is_within(n, name)}
@@ -190,6 +198,28 @@ def resolve_plan(
                     f"the plan gives it {sorted(s.name for s in inner) or 'none'}"
                 )
         out.append(Assignment(name, style, pattern, enter_region=not (style.role is Role.ENTER and outer)))
+    return out
+
+
+def _adapted(
+    name: str,
+    modules: Mapping[str, nn.Module],
+    style: TPStyle,
+    pattern: str,
+    regions: list[str],
+    *,
+    tp: int,
+    sequence_parallel: bool,
+) -> list[Assignment]:
+    """The assignments of an adapted layer's parts (``adapters.expand``), each checked."""
+    in_region = any(_is_within(name, r) for r in regions)
+    out = []
+    for child, sub in expand(
+        name, modules[name], style, sequence_parallel=sequence_parallel, in_region=in_region
+    ):
+        full = f"{name}.{child}"
+        sub.check(modules[full], name=full, tp=tp)
+        out.append(Assignment(full, sub, pattern, enter_region=not (sub.role is Role.ENTER and in_region)))
     return out
 
 

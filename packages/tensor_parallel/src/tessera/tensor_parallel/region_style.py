@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from tessera.tensor_parallel.adapters import dense_core
 from tessera.tensor_parallel.heads import (
     GROUP_ATTRIBUTES,
     HEAD_ATTRIBUTES,
@@ -107,6 +108,7 @@ class RegionStyle(BaseStyle):
         assert layout.head_dim is not None
         kv_width = layout.kv_heads * layout.head_dim
         for child, (sub, style) in inner.items():
+            sub = dense_core(sub)  # an adapted projection is as wide as its base layer
             if style.role is not Role.ENTER or not is_dense(sub) or child in out:
                 continue
             if int(dense_weights(sub)[0].shape[0]) != kv_width:
@@ -206,9 +208,12 @@ def kv_widths(layout: HeadLayout, inner: Mapping[str, tuple[nn.Module, TPStyle]]
     and all the narrower ones share one width, a whole number of heads (the K and V
     projections); None when the widths do not tell that story."""
     widths = {
-        int(dense_weights(sub)[0].shape[0])
+        int(dense_weights(dense_core(sub))[0].shape[0])
         for sub, style in inner.values()
-        if style.role is Role.ENTER and is_dense(sub) and isinstance(style, Colwise) and style.sections == 1
+        if style.role is Role.ENTER
+        and is_dense(dense_core(sub))
+        and isinstance(style, Colwise)
+        and style.sections == 1
     }
     if len(widths) != 2:
         return None
@@ -230,6 +235,7 @@ def _fused_qkv(
     out = dict[str, TPStyle]()
     parts = layout.qkv_parts
     for child, (sub, style) in inner.items():
+        sub = dense_core(sub)
         if not isinstance(style, Colwise) or not is_dense(sub) or style.heads is not None:
             continue
         if style.parts != () and not (style.parts is None and style.sections == 3 and layout.grouped):

@@ -26,7 +26,7 @@ from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import Entry, SafeFile, StreamWriter, tensor_bytes
-from tessera.launcher.checkpoint.exported import export_names, parts_of
+from tessera.launcher.checkpoint.exported import ExportView, export_names, parts_of
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
@@ -38,6 +38,7 @@ __all__ = [
     "local_full_gradients",
     "local_full_parameters",
     "split_shards",
+    "streamed_names",
     "unshard",
 ]
 
@@ -153,8 +154,16 @@ def split_shards(entries: list[Entry], limit: int) -> list[list[Entry]]:
     return out if out[0] else []
 
 
+def streamed_names(engine: Boosted) -> list[str]:
+    """The serial names of this rank's parameters in the order ``iter_full_state(params_only=True)``
+    streams their fp32 masters (no communication)."""
+    placement, zero = engine.placement, engine.zero
+    serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
+    return [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
+
+
 def _write_shards(
-    engine: Boosted, directory: Path, max_shard_bytes: int, dtype: torch.dtype
+    engine: Boosted, directory: Path, max_shard_bytes: int, dtype: torch.dtype, view: ExportView | None
 ) -> tuple[int, BaseException | None]:
     """Stream this pipeline rank's fp32 masters, one ZeRO flat buffer at a time, each gathered
     over tp and ep (``full_tensor``), into its shards; shard ``j`` is written by the ``j``-th
@@ -162,9 +171,10 @@ def _write_shards(
     they are held (``Placement.buffers``). Collective; returns how many shards the model has in
     all and this rank's error, if any (it still takes part to the end)."""
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
-    serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
-    names = [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
-    parts = [parts_of(n, placement.exported) for n in names]  # the user's names, where boost() renamed
+    names = streamed_names(engine)
+    exported = placement.exported if view is None else view.exported
+    added = {} if view is None else view.added
+    parts = [parts_of(n, exported) for n in names]  # the user's names, where boost() renamed
     entries = [
         Entry(p.name, dtype, p.shape(placement.full_shapes[n]))
         for n, ps in zip(names, parts, strict=True)
@@ -203,6 +213,8 @@ def _write_shards(
     with contextlib.ExitStack() as stack:
         for i, (_, value) in enumerate(zero.iter_full_state(params_only=True)):
             full = full_tensor(engine, names[i], value.to(mesh.device))  # collective over tp and ep
+            if names[i] in added:
+                full = full.to(torch.float32) + added[names[i]].to(full.device, torch.float32)
             for part in parts[i]:
                 write(stack, part.take(full))
         for _, buffer in buffers:  # held whole on every rank of the stage: no collective
@@ -216,6 +228,7 @@ def export_sharded(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     dtype: torch.dtype = torch.float32,
+    view: ExportView | None = None,
 ) -> Path:
     """Write the serial model (its parameters, then its persistent buffers: whatever a strict
     load expects) as a sharded safetensors checkpoint in Hugging Face's layout:
@@ -227,13 +240,14 @@ def export_sharded(
     the shards' headers: the commit point). A name held by two stages (a tied weight) is
     listed from the first shard. ``dtype``: the tensors' type in the files (the fp32 masters
     rounded to it, e.g. ``torch.bfloat16`` for half the bytes); a floating type, else
-    ValueError before anything is written. Collective over every rank; returns the index's
-    path."""
+    ValueError before anything is written. ``view``: other names and additions than the
+    placement's (`ExportView`: adapters merged into their base layers). Collective over every
+    rank; returns the index's path."""
     if not dtype.is_floating_point:
         raise ValueError(f"export dtype must be a floating type, got {dtype}")
     directory = Path(directory)
     mesh = engine.mesh
-    shards, error = _write_shards(engine, directory, max_shard_bytes, dtype)
+    shards, error = _write_shards(engine, directory, max_shard_bytes, dtype, view)
     raise_together(error, None, f"writing a shard under {directory}", mesh.device)
     index = directory / "model.safetensors.index.json"
     if mesh.rank == 0:
@@ -246,7 +260,8 @@ def export_sharded(
                     if tensor not in weight_map:
                         weight_map[tensor] = name
                         total += entry.nbytes
-            missing = set(export_names(list(engine.placement.full_shapes), engine.placement.exported))
+            exported = engine.placement.exported if view is None else view.exported
+            missing = set(export_names(list(engine.placement.full_shapes), exported))
             missing -= set(weight_map)
             if missing:
                 raise RuntimeError(f"the shards lack {len(missing)} parameters, e.g. {sorted(missing)[:5]}")

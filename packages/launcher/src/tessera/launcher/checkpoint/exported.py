@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ExportPart", "assemble", "export_names", "parts_of"]
+__all__ = ["ExportPart", "ExportView", "assemble", "export_names", "parts_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,21 @@ class ExportPart:
         return out.transpose(-2, -1).contiguous() if self.transpose else out
 
 
+@dataclass(frozen=True, slots=True)
+class ExportView:
+    """An export of other names than the trained ones: ``exported`` maps a parameter to the
+    tensors it exports as (over ``Placement.exported``; the empty tuple leaves it out), and
+    ``added`` a parameter to what is added to its full value first (an adapter merged into its
+    base layer's weight: ``tessera.launcher.checkpoint.adapter_files``)."""
+
+    exported: Mapping[str, tuple[ExportPart, ...]]
+    added: Mapping[str, Tensor]
+
+
 def parts_of(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> tuple[ExportPart, ...]:
-    """The parts parameter ``name`` exports as (itself, whole, when ``exported`` lacks it)."""
-    return exported.get(name) or (ExportPart(name),)
+    """The parts parameter ``name`` exports as (itself, whole, when ``exported`` lacks it; none
+    when ``exported`` maps it to the empty tuple: not exported)."""
+    return exported[name] if name in exported else (ExportPart(name),)
 
 
 def export_names(names: Sequence[str], exported: Mapping[str, tuple[ExportPart, ...]]) -> list[str]:

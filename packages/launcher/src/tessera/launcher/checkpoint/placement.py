@@ -10,6 +10,7 @@ from typing import Protocol
 from torch import Tensor, nn
 
 from tessera.comm import Mesh
+from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
@@ -36,7 +37,9 @@ class Placement:
     the user's names (`tessera.launcher.checkpoint.exported`). ``buffers`` maps each
     persistent buffer this rank's module holds whole (by its name in that module) to its
     serial name: exports and imports carry them beside the parameters (a router's
-    score-correction bias is state a strict load expects).
+    score-correction bias is state a strict load expects). ``adapters``: the model's low-rank
+    adapters and their PEFT configurations (`tessera.launcher.checkpoint.adapted`), for PEFT's
+    adapter files and a merged export.
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -48,6 +51,7 @@ class Placement:
     aliases: dict[str, str] = field(default_factory=dict)  # tied: second name -> parameter's name
     exported: dict[str, tuple[ExportPart, ...]] = field(default_factory=dict)  # name -> the user's names
     buffers: dict[str, str] = field(default_factory=dict)  # local persistent buffer -> serial name
+    adapters: Adapters = field(default_factory=Adapters)  # low-rank adapters (PEFT's LoRA)
 
     def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
         """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""

@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from tessera.tensor_parallel import Plan, Style
+from tessera.tensor_parallel.adapters import dense_core, has_adapters
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.style import TPStyle
@@ -54,13 +55,20 @@ _INTERLEAVED = "query_key_value"
 
 
 def _dense(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """The dense layers inside ``module``; a layer carrying adapters (PEFT's LoRA) counts as its
+    base layer, and the layers inside it are not listed (the plan names the adapted layer)."""
+    adapted: list[str] = []
     for name, sub in module.named_modules(prefix=prefix):
-        if name != prefix and is_dense(sub):
+        if name == prefix or any(name.startswith(a + ".") for a in adapted):
+            continue
+        if has_adapters(sub):
+            adapted.append(name)
+        if is_dense(dense_core(sub)):
             yield name, sub
 
 
 def _width(module: nn.Module) -> tuple[int, int]:
-    out_f, in_f = dense_weights(module)[0].shape
+    out_f, in_f = dense_weights(dense_core(module))[0].shape
     return int(out_f), int(in_f)
 
 
@@ -95,7 +103,7 @@ def _mlp_roles(path: str, module: nn.Module, *, direct: bool = False) -> dict[st
     """An MLP's roles: ``module`` a region; ``direct``: its own dense children, no region (OPT's
     ``fc1`` and ``fc2`` sit on the layer itself: each enters and leaves the tp region alone)."""
     dense = (
-        [(f"{path}.{n}", m) for n, m in module.named_children() if is_dense(m)]
+        [(f"{path}.{n}", m) for n, m in module.named_children() if is_dense(dense_core(m))]
         if direct
         else list(_dense(module, path))
     )
@@ -179,7 +187,7 @@ def _outer_roles(model: nn.Module, stack: str) -> dict[str, TPStyle]:
     if head is not None and id(head) in names:
         roles[names[id(head)]] = Roles.HEAD
     elif head is None:
-        last = [n for n, m in model.named_children() if is_dense(m)]
+        last = [n for n, m in model.named_children() if is_dense(dense_core(m))]
         if last:
             roles[last[-1]] = Roles.HEAD
     return roles

@@ -35,10 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
+from tessera.launcher.checkpoint.adapted import Adapters, read_adapters
 from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import Placement, persistent_buffers
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
+from tessera.launcher.families.adapters import peft_config_of, unwrap_peft
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
 from tessera.launcher.families.spec import (
     ModelSpec,
@@ -172,6 +174,7 @@ class _Job:
     exported: dict[str, tuple[ExportPart, ...]]  # trained name -> the user's names (own_moe)
     deferred: nn.Module | None  # a deferred model's meta copy, as the user built it
     buffer_shapes: dict[str, tuple[int, ...]]  # serial shape of every persistent buffer
+    adapters: Adapters  # low-rank adapters and their PEFT configurations
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ def _checked(
     config: BoostConfig,
     spec: ModelSpec | None,
     plan: PlanLike | None,
+    adapters: Adapters,
 ) -> _Job:
     """Step 1 (pure: no group exists yet, so a refusal communicates nothing)."""
     errors = BoostConfig.validate(config)  # the core only: this model is checked against the degrees itself
@@ -219,6 +223,7 @@ def _checked(
         exported=conversion.exported,
         deferred=deferred,
         buffer_shapes={name: tuple(b.shape) for name, b in persistent_buffers(model).items()},
+        adapters=adapters,
     )
 
 
@@ -372,6 +377,7 @@ def _place(
         aliases=job.aliases,
         exported=job.exported,
         buffers=buffers,
+        adapters=job.adapters,
     )
     return module, placement, [(name, param, id(param) in local_ids) for name, param in tied]
 
@@ -496,7 +502,9 @@ def boost(
     """
     if compile is not None:  # it stands for train.compile, and is validated as that
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile=compile))
-    job = _checked(model, optimizer, config, spec, plan)
+    configs = peft_config_of(model)
+    model = unwrap_peft(model)  # a PEFT model trains as its base model with the adapters in place
+    job = _checked(model, optimizer, config, spec, plan, read_adapters(model, configs))
     mesh = _mesh(job)
     verifier, serial = _serial_references(
         model, job, config.train.verify if verify is None else verify, example

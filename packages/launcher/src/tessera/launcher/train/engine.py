@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, all_gather, all_reduce
 from tessera.comm.consensus import raise_together
+from tessera.launcher.checkpoint.adapter_files import export_merged, save_adapter
 from tessera.launcher.checkpoint.consolidate import (
     MAX_SHARD_BYTES,
     consolidate,
@@ -429,6 +430,23 @@ class Engine:
         one ZeRO flat buffer at a time, and the index), the fp32 masters rounded to ``dtype``;
         collective; returns the index's path (``consolidate.export_sharded``)."""
         return export_sharded(self, directory, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """Write the adapters of a model boosted from ``peft.get_peft_model(...)`` in PEFT's format
+        (``adapter_config.json``, ``adapter_model.safetensors``), loadable by
+        ``PeftModel.from_pretrained``; collective, rank 0 writes (``checkpoint.adapter_files``)."""
+        return save_adapter(self, directory)
+
+    def export_merged(
+        self,
+        directory: str | Path,
+        *,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        dtype: torch.dtype = torch.float32,
+    ) -> Path:
+        """``export`` with every adapter merged into its base layer's weight, under the plain
+        model's names (``q_proj.weight``): what ``transformers`` loads without PEFT; collective."""
+        return export_merged(self, directory, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

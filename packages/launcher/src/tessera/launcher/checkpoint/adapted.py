@@ -1,0 +1,78 @@
+"""What a model's low-rank adapters are, read before ``boost()`` converts it.
+
+A layer carrying adapters (``tessera.tensor_parallel.adapters``: PEFT's LoRA ``Linear``)
+computes ``base_layer(x) + sum_k scaling_k * lora_B[k](lora_A[k](x))``. Its merged weight is
+``W + sum_k scaling_k * B_k @ A_k`` (transposed for an HF ``Conv1D`` base, which stores its weight
+(in, out)). `Adapters` keeps, by the adapted layer's serial name, each adapter's scale and
+whether the base is transposed, and the adapters' configurations as PEFT writes them
+(``adapter_config.json``); `tessera.launcher.checkpoint.adapter_files` writes the files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from tessera.tensor_parallel.adapters import adapter_names
+
+__all__ = ["AdaptedLayer", "Adapters", "is_adapter_parameter", "read_adapters"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptedLayer:
+    """One adapted layer: ``scaling`` by adapter name; ``transposed``: the base is an HF Conv1D."""
+
+    scaling: Mapping[str, float]
+    transposed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """The adapted layers by serial name, and the adapters' configurations by adapter name
+    (JSON-ready, as ``adapter_config.json`` holds them; empty when the model came without PEFT)."""
+
+    layers: Mapping[str, AdaptedLayer] = field(default_factory=dict)
+    configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def owner(self, name: str) -> str | None:
+        """The adapted layer a serial parameter name lies in, None for any other."""
+        prefix = name
+        while "." in prefix:
+            prefix = prefix.rpartition(".")[0]
+            if prefix in self.layers:
+                return prefix
+        return None
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether serial parameter ``name`` is an adapter's (a ``lora_*`` component, as PEFT counts)."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+def _json_ready(config: object) -> dict[str, Any]:
+    to_dict = getattr(config, "to_dict", None)
+    raw = to_dict() if callable(to_dict) else dict(vars(config))
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, set | frozenset):
+            value = sorted(value)
+        out[key] = value
+    return out
+
+
+def read_adapters(model: nn.Module, configs: Mapping[str, object] | None = None) -> Adapters:
+    """The adapters of the serial ``model`` and, given, their PEFT configurations."""
+    layers = {}
+    for name, module in model.named_modules():
+        names = adapter_names(module)
+        if names is None:
+            continue
+        scaling = getattr(module, "scaling", {})
+        base = module.get_submodule("base_layer")
+        layers[name] = AdaptedLayer(
+            {k: float(scaling[k]) for k in names}, transposed=not isinstance(base, nn.Linear)
+        )
+    return Adapters(layers, {k: _json_ready(v) for k, v in (configs or {}).items()})
