@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import assert_adam_close, run_threaded
-from tessera.zero import ChunkConfig, ZeroOptimizer
+from tessera.zero import ZeroOptimizer
 from tessera.zero.flat_param import Residency
 
 D, H = 6, 10
@@ -367,12 +367,6 @@ def _fresh(tie: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_unsupported_layouts_are_refused_before_any_collective() -> None:
-    model, opt = _fresh()
-    model.out.bias.requires_grad_(False)
-    with pytest.raises(
-        ValueError, match=r"frozen parameters \(requires_grad=False\) with memory=ChunkConfig"
-    ):
-        ZeroOptimizer(model, opt, stage=2, memory=ChunkConfig(host_budget_mb=1.0))
     model = MLP(0)
     with pytest.raises(
         ValueError, match=r"2 model parameters are in no optimizer group: out\.weight, out\.b"

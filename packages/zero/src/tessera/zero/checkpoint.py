@@ -1,6 +1,6 @@
 """Sharded checkpoints: each rank's master shards and optimizer state as safetensors, plus JSON.
 
-Directory layout: ``rank-RRRRR-of-NNNNN.safetensors`` per rank (fp32 master shards,
+Directory layout: ``rank-RRRRR-of-NNNNN.safetensors`` per rank (master shards,
 optimizer state tensors, the rank's model buffers; non-tensor optimizer state in the
 safetensors header) and ``meta.json`` written by rank 0 last (format, world size, stage,
 precision, optimizer class, the FlatParam layout, loss-scaler state and the sha256 of every
@@ -19,6 +19,14 @@ the layout; then the rank reads its file and verifies its checksum. Only then co
 first collective: one all-reduce in which the ranks agree that every rank passed every
 check, so a missing, foreign or corrupt file on one rank makes every rank raise (that rank
 its own error) instead of leaving the others waiting in a collective.
+
+Masters: ``master.<i>`` is FlatParam ``i``'s master shard as this rank holds it: fp32 for a
+trained FlatParam, the compute dtype for a frozen one (which keeps no fp32 copy: its saved
+value is the value the model computes with); the safetensors header records each tensor's
+dtype. A checkpoint written before frozen FlatParams dropped their fp32 masters holds them
+in fp32: it loads, each value rounded to the compute dtype as building the optimizer rounds
+the model's own (so exactly what that optimizer computed with). Any other dtype is refused,
+naming the tensor, before the ranks agree (``master_dtypes``).
 
 What is saved is described by ``Checkpointable``: the public attributes of a
 ``ZeroOptimizer``. ``load`` restores the masters, buffers, optimizer and loss-scaler state
@@ -66,10 +74,12 @@ __all__ = [
     "ShardSave",
     "begin_save",
     "buffers_payload",
+    "check_master_dtype",
     "groups_payload",
     "json_ready",
     "load",
     "load_groups",
+    "master_dtypes",
     "optimizer_index",
     "read_meta",
     "replicated_checkpoint",
@@ -123,6 +133,25 @@ def replicated_checkpoint(zero: Checkpointable) -> bool:
 def rank_file(rank: int, world: int) -> str:
     """The file name of ``rank``'s shard in a checkpoint of ``world`` ranks."""
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def master_dtypes(flat: FlatParam) -> tuple[torch.dtype, ...]:
+    """The dtypes a checkpoint's ``master.<i>`` of ``flat`` may have, the one written first:
+    fp32 for a trained FlatParam; the compute dtype for a frozen one, or fp32 as a checkpoint
+    written when frozen FlatParams kept an fp32 master holds it (module docstring)."""
+    return (flat.compute_dtype, torch.float32) if flat.frozen else (torch.float32,)
+
+
+def check_master_dtype(flat: FlatParam, index: int, dtype: torch.dtype, file: Path) -> None:
+    """Refuse a saved ``master.<index>`` of ``dtype`` that ``flat`` cannot take (ValueError
+    naming the file, the tensor and the dtypes it may have)."""
+    allowed = master_dtypes(flat)
+    if dtype not in allowed:
+        kind = "frozen" if flat.frozen else "trained"
+        raise ValueError(
+            f"{file}: master.{index} ({kind}, {flat.names[0]!r}...) is {dtype}, expected "
+            f"{' or '.join(str(d) for d in dict.fromkeys(allowed))}"
+        )
 
 
 def _layout(zero: Checkpointable) -> list[dict[str, Any]]:
@@ -394,6 +423,10 @@ def _open_flat_rank(zero: Checkpointable) -> RankOpener:
         if hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError(f"{file}: checksum mismatch (the file changed after it was saved)")
         tensors = safetensors.torch.load(data)
+        for i, flat in enumerate(zero.flats):
+            if f"master.{i}" not in tensors:
+                raise ValueError(f"{file} lacks the tensor 'master.{i}'")
+            check_master_dtype(flat, i, tensors[f"master.{i}"].dtype, file)
         extra: dict[str, Any] = json.loads(SafeFile(file, data).metadata.get(HEADER_KEY, "{}"))
         return lambda: _apply_flat(zero, tensors, extra)
 
@@ -403,7 +436,7 @@ def _open_flat_rank(zero: Checkpointable) -> RankOpener:
 def _apply_flat(zero: Checkpointable, tensors: dict[str, Tensor], extra: dict[str, Any]) -> None:
     with torch.no_grad():
         for i, flat in enumerate(zero.flats):
-            flat.master.copy_(tensors[f"master.{i}"])
+            flat.master.copy_(tensors[f"master.{i}"])  # (an older frozen fp32 one: rounded)
         for name, buf in zero.model.named_buffers():
             buf.copy_(tensors[f"buffer.{name}"])
     state: dict[int, dict[str, Any]] = {}

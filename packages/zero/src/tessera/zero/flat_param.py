@@ -12,15 +12,18 @@ buffer evenly (``FlatLayout``): rank r keeps
   tensor of its own in stage 3, where the full buffer's storage is freed between uses;
 - ``master``: the fp32 values the optimizer steps; the shard itself when computing in fp32
   without offload (no copy exists), otherwise a separate fp32 tensor (on the host with
-  offload);
+  offload); for a frozen FlatParam always the shard itself (below);
 - gradients: the reduce-scatter of the flat gradient lands in ``shard.grad`` (compute
   dtype), or, with offload, is copied into the persistent fp32 host buffer ``master.grad``.
 
 A ``replicated`` FlatParam (stage 0, plain data parallelism) is not split: its one "shard"
 is the whole buffer on every rank, and its gradient is all-reduced instead. A ``frozen``
 FlatParam holds parameters that take no gradient (``requires_grad=False``): it is sharded
-and gathered like the others (its fp32 master too, so it saves and exports exactly), but
-never reduced nor stepped.
+and gathered like the others, but never reduced nor stepped, so it keeps its values in the
+compute dtype only: its ``master`` is its shard (no fp32 copy under bf16/fp16, nothing on
+the host with offload: nothing of it is ever stepped there), it never gets a gradient
+buffer nor optimizer state. What it saves and exports is that compute-dtype value (the
+value the model computes with; in fp32 nothing changes, the shard was the master already).
 
 Collectives: ``start_reduce`` reduce-scatters the flat gradient (moves the padded buffer
 once; a replicated one all-reduces it, moving it twice); ``gather_async`` all-gathers the
@@ -118,8 +121,9 @@ class FlatParam:
         self._pool_input: Tensor | None = None  # stage 3: a reduce's input, back to the pool after
 
     def fill(self, value: Callable[[int], Tensor] | None = None) -> None:
-        """Copy the parameters into the flat buffer, keep this rank's shard (and master), and
-        point each parameter at its slice (stage 3: then release the full buffer). A
+        """Copy the parameters into the flat buffer, keep this rank's shard (and a separate
+        master where one exists: not for a frozen FlatParam), and point each parameter at its
+        slice (stage 3: then release the full buffer). A
         parameter on the meta device takes ``value(i)``, the value of parameter ``i`` (any
         dtype and device), and becomes a real tensor in place (the same Python object);
         only this FlatParam's values exist at once."""
@@ -146,8 +150,10 @@ class FlatParam:
                 else:
                     source[start:stop].copy_(p.detach().reshape(-1))
             full = source if self.compute_dtype == torch.float32 else source.to(self.compute_dtype)
-            master: Tensor | None = None
-            if self.offload:
+            master: Tensor | None = None  # None: the shard is the master (fp32, or frozen)
+            if self.frozen:  # never stepped: its compute-dtype shard is all it keeps
+                master = None
+            elif self.offload:
                 master = host_empty(hi - lo)
                 master.copy_(source[lo:hi])
             elif self.compute_dtype != torch.float32:

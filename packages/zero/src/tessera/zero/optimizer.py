@@ -75,6 +75,9 @@ class ZeroOptimizer(ZeroState):
     built on it keeps working. Frozen parameters (``requires_grad=False``, in the optimizer
     or not) are sharded and gathered like the others but never reduced nor stepped, as a
     torch optimizer leaves a parameter without a gradient; which are frozen is read here.
+    They keep their compute-dtype values only: no fp32 master (under bf16/fp16), nothing on
+    the host (with offload), no gradient buffer, no optimizer state; what is saved, exported
+    and returned by ``full_parameters`` for them is that compute-dtype value.
     ``precision``: compute dtype (the model's parameters and floating buffers are cast to it;
     fp32 masters are kept). ``offload``: master shards, their gradients, the optimizer state
     and the step live on the host.
@@ -102,7 +105,8 @@ class ZeroOptimizer(ZeroState):
 
     ``memory``: the chunk memory manager (``tessera.zero.chunks``): masters, gradient shards
     and optimizer state (and at stage 3 in fp32 the parameter shards) in chunks on the
-    device, host and disk under the budgets of a ``ChunkConfig``, stepped chunk by chunk.
+    device, host and disk under the budgets of a ``ChunkConfig``, stepped chunk by chunk;
+    at stage 3 frozen parameter shards too, in the compute dtype, placed but never stepped.
 
     ``sharding``: parameters sharded and reduced over another group than ``group`` (expert
     parameters over their expert-data-parallel group, ``tessera.zero.groups``), still divided
@@ -142,11 +146,6 @@ class ZeroOptimizer(ZeroState):
     ) -> None:
         if memory is not None and sharding:
             raise ValueError("sharding= (other groups) with memory=ChunkConfig() is not built")
-        if memory is not None and any(not p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                "frozen parameters (requires_grad=False) with memory=ChunkConfig() are not built: "
-                "make them trainable or leave the chunk memory manager off"
-            )
         if memory is not None and offload:
             raise ValueError(
                 "offload=True and memory=ChunkConfig(...) exclude each other: "

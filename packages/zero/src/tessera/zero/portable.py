@@ -18,7 +18,9 @@ scalars once, at its first FlatParam). Elementwise optimizers only, as everywher
 state tensor is either shaped like the master shard or a 0-dim scalar. Optimizer state
 exists only once the optimizer has stepped: before the first step the layout and the state
 hold the ``param/`` keys alone, and loading such a state leaves the optimizer fresh. A frozen
-parameter (never stepped) has its ``param/`` key alone.
+parameter (never stepped) has its ``param/`` key alone, and its value is the compute-dtype
+value it keeps instead of an fp32 master (given in fp32, exactly; loading rounds a value to
+the compute dtype, as building the optimizer rounded the model's own).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from tessera.zero.chunks.streams import (
     drop_streams,
     flat_scalars,
     flat_streams,
-    read_stream,
-    write_stream,
+    read_segment,
+    segments,
+    write_segment,
 )
 from tessera.zero.flat_param import FlatParam
 
@@ -118,17 +121,19 @@ def full_state_layout(
 
 
 def _local_shard(zero: PortableZero, store: ChunkStore | None, fi: int, kind: str) -> Tensor:
+    """This rank's shard of FlatParam ``fi``'s ``kind`` (a frozen master: in the compute dtype)."""
     flat = zero.flats[fi]
     if store is None:
         if kind == "param":
             return flat.master.detach()
         state: Tensor = zero.optimizer.state[flat.master][kind.removeprefix("optim.")]
         return state.detach()
-    shard = torch.empty(flat.layout.shard_numel, dtype=torch.float32, device=flat.device)
     stream = MASTER if kind == "param" else kind.removeprefix("optim.")
+    dtype = store.master_dtype(fi) if stream == MASTER else torch.float32
+    shard = torch.empty(flat.layout.shard_numel, dtype=dtype, device=flat.device)
     with torch.no_grad():
-        for chunk in store.chunks_of(fi):
-            read_stream(store, chunk, stream, shard[chunk.lo : chunk.hi])
+        for segment in segments(store, fi):
+            read_segment(store, fi, segment, stream, shard[segment[0] : segment[1]])
     return shard
 
 
@@ -215,11 +220,15 @@ def load_full_state(zero: PortableZero, state: Mapping[str, Tensor], store: Chun
             kind, _, where = key.partition("/")
             if where == f"group{flat.group_index}":
                 scalars[kind.removeprefix("optim.")] = state[key].clone()
+        if flat.frozen:  # a frozen parameter has no optimizer state
+            kinds_here, scalars = [], {}
+        else:
+            kinds_here = kinds
         with torch.no_grad():
-            if store is None:  # a frozen parameter has no optimizer state
-                _load_flat(zero, flat, state, [] if flat.frozen else kinds, {} if flat.frozen else scalars)
+            if store is None:
+                _load_flat(zero, flat, state, kinds_here, scalars)
             else:
-                _load_chunks(store, fi, state, kinds, scalars)
+                _load_chunks(store, fi, state, kinds_here, scalars)
 
 
 def _load_flat(
@@ -253,12 +262,11 @@ def _load_chunks(
     streams = [MASTER, *(k.removeprefix("optim.") for k in kinds)]
     for stream, kind in zip(streams, ["param", *kinds], strict=True):
         reader = _Pieces(flat, kind, state)  # one parameter's tensor held at a time
-        for chunk in store.chunks_of(fi):
-            buf = staging[: chunk.numel]
-            reader.fill(buf, base + chunk.lo)
-            write_stream(store, chunk, stream, buf)
-            if stream == MASTER and not store.owns_shards:
-                flat.shard.detach()[chunk.lo : chunk.hi].copy_(buf)
+        for segment in segments(store, fi):
+            lo, hi, _ = segment
+            buf = staging[: hi - lo]
+            reader.fill(buf, base + lo)
+            write_segment(store, fi, segment, stream, buf)
     for chunk in store.chunks_of(fi):
         drop_streams(store, chunk, set(streams))
         chunk.scalars = {k: v.clone() for k, v in scalars.items()}

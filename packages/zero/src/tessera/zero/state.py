@@ -2,7 +2,8 @@
 outside the training step.
 
 Inspection: every parameter in full inside ``gathered()``, the full fp32 masters and
-gradients by name, the bytes held (``memory()``). State: this rank's checkpoint
+gradients by name (a frozen parameter's master is its compute-dtype value, given in fp32),
+the bytes held (``memory()``). State: this rank's checkpoint
 (``tessera.zero.checkpoint``, or the chunk manager's files), and the portable full state
 keyed by parameter name that any stage and world size can load (``tessera.zero.portable``).
 ``ZeroOptimizer`` inherits these methods; the attributes they read are set by its constructor.
@@ -78,8 +79,9 @@ class ZeroState:
             self._gatherer.free_all()
 
     def full_parameters(self) -> dict[str, Tensor]:
-        """Every parameter's fp32 master value in full, by name (collective in stages 1-3:
-        all-gathers; a ``sharding`` parameter's over its own group)."""
+        """Every parameter's fp32 master value in full, by name, on the host (collective in
+        stages 1-3: all-gathers; a ``sharding`` parameter's over its own group). A frozen
+        parameter keeps no fp32 master: its value is the compute-dtype one, in fp32 (exact)."""
         if self._chunks is not None:
             return self._by_name([self._chunks.master(i) for i in range(len(self.flats))])
         return self._by_name([f.master for f in self.flats])
@@ -103,7 +105,7 @@ class ZeroState:
             full = flat.gather_full(shard)
             for i, name in enumerate(flat.names):
                 start, stop = flat.layout.span(i)
-                out[name] = full[start:stop].view(flat.params[i].shape).to("cpu", copy=True)
+                out[name] = full[start:stop].view(flat.params[i].shape).to("cpu", torch.float32, copy=True)
         return out
 
     def declared_buffers(self) -> list[Tensor]:
@@ -115,7 +117,8 @@ class ZeroState:
 
     def memory(self) -> MemoryReport:
         """Bytes held by this rank, by storage: parameters (full or gathered compute copies,
-        shards, masters), gradients (parameter and shard), optimizer state, declared buffers."""
+        shards, masters), gradients (parameter and shard), optimizer state, declared buffers;
+        with the chunk memory manager, what its chunks hold is in ``chunk_report()``."""
         return measure_memory(
             modules=[self.model, self._holder], optimizers=[self.optimizer], tensors=self.declared_buffers()
         )
@@ -123,7 +126,8 @@ class ZeroState:
     # ------------------------------------------------------------------ state
     def save(self, path: str | Path) -> None:
         """Write this rank's shards and optimizer state under directory ``path`` (collective;
-        stage 0 writes its replicated state once, from rank 0)."""
+        stage 0 writes its replicated state once, from rank 0): fp32 masters, and a frozen
+        parameter's compute-dtype value (``tessera.zero.checkpoint``)."""
         save_checkpoint(self, Path(path), None if self._chunks is None else rank_writer(self, self._chunks))
 
     def begin_save(self, path: str | Path) -> tuple[ShardSave, int]:
@@ -149,7 +153,8 @@ class ZeroState:
         order (``tessera.zero.portable``). Collective (an all-gather per flat buffer and
         kind, each over the group it is sharded over: a ``sharding`` parameter is whole over
         its own group, as every rank of that group holds it): every rank consumes it to the end.
-        ``params_only``: the fp32 masters alone, one flat buffer at a time (an export)."""
+        ``params_only``: the fp32 masters alone, one flat buffer at a time (an export). A
+        frozen parameter's ``param/`` value is its compute-dtype value (in fp32, exactly)."""
         return iter_full_state(self, self._chunks, params_only=params_only)
 
     def full_state_layout(self, *, params_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:

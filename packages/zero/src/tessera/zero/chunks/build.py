@@ -26,9 +26,8 @@ def build_store(
     weights: Sequence[Pieces] | None,
 ) -> ChunkStore:
     """The ChunkStore of ``flats`` (``ChunkedFlatParam``s, handed to it by ``ChunkStore.take``
-    once filled): at stage 3 in fp32 it also owns the parameter shards (the masters); the
-    optimizer is rewired to its chunks."""
-    owns = stage == 3 and flats[0].compute_dtype == torch.float32
+    once filled): at stage 3 it also owns the parameter shards that are their masters (in
+    fp32, and frozen ones); the optimizer is rewired to its chunks."""
     return ChunkStore(
-        model, flats, optimizer, config, owns_shards=owns, weights=weights, label=f"rank{group_rank(group)}"
+        model, flats, optimizer, config, stage3=stage == 3, weights=weights, label=f"rank{group_rank(group)}"
     )

@@ -2,9 +2,11 @@
 
 The format is the flat ZeRO checkpoint's (``tessera.zero.checkpoint``: ``meta.json`` plus a
 safetensors file per rank, same tensor names, same checks): ``master.<i>`` is FlatParam
-``i``'s fp32 master shard, ``optim.<j>.<key>`` its optimizer state (``j``: the index its
-master would have in ``optimizer.state_dict()`` without chunks), ``group.<g>.<key>`` tensor
-hyperparameters, ``buffer.<name>`` the model's buffers, and the rest as JSON in the header.
+``i``'s fp32 master shard (a frozen one's compute-dtype values; a checkpoint that holds
+them in fp32, as older ones do, loads too), ``optim.<j>.<key>`` its optimizer state (``j``:
+the index its master would have in ``optimizer.state_dict()`` without chunks),
+``group.<g>.<key>`` tensor hyperparameters, ``buffer.<name>`` the model's buffers, and the
+rest as JSON in the header.
 So a checkpoint saved with chunks loads without them and the other way round, at the same
 world size, stage and layout; the chunk size and the placement do not matter.
 
@@ -19,7 +21,9 @@ range of each stream into the staging buffer and stores it on the chunk's tier.
 ``rank_snapshot`` copies the same tensors to host memory at once (a background save's
 snapshot: the whole rank's state) and writes them later.
 Gradients are not saved (as without chunks); streams the checkpoint does not hold (optimizer
-state saved before the first step) are dropped from the chunks.
+state saved before the first step) are dropped from the chunks. A frozen FlatParam the store
+does not hold (stages 0-2) is written from, and read into, its own shard, in pieces of a
+chunk (``tessera.zero.chunks.streams.segments``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tessera.zero.checkpoint import (
     RankOpener,
     RankWriter,
     buffers_payload,
+    check_master_dtype,
     groups_payload,
     json_ready,
     load_groups,
@@ -52,8 +57,9 @@ from tessera.zero.chunks.streams import (
     drop_streams,
     flat_scalars,
     flat_streams,
-    read_stream,
-    write_stream,
+    read_segment,
+    segments,
+    write_segment,
 )
 
 __all__ = ["rank_opener", "rank_snapshot", "rank_writer"]
@@ -65,14 +71,28 @@ def _key(index: list[int], fi: int, stream: str) -> str:
     return f"master.{fi}" if stream == MASTER else f"optim.{index[fi]}.{stream}"
 
 
+def _dtype(store: ChunkStore, fi: int, stream: str) -> torch.dtype:
+    return store.master_dtype(fi) if stream == MASTER else _F32
+
+
+def _staging(store: ChunkStore) -> Tensor:
+    """Host bytes for one chunk of any stream (``_view`` takes a dtype's elements from it)."""
+    return torch.empty(store.chunk_numel * _F32.itemsize, dtype=torch.uint8)
+
+
+def _view(staging: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    return staging[: numel * dtype.itemsize].view(dtype)
+
+
 def _pieces(store: ChunkStore, fi: int, stream: str, staging: Tensor) -> Iterator[memoryview]:
     """The bytes of FlatParam ``fi``'s shard stream, chunk by chunk."""
-    for chunk in store.chunks_of(fi):
-        if chunk.tier is Tier.HOST:
+    for segment in segments(store, fi):
+        lo, hi, chunk = segment
+        if chunk is not None and chunk.tier is Tier.HOST:
             yield tensor_bytes(chunk.streams[stream])
-        else:  # disk: read (CRC checked); device: copied to the host
-            buf = staging[: chunk.numel]
-            read_stream(store, chunk, stream, buf)
+        else:  # disk: read (CRC checked); device: copied to the host; the FlatParam's shard
+            buf = _view(staging, hi - lo, _dtype(store, fi, stream))
+            read_segment(store, fi, segment, stream, buf)
             yield tensor_bytes(buf)
 
 
@@ -98,7 +118,10 @@ def _plan(
     big = [
         (fi, s) for s in ["master", *store.state_names] for fi in range(len(store.flats)) if s in streams[fi]
     ]
-    entries = [Entry(_key(index, fi, s), _F32, (store.flats[fi].layout.shard_numel,)) for fi, s in big]
+    entries = [
+        Entry(_key(index, fi, s), _dtype(store, fi, s), (store.flats[fi].layout.shard_numel,))
+        for fi, s in big
+    ]
     entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in small.items()]
     metadata = {HEADER_KEY: json.dumps({"state": state, "param_groups": groups})}
     return big, entries, small, metadata
@@ -109,7 +132,7 @@ def rank_writer(zero: Checkpointable, store: ChunkStore) -> RankWriter:
 
     def write(target: Path) -> bytes:
         big, entries, small, metadata = _plan(zero, store)
-        staging = torch.empty(store.chunk_numel, dtype=_F32)
+        staging = _staging(store)
         with StreamWriter(target, entries, metadata) as out, torch.no_grad():
             for fi, stream in big:
                 for piece in _pieces(store, fi, stream, staging):
@@ -130,9 +153,9 @@ def rank_snapshot(zero: Checkpointable, store: ChunkStore) -> tuple[RankWriter, 
     index = optimizer_index(zero)
     with torch.no_grad():
         for fi, stream in big:
-            shard = torch.empty(store.flats[fi].layout.shard_numel, dtype=_F32)
-            for chunk in store.chunks_of(fi):
-                read_stream(store, chunk, stream, shard[chunk.lo : chunk.hi])
+            shard = torch.empty(store.flats[fi].layout.shard_numel, dtype=_dtype(store, fi, stream))
+            for segment in segments(store, fi):
+                read_segment(store, fi, segment, stream, shard[segment[0] : segment[1]])
             tensors[_key(index, fi, stream)] = shard
     tensors.update(small)
     assert [e.name for e in entries] == list(tensors)
@@ -159,7 +182,8 @@ def rank_opener(zero: Checkpointable, store: ChunkStore) -> RankOpener:
         with open(file, "rb") as f:
             for fi, flat in enumerate(store.flats):
                 shape = (flat.layout.shard_numel,)
-                safe.entry(_key(index, fi, MASTER), _F32, shape)
+                saved = safe.entry(_key(index, fi, MASTER), None, shape)
+                check_master_dtype(flat, fi, saved.dtype, file)
                 mine, kept = [MASTER], dict(extra["state"].get(str(index[fi]), {}))
                 prefix = f"optim.{index[fi]}."
                 for name in [n for n in safe.entries if n.startswith(prefix)]:
@@ -195,18 +219,21 @@ def _apply(
     extra: dict[str, Any],
 ) -> None:
     index = optimizer_index(zero)
-    staging = torch.empty(store.chunk_numel, dtype=_F32)
+    staging = _staging(store)
     with open(safe.path, "rb") as f, torch.no_grad():
-        for fi, flat in enumerate(store.flats):
-            for chunk in store.chunks_of(fi):
-                buf = staging[: chunk.numel]
+        for fi in range(len(store.flats)):
+            for segment in segments(store, fi):
+                lo, hi, chunk = segment
                 for stream in streams[fi]:
-                    safe.read_into(f, _key(index, fi, stream), buf, chunk.lo)
-                    write_stream(store, chunk, stream, buf)
-                    if stream == MASTER and not store.owns_shards:
-                        flat.shard.detach()[chunk.lo : chunk.hi].copy_(buf)
-                drop_streams(store, chunk, set(streams[fi]))
-                chunk.scalars = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars[fi].items()}
+                    key = _key(index, fi, stream)  # read in the file's dtype, stored in the chunk's
+                    buf = _view(staging, hi - lo, safe.entries[key].dtype)
+                    safe.read_into(f, key, buf, lo)
+                    write_segment(store, fi, segment, stream, buf)
+                if chunk is not None:
+                    drop_streams(store, chunk, set(streams[fi]))
+                    chunk.scalars = {
+                        k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars[fi].items()
+                    }
         for name, buffer in zero.model.named_buffers():
             buffer.copy_(small[f"buffer.{name}"])
     load_groups(zero.optimizer, extra["param_groups"], small, {})

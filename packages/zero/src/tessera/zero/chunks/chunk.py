@@ -4,8 +4,10 @@ A chunk covers the elements ``[lo, hi)`` of one FlatParam's shard on this rank (
 cross FlatParams, so a shard's last chunk may be shorter) and holds, for them, every
 *stream* of model data the optimizer needs: the fp32 master (in fp32 at stage 3 also the
 parameter shard itself), the fp32 gradient while one exists, and each optimizer state
-tensor (Adam: ``exp_avg``, ``exp_avg_sq``). Chunks are ZeRO-sharded because shards are: each
-rank chunks only its own shard. ``plan_chunks`` is pure arithmetic over integers.
+tensor (Adam: ``exp_avg``, ``exp_avg_sq``). A *frozen* chunk (of a frozen FlatParam, whose
+parameters take no gradient) holds one stream, ``master``, in the compute dtype: the values
+the model computes with, which nothing steps. Chunks are ZeRO-sharded because shards are:
+each rank chunks only its own shard. ``plan_chunks`` is pure arithmetic over integers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["Chunk", "ChunkState", "Tier", "plan_chunks"]
@@ -52,6 +55,7 @@ def plan_chunks(shard_numels: Sequence[int], chunk_numel: int) -> list[tuple[int
 class Chunk:
     """One chunk: its range, its home tier, its state, and the streams held in memory.
 
+    ``dtype``: the dtype of every stream it holds (fp32; a frozen chunk's compute dtype).
     ``streams`` maps a stream name to its tensor while the chunk is resident in memory (its
     tier is DEVICE or HOST) or in use; a DISK chunk holds none between uses. ``param`` is the
     placeholder the optimizer steps (its data and state point at the streams during the
@@ -65,6 +69,8 @@ class Chunk:
     hi: int
     tier: Tier
     param: nn.Parameter
+    dtype: torch.dtype = torch.float32
+    frozen: bool = False
     state: ChunkState = ChunkState.RESIDENT
     streams: dict[str, Tensor] = field(default_factory=dict)
     on_disk: set[str] = field(default_factory=set)
@@ -77,6 +83,7 @@ class Chunk:
 
     def __repr__(self) -> str:
         return (
-            f"Chunk({self.index}: flat {self.flat_index} [{self.lo}, {self.hi}), {self.tier.value}, "
+            f"Chunk({self.index}: flat {self.flat_index}{' (frozen)' if self.frozen else ''} "
+            f"[{self.lo}, {self.hi}), {self.tier.value}, "
             f"{self.state.value}, streams={sorted(set(self.streams) | self.on_disk)})"
         )

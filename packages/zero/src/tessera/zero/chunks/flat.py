@@ -2,14 +2,15 @@
 a ``ChunkStore`` instead of tensors of its own.
 
 Reductions hand their result to the store as they finish (during backward, so at most one
-reduced shard exists at a time beyond the chunks). At stage 3 in fp32, where the master is
-the parameter shard, the shard's memory is released too: each gather refills it from the
+reduced shard exists at a time beyond the chunks). At stage 3 where the master is the
+parameter shard (in fp32, and for a frozen FlatParam in any precision), the shard's memory
+is released too: each gather refills it from the
 chunks before the all-gather and releases it once the gather is done, so the existing
 stage-3 hooks (``ParamGatherer``) drive the reads: a prefetch starts the read of the next
 unit on the store's background reader, and the all-gather follows when the unit is needed.
 Elsewhere the compute shard stays (a view of the full parameters at stages 0-2, a
 compute-dtype copy at stage 3 in mixed precision) and the step writes the updated masters
-into it.
+into it; a frozen one at stages 0-2 is not chunked at all (``ChunkStore.holds``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class ChunkedFlatParam(FlatParam):
 
     def attach(self, store: ChunkStore, index: int) -> None:
         """Hand this FlatParam's master (already copied into ``store``'s chunks) to the store:
-        release the separate master, or at stage 3 in fp32 the shard that is the master."""
+        release the separate master, or at stage 3 the shard that is the master (in fp32, or
+        frozen); a frozen one the store does not hold keeps its shard."""
         self.store, self.index = store, index
-        self.owns_shard = store.owns_shards
+        self.owns_shard = store.owns(index)
         if self.owns_shard:
             self._release_shard()
         elif self.master is not self.shard:
@@ -54,7 +56,7 @@ class ChunkedFlatParam(FlatParam):
 
     # ------------------------------------------------------------------ parameters
     def gather_async(self) -> None:
-        """Stage 3 in fp32: start refilling the shard from the chunks (on the store's background
+        """Stage 3, the store owning the shard: start refilling it from the chunks (on the store's background
         reader when some are on disk; the all-gather then starts in ``wait_gathered``), else
         start the all-gather as a FlatParam does."""
         if self.residency is Residency.FREE and self.owns_shard and self.store is not None:

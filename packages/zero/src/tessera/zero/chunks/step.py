@@ -1,4 +1,5 @@
-"""The optimizer step, chunk by chunk, where each chunk lives.
+"""The optimizer step, chunk by chunk, where each chunk lives (frozen chunks are skipped: they
+have no gradient, and nothing is written back to them).
 
 The torch optimizer's parameter groups hold one placeholder parameter per chunk. For each
 chunk in use order, its streams are brought to where it computes (device and host chunks
@@ -53,7 +54,7 @@ def step_chunks(store: ChunkStore, flats: list[FlatParam], factor: float) -> Non
         with torch.no_grad():
             for chunk, streams in store.iterate(store.present):
                 _step_one(store, chunk, streams, factor)
-                if not store.owns_shards:
+                if not store.owns(chunk.flat_index):
                     flat = flats[chunk.flat_index]
                     flat.shard.detach()[chunk.lo : chunk.hi].copy_(streams["master"])
                 grad = streams.pop("grad")

@@ -8,6 +8,16 @@ each reduction finishes during backward) and the optimizer state, cut into chunk
 (``tessera.zero.chunks.chunk``) and placed on the device, the host or the disk
 (``tessera.zero.chunks.policy``). The optimizer steps chunk by chunk (``step.py``).
 
+Frozen FlatParams (parameters without gradients) keep only their compute-dtype values, and
+their master is their shard. At stage 3 the store owns that shard, as it owns an fp32 one:
+their *frozen chunks* hold it in the compute dtype (counted at its size in the budgets),
+are placed and prefetched like the others and refill the shard for each gather, but are
+never given a gradient, stepped or written back (on disk: written when placed, moved or
+loaded from a checkpoint, only read by training). At stages 0-2 every rank keeps the full
+compute-dtype parameters for compute anyway and a frozen shard is a view of them, so the
+store holds nothing of a frozen FlatParam (``holds``): its checkpoints and portable state
+read and write that shard directly.
+
 Order: the chunks are used, placed, stepped and prefetched in the order the warm-up step
 (the first one) first touched them (the stage-3 gathers of forward, then gradients as
 backward produces them); before that, in chunk order.
@@ -49,7 +59,7 @@ class ChunkStore:
         optimizer: torch.optim.Optimizer,
         config: ChunkConfig,
         *,
-        owns_shards: bool,
+        stage3: bool,
         weights: Sequence[Pieces] | None = None,
         label: str = "rank0",
     ) -> None:
@@ -57,7 +67,9 @@ class ChunkStore:
         self.optimizer = optimizer
         self.config = config
         self.device = self.flats[0].device
-        self.owns_shards = owns_shards
+        # the FlatParams whose shard the store owns: stage 3 where the master is the shard
+        self._owns = [stage3 and (f.frozen or f.compute_dtype == torch.float32) for f in self.flats]
+        self._holds = [o or not f.frozen for o, f in zip(self._owns, self.flats, strict=True)]
         self._weights = list(weights) if weights is not None else [None] * len(self.flats)
         self._pin = torch.accelerator.is_available()
         self.state_names = probe_state_streams(optimizer)
@@ -68,9 +80,15 @@ class ChunkStore:
         self._closer = weakref.finalize(self, _close, self.disk)
         self.chunks: list[Chunk] = []
         self._by_flat: list[list[Chunk]] = [[] for _ in self.flats]
-        for fi, lo, hi in plan_chunks([f.layout.shard_numel for f in self.flats], self.chunk_numel):
+        numels = [
+            f.layout.shard_numel if held else 0 for f, held in zip(self.flats, self._holds, strict=True)
+        ]
+        for fi, lo, hi in plan_chunks(numels, self.chunk_numel):
+            flat = self.flats[fi]
             placeholder = nn.Parameter(torch.empty(0, device=self.device), requires_grad=False)
-            chunk = Chunk(len(self.chunks), fi, self.flats[fi].group_index, lo, hi, Tier.HOST, placeholder)
+            chunk = Chunk(len(self.chunks), fi, flat.group_index, lo, hi, Tier.HOST, placeholder)
+            if flat.frozen:
+                chunk.frozen, chunk.dtype = True, flat.compute_dtype
             self.chunks.append(chunk)
             self._by_flat[fi].append(chunk)
         self.order: list[Chunk] = list(self.chunks)
@@ -89,15 +107,32 @@ class ChunkStore:
             group["params"] = [c.param for c in self.chunks if c.group_index == gi]
         optimizer.state.clear()
 
+    def owns(self, flat_index: int) -> bool:
+        """Whether the store owns the FlatParam's parameter shard (stage 3, where its master is
+        its shard: in fp32, or frozen): gathers refill it from the chunks."""
+        return self._owns[flat_index]
+
+    def holds(self, flat_index: int) -> bool:
+        """Whether the FlatParam's values live in chunks: every one but a frozen FlatParam at
+        stages 0-2, whose values are its shard, a view of the full parameters (module docstring)."""
+        return self._holds[flat_index]
+
+    def chunk_bytes(self, chunk: Chunk) -> int:
+        """The bytes a chunk holds at most: every stream (master, gradient, optimizer state) in
+        fp32; a frozen chunk's one stream in its compute dtype."""
+        return chunk.numel * (chunk.dtype.itemsize if chunk.frozen else self.elem_bytes)
+
     def take(self, flat_index: int) -> None:
         """Copy filled FlatParam ``flat_index``'s master into its chunks, on their tiers (then
         ``ChunkedFlatParam.attach`` releases the FlatParam's own copy): one FlatParam at a
-        time, in any order."""
+        time, in any order (a frozen FlatParam's values in its compute dtype)."""
         flat = self.flats[flat_index]
         for chunk in self._by_flat[flat_index]:
             source = flat.master.detach()[chunk.lo : chunk.hi]
             self._put(
-                chunk, "master", source if chunk.tier is Tier.DISK else self._copy_to(source, chunk.tier)
+                chunk,
+                "master",
+                source if chunk.tier is Tier.DISK else self.copy_to(source, chunk.tier, chunk.dtype),
             )
 
     # ------------------------------------------------------------------ placement
@@ -127,7 +162,7 @@ class ChunkStore:
             reserve_device=self.reserved[1],
         )
         in_order = place(
-            [c.numel * self.elem_bytes for c in self.order],
+            [self.chunk_bytes(c) for c in self.order],
             caps,
             fractions=self.config.fractions,
             slowest_first=slowest_first,
@@ -136,8 +171,8 @@ class ChunkStore:
         return [by_chunk[c.index] for c in self.chunks]
 
     def report(self) -> dict[str, Any]:
-        """Bytes and chunks per tier, the chunk size, staging, measured non-model memory and
-        disk traffic so far."""
+        """Bytes and chunks per tier (``chunk_bytes``; ``frozen``: the frozen chunks' among
+        them), the chunk size, staging, measured non-model memory and disk traffic so far."""
         out: dict[str, Any] = {
             "chunk_numel": self.chunk_numel,
             "chunks": len(self.chunks),
@@ -151,7 +186,9 @@ class ChunkStore:
         }
         for tier in Tier:
             mine = [c for c in self.chunks if c.tier is tier]
-            out[tier.value] = {"chunks": len(mine), "bytes": sum(c.numel for c in mine) * self.elem_bytes}
+            out[tier.value] = {"chunks": len(mine), "bytes": sum(self.chunk_bytes(c) for c in mine)}
+        frozen = [c for c in self.chunks if c.frozen]
+        out["frozen"] = {"chunks": len(frozen), "bytes": sum(self.chunk_bytes(c) for c in frozen)}
         out["placement"] = [c.tier.value for c in self.chunks]
         out["resident_bytes"] = self.resident_bytes()
         return out
@@ -172,7 +209,8 @@ class ChunkStore:
         """Log how much of each tier the chunks need and where each one went."""
         r = self.report()
         log.info(
-            "chunk manager %s (%s): %d chunks of %d elements x %d bytes (master, gradient, %s); "
+            "chunk manager %s (%s): %d chunks of %d elements x %d bytes (master, gradient, %s), "
+            "%d of them frozen (%.2f MiB, the compute dtype only); "
             "device %.2f MiB in %d, host %.2f MiB in %d (+%.2f MiB staging, +%.2f MiB scratch), "
             "disk %.2f MiB in %d%s; "
             "non-model memory measured: host %.2f MiB, device %.2f MiB",
@@ -182,6 +220,8 @@ class ChunkStore:
             self.chunk_numel,
             self.elem_bytes,
             ", ".join(self.state_names),
+            r["frozen"]["chunks"],
+            r["frozen"]["bytes"] / MIB,
             r["device"]["bytes"] / MIB,
             r["device"]["chunks"],
             r["host"]["bytes"] / MIB,
@@ -250,23 +290,25 @@ class ChunkStore:
     def _tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else HOST
 
-    def _copy_to(self, tensor: Tensor, tier: Tier) -> Tensor:
+    def copy_to(self, tensor: Tensor, tier: Tier, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A new copy of ``tensor`` in ``dtype`` where ``tier`` keeps it in memory (the device,
+        or host memory: pinned where an accelerator exists; a disk chunk's staging)."""
         if tier is Tier.DEVICE:
-            return tensor.to(self.device, torch.float32, copy=True)
-        out = host_empty(tensor.numel())
+            return tensor.to(self.device, dtype, copy=True)
+        out = host_empty(tensor.numel(), dtype)
         out.copy_(tensor)
         return out
 
     def _put(self, chunk: Chunk, name: str, tensor: Tensor) -> None:
-        """Store a copy of ``tensor`` as the chunk's stream ``name`` on its tier."""
+        """Store a copy of ``tensor`` as the chunk's stream ``name`` on its tier, in its dtype."""
         if chunk.tier is Tier.DISK:
             assert self.disk is not None
-            self.disk.write(chunk.index, name, tensor if tensor.device.type == "cpu" else tensor.cpu())
+            self.disk.write(chunk.index, name, tensor.to("cpu", chunk.dtype))
             chunk.on_disk.add(name)
         else:
-            same = tensor.device == self._tier_device(chunk.tier) and tensor.dtype == torch.float32
+            same = tensor.device == self._tier_device(chunk.tier) and tensor.dtype == chunk.dtype
             chunk.streams[name] = (
-                tensor if same and tensor.is_contiguous() else self._copy_to(tensor, chunk.tier)
+                tensor if same and tensor.is_contiguous() else self.copy_to(tensor, chunk.tier, chunk.dtype)
             )
 
     def _clear(self, chunk: Chunk) -> None:
@@ -286,20 +328,24 @@ class ChunkStore:
         if chunk.tier is not Tier.DISK:
             return {n: chunk.streams[n] for n in names}
         assert self.disk is not None
-        return {n: self.disk.read(chunk.index, n, chunk.numel, pin=self._pin) for n in names}
+        return {
+            n: self.disk.read(chunk.index, n, chunk.numel, pin=self._pin, dtype=chunk.dtype) for n in names
+        }
 
     def iterate(self, names: Callable[[Chunk], Sequence[str]]) -> Iterator[tuple[Chunk, dict[str, Tensor]]]:
-        """Yield ``(chunk, streams)`` in use order, reading the next disk chunk on a background
-        thread while the caller works on the current one (when ``prefetch``)."""
+        """Yield ``(chunk, streams)`` for every chunk but the frozen ones (what the optimizer
+        steps) in use order, reading the next disk chunk on a background thread while the
+        caller works on the current one (when ``prefetch``)."""
         pool = self._executor()
         ahead: tuple[Chunk, Future[dict[str, Tensor]]] | None = None
-        for i, chunk in enumerate(self.order):
+        order = [c for c in self.order if not c.frozen]
+        for i, chunk in enumerate(order):
             if ahead is not None and ahead[0] is chunk:
                 loaded = ahead[1].result()
             else:
                 loaded = self.load(chunk, names(chunk))
             ahead = None
-            nxt = self.order[i + 1] if i + 1 < len(self.order) else None
+            nxt = order[i + 1] if i + 1 < len(order) else None
             if nxt is not None and nxt.tier is Tier.DISK and pool is not None:
                 nxt.state = ChunkState.LOADING
                 ahead = (nxt, pool.submit(self.load, nxt, names(nxt)))
@@ -308,7 +354,10 @@ class ChunkStore:
             chunk.state = ChunkState.RESIDENT
 
     def write_back(self, chunk: Chunk, streams: dict[str, Tensor]) -> None:
-        """After compute: store the streams back on the chunk's tier (disk chunks write them)."""
+        """After compute: store the streams back on the chunk's tier (disk chunks write them;
+        a frozen chunk is never written back)."""
+        if chunk.frozen:
+            raise RuntimeError(f"{chunk!r} is frozen: nothing computes new values for it")
         for name, tensor in streams.items():
             if chunk.tier is Tier.DISK or chunk.streams.get(name) is not tensor:
                 self._put(chunk, name, tensor)
@@ -325,7 +374,7 @@ class ChunkStore:
                     grad = self.load(chunk, ["grad"])["grad"]
                     grad.add_(piece.to(grad.device, torch.float32))
                 else:
-                    grad = self._copy_to(piece, Tier.HOST if chunk.tier is Tier.DISK else chunk.tier)
+                    grad = self.copy_to(piece, Tier.HOST if chunk.tier is Tier.DISK else chunk.tier)
                 self._put(chunk, "grad", grad)
                 self._grad_sq[chunk.index] = self._squared_norm(chunk, grad)
 
@@ -340,8 +389,9 @@ class ChunkStore:
         return sq, sq != sq or sq == float("inf")
 
     def grad_sq(self) -> tuple[float, bool]:
-        """This rank's squared gradient norm (weighted) and whether any piece is not finite."""
-        missing = [c.index for c in self.chunks if c.index not in self._grad_sq]
+        """This rank's squared gradient norm (weighted) and whether any piece is not finite
+        (frozen chunks have no gradient)."""
+        missing = [c.index for c in self.chunks if not c.frozen and c.index not in self._grad_sq]
         if missing:
             raise RuntimeError(
                 f"no gradient has been reduced into chunks {missing[:5]} yet; call backward first"
@@ -379,20 +429,28 @@ class ChunkStore:
         return pool.submit(self.read_master, flat_index, out)
 
     def read_master(self, flat_index: int, out: Tensor) -> None:
-        """Fill ``out`` (a FlatParam's shard) with its fp32 master values from the chunks."""
+        """Fill ``out`` (a FlatParam's shard) with its master values from the chunks (fp32; a
+        frozen FlatParam's compute-dtype values, from its shard where the store holds none)."""
         with torch.no_grad():
+            if not self._holds[flat_index]:
+                out.detach().copy_(self.flats[flat_index].shard.detach())
             for chunk in self._by_flat[flat_index]:
                 dst = out.detach()[chunk.lo : chunk.hi]
-                if chunk.tier is Tier.DISK and dst.device.type == "cpu" and dst.dtype == torch.float32:
+                if chunk.tier is Tier.DISK and dst.device.type == "cpu" and dst.dtype == chunk.dtype:
                     assert self.disk is not None
                     self.disk.read_into(chunk.index, "master", dst)
                 else:
                     dst.copy_(self.load(chunk, ["master"])["master"])
 
-    def master(self, flat_index: int) -> Tensor:
-        """A FlatParam's fp32 master shard in full, on its device (a new tensor)."""
+    def master_dtype(self, flat_index: int) -> torch.dtype:
+        """The dtype of a FlatParam's master: fp32, a frozen one's compute dtype."""
         flat = self.flats[flat_index]
-        out = torch.empty(flat.layout.shard_numel, dtype=torch.float32, device=flat.device)
+        return flat.compute_dtype if flat.frozen else torch.float32
+
+    def master(self, flat_index: int) -> Tensor:
+        """A FlatParam's master shard in full (``master_dtype``), on its device (a new tensor)."""
+        flat = self.flats[flat_index]
+        out = torch.empty(flat.layout.shard_numel, dtype=self.master_dtype(flat_index), device=flat.device)
         self.read_master(flat_index, out)
         return out
 

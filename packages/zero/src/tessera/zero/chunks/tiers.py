@@ -1,7 +1,9 @@
 """The disk tier: one plain ``.npy`` array file per chunk stream, in a private directory.
 
 Files are NumPy's plain array format (a short text header naming dtype and shape, then the
-raw little-endian elements), readable by ``numpy.load``; nothing is pickled, and a read
+raw little-endian elements), readable by ``numpy.load``; a bfloat16 stream (a frozen chunk's
+values under bf16), which NumPy has no type for, is stored as its raw bits, ``int16``
+(``torch.from_numpy(a).view(torch.bfloat16)`` reads it back); nothing is pickled, and a read
 compares the header with the expected bytes rather than evaluating it. Each
 write goes to a temporary file that replaces the old one with ``os.replace``, so a file is
 either the previous stream or the new one, never half of each. The CRC-32 of every write is
@@ -48,6 +50,13 @@ def _header(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def _numpy(tensor: Tensor) -> np.ndarray:
+    """A NumPy view of host tensor ``tensor`` (bfloat16 as its raw bits: int16)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy()
+    return tensor.numpy()
+
+
 class ChunkFileError(RuntimeError):
     """A disk-tier file is missing, truncated or does not hold what was written."""
 
@@ -69,7 +78,7 @@ class DiskTier:
 
     def write(self, chunk: int, stream: str, tensor: Tensor) -> None:
         """Write ``tensor`` (1-D, on the host) as the stream's file, atomically (temp + replace)."""
-        array = tensor.detach().contiguous().numpy()
+        array = _numpy(tensor.detach().contiguous())
         data = array.data.cast("B")
         path = self.path(chunk, stream)
         tmp = path.with_suffix(".tmp")
@@ -90,7 +99,7 @@ class DiskTier:
             raise ChunkFileError(
                 f"chunk {chunk} stream {stream!r}: {path} is missing (was the disk tier directory changed?)"
             )
-        array = out.numpy()
+        array = _numpy(out)
         header = _header(array)
         with open(path, "rb") as f:
             head = f.read(len(header))
@@ -112,9 +121,11 @@ class DiskTier:
             )
         self.bytes_read += array.nbytes
 
-    def read(self, chunk: int, stream: str, numel: int, *, pin: bool) -> Tensor:
-        """A new host tensor holding the stream (pinned when ``pin``)."""
-        out = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+    def read(
+        self, chunk: int, stream: str, numel: int, *, pin: bool, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """A new host tensor of ``dtype`` holding the stream (pinned when ``pin``)."""
+        out = torch.empty(numel, dtype=dtype, pin_memory=pin)
         self.read_into(chunk, stream, out)
         return out
 
