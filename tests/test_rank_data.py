@@ -30,6 +30,7 @@ from tessera.launcher.config import Config
 from tessera.launcher.config.config_io import resolve_config
 from tessera.launcher.data.token_data import open_data
 from tessera.launcher.job import main_job
+from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.models import GPT, GPTConfig
 
 STEPS = 3
@@ -66,10 +67,10 @@ def _train(config: Config, feed: str) -> dict[str, Any]:
         GPTConfig(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True),
         seed=config.train.seed,
     )
-    factor = main_job._lr_lambda(config)
+    factor = lr_factor(config)
     engine = main_job.boost(
         model,
-        main_job._optimizer(config, model),
+        optimizer_for(config, model.parameters()),
         config,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
     )

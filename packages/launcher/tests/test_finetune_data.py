@@ -23,52 +23,20 @@ from hypothesis import strategies as st
 from tessera.launcher.data import FinetuneData, finetune_data, load_tokenizer, read_examples
 from tessera.launcher.data.finetune import build_rows
 from tessera.launcher.data.finetune_examples import Chat, Encoded, Message, PromptResponse, encode_examples
+from tessera.launcher.testing import CHAT_TEMPLATE, tiny_tokenizer
 from tessera.launcher.train.objective import IGNORE_INDEX
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CORPUS = [
-    "hello world, the quick brown fox jumps over the lazy dog.",
-    "User: what is two plus two? Assistant: four",
-    "Assistant: hello there, café naïve",
-] * 3
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+TEMPLATE = CHAT_TEMPLATE
 TEXT = st.text(alphabet="abcdefgh xyzé.,?!\n0123", max_size=30)
 RESPONSE = TEXT.filter(str.strip)
 
 
 @functools.cache
 def tokenizer(bos: bool = False, template: str = TEMPLATE) -> Any:
-    """A byte-level BPE trained on ``CORPUS`` as a transformers tokenizer (pad, eos, bos and the
-    chat markers are special tokens); ``bos``: it puts <bos> before every text it encodes."""
-    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is absent")
-    transformers = pytest.importorskip("transformers", reason="the optional transformers package is absent")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIALS,
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    if bos:
-        bos_id = SPECIALS.index("<bos>")
-        tok.post_processor = tokenizers.processors.TemplateProcessing(
-            single="<bos> $A", special_tokens=[("<bos>", bos_id)]
-        )
-    wrapped = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<eos>",
-        pad_token="<pad>",
-        bos_token="<bos>",
-        clean_up_tokenization_spaces=False,
-    )
-    wrapped.chat_template = template
-    return wrapped
+    """`tiny_tokenizer`, made once per setting."""
+    pytest.importorskip("tokenizers", reason="the tokenizers package is absent")
+    pytest.importorskip("transformers", reason="the optional transformers package is absent")
+    return tiny_tokenizer(bos=bos, template=template)
 
 
 def _write(path: Path, lines: Sequence[str | dict[str, Any]]) -> Path:

@@ -24,6 +24,7 @@ own report of how far apart the values are) and by assertions that name the rank
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from tessera.moe import set_aux_grad_scale
 from tessera.zero import Precision
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "Batch",
     "OptimizerFactory",
     "RandomTokens",
@@ -49,6 +51,7 @@ __all__ = [
     "oracle_config",
     "serial_run",
     "sgd",
+    "tiny_tokenizer",
 ]
 
 Batch = tuple[Tensor, Tensor]
@@ -212,3 +215,49 @@ def assert_matches_serial(
         merged.update(weights)
     torch.testing.assert_close(merged, serial[1], rtol=rtol, atol=atol)
     return merged
+
+
+_SPECIALS = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+_CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "User: what is two plus two? Assistant: four",
+    "Assistant: hello there, café naïve",
+] * 3
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The chat template `tiny_tokenizer` carries (each message between its role's marker and <|end|>)."""
+
+
+def tiny_tokenizer(*, bos: bool = False, template: str = CHAT_TEMPLATE) -> Any:
+    """A ``transformers`` tokenizer made here, nothing downloaded: a byte-level BPE of 400 ids
+    trained on a few sentences, with pad, eos, bos and chat-marker special tokens and a chat
+    ``template``; ``bos``: it puts <bos> before every text it encodes. Needs the ``tokenizers``
+    and ``transformers`` packages."""
+    tokenizers: Any = importlib.import_module("tokenizers")
+    transformers: Any = importlib.import_module("transformers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=_SPECIALS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    if bos:
+        bos_id = _SPECIALS.index("<bos>")
+        tok.post_processor = tokenizers.processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", bos_id)]
+        )
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = template
+    return wrapped

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
+from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.consolidate import full_tensor
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
@@ -219,37 +220,60 @@ def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: di
 
 
 class _AsParams(Mapping[str, Tensor]):
-    """A consolidated state dict's tensors as the portable state's ``param/<name>`` in fp32."""
+    """A consolidated state dict's tensors as the portable state's ``param/<name>`` in fp32:
+    parameter ``name`` read from the file under ``sources[name]``, else from ``extra``."""
 
-    def __init__(self, weights: Mapping[str, Tensor], names: set[str]) -> None:
-        self._weights, self._names = weights, names
+    def __init__(
+        self, weights: Mapping[str, Tensor], sources: Mapping[str, str], extra: Mapping[str, Tensor]
+    ) -> None:
+        self._weights, self._sources, self._extra = weights, sources, extra
 
     def __getitem__(self, key: str) -> Tensor:
         name = key.removeprefix("param/")
-        if not key.startswith("param/") or name not in self._names:
+        if not key.startswith("param/") or (name not in self._sources and name not in self._extra):
             raise KeyError(key)
-        return self._weights[name].float()
+        return (self._weights[self._sources[name]] if name in self._sources else self._extra[name]).float()
 
     def __iter__(self) -> Iterator[str]:
-        return (f"param/{name}" for name in self._names)
+        return (f"param/{name}" for name in {*self._sources, *self._extra})
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len({*self._sources, *self._extra})
 
 
-def import_weights(engine: Boosted, path: Path) -> None:
+def _source(name: str, weights: Mapping[str, Tensor], adapters: Adapters) -> str | None:
+    """Where a file holds parameter ``name``: under its own name, or, for an adapted layer's base
+    (``q_proj.base_layer.weight``), under the plain model's (``q_proj.weight``: a pretrained
+    checkpoint); None when it holds neither."""
+    if name in weights:
+        return name
+    owner = adapters.owner(name)
+    if owner is not None and name.startswith(f"{owner}.base_layer."):
+        plain = f"{owner}.{name.removeprefix(f'{owner}.base_layer.')}"
+        return plain if plain in weights else None
+    return None
+
+
+def import_weights(engine: Boosted, path: Path, extra: Mapping[str, Tensor] | None = None) -> None:
     """Load a consolidated state dict (``Engine.consolidate``'s file or folder, or any
     safetensors checkpoint of the serial model's parameters by name, e.g. a Hugging Face one,
     sharded with its index or not: ``tensorfile.weight_files``) into this rank's shards, one
     parameter at a time, and the persistent buffers it holds; the optimizer state starts
-    fresh. Local (each rank reads the file); ValueError naming a missing or misshapen
-    parameter."""
+    fresh. An adapted layer's base (``q_proj.base_layer.weight``) is read under the plain
+    model's name when the file has it so (a pretrained checkpoint); ``extra``: the full values of
+    parameters the file does not hold (new adapters), by serial name. Local (each rank reads the
+    file); ValueError naming a missing or misshapen parameter."""
+    extra = extra or {}
     with LazyTensors(weight_files(path)) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
-        missing = sorted(wanted - set(weights))
+        found = {n: _source(n, weights, engine.placement.adapters) for n in wanted}
+        sources = {n: s for n, s in found.items() if s is not None}
+        missing = sorted(n for n in wanted if n not in sources and n not in extra)
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
-        load_portable_state(engine, _AsParams(weights, wanted), {})
+        load_portable_state(
+            engine, _AsParams(weights, sources, {n: extra[n] for n in wanted - set(sources)}), {}
+        )
         held = dict(engine.module.named_buffers())
         with torch.no_grad():  # the persistent buffers the file holds (a router's bias), as they are
             for local, serial in engine.placement.buffers.items():

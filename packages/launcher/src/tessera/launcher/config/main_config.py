@@ -12,6 +12,7 @@ from typing import Any
 from tessera.comm import TPMode
 from tessera.comm.sequence_modes import sequence_chunks
 from tessera.launcher.config.boost_config import BoostConfig
+from tessera.launcher.config.finetune_config import FinetuneConfig
 
 __all__ = ["Config", "DataConfig", "MoEConfig", "ModelConfig"]
 
@@ -90,6 +91,7 @@ class Config(BoostConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def validate(self) -> list[str]:
         """Every mistake in the configuration, the main job's sections included, one line each."""
@@ -103,7 +105,7 @@ class Config(BoostConfig):
         return self._lines(self._sections(), lambda modes: BoostConfig._rules(self, modes=modes))
 
     def _sections(self) -> tuple[Any, ...]:
-        return (*BoostConfig._sections(self), self.model, self.data, self.moe)
+        return (*BoostConfig._sections(self), self.model, self.data, self.moe, self.finetune)
 
     def _rules(self, *, modes: bool) -> list[str]:
         p, d = self.parallel, self.data

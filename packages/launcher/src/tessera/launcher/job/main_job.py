@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -36,6 +34,7 @@ from tessera.launcher.checkpoint import committed_checkpoint, saved_vocab
 from tessera.launcher.config import RESTART_ENV, config_to_toml
 from tessera.launcher.data import Data, TokenData, open_data
 from tessera.launcher.job.moe_model import MOE_GPT_SPEC, ExpertLoad, moe_gpt
+from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.job.serial_speed import best_serial_tokens_per_s
 from tessera.launcher.run import run_folder
@@ -47,26 +46,6 @@ __all__ = ["main", "sample"]
 log = logging.getLogger("tessera.train")
 
 Batch: TypeAlias = tuple[torch.Tensor | None, torch.Tensor | None]  # a rank's (inputs, targets)
-
-
-def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    o = config.optim
-    if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _lr_lambda(config: Config) -> Callable[[int], float]:
-    warmup, total, floor = config.optim.warmup_steps, config.train.steps, config.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 @torch.no_grad()
@@ -115,7 +94,7 @@ def _serial_reference(
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = build_model(gpt_cfg, config, seed=config.train.seed).to(device)
-        return model, _optimizer(config, model)
+        return model, optimizer_for(config, model.parameters())
 
     speed = best_serial_tokens_per_s(
         make,
@@ -173,10 +152,10 @@ def main() -> None:
     gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
     model = build_model(gpt_cfg, config, seed=config.train.seed).to(device)
     load = ExpertLoad(model) if config.moe.enabled else None
-    factor = _lr_lambda(config)
+    factor = lr_factor(config)
     engine = boost(
         model,
-        _optimizer(config, model),
+        optimizer_for(config, model.parameters()),
         config,
         spec=MOE_GPT_SPEC if config.moe.enabled else None,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),

@@ -1,4 +1,5 @@
 """The ``tessera`` command: ``run`` (a thin layer over torch.distributed.run), ``config``, ``train``,
+``finetune`` (LoRA on a pretrained Hugging Face model: ``tessera.launcher.job.finetune_job``),
 ``prepare-data`` (the main job's ``data.path`` into token shards: ``tessera.launcher.data.prepare``),
 ``plan`` (predict and rank every configuration: ``tessera.launcher.run.plan_command`` over
 ``tessera.planner``).
@@ -27,6 +28,7 @@ from tessera.launcher.config.config_io import (
     resolve_config,
 )
 from tessera.launcher.config.elastic import elastic_problems
+from tessera.launcher.config.finetune_config import finetune_problems
 from tessera.launcher.data.prepare import ensure_prepared, prepare_command
 from tessera.launcher.run import netif
 from tessera.launcher.run.fanout import start_every_node
@@ -40,6 +42,7 @@ from tessera.launcher.run.spawn import build_torchrun_argv, spawn
 __all__ = ["build_torchrun_argv", "main", "rank_table"]
 
 MAIN_JOB = "tessera.launcher.job.main_job"
+FINETUNE_JOB = "tessera.launcher.job.finetune_job"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_verify_arg(train)
     _add_node_args(train)
     train.add_argument(
+        "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
+    )
+    tune = sub.add_parser(
+        "finetune", help="LoRA fine-tuning of a pretrained Hugging Face model on a jsonl file ([finetune])"
+    )
+    _add_config_args(tune)
+    _add_verify_arg(tune)
+    _add_node_args(tune)
+    tune.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
     )
     prep = sub.add_parser("prepare-data", help="tokenize the main job's data.path once into token shards")
@@ -284,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # a script of one's own brings its own model: `tessera run` checks the core sections only
         # (the script's boost() checks its model); the other commands are the main job's
-        config = resolve_config(args.config, args.sets, main_job=args.command != "run")
+        config = resolve_config(args.config, args.sets, main_job=args.command not in ("run", "finetune"))
     except ConfigError as exc:
         return _fail(exc.lines)
     if args.command == "config":
@@ -297,6 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         args.log_dir = None
         return _run(args, ["-m", MAIN_JOB], config, main_job=True)
+    if args.command == "finetune":  # its model is the pretrained one: boost() checks it, like a script's
+        problems = finetune_problems(config.finetune)
+        if problems:
+            return _fail(problems)
+        args.log_dir = None
+        return _run(args, ["-m", FINETUNE_JOB], config)
     if (args.module is None) == (args.script is None):
         return _fail(["tessera run needs exactly one of: a script path, or -m MODULE"])
     target = (

@@ -1,9 +1,10 @@
 """One run folder per job, created atomically before anything spawns.
 
 ``tessera train`` creates ``train.run_dir/<name>`` with ``mkdir(exist_ok=False)``: a
-generated name (``char-gpt-<time>``) takes a ``-2``, ``-3``... suffix when another job took
-it in the same second; an explicit ``train.name`` that exists is refused, unless
-``train.resume`` lies inside it (resuming into its own folder). The workers find the
+generated name (``char-gpt-<time>``; ``finetune-<time>`` for ``tessera finetune``) takes a
+``-2``, ``-3``... suffix when another job took it in the same second; an explicit
+``train.name`` that exists is refused, unless ``train.resume`` lies inside it (resuming into its
+own folder). The workers find the
 folder in ``TESSERA_RUN_FOLDER``; started another way (torchrun directly), rank 0 creates
 it the same way and broadcasts its name.
 
@@ -76,7 +77,8 @@ def create_run_folder(config: Config, *, now: float | None = None, joining: bool
                 f"another name, or resume into it with train.resume={str(folder / 'checkpoint')!r}"
             ) from None
         return folder
-    stamp = time.strftime("char-gpt-%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    kind = "finetune" if config.finetune.model else "char-gpt"  # tessera finetune's, or the main job's
+    stamp = time.strftime(f"{kind}-%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
     for attempt in range(1, 10_000):
         folder = root / (stamp if attempt == 1 else f"{stamp}-{attempt}")
         try:

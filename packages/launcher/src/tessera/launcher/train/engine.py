@@ -399,15 +399,17 @@ class Engine:
         over tp and dp; with pp > 1 each pipeline rank gets only its stages' parameters)."""
         return local_full_parameters(self)
 
-    def import_weights(self, path: str | Path) -> None:
+    def import_weights(self, path: str | Path, extra: Mapping[str, Tensor] | None = None) -> None:
         """Load the serial model's weights by parameter name (for the Hugging Face plans, HF
         names) from a safetensors file (what ``consolidate`` writes) or a folder of shards with
         its ``model.safetensors.index.json`` (what ``export`` writes), one tensor at a time,
-        into every rank's shards under any topology; the optimizer state starts fresh.
+        into every rank's shards under any topology; the optimizer state starts fresh. An
+        adapted layer's base is read under the plain model's name (a pretrained checkpoint);
+        ``extra``: full values of parameters the file lacks (new adapters) by serial name.
         Collective (every rank agrees the file is valid before any changes)."""
         error = None
         try:
-            import_weights(self, Path(path))
+            import_weights(self, Path(path), extra)
         except (OSError, ValueError, KeyError) as e:
             error = e
         raise_together(error, None, f"importing {path}", self.mesh.device)
