@@ -75,6 +75,28 @@ def test_hf_llama_exports_what_it_trained(tmp_path: Path) -> None:
     assert (tmp_path / "llama.safetensors").is_file()
 
 
+def test_lora_saves_what_peft_and_transformers_load(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    out = _run(_tessera(2, "--set", "parallel.tp=2", str(EXAMPLES / "lora.py"), "--steps", "12"), tmp_path)
+    fell = re.search(r"held-out loss (\d+\.\d+) -> (\d+\.\d+)", out)
+    assert fell is not None and float(fell.group(2)) < float(fell.group(1)) - 0.3, out[-3000:]
+    found = re.search(r"held-out loss (\d+\.\d+) in Tessera, (\d+\.\d+) in peft, (\d+\.\d+) merged", out)
+    assert found is not None, out[-3000:]
+    tessera, with_adapter, merged = (float(g) for g in found.groups())
+    assert abs(with_adapter - tessera) <= 1e-4 and abs(merged - tessera) <= 1e-4, found.group(0)  # 4 decimals
+    assert (tmp_path / "lora-example" / "adapter" / "adapter_config.json").is_file()
+    # the docstring's second command: the same folder and file through tessera finetune
+    sources = ["finetune.model=lora-example/pretrained", "finetune.data=lora-example/chat.jsonl"]
+    args = ["--nproc-per-node", "2", "--set", "parallel.tp=2", "--set", "train.steps=40"]
+    out = _run(
+        ["-m", "tessera.launcher.run.cli", "finetune", *args, *(a for s in sources for a in ("--set", s))],
+        tmp_path,
+    )
+    runs = list((tmp_path / "runs").glob("finetune-*"))
+    assert len(runs) == 1 and (runs[0] / "adapter" / "adapter_model.safetensors").is_file(), out[-3000:]
+    assert (runs[0] / "merged" / "config.json").is_file(), out[-3000:]
+
+
 def test_disk_chunks(tmp_path: Path) -> None:
     config = str(EXAMPLES / "disk_chunks.toml")
     out = _run(_tessera(2, "--config", config, str(EXAMPLES / "disk_chunks.py"), "--steps", "3"), tmp_path)

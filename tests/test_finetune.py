@@ -142,7 +142,11 @@ def test_finetune_equals_the_serial_peft_run_and_its_outputs_load(tmp_path: Path
 
 def test_mistakes_in_finetune_are_one_line_before_spawning(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "finetune", "--nproc-per-node", "2"]
-    missing = [f"finetune.model={tmp_path / 'nowhere'}", f"finetune.data={tmp_path / 'x.txt'}"]
+    missing = [
+        f"finetune.model={tmp_path / 'nowhere'}",
+        f"finetune.data={tmp_path / 'x.txt'}",
+        "train.verify=true",
+    ]
     proc = subprocess.run(
         [*cmd, *[a for s in [*SETS, *missing] for a in ("--set", s)]],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
@@ -150,4 +154,5 @@ def test_mistakes_in_finetune_are_one_line_before_spawning(tmp_path: Path) -> No
     assert proc.returncode == 2
     assert f"finetune.model={tmp_path / 'nowhere'}: no config.json there" in proc.stderr
     assert f"finetune.data={tmp_path / 'x.txt'}: not a .jsonl file" in proc.stderr
+    assert "train.verify: tessera finetune builds its model without values" in proc.stderr
     assert not (tmp_path / "runs").exists()

@@ -93,6 +93,7 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
     "tp2-sp": (ParallelConfig(tp=2, sequence_parallel=True), 0),
     "dp2-tp2-zero1": (ParallelConfig(dp=2, tp=2), 1),
     "cp2": (ParallelConfig(cp=2), 0),
+    "pp2-zbv": (ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2), 0),  # split backward
 }
 CASES = [("llama", mode) for mode in MODES] + [
     ("llama_mqa", "tp2"),  # one KV head over tp=2: K/V and their lora_B replicated by heads
@@ -198,3 +199,21 @@ def test_prompt_learning_is_refused() -> None:
     tuned = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(ValueError, match=r"prompt-learning adapters default \(PROMPT_TUNING\)"):
         boost(tuned, sgd(0.5)(tuned), _config(dp=2))
+
+
+def _drawn_apart(rank: int, config: Config) -> str:
+    model = build("llama")
+    with torch.no_grad():  # as an unseeded get_peft_model draws them: each rank its own
+        model.get_parameter(PEFT_PREFIX + "model.layers.1.self_attn.v_proj.lora_A.default.weight").add_(rank)
+    try:
+        boost(model, sgd(0.5)(model), config)
+    except ValueError as exc:
+        return str(exc)
+    return "boosted"
+
+
+def test_adapters_drawn_apart_on_each_rank_are_refused(worker_pools: PoolFactory) -> None:
+    config = oracle_config(ParallelConfig(dp=2), 0, batch_size=8)
+    for message in worker_pools(2).run(_drawn_apart, config):
+        assert "the model differs across ranks before training (1 of " in message, message
+        assert "model.layers.1.self_attn.v_proj.lora_A.default.weight" in message

@@ -126,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
         "finetune", help="LoRA fine-tuning of a pretrained Hugging Face model on a jsonl file ([finetune])"
     )
     _add_config_args(tune)
-    _add_verify_arg(tune)
     _add_node_args(tune)
     tune.add_argument(
         "--dry-run", action="store_true", help="print the commands and the rank table, then exit"
@@ -311,6 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, ["-m", MAIN_JOB], config, main_job=True)
     if args.command == "finetune":  # its model is the pretrained one: boost() checks it, like a script's
         problems = finetune_problems(config.finetune)
+        if config.train.verify:
+            problems.append(
+                "train.verify: tessera finetune builds its model without values (the pretrained weights "
+                "stream in after boost), so there is no serial step to compare; verify the layout with "
+                "boost(..., verify=True) on a model that fits one process"
+            )
         if problems:
             return _fail(problems)
         args.log_dir = None

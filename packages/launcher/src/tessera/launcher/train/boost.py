@@ -68,6 +68,7 @@ from tessera.launcher.train.rebuild import (
     tied_aliases,
 )
 from tessera.launcher.train.recompute import checkpoint_layers, offload_layers
+from tessera.launcher.train.same_start import check_same_start
 from tessera.launcher.train.twin import shrunken_twin, timed, twin_batch, twin_width
 from tessera.launcher.train.verify import Verifier
 from tessera.pipeline import (
@@ -506,6 +507,7 @@ def boost(
     model = unwrap_peft(model)  # a PEFT model trains as its base model with the adapters in place
     job = _checked(model, optimizer, config, spec, plan, read_adapters(model, configs))
     mesh = _mesh(job)
+    check_same_start(model, mesh.device)  # every rank splits the same model
     verifier, serial = _serial_references(
         model, job, config.train.verify if verify is None else verify, example
     )

@@ -1,0 +1,45 @@
+"""Every rank must start from the same model, checked before anything is split.
+
+``boost()`` splits the model each rank built: a parameter drawn at random on each rank without
+a common seed (the user's own init, or the adapters ``peft.get_peft_model`` adds) would give
+every rank a different model, and training would silently follow none of them. ``torch``'s DDP
+hides this by broadcasting rank 0's weights; here it is named instead, before any rank changes
+anything: each parameter's sum and sum of magnitudes (float64) are compared over every rank.
+The same tensor sums alike everywhere up to the order of a reduction (another CPU's kernels):
+relative 1e-6 is allowed; weights drawn apart differ by about their own size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.comm import all_reduce
+
+__all__ = ["check_same_start"]
+
+_RTOL = 1e-6
+
+
+def check_same_start(model: nn.Module, device: torch.device) -> None:
+    """ValueError on every rank, naming the parameters, unless every rank's ``model`` holds the
+    same values (parameters on the meta device are skipped: a deferred model has none yet).
+    Collective over the default group: two all-reduces of 2 float64 numbers per parameter."""
+    named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+    if not named:
+        return
+    with torch.no_grad():
+        local = torch.stack(
+            [torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for _, p in named]
+        ).to(device)
+    high, low = all_reduce(local.clone(), None, "max"), all_reduce(local.clone(), None, "min")
+    scale = high[:, 1].abs().clamp_min(1e-30)
+    spread = ((high - low).abs().max(dim=1).values / scale).cpu()
+    differ = [name for (name, _), s in zip(named, spread.tolist(), strict=True) if s > _RTOL]
+    if differ:
+        raise ValueError(
+            f"boost: the model differs across ranks before training ({len(differ)} of {len(named)} "
+            f"parameters, e.g. {', '.join(differ[:4])}): build it the same way on every rank, seeding "
+            "the random generator first (torch.manual_seed) where weights or adapters "
+            "(peft.get_peft_model) are drawn at random"
+        )
