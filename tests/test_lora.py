@@ -54,6 +54,7 @@ _PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     # name: (config class, model class, config arguments, LoRA targets)
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SIZES, _PROJECTIONS),
+    "llama_nopad": ("LlamaConfig", "LlamaForCausalLM", {**_SIZES, "pad_token_id": None}, _PROJECTIONS),
     "llama_mqa": ("LlamaConfig", "LlamaForCausalLM", {**_SIZES, "num_key_value_heads": 1}, _PROJECTIONS[:4]),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SIZES, ["q_proj", "v_proj", "down_proj"]),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _SIZES, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
@@ -94,8 +95,10 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
     "dp2-tp2-zero1": (ParallelConfig(dp=2, tp=2), 1),
     "cp2": (ParallelConfig(cp=2), 0),
     "pp2-zbv": (ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2), 0),  # split backward
+    "tp4-2d": (ParallelConfig(tp=4, tp_mode="2d"), 0),  # lora_A and lora_B: two more SUMMA linears
 }
-CASES = [("llama", mode) for mode in MODES] + [
+CASES = [("llama", mode) for mode in MODES if mode != "tp4-2d"] + [
+    ("llama_nopad", "tp4-2d"),  # (2D vocabulary embeddings take no padding_idx)
     ("llama_mqa", "tp2"),  # one KV head over tp=2: K/V and their lora_B replicated by heads
     ("qwen2", "tp2-sp"),  # roles derived from the module tree, adapters on some projections only
     ("phi3", "tp2"),  # fused q|k|v and gate|up: each lora_B split by the same parts

@@ -5,7 +5,8 @@ attention, SwiGLU, grouped-query attention with 2 KV heads of 4) and ``GPT2ish``
 biases, a fused q|k|v Linear, learned positions ``wpe``, the head tied to ``wte``), each with
 one role plan written here (their module names match no built-in plan), translated by
 ``plan_for_mode`` to 2D (q=2, tp=4), 2.5D (q=2, d=2, tp=8) and 3D (q=2, tp=8) on threaded
-ranks, trained a few SGD steps against the serial model: the loss of every step, every
+ranks (and ``Llamaish`` with a user's own LoRA layers on every projection), trained a few SGD
+steps against the serial model: the loss of every step, every
 first-step gradient (split ones gathered by the recorded shard specs, whole ones after
 ``sync_sequence_parallel_grads``) and the final weights.
 
@@ -33,6 +34,7 @@ from tessera.comm.testing import run_threaded
 from tessera.models.foreign import GPT2ISH_ROLES as GPT2ISH
 from tessera.models.foreign import LLAMAISH_ROLES as LLAMAISH
 from tessera.models.foreign import ForeignConfig, GPT2ish, Llamaish
+from tessera.models.low_rank import with_low_rank
 from tessera.tensor_parallel import (
     GPT2_PLAN,
     LLAMA_PLAN,
@@ -113,6 +115,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Plan]] = {
     "hf-llama": (_hf_llama, LLAMA_PLAN),
     "hf-gpt2": (_hf_gpt2, GPT2_PLAN),
     "hf-phi3": (_hf_phi3, PHI3_PLAN),  # fused q|k|v (4 KV heads of 4) and gate|up
+    # a user's own LoRA layers on every projection: lora_A and lora_B split as two more linears
+    "llamaish-lora": (
+        lambda: with_low_rank(Llamaish(CFG, seed=0), ("wq", "wk", "wv", "wo", "w1", "w2", "w3")),
+        LLAMAISH_ROLES,
+    ),
 }
 
 
@@ -219,6 +226,7 @@ def _compare(serial: Curve, ranks: list[Curve]) -> None:
 @pytest.mark.parametrize(
     ("model_name", "mode"),
     [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES]
+    + [("llamaish-lora", "2d"), ("llamaish-lora", "2.5d")]
     + [("hf-llama", "2d"), ("hf-gpt2", "2d"), ("hf-phi3", "2d")],
 )
 def test_role_plan_follows_serial(model_name: str, mode: str) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology, TPMode
 from tessera.comm.testing import run_threaded
-from tessera.models import ForeignConfig, Llamaish
+from tessera.models import ForeignConfig, Llamaish, LowRank, with_low_rank
 from tessera.tensor_parallel import (
     parallelize,
     resolve_plan,
@@ -54,36 +54,8 @@ PLAN = {
 NO_MLP_REGION = {k: v for k, v in PLAN.items() if k != "layers.*.ffn"}  # w1, w3 enter alone; w2 leaves
 
 
-class LowRank(nn.Module):
-    """``base(x) + sum_k scaling[k] * B_k(A_k(x))``, laid out as PEFT lays out its LoRA layers."""
-
-    def __init__(self, base: nn.Linear, rank: int, adapters: tuple[str, ...], seed: int) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)  # not the global RNG: ranks are threads
-        self.base_layer = base
-        self.lora_A = nn.ModuleDict({k: nn.Linear(base.in_features, rank, bias=False) for k in adapters})
-        self.lora_B = nn.ModuleDict({k: nn.Linear(rank, base.out_features, bias=False) for k in adapters})
-        self.lora_dropout = nn.ModuleDict({k: nn.Identity() for k in adapters})
-        self.scaling = {k: 2.0 / (i + 1) for i, k in enumerate(adapters)}
-        with torch.no_grad():
-            for p in [*self.lora_A.parameters(), *self.lora_B.parameters()]:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.base_layer(x)
-        for k, a in self.lora_A.items():
-            y = y + self.lora_B[k](a(self.lora_dropout[k](x))) * self.scaling[k]
-        return y  # type: ignore[no-any-return]
-
-
 def adapted(cfg: ForeignConfig, adapters: tuple[str, ...]) -> Llamaish:
-    torch.manual_seed(0)
-    model = Llamaish(cfg)
-    for i, (name, module) in enumerate(list(model.named_modules())):
-        parent, _, child = name.rpartition(".")
-        if child in TARGETS and isinstance(module, nn.Linear):
-            setattr(model.get_submodule(parent), child, LowRank(module, 4, adapters, seed=i))
-    return model
+    return with_low_rank(Llamaish(cfg, seed=0), TARGETS, adapters=adapters)  # type: ignore[return-value]
 
 
 def _batch(vocab: int) -> tuple[Tensor, Tensor]:
@@ -181,10 +153,20 @@ def test_adapters_that_cannot_split_are_refused_by_name() -> None:
         resolve_plan(model, PLAN, tp=2)
 
 
-def test_adapters_under_2d_are_refused_by_name() -> None:
+def test_adapters_under_2d_are_split_like_the_modes_linears() -> None:
+    """2D, 2.5D, 3D: lora_A and lora_B are two more of the mode's linears (trained against serial
+    in ``test_nd_roles.py``); adapter dropout is refused there."""
     model = adapted(ForeignConfig(heads=4, kv_heads=4), ("default",))
     norms = {"layers.*.attn_norm": "norm", "layers.*.ffn_norm": "norm", "norm": "norm"}
+    plan = plan_for_mode({**PLAN, **norms}, TPMode.TWO_D, model)
+    styles = {a.name: a.style for a in resolve_plan(model, plan, tp=4)}
+    assert styles["layers.0.attn.wq.lora_B.default"] == styles["layers.0.attn.wq.base_layer"]
+    assert styles["layers.0.attn.wq.lora_A.default"].name == styles["layers.0.attn.wq.base_layer"].name
+    three_d = plan_for_mode({**PLAN, **norms}, TPMode.THREE_D, model)
     with pytest.raises(
-        ValueError, match=r"layers\.0\.attn\.wq \(LowRank\) carries low-rank adapters: .* not in tp mode 2d"
+        ValueError, match=r"layers\.0\.attn\.wq \(.*\): adapters under tp mode 3d are not built"
     ):
-        plan_for_mode({**PLAN, **norms}, TPMode.TWO_D, model)
+        resolve_plan(model, three_d, tp=8)
+    model.layers[0].attn.wq.lora_dropout["default"] = nn.Dropout(0.1)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq\.lora_dropout\.default: adapter dropout"):
+        resolve_plan(model, plan, tp=4)

@@ -1,9 +1,10 @@
 """tessera.models: the models Tessera ships, in plain PyTorch: the reference GPT, and two
 models shaped the way users write theirs (``foreign``, with the plans of roles a user writes for
-them) for tests."""
+them) and a user's own LoRA layer (``low_rank``), for tests."""
 
 from tessera.models.foreign import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, Llamaish
 from tessera.models.gpt import GPT, GPTConfig, make_batch
+from tessera.models.low_rank import LowRank, with_low_rank
 
 __version__ = "0.1.0"
 
@@ -15,5 +16,7 @@ __all__ = [
     "GPT2ish",
     "GPTConfig",
     "Llamaish",
+    "LowRank",
     "make_batch",
+    "with_low_rank",
 ]

@@ -22,58 +22,31 @@ over):
   replicated for a colwise layer's whole input, split for a rowwise layer's split one or a
   sequence shard.
 
-Refused with a ValueError naming the layer: adapters under any other style (an embedding's,
-2D/2.5D/3D layers'), and adapter variants whose forward is not that sum (DoRA's weight norm).
+- **2D / 2.5D** (a ``DenseND`` entry: every activation split in blocks): ``lora_A`` (in -> r,
+  unfused) and ``lora_B`` (r -> out, fused parts reordered as the base's) are two more of the
+  mode's linears, chained; every whole parameter is partial there anyway.
+
+A style says which of these its layer's adapters take with ``adapter_split`` (``"columns"``,
+``"rows"``, ``"blocks"``). Refused with a ValueError naming the layer: adapters under any other
+style (an embedding's), under 3D (each 3D linear moves its input to another cube layout, so
+``lora_B``'s output would not lie where the base layer's does), adapter dropout under 2D/2.5D,
+and adapter variants whose forward is not that sum (DoRA's weight norm).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from torch import nn
 
-from tessera.tensor_parallel.layer_styles import Colwise, Rowwise
-from tessera.tensor_parallel.layers import is_dense
+from tessera.comm import TPMode
+from tessera.tensor_parallel.adapted import adapter_names
 from tessera.tensor_parallel.rng import ParallelDropout, RNGRegion
 from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, module_kind
 
-__all__ = [
-    "AdapterDropout",
-    "AfterExit",
-    "WholeAdapter",
-    "adapter_names",
-    "dense_core",
-    "expand",
-    "has_adapters",
-]
-
-
-def has_adapters(module: nn.Module) -> bool:
-    """Whether ``module`` wraps a ``base_layer`` with low-rank adapters (of any kind)."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and any(
-        isinstance(getattr(module, part, None), nn.ModuleDict | nn.ParameterDict)
-        for part in ("lora_A", "lora_embedding_A")
-    )
-
-
-def adapter_names(module: nn.Module) -> tuple[str, ...] | None:
-    """The adapter names of an adapted dense layer (see the module docstring), None for any
-    other module (an adapted embedding included)."""
-    if not has_adapters(module) or not is_dense(module.get_submodule("base_layer")):
-        return None
-    a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-    if not isinstance(a, nn.ModuleDict) or not isinstance(b, nn.ModuleDict) or set(a) != set(b):
-        return None
-    if not all(isinstance(m, nn.Linear) for m in [*a.values(), *b.values()]):
-        return None
-    return tuple(a)
-
-
-def dense_core(module: nn.Module) -> nn.Module:
-    """The dense layer that decides ``module``'s shape: its ``base_layer`` when it is adapted,
-    else the module itself."""
-    return module.get_submodule("base_layer") if adapter_names(module) is not None else module
+__all__ = ["AdapterDropout", "AfterExit", "WholeAdapter", "expand"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,22 +114,39 @@ def expand(
             f"{name} ({style.name}): adapters {', '.join(variants)} are a variant (DoRA's weight norm) "
             "whose forward is not base + B(A(x)); they do not split over tp"
         )
-    if not isinstance(style, Colwise | Rowwise):
+    split = getattr(style, "adapter_split", None)
+    if split not in ("columns", "rows", "blocks"):
         raise ValueError(
-            f"{name} ({style.name}): adapters split only with a 1D colwise or rowwise layer; "
-            f"this layer's style is {style.name}"
+            f"{name} ({style.name}): adapters split only with a layer split by columns, rows or "
+            f"blocks (colwise, rowwise, a 2D/2.5D/3D linear); this layer's style is {style.name}"
+        )
+    geometry = getattr(style, "geometry", None)
+    if split == "blocks" and getattr(geometry, "mode", None) is TPMode.THREE_D:
+        raise ValueError(
+            f"{name} ({style.name}): adapters under tp mode 3d are not built (each 3D linear turns its "
+            "input's cube layout into another, so lora_B would leave its output where the base layer's "
+            "is not); use 1D, 2D or 2.5D"
         )
     dropouts = getattr(module, "lora_dropout", None)
     out: list[tuple[str, TPStyle]] = [("base_layer", style)]
     for key in names:
-        if isinstance(style, Colwise):
+        if split == "columns":
             out += [(f"lora_A.{key}", WholeAdapter()), (f"lora_B.{key}", style)]
             whole = in_region or not sequence_parallel  # the layer's input: whole, or a sequence shard
             region = RNGRegion.REPLICATED if whole else RNGRegion.SPLIT
-        else:
+        elif split == "rows":
             out += [(f"lora_A.{key}", style), (f"lora_B.{key}", AfterExit())]
             region = RNGRegion.SPLIT  # a rowwise layer's input is split by features
+        else:  # A and B are two more of the mode's linears: (in -> r) unfused, (r -> out) as the base
+            unfused: TPStyle = replace(cast(Any, style), sections=1)  # a DenseND: a frozen dataclass
+            out += [(f"lora_A.{key}", unfused), (f"lora_B.{key}", style)]
+            region = RNGRegion.SPLIT
         drop = dropouts[key] if isinstance(dropouts, nn.ModuleDict) and key in dropouts else None
         if isinstance(drop, nn.Dropout) and drop.p > 0:
+            if split == "blocks":
+                raise ValueError(
+                    f"{name}.lora_dropout.{key}: adapter dropout (p={drop.p}) under a 2D/2.5D/3D layer is "
+                    "not built; set the adapters' dropout to 0"
+                )
             out.append((f"lora_dropout.{key}", AdapterDropout(region=region)))
     return out

@@ -6,6 +6,7 @@ vocabulary parallel). ``tessera.tensor_parallel.styles`` registers them under th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
@@ -44,6 +45,7 @@ class Colwise(BaseStyle):
     sections: int = 1
     heads: int | None = None
     parts: tuple[int, ...] | None = None
+    adapter_split: ClassVar[str] = "columns"  # how a layer's adapters split (``adapters.expand``)
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
@@ -122,6 +124,7 @@ class Rowwise(BaseStyle):
     """Linear / Conv1D -> RowParallelLinear (input features split, input already parallel)."""
 
     role: Role = Role.EXIT
+    adapter_split: ClassVar[str] = "rows"
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"

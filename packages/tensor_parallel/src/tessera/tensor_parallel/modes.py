@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tessera.comm import Group, Mesh, TPMode
-from tessera.tensor_parallel.adapters import has_adapters
+from tessera.tensor_parallel.adapted import has_adapters
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.mode_objectives import (
     ModeObjective,
@@ -142,12 +142,13 @@ class ModeSpec:
         """Every module owning parameters has a plan entry: in this mode each rank holds a
         block of every activation, so an unplanned norm would normalise one block (wrong)."""
         patterns = [p for p, _ in plan.entries]
+        adapted: list[str] = []  # planned layers carrying adapters: their parts follow the entry
         for name, module in model.named_modules():
-            if has_adapters(module):
-                raise ValueError(
-                    f"{name} ({type(module).__qualname__}) carries low-rank adapters: adapters split only "
-                    f"with a 1D colwise or rowwise layer, not in tp mode {self.mode.value}"
-                )
+            if any(name.startswith(a + ".") for a in adapted):
+                continue
+            if has_adapters(module) and any(match_pattern(p, name) for p in patterns):
+                adapted.append(name)
+                continue
             if any(True for _ in module.parameters(recurse=False)) and not any(
                 match_pattern(p, name) for p in patterns
             ):

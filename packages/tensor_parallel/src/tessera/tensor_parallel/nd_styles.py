@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -181,6 +181,7 @@ class DenseND(BaseStyle):
     twin: TPStyle | None = None
     geometry: Geometry | None = None
     sections: int = 1
+    adapter_split: ClassVar[str] = "blocks"  # its adapters: two more of the mode's linears
 
     def _parts(self) -> tuple[TPStyle, Geometry]:
         assert self.twin is not None and self.geometry is not None, f"{self.name}: built without its twin"

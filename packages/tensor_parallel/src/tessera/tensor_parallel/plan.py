@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tessera.tensor_parallel.adapters import expand, has_adapters
+from tessera.tensor_parallel.adapted import has_adapters
+from tessera.tensor_parallel.adapters import expand
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.style import RefinesInner, Role, TPStyle, style_named
 from tessera.tensor_parallel.styles import HEAD_ATTRIBUTES, Style, attention_heads
@@ -166,7 +167,9 @@ def resolve_plan(
         if name not in chosen:
             continue
         style, pattern = chosen[name]
-        if has_adapters(modules[name]) and style.role in (Role.ENTER, Role.EXIT):
+        if has_adapters(modules[name]) and (
+            style.role in (Role.ENTER, Role.EXIT) or hasattr(style, "adapter_split")
+        ):
             out += _adapted(
                 name, modules, style, pattern, regions, tp=tp, sequence_parallel=sequence_parallel
             )

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from tessera.tensor_parallel.adapters import dense_core
+from tessera.tensor_parallel.adapted import dense_core
 from tessera.tensor_parallel.heads import (
     GROUP_ATTRIBUTES,
     HEAD_ATTRIBUTES,

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from tessera.tensor_parallel.adapters import adapter_names
+from tessera.tensor_parallel.adapted import adapter_names
 
 __all__ = ["AdaptedLayer", "Adapters", "is_adapter_parameter", "read_adapters"]
 

@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from tessera.tensor_parallel import Plan, Style
-from tessera.tensor_parallel.adapters import dense_core, has_adapters
+from tessera.tensor_parallel.adapted import dense_core, has_adapters
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.roles import Roles
 from tessera.tensor_parallel.style import TPStyle
