@@ -16,7 +16,7 @@ def test_the_core_has_no_model_and_the_main_job_config_is_a_core() -> None:
     assert not hasattr(core, "model") and not hasattr(core, "data")
     assert isinstance(Config(), BoostConfig)
     assert set(config_to_dict(core)) == {"parallel", "zero", "optim", "train", "logging"}
-    main_job = {"parallel", "zero", "optim", "train", "logging", "model", "data", "moe"}
+    main_job = {"parallel", "zero", "optim", "train", "logging", "model", "data", "moe", "finetune"}
     assert set(config_to_dict(Config())) == main_job
 
 

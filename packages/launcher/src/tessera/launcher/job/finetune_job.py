@@ -29,14 +29,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.comm import default_device
-from tessera.launcher import Config, boost, load_config
+from tessera.launcher import Config, boost, deferred_parameters, load_config
 from tessera.launcher.checkpoint import committed_checkpoint
 from tessera.launcher.config import RESTART_ENV, config_to_toml
 from tessera.launcher.data import finetune_data, load_tokenizer
 from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.run import run_folder
-from tessera.launcher.train.deferred import deferred_parameters
 
 __all__ = ["adapter_start", "lora_model", "main"]
 
