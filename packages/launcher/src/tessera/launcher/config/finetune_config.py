@@ -13,6 +13,7 @@ and ``[parallel]`` settings.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,13 @@ class FinetuneConfig:
 
 def finetune_problems(f: FinetuneConfig) -> list[str]:
     """What is wrong with ``[finetune]`` for ``tessera finetune``, one line each, read from the
-    files' names and headers only (nothing is loaded)."""
-    errors = []
+    files' names and headers only (nothing is loaded), and whether ``transformers`` and ``peft``
+    are installed (found, not imported)."""
+    errors = [
+        f"tessera finetune needs the {name} package: pip install {name}"
+        for name in ("transformers", "peft")
+        if importlib.util.find_spec(name) is None
+    ]
     folder = Path(f.model)
     if not f.model:
         errors.append("finetune.model: give the pretrained model's folder (config.json and its weights)")

@@ -18,6 +18,18 @@ from torch import nn
 __all__ = ["check_same_start"]
 
 _RTOL = 1e-6
+_PIECE = 1 << 20  # elements summed at once: a float64 copy of one piece, not of a whole embedding
+
+
+def _sums(p: torch.Tensor) -> torch.Tensor:
+    """``[sum, sum of magnitudes]`` of ``p`` in float64, a piece at a time (a float64 copy of a
+    large parameter would cost 8 bytes per element for a moment: 4x a bf16 model)."""
+    flat = p.detach().reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=p.device)
+    for piece in flat.split(_PIECE):
+        wide = piece.double()
+        total += torch.stack([wide.sum(), wide.abs().sum()])
+    return total
 
 
 def check_same_start(model: nn.Module, device: torch.device) -> None:
@@ -28,9 +40,7 @@ def check_same_start(model: nn.Module, device: torch.device) -> None:
     if not named:
         return
     with torch.no_grad():
-        local = torch.stack(
-            [torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for _, p in named]
-        ).to(device)
+        local = torch.stack([_sums(p) for _, p in named]).to(device)
     both = torch.cat([local, -local])  # one max over every rank gives the highest and the lowest
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # torch's own: nothing of Tessera's set up for the world
     high, low = both[: len(named)], -both[len(named) :]
