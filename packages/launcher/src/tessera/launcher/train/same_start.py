@@ -26,7 +26,8 @@ def _sums(p: torch.Tensor) -> torch.Tensor:
     large parameter would cost 8 bytes per element for a moment: 4x a bf16 model)."""
     flat = p.detach().reshape(-1)
     total = torch.zeros(2, dtype=torch.float64, device=p.device)
-    for piece in flat.split(_PIECE):
+    for start in range(0, flat.numel(), _PIECE):
+        piece = flat[start : start + _PIECE]
         wide = piece.double()
         total += torch.stack([wide.sum(), wide.abs().sum()])
     return total
