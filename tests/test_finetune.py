@@ -104,7 +104,7 @@ def _serial(model_dir: Path, data_path: Path) -> tuple[list[float], Any]:
         loss.backward()
         optimizer.step()
         schedule.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, model
 
 

@@ -55,6 +55,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     # name: (config class, model class, config arguments, LoRA targets)
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SIZES, _PROJECTIONS),
     "llama_nopad": ("LlamaConfig", "LlamaForCausalLM", {**_SIZES, "pad_token_id": None}, _PROJECTIONS),
+    "llama_head": ("LlamaConfig", "LlamaForCausalLM", _SIZES, _PROJECTIONS),  # + lm_head trained whole
     "llama_mqa": ("LlamaConfig", "LlamaForCausalLM", {**_SIZES, "num_key_value_heads": 1}, _PROJECTIONS[:4]),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SIZES, ["q_proj", "v_proj", "down_proj"]),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _SIZES, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
@@ -72,7 +73,8 @@ def build(family: str, **lora: Any) -> nn.Module:
     config_cls, model_cls, sizes, targets = FAMILIES[family]
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**sizes))
-    settings = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": targets, **lora}
+    saved = {"modules_to_save": ["lm_head"]} if family == "llama_head" else {}  # PEFT copies it
+    settings = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": targets, **saved, **lora}
     wrapped = peft.get_peft_model(model, peft.LoraConfig(fan_in_fan_out=family == "gpt2", **settings))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -100,6 +102,7 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
 CASES = [("llama", mode) for mode in MODES if mode != "tp4-2d"] + [
     ("llama_nopad", "tp4-2d"),  # (2D vocabulary embeddings take no padding_idx)
     ("llama_mqa", "tp2"),  # one KV head over tp=2: K/V and their lora_B replicated by heads
+    ("llama_head", "tp2-sp"),  # modules_to_save: the head's frozen original and trained copy both split
     ("qwen2", "tp2-sp"),  # roles derived from the module tree, adapters on some projections only
     ("phi3", "tp2"),  # fused q|k|v and gate|up: each lora_B split by the same parts
     ("gpt2", "tp2"),  # Conv1D base layers (fan_in_fan_out)
@@ -120,7 +123,10 @@ def test_lora_equals_the_serial_peft_run(worker_pools: PoolFactory, family: str,
     merged = assert_matches_serial(results, serial)
     before = {k.removeprefix(PEFT_PREFIX): v for k, v in build(family).state_dict().items()}
     moved = {n for n, w in merged.items() if not torch.equal(w, before[n])}
-    assert moved and all(".lora_" in n for n in moved), f"only adapters train; moved: {sorted(moved)[:4]}"
+    trained = (".lora_", "lm_head.modules_to_save.")
+    assert moved and all(any(t in n for t in trained) for n in moved), (
+        f"only adapters train: {sorted(moved)[:4]}"
+    )
 
 
 def _verified(rank: int, config: Config) -> Run:
@@ -146,7 +152,7 @@ def _save(rank: int, family: str, config: Config, out: str) -> None:
         engine.close()
 
 
-SAVES = [("llama", "tp2"), ("gpt2", "pp2"), ("llama", "dp2-zero3")]
+SAVES = [("llama", "tp2"), ("gpt2", "pp2"), ("llama_head", "dp2-zero3")]
 
 
 @pytest.mark.parametrize(("family", "mode"), SAVES, ids=[f"{f}-{m}" for f, m in SAVES])
@@ -167,9 +173,9 @@ def test_saved_adapters_load_into_peft_and_the_merged_export_into_transformers(
     plain = getattr(transformers, FAMILIES[family][1])(serial.get_base_model().config)
     plain.load_state_dict(  # the same seeded base weights, under the plain model's names
         {
-            k.replace(".base_layer.", "."): v
+            k.replace(".base_layer.", ".").replace(".original_module.", "."): v
             for k, v in unwrap_peft(build(family)).state_dict().items()
-            if "lora_" not in k
+            if "lora_" not in k and ".modules_to_save." not in k
         }
     )
     loaded = peft.PeftModel.from_pretrained(plain, str(tmp_path / "adapter"))

@@ -9,7 +9,8 @@ its module (the style's ``check``: type, and every split size divides by tp), an
 hold layers that enter and exit the tp region. A region style that ``RefinesInner`` may
 replace the styles inside it (attention under grouped-query attention splits its K/V
 projections by whole KV heads). A layer carrying low-rank adapters (PEFT's LoRA) takes its
-entry's colwise or rowwise style onto its parts (``adapters.expand``). Each failure is a
+entry's colwise or rowwise style onto its parts (``adapters.expand``); a layer kept as a frozen
+original beside trained copies (PEFT's ``modules_to_save``) gives its entry to each of them. Each failure is a
 ValueError naming the module and the numbers. Styles are typed objects (``style``); plans
 name them.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tessera.tensor_parallel.adapted import has_adapters
+from tessera.tensor_parallel.adapted import has_adapters, saved_copies
 from tessera.tensor_parallel.adapters import expand
 from tessera.tensor_parallel.partition import ShardSpec
 from tessera.tensor_parallel.style import RefinesInner, Role, TPStyle, style_named
@@ -167,6 +168,16 @@ def resolve_plan(
         if name not in chosen:
             continue
         style, pattern = chosen[name]
+        copies = saved_copies(modules[name])
+        if copies is not None and style.role is not Role.REGION:  # each copy is the layer
+            for child in ("original_module", *(f"modules_to_save.{k}" for k in copies)):
+                full = f"{name}.{child}"
+                style.check(modules[full], name=full, tp=tp)
+                within = any(_is_within(name, r) for r in regions)
+                out.append(
+                    Assignment(full, style, pattern, enter_region=not (style.role is Role.ENTER and within))
+                )
+            continue
         if has_adapters(modules[name]) and (
             style.role in (Role.ENTER, Role.EXIT) or hasattr(style, "adapter_split")
         ):

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from tessera.tensor_parallel.adapted import adapter_names
+from tessera.tensor_parallel.adapted import adapter_names, saved_copies
 
 __all__ = ["AdaptedLayer", "Adapters", "is_adapter_parameter", "read_adapters"]
 
@@ -31,11 +31,34 @@ class AdaptedLayer:
 
 @dataclass(frozen=True, slots=True)
 class Adapters:
-    """The adapted layers by serial name, and the adapters' configurations by adapter name
-    (JSON-ready, as ``adapter_config.json`` holds them; empty when the model came without PEFT)."""
+    """The adapted layers by serial name, the adapters' configurations by adapter name (JSON-ready,
+    as ``adapter_config.json`` holds them; empty when the model came without PEFT), and the layers
+    trained as whole copies beside their frozen original (``modules_to_save``)."""
 
     layers: Mapping[str, AdaptedLayer] = field(default_factory=dict)
     configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    copies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # saved layer -> adapter names
+
+    def copy_of(self, name: str) -> tuple[str, str | None, str] | None:
+        """``(layer, adapter, rest)`` when serial parameter ``name`` lies in a layer kept beside
+        trained copies (PEFT's ``modules_to_save``): the adapter whose copy holds it (None: the
+        frozen original) and its name inside the layer; None for any other parameter."""
+        for layer, names in self.copies.items():
+            if not name.startswith(layer + "."):
+                continue
+            inner = name[len(layer) + 1 :]
+            if inner.startswith("original_module."):
+                return layer, None, inner.removeprefix("original_module.")
+            for adapter in names:
+                if inner.startswith(f"modules_to_save.{adapter}."):
+                    return layer, adapter, inner.removeprefix(f"modules_to_save.{adapter}.")
+        return None
+
+    def trains_apart(self, name: str) -> bool:
+        """Whether serial parameter ``name`` belongs to the adapters' files: an adapter's own, or
+        a trained copy's."""
+        found = self.copy_of(name)
+        return is_adapter_parameter(name) or (found is not None and found[1] is not None)
 
     def owner(self, name: str) -> str | None:
         """The adapted layer a serial parameter name lies in, None for any other."""
@@ -75,4 +98,5 @@ def read_adapters(model: nn.Module, configs: Mapping[str, object] | None = None)
         layers[name] = AdaptedLayer(
             {k: float(scaling[k]) for k in names}, transposed=not isinstance(base, nn.Linear)
         )
-    return Adapters(layers, {k: _json_ready(v) for k, v in (configs or {}).items()})
+    copies = {name: names for name, module in model.named_modules() if (names := saved_copies(module))}
+    return Adapters(layers, {k: _json_ready(v) for k, v in (configs or {}).items()}, copies)

@@ -13,7 +13,8 @@ one flat buffer at a time (``iter_full_state``), so no rank holds the base model
 ``export_merged`` writes the model a plain ``transformers`` class loads: each adapted layer's
 weight ``W + sum_k scaling_k * B_k @ A_k`` (transposed for a Conv1D base) under the base
 layer's own name (``q_proj.weight``, not ``q_proj.base_layer.weight``), the adapters left out,
-streamed like ``export``.
+streamed like ``export``. A layer trained whole as a copy (PEFT's ``modules_to_save``) is in the
+adapter files under its plain name, and in the merged model as its (first adapter's) copy.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor
 from tessera.comm.blobs import all_gather_bytes
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
-from tessera.launcher.checkpoint.adapted import is_adapter_parameter
+from tessera.launcher.checkpoint.adapted import Adapters, is_adapter_parameter
 from tessera.launcher.checkpoint.consolidate import (
     MAX_SHARD_BYTES,
     export_sharded,
@@ -46,10 +47,10 @@ def adapter_tensors(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 value of every adapter parameter of this rank's pipeline stages, by serial
     name, on the host. Collective over every rank of the stage (ZeRO streams every flat buffer)."""
     names = streamed_names(engine)
-    device = engine.mesh.device
+    device, adapters = engine.mesh.device, engine.placement.adapters
     out = {}
     for i, (_, value) in enumerate(engine.zero.iter_full_state(params_only=True)):
-        if is_adapter_parameter(names[i]):  # the same names on every rank of the stage
+        if adapters.trains_apart(names[i]):  # the same names on every rank of the stage
             out[names[i]] = full_tensor(engine, names[i], value.to(device)).to("cpu", torch.float32)
     return out
 
@@ -65,9 +66,14 @@ def _every_stage(engine: Boosted, local: dict[str, Tensor]) -> dict[str, Tensor]
     return merged
 
 
-def peft_key(name: str, adapter: str) -> str | None:
+def peft_key(name: str, adapter: str, adapters: Adapters | None = None) -> str | None:
     """The key PEFT saves serial parameter ``name`` under for ``adapter`` (None: not that
-    adapter's): ``base_model.model.`` + the name without the adapter's own component."""
+    adapter's): ``base_model.model.`` + the name without the adapter's own component; a trained
+    copy (``modules_to_save``) under its layer's plain name."""
+    copy = None if adapters is None else adapters.copy_of(name)
+    if copy is not None:
+        layer, owner, rest = copy
+        return f"{PEFT_PREFIX}{layer}.{rest}" if owner == adapter else None
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.startswith("lora_") and parts[i + 1] == adapter:
@@ -92,7 +98,9 @@ def save_adapter(engine: Boosted, directory: str | Path) -> Path:
         try:
             for adapter, config in adapters.configs.items():
                 target = directory if adapter == "default" else directory / adapter
-                keyed = {k: v for n, v in tensors.items() if (k := peft_key(n, adapter)) is not None}
+                keyed = {
+                    k: v for n, v in tensors.items() if (k := peft_key(n, adapter, adapters)) is not None
+                }
                 if not keyed:
                     raise ValueError(f"save_adapter: no parameters of adapter {adapter!r} were trained")
                 target.mkdir(parents=True, exist_ok=True)
@@ -113,7 +121,13 @@ def _merged_view(engine: Boosted) -> ExportView:
     tensors = adapter_tensors(engine)
     exported = dict(placement.exported)
     added: dict[str, Tensor] = {}
+    first = {layer: names[0] for layer, names in adapters.copies.items() if names}
     for name in placement.full_shapes:
+        copy = adapters.copy_of(name)
+        if copy is not None:  # the first adapter's trained copy stands for the layer; the rest go
+            saved, copy_adapter, rest = copy
+            exported[name] = (ExportPart(f"{saved}.{rest}"),) if copy_adapter == first.get(saved) else ()
+            continue
         owner = adapters.owner(name)
         if owner is None:
             continue

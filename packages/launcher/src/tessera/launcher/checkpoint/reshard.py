@@ -243,10 +243,15 @@ class _AsParams(Mapping[str, Tensor]):
 
 def _source(name: str, weights: Mapping[str, Tensor], adapters: Adapters) -> str | None:
     """Where a file holds parameter ``name``: under its own name, or, for an adapted layer's base
-    (``q_proj.base_layer.weight``), under the plain model's (``q_proj.weight``: a pretrained
-    checkpoint); None when it holds neither."""
+    (``q_proj.base_layer.weight``) or a layer kept as copies (``lm_head.original_module.weight``,
+    ``lm_head.modules_to_save.default.weight``), under the plain model's (``q_proj.weight``,
+    ``lm_head.weight``: a pretrained checkpoint); None when it holds neither."""
     if name in weights:
         return name
+    copy = adapters.copy_of(name)  # a layer trained as a copy: its original's and copies' start
+    if copy is not None:
+        plain = f"{copy[0]}.{copy[2]}"
+        return plain if plain in weights else None
     owner = adapters.owner(name)
     if owner is not None and name.startswith(f"{owner}.base_layer."):
         plain = f"{owner}.{name.removeprefix(f'{owner}.base_layer.')}"
