@@ -29,24 +29,10 @@ import transformers
 
 from tessera.launcher import boost, load_config
 from tessera.launcher.data import finetune_data
-from tessera.launcher.testing import tiny_tokenizer
+from tessera.launcher.testing import tiny_pretrained
 
 FOLDER = Path("lora-example")
 COLOURS = ["red", "green", "blue", "brown", "black", "white"]
-
-
-def pretrained(folder: Path) -> None:
-    """The "pretrained" model and its tokenizer (random weights: a stand-in for a download)."""
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def chats(path: Path, n: int = 48) -> None:
@@ -77,7 +63,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     if dist.get_rank() == 0 and not (FOLDER / "pretrained" / "config.json").is_file():
         FOLDER.mkdir(exist_ok=True)
-        pretrained(FOLDER / "pretrained")
+        tiny_pretrained(FOLDER / "pretrained", hidden=64)  # random weights: a stand-in for a download
         chats(FOLDER / "chat.jsonl")
     dist.barrier()
     tokenizer = transformers.AutoTokenizer.from_pretrained(FOLDER / "pretrained")

@@ -31,7 +31,7 @@ from tessera.launcher.data import finetune_data, load_tokenizer
 from tessera.launcher.families.adapters import PEFT_PREFIX
 from tessera.launcher.job.finetune_job import adapter_start
 from tessera.launcher.job.optim import lr_factor, optimizer_for
-from tessera.launcher.testing import tiny_tokenizer
+from tessera.launcher.testing import tiny_pretrained
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -43,20 +43,6 @@ SETS = [
     "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0", "optim.warmup_steps=1",
     "optim.clip_grad_norm=0.0", "finetune.seq_len=24", "finetune.rank=4", "finetune.alpha=8.0",
 ]  # fmt: skip
-
-
-def _pretrained(folder: Path) -> Path:
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _examples(path: Path) -> Path:
@@ -109,7 +95,7 @@ def _serial(model_dir: Path, data_path: Path) -> tuple[list[float], Any]:
 
 
 def test_finetune_equals_the_serial_peft_run_and_its_outputs_load(tmp_path: Path) -> None:
-    model_dir, data_path = _pretrained(tmp_path / "pretrained"), _examples(tmp_path / "chat.jsonl")
+    model_dir, data_path = tiny_pretrained(tmp_path / "pretrained"), _examples(tmp_path / "chat.jsonl")
     sources = [f"finetune.model={model_dir}", f"finetune.data={data_path}"]
     losses, run = _launch(tmp_path, "tuned", *sources)
     want, serial = _serial(model_dir, data_path)

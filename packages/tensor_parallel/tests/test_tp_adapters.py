@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology, TPMode
 from tessera.comm.testing import run_threaded
-from tessera.models import ForeignConfig, Llamaish, LowRank, with_low_rank
+from tessera.models import LLAMAISH_ROLES, ForeignConfig, Llamaish, LowRank, with_low_rank
 from tessera.tensor_parallel import (
     parallelize,
     resolve_plan,
@@ -38,19 +38,7 @@ from tessera.tensor_parallel import (
 from tessera.tensor_parallel.modes import plan_for_mode
 
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-PLAN = {
-    "tok_embeddings": "vocab",
-    "layers.*.attn": "attention",
-    "layers.*.attn.wq": "colwise",
-    "layers.*.attn.wk": "colwise",
-    "layers.*.attn.wv": "colwise",
-    "layers.*.attn.wo": "rowwise",
-    "layers.*.ffn": "region",
-    "layers.*.ffn.w1": "colwise",
-    "layers.*.ffn.w3": "colwise",
-    "layers.*.ffn.w2": "rowwise",
-    "output": "colwise",
-}
+PLAN = LLAMAISH_ROLES  # the roles a user writes for it; the projections are adapted layers
 NO_MLP_REGION = {k: v for k, v in PLAN.items() if k != "layers.*.ffn"}  # w1, w3 enter alone; w2 leaves
 
 
@@ -149,7 +137,7 @@ def test_adapters_that_cannot_split_are_refused_by_name() -> None:
         resolve_plan(model, PLAN, tp=2)
     model = Llamaish(ForeignConfig())
     model.output = AdaptedEmbedding(nn.Embedding(4, 4))  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=r"output \(colwise\): .*carries adapters on a Embedding"):
+    with pytest.raises(ValueError, match=r"output \(head\): .*carries adapters on a Embedding"):
         resolve_plan(model, PLAN, tp=2)
 
 
@@ -157,12 +145,11 @@ def test_adapters_under_2d_are_split_like_the_modes_linears() -> None:
     """2D, 2.5D, 3D: lora_A and lora_B are two more of the mode's linears (trained against serial
     in ``test_nd_roles.py``); adapter dropout is refused there."""
     model = adapted(ForeignConfig(heads=4, kv_heads=4), ("default",))
-    norms = {"layers.*.attn_norm": "norm", "layers.*.ffn_norm": "norm", "norm": "norm"}
-    plan = plan_for_mode({**PLAN, **norms}, TPMode.TWO_D, model)
+    plan = plan_for_mode(PLAN, TPMode.TWO_D, model)
     styles = {a.name: a.style for a in resolve_plan(model, plan, tp=4)}
     assert styles["layers.0.attn.wq.lora_B.default"] == styles["layers.0.attn.wq.base_layer"]
     assert styles["layers.0.attn.wq.lora_A.default"].name == styles["layers.0.attn.wq.base_layer"].name
-    three_d = plan_for_mode({**PLAN, **norms}, TPMode.THREE_D, model)
+    three_d = plan_for_mode(PLAN, TPMode.THREE_D, model)
     with pytest.raises(
         ValueError, match=r"layers\.0\.attn\.wq \(.*\): adapters under tp mode 3d are not built"
     ):

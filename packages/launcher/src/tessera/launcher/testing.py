@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "oracle_config",
     "serial_run",
     "sgd",
+    "tiny_pretrained",
     "tiny_tokenizer",
 ]
 
@@ -261,3 +263,21 @@ def tiny_tokenizer(*, bos: bool = False, template: str = CHAT_TEMPLATE) -> Any:
     )
     wrapped.chat_template = template
     return wrapped
+
+
+def tiny_pretrained(folder: str | Path, *, hidden: int = 32, layers: int = 2) -> Path:
+    """A "pretrained" Hugging Face Llama written to ``folder`` as ``save_pretrained`` writes one
+    (random weights from seed 0, 4 query and 2 KV heads, `tiny_tokenizer`'s vocabulary and its
+    files beside): a stand-in for a download. Needs ``transformers``; returns the folder."""
+    transformers: Any = importlib.import_module("transformers")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
