@@ -7,10 +7,14 @@ import contextlib
 import ctypes
 import gc
 import json
+import os
 import re
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -140,3 +144,49 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
         n_heads=args.heads,
         n_layers=args.layers,
     )
+
+
+def run_ranks(
+    cmd: list[str], env: dict[str, str], world: int, timeout: float, *, cwd_in_store: bool = False
+) -> list[dict[str, Any]] | str:
+    """``cmd`` as ``world`` processes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set, ``env`` over
+    this process's environment) sharing a FileStore (``--store`` appended), all ended by
+    ``timeout``: each rank's last JSON line, or one line saying why there are none (the first
+    failing rank's last stderr line). ``cwd_in_store``: run them in the store's temporary folder
+    (for peers that write beside the working directory)."""
+    store = tempfile.mkdtemp(prefix="tessera-bench-")
+    full_env = {**os.environ, **env}
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--store", f"{store}/store"],
+            env={**full_env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=store if cwd_in_store else None,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    results: list[dict[str, Any]] = []
+    failure = ""
+    try:
+        for r, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failure = failure or f"failed: timed out after {timeout:g} s"
+                continue
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if p.returncode != 0 or not lines:
+                errors = [line for line in err.strip().splitlines() if line.strip()] or ["(no stderr)"]
+                failure = failure or f"failed (rank {r}, exit {p.returncode}): {errors[-1].strip()}"
+                continue
+            results.append(dict(json.loads(lines[-1])))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(store, ignore_errors=True)
+    return failure or results

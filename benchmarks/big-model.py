@@ -57,7 +57,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +65,7 @@ from typing import Any
 
 from _big_model_peers import NEEDS, PEERS, peer_command, peer_ready
 from _common import emit, status_kb, table
+from _common import run_ranks as common_run_ranks
 from _llama import LlamaLM, LlamaSize, checkpoint_value, fixed_batch
 from _memory_peers import _io_bytes
 
@@ -236,43 +236,9 @@ def _with_batch(config: Any, batch: int) -> Any:
 
 # ---------------------------------------------------------------------- the parent
 def run_ranks(cmd: list[str], env: dict[str, str], world: int, timeout: float) -> list[dict[str, Any]] | str:
-    """``cmd`` as ``world`` processes sharing a FileStore (``--store`` appended): each rank's
-    JSON line, or a line saying why there are none."""
-    store_dir = tempfile.mkdtemp(prefix="store-")
-    full_env = {**os.environ, **env, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [*cmd, "--store", f"{store_dir}/store"],
-            env={**full_env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    results: list[dict[str, Any]] = []
-    failure = ""
-    try:
-        for r, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failure = failure or f"failed: timed out after {timeout:g} s"
-                continue
-            lines = out.strip().splitlines()
-            if p.returncode != 0 or not lines or not lines[-1].startswith("{"):
-                errors = [line for line in err.strip().splitlines() if line.strip()] or ["(no stderr)"]
-                failure = failure or f"failed (rank {r}, exit {p.returncode}): {errors[-1].strip()}"
-                continue
-            results.append(dict(json.loads(lines[-1])))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(store_dir, ignore_errors=True)
-    return failure or results
+    """``_common.run_ranks`` with glibc's mmap threshold pinned and one intra-op thread per rank."""
+    pinned = {**env, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    return common_run_ranks(cmd, pinned, world, timeout)
 
 
 def _rates(read: float, written: float, step_s: float, limits: tuple[float, float]) -> dict[str, Any]:

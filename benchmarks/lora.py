@@ -49,18 +49,13 @@ one if it does, else the ``hatch-test`` environment's (``_lora_peers.lora_python
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from _common import emit, table
+from _common import run_ranks as common_run_ranks
 from _lora_model import LoraSize
 from _lora_peers import deepspeed_python, lora_python, versions
 from _lora_ranks import LAYOUTS, add_size_args
@@ -74,45 +69,12 @@ Key = tuple[str, str]  # (system, layout)
 def run_ranks(
     python: str, flags: list[str], world: int, threads: int, timeout: float
 ) -> list[dict[str, Any]] | str:
-    """``_lora_ranks.py`` as ``world`` processes of ``python`` sharing a FileStore: each rank's
-    JSON line, or a line saying why there are none."""
-    store = tempfile.mkdtemp(prefix="tessera-bench-lora-")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE)}
-    cmd = [python, str(RANKS), *flags, "--threads", str(threads), "--store", f"{store}/store"]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=store,  # DeepSpeed and PEFT may write beside the working directory
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    results: list[dict[str, Any]] = []
-    failure = ""
-    try:
-        for r, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failure = failure or f"failed: timed out after {timeout:g} s"
-                continue
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            if p.returncode != 0 or not lines:
-                errors = [line for line in err.strip().splitlines() if line.strip()] or ["(no stderr)"]
-                failure = failure or f"failed (rank {r}, exit {p.returncode}): {errors[-1].strip()}"
-                continue
-            results.append(dict(json.loads(lines[-1])))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(store, ignore_errors=True)
-    return failure or results
+    """``_lora_ranks.py`` as ``world`` processes of ``python`` (``_common.run_ranks``), each with
+    ``threads`` intra-op threads, in a folder of their own (DeepSpeed and PEFT may write beside
+    the working directory)."""
+    env = {"OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE)}
+    cmd = [python, str(RANKS), *flags, "--threads", str(threads)]
+    return common_run_ranks(cmd, env, world, timeout, cwd_in_store=True)
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
