@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 import time
 from typing import Any
 
@@ -28,13 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tessera.comm import default_device
 from tessera.launcher import Config, boost, deferred_parameters, load_config
-from tessera.launcher.checkpoint import committed_checkpoint
-from tessera.launcher.config import RESTART_ENV, config_to_toml
+from tessera.launcher.config import config_to_toml
 from tessera.launcher.data import finetune_data, load_tokenizer
 from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
+from tessera.launcher.job.start import join_ranks, resume_point
 from tessera.launcher.run import run_folder
 
 __all__ = ["adapter_start", "lora_model", "main"]
@@ -83,12 +81,7 @@ def _zeros(name: str, module: nn.Module) -> None:
 def main() -> None:
     """Fine-tune, checkpoint, save the adapters and the merged model (collective over every rank)."""
     config = load_config()
-    device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.accelerator.is_available() else "gloo")
-        device = default_device()
-        if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index)
+    device = join_ranks()
     rank, f = dist.get_rank(), config.finetune
     tokenizer = load_tokenizer(f.model)
     data = finetune_data(
@@ -101,10 +94,7 @@ def main() -> None:
         messages_field=f.messages_field,
     )
     run = run_folder(config, device)
-    resume = config.train.resume
-    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if restarts and committed_checkpoint(run / "checkpoint") is not None:
-        resume = str(run / "checkpoint")
+    resume, restarts = resume_point(config, run)
     model = lora_model(config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     factor = lr_factor(config)

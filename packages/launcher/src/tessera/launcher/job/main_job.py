@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -28,15 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.comm import default_device
 from tessera.launcher import Config, Engine, boost, load_config
-from tessera.launcher.checkpoint import committed_checkpoint, saved_vocab
-from tessera.launcher.config import RESTART_ENV, config_to_toml
+from tessera.launcher.checkpoint import saved_vocab
+from tessera.launcher.config import config_to_toml
 from tessera.launcher.data import Data, TokenData, open_data
 from tessera.launcher.job.moe_model import MOE_GPT_SPEC, ExpertLoad, moe_gpt
 from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.job.serial_speed import best_serial_tokens_per_s
+from tessera.launcher.job.start import join_ranks, resume_point
 from tessera.launcher.run import run_folder
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
@@ -133,20 +132,11 @@ def _with_vocab(config: Config, data_vocab: int, resume: str) -> tuple[Config, i
 def main() -> None:
     """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank)."""
     config = load_config()
-    device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if torch.accelerator.is_available() else "gloo"
-        dist.init_process_group(backend)
-        device = default_device()
-        if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index)
+    device = join_ranks()
     rank = dist.get_rank()
     data = open_data(config)  # the built-in corpus, or data.path's token files
     run = _run_dir(config, device)
-    resume = config.train.resume
-    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if restarts and committed_checkpoint(run / "checkpoint") is not None:
-        resume = str(run / "checkpoint")  # an elastic restart goes on from the newest generation
+    resume, restarts = resume_point(config, run)
     config, vocab = _with_vocab(config, data.vocab_size, resume)
     m = config.model
     gpt_cfg = GPTConfig(vocab, m.seq_len, m.d_model, m.n_heads, m.n_layers, m.mlp_ratio, m.dropout, True)
