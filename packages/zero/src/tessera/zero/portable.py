@@ -88,12 +88,15 @@ def _kinds_and_scalars(
 
 
 def _plan(
-    zero: PortableZero, store: ChunkStore | None, params_only: bool = False
+    zero: PortableZero, store: ChunkStore | None, params_only: bool = False, trained_only: bool = False
 ) -> Iterator[tuple[int, list[str], dict[str, Tensor]]]:
     """Per FlatParam: its index, kinds and the group scalars not yet yielded by an earlier one
-    (``params_only``: the ``param`` kind alone, no scalars)."""
+    (``params_only``: the ``param`` kind alone, no scalars; ``trained_only``: with it, the
+    frozen FlatParams left out)."""
     seen: set[str] = set()
     for fi in range(len(zero.flats)):
+        if params_only and trained_only and zero.flats[fi].frozen:
+            continue
         kinds, scalars = _kinds_and_scalars(zero, store, fi)
         if params_only:
             yield fi, ["param"], {}
@@ -104,12 +107,16 @@ def _plan(
 
 
 def full_state_layout(
-    zero: PortableZero, store: ChunkStore | None = None, *, params_only: bool = False
+    zero: PortableZero,
+    store: ChunkStore | None = None,
+    *,
+    params_only: bool = False,
+    trained_only: bool = False,
 ) -> Layout:
     """``(key, shape)`` of every tensor ``iter_full_state`` yields right now, in its order (no
     communication; every tensor is fp32)."""
     out: Layout = []
-    for fi, kinds, scalars in _plan(zero, store, params_only):
+    for fi, kinds, scalars in _plan(zero, store, params_only, trained_only):
         out += [(key, ()) for key in scalars]
         flat = zero.flats[fi]
         out += [
@@ -138,13 +145,19 @@ def _local_shard(zero: PortableZero, store: ChunkStore | None, fi: int, kind: st
 
 
 def iter_full_state(
-    zero: PortableZero, store: ChunkStore | None = None, *, params_only: bool = False
+    zero: PortableZero,
+    store: ChunkStore | None = None,
+    *,
+    params_only: bool = False,
+    trained_only: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
     """Every parameter's master and optimizer state in full fp32 on the host, by name, and the
     scalar state per group, one tensor at a time in ``full_state_layout``'s order (collective
     over the group: one all-gather per FlatParam and kind, unless replicated). Consume it to
-    the end on every rank. ``params_only``: the masters alone (``param/<name>``)."""
-    for fi, kinds, scalars in _plan(zero, store, params_only):
+    the end on every rank. ``params_only``: the masters alone (``param/<name>``);
+    ``trained_only`` (with ``params_only``): the trained parameters' alone, nothing of a frozen
+    FlatParam gathered (a LoRA run's adapters without its base)."""
+    for fi, kinds, scalars in _plan(zero, store, params_only, trained_only):
         for key, value in scalars.items():
             yield key, value.detach().to("cpu", torch.float32, copy=True)
         flat = zero.flats[fi]

@@ -147,21 +147,26 @@ class ZeroState:
         world size: ``dict(iter_full_state())`` (the whole model at once; collective)."""
         return dict(self.iter_full_state())
 
-    def iter_full_state(self, *, params_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def iter_full_state(
+        self, *, params_only: bool = False, trained_only: bool = False
+    ) -> Iterator[tuple[str, Tensor]]:
         """``(key, tensor)`` for every parameter's master and optimizer state in full (fp32, on
         the host) and each group's scalar state, one at a time, in ``full_state_layout()``'s
         order (``tessera.zero.portable``). Collective (an all-gather per flat buffer and
         kind, each over the group it is sharded over: a ``sharding`` parameter is whole over
         its own group, as every rank of that group holds it): every rank consumes it to the end.
         ``params_only``: the fp32 masters alone, one flat buffer at a time (an export). A
-        frozen parameter's ``param/`` value is its compute-dtype value (in fp32, exactly)."""
-        return iter_full_state(self, self._chunks, params_only=params_only)
+        frozen parameter's ``param/`` value is its compute-dtype value (in fp32, exactly).
+        ``trained_only`` (with ``params_only``): the trained parameters' masters alone."""
+        return iter_full_state(self, self._chunks, params_only=params_only, trained_only=trained_only)
 
-    def full_state_layout(self, *, params_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    def full_state_layout(
+        self, *, params_only: bool = False, trained_only: bool = False
+    ) -> list[tuple[str, tuple[int, ...]]]:
         """``(key, shape)`` of what ``iter_full_state()`` yields now, in order; no communication.
         Optimizer state exists once the optimizer has stepped: before the first step only the
         ``param/`` keys."""
-        return full_state_layout(self, self._chunks, params_only=params_only)
+        return full_state_layout(self, self._chunks, params_only=params_only, trained_only=trained_only)
 
     def load_full_state(self, state: Mapping[str, Tensor], steps: int) -> None:
         """Restore what ``iter_full_state`` yielded, saved under any stage and world size, reading

@@ -8,7 +8,8 @@ adapter's configuration as the user gave it to PEFT, ``inference_mode`` set) and
 ``...q_proj.lora_A.weight``), in fp32; an adapter other than ``default`` goes in a folder of its
 own name, as PEFT puts it. The adapters are a small part of the model: their full values
 are gathered (over tp, and from every pipeline stage to rank 0) as ZeRO streams the masters
-one flat buffer at a time (``iter_full_state``), so no rank holds the base model whole.
+one trained flat buffer at a time (``iter_full_state(trained_only=True)``): the frozen base is
+not even gathered.
 
 ``export_merged`` writes the model a plain ``transformers`` class loads: each adapted layer's
 weight ``W + sum_k scaling_k * B_k @ A_k`` (transposed for a Conv1D base) under the base
@@ -45,11 +46,12 @@ __all__ = ["adapter_tensors", "export_merged", "peft_key", "save_adapter"]
 
 def adapter_tensors(engine: Boosted) -> dict[str, Tensor]:
     """The full fp32 value of every adapter parameter of this rank's pipeline stages, by serial
-    name, on the host. Collective over every rank of the stage (ZeRO streams every flat buffer)."""
-    names = streamed_names(engine)
+    name, on the host. Collective over every rank of the stage (ZeRO streams the trained flat
+    buffers; the frozen base is not gathered)."""
+    names = streamed_names(engine, trained_only=True)
     device, adapters = engine.mesh.device, engine.placement.adapters
     out = {}
-    for i, (_, value) in enumerate(engine.zero.iter_full_state(params_only=True)):
+    for i, (_, value) in enumerate(engine.zero.iter_full_state(params_only=True, trained_only=True)):
         if adapters.trains_apart(names[i]):  # the same names on every rank of the stage
             out[names[i]] = full_tensor(engine, names[i], value.to(device)).to("cpu", torch.float32)
     return out

@@ -154,12 +154,13 @@ def split_shards(entries: list[Entry], limit: int) -> list[list[Entry]]:
     return out if out[0] else []
 
 
-def streamed_names(engine: Boosted) -> list[str]:
-    """The serial names of this rank's parameters in the order ``iter_full_state(params_only=True)``
-    streams their fp32 masters (no communication)."""
+def streamed_names(engine: Boosted, *, trained_only: bool = False) -> list[str]:
+    """The serial names of this rank's parameters in the order ``iter_full_state(params_only=True,
+    trained_only=...)`` streams their fp32 masters (no communication)."""
     placement, zero = engine.placement, engine.zero
     serial = {n: placement.names[p] for f in zero.flats for n, p in zip(f.names, f.params, strict=True)}
-    return [serial[key.partition("/")[2]] for key, _ in zero.full_state_layout(params_only=True)]
+    layout = zero.full_state_layout(params_only=True, trained_only=trained_only)
+    return [serial[key.partition("/")[2]] for key, _ in layout]
 
 
 def _write_shards(
