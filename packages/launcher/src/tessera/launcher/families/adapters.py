@@ -44,11 +44,11 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     ``model`` itself. ValueError for a prompt-learning adapter, whose wrapper changes the inputs."""
     if not is_peft_model(model):
         return model
-    kinds = {name: getattr(c, "peft_type", "?") for name, c in peft_config_of(model).items()}
+    configs = peft_config_of(model)
     learned = [
-        f"{name} ({getattr(kinds[name], 'value', kinds[name])})"
-        for name, c in peft_config_of(model).items()
-        if getattr(c, "is_prompt_learning", False)
+        f"{name} ({getattr(kind, 'value', kind)})"
+        for name, c in configs.items()
+        if getattr(c, "is_prompt_learning", False) and (kind := getattr(c, "peft_type", "?"))
     ]
     if learned:
         raise ValueError(
@@ -62,7 +62,7 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
         "boost: %s wraps %s with adapters %s: training it with its adapters in place (its names, without %r)",
         type(model).__name__,
         type(base).__name__,
-        ", ".join(peft_config_of(model)),
+        ", ".join(configs),
         PEFT_PREFIX,
     )
     return base
