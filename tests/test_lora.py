@@ -98,9 +98,11 @@ MODES: dict[str, tuple[ParallelConfig, int]] = {
     "cp2": (ParallelConfig(cp=2), 0),
     "pp2-zbv": (ParallelConfig(pp=2, microbatches=4, schedule="zbv", virtual_stages=2), 0),  # split backward
     "tp4-2d": (ParallelConfig(tp=4, tp_mode="2d"), 0),  # lora_A and lora_B: two more SUMMA linears
+    "tp8-3d": (ParallelConfig(tp=8, tp_mode="3d", microbatches=1), 0),  # lora_A: back to its input layout
 }
-CASES = [("llama", mode) for mode in MODES if mode != "tp4-2d"] + [
+CASES = [("llama", mode) for mode in MODES if mode not in ("tp4-2d", "tp8-3d")] + [
     ("llama_nopad", "tp4-2d"),  # (2D vocabulary embeddings take no padding_idx)
+    ("llama_nopad", "tp8-3d"),
     ("llama_mqa", "tp2"),  # one KV head over tp=2: K/V and their lora_B replicated by heads
     ("llama_head", "tp2-sp"),  # modules_to_save: the head's frozen original and trained copy both split
     ("qwen2", "tp2-sp"),  # roles derived from the module tree, adapters on some projections only
@@ -152,7 +154,7 @@ def _save(rank: int, family: str, config: Config, out: str) -> None:
         engine.close()
 
 
-SAVES = [("llama", "tp2"), ("gpt2", "pp2"), ("llama_head", "dp2-zero3")]
+SAVES = [("llama", "tp2"), ("gpt2", "pp2"), ("llama_head", "dp2-zero3"), ("llama_nopad", "tp8-3d")]
 
 
 @pytest.mark.parametrize(("family", "mode"), SAVES, ids=[f"{f}-{m}" for f, m in SAVES])

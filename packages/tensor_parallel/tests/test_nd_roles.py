@@ -226,7 +226,7 @@ def _compare(serial: Curve, ranks: list[Curve]) -> None:
 @pytest.mark.parametrize(
     ("model_name", "mode"),
     [(m, mode) for m in ("llamaish", "gpt2ish") for mode in MODES]
-    + [("llamaish-lora", "2d"), ("llamaish-lora", "2.5d")]
+    + [("llamaish-lora", mode) for mode in MODES]
     + [("hf-llama", "2d"), ("hf-gpt2", "2d"), ("hf-phi3", "2d")],
 )
 def test_role_plan_follows_serial(model_name: str, mode: str) -> None:

@@ -143,17 +143,18 @@ def test_adapters_that_cannot_split_are_refused_by_name() -> None:
 
 def test_adapters_under_2d_are_split_like_the_modes_linears() -> None:
     """2D, 2.5D, 3D: lora_A and lora_B are two more of the mode's linears (trained against serial
-    in ``test_nd_roles.py``); adapter dropout is refused there."""
+    in ``test_nd_roles.py``; under 3D lora_A's output moves back to its input's layout); adapter
+    dropout is refused there."""
     model = adapted(ForeignConfig(heads=4, kv_heads=4), ("default",))
     plan = plan_for_mode(PLAN, TPMode.TWO_D, model)
     styles = {a.name: a.style for a in resolve_plan(model, plan, tp=4)}
     assert styles["layers.0.attn.wq.lora_B.default"] == styles["layers.0.attn.wq.base_layer"]
     assert styles["layers.0.attn.wq.lora_A.default"].name == styles["layers.0.attn.wq.base_layer"].name
-    three_d = plan_for_mode(PLAN, TPMode.THREE_D, model)
-    with pytest.raises(
-        ValueError, match=r"layers\.0\.attn\.wq \(.*\): adapters under tp mode 3d are not built"
-    ):
-        resolve_plan(model, three_d, tp=8)
+    three_d = {a.name: a.style for a in resolve_plan(model, plan_for_mode(PLAN, TPMode.THREE_D, model), tp=8)}
+    base, down = three_d["layers.0.attn.wq.base_layer"], three_d["layers.0.attn.wq.lora_A.default"]
+    assert three_d["layers.0.attn.wq.lora_B.default"] == base
+    # under 3D lora_A returns its output to its input's layout; the base and lora_B do not
+    assert getattr(down.twin, "returns", None) is True and getattr(base.twin, "returns", None) is False
     model.layers[0].attn.wq.lora_dropout["default"] = nn.Dropout(0.1)
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq\.lora_dropout\.default: adapter dropout"):
         resolve_plan(model, plan, tp=4)

@@ -22,26 +22,27 @@ over):
   replicated for a colwise layer's whole input, split for a rowwise layer's split one or a
   sequence shard.
 
-- **2D / 2.5D** (a ``DenseND`` entry: every activation split in blocks): ``lora_A`` (in -> r,
+- **2D / 2.5D / 3D** (a ``DenseND`` entry: every activation split in blocks): ``lora_A`` (in -> r,
   unfused) and ``lora_B`` (r -> out, fused parts reordered as the base's) are two more of the
-  mode's linears, chained; every whole parameter is partial there anyway.
+  mode's linears, chained; every whole parameter is partial there anyway. A 3D linear moves
+  its input's cube layout to the other one, so ``lora_A`` moves its r-wide output back
+  (``three_d.linear.mirror``) and ``lora_B``, oriented as the base, lands where the base's output
+  lies (``DenseND.adapter_down``).
 
 A style says which of these its layer's adapters take with ``adapter_split`` (``"columns"``,
 ``"rows"``, ``"blocks"``). Refused with a ValueError naming the layer: adapters under any other
-style (an embedding's), under 3D (each 3D linear moves its input to another cube layout, so
-``lora_B``'s output would not lie where the base layer's does), adapter dropout under 2D/2.5D,
-and adapter variants whose forward is not that sum (DoRA's weight norm).
+style (an embedding's), adapter dropout under 2D/2.5D/3D, and adapter variants whose forward is
+not that sum (DoRA's weight norm).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 from torch import nn
 
-from tessera.comm import TPMode
 from tessera.tensor_parallel.adapted import adapter_names
 from tessera.tensor_parallel.rng import ParallelDropout, RNGRegion
 from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, module_kind
@@ -120,13 +121,6 @@ def expand(
             f"{name} ({style.name}): adapters split only with a layer split by columns, rows or "
             f"blocks (colwise, rowwise, a 2D/2.5D/3D linear); this layer's style is {style.name}"
         )
-    geometry = getattr(style, "geometry", None)
-    if split == "blocks" and getattr(geometry, "mode", None) is TPMode.THREE_D:
-        raise ValueError(
-            f"{name} ({style.name}): adapters under tp mode 3d are not built (each 3D linear turns its "
-            "input's cube layout into another, so lora_B would leave its output where the base layer's "
-            "is not); use 1D, 2D or 2.5D"
-        )
     dropouts = getattr(module, "lora_dropout", None)
     out: list[tuple[str, TPStyle]] = [("base_layer", style)]
     for key in names:
@@ -138,8 +132,8 @@ def expand(
             out += [(f"lora_A.{key}", style), (f"lora_B.{key}", AfterExit())]
             region = RNGRegion.SPLIT  # a rowwise layer's input is split by features
         else:  # A and B are two more of the mode's linears: (in -> r) unfused, (r -> out) as the base
-            unfused: TPStyle = replace(cast(Any, style), sections=1)  # a DenseND: a frozen dataclass
-            out += [(f"lora_A.{key}", unfused), (f"lora_B.{key}", style)]
+            down: TPStyle = cast(Any, style).adapter_down()  # a DenseND
+            out += [(f"lora_A.{key}", down), (f"lora_B.{key}", style)]
             region = RNGRegion.SPLIT
         drop = dropouts[key] if isinstance(dropouts, nn.ModuleDict) and key in dropouts else None
         if isinstance(drop, nn.Dropout) and drop.p > 0:

@@ -187,6 +187,15 @@ class DenseND(BaseStyle):
         assert self.twin is not None and self.geometry is not None, f"{self.name}: built without its twin"
         return self.twin, self.geometry
 
+    def adapter_down(self) -> DenseND:
+        """The style of an adapter's down projection ``lora_A`` (in -> r) on this layer: the
+        mode's linear, unfused; under 3D one that returns its output to its input's layout, so
+        that ``lora_B`` (this style) maps it where this layer's output lies."""
+        twin, geo = self._parts()
+        if geo.mode is TPMode.THREE_D:
+            twin = dataclasses.replace(twin, returns=True)  # type: ignore[type-var]
+        return dataclasses.replace(self, twin=twin, sections=1)
+
     def with_depth(self, depth: int) -> DenseND:
         """This style with the 2.5D depth known (every size checked before anything changes)."""
         twin, geo = self._parts()

@@ -31,6 +31,13 @@ the serial tensors' bytes::
     backward = (|X| + |W| + |Y|) / q**2 + |b| (1/q + 1/q**2)
 
 exact (blocks never pad); the 3D bound O(|.|/q**2) per rank, against 2D's O(|.|/q).
+
+A linear that *returns* (``returns=True``: an adapter's down projection ``lora_A``, in -> r)
+moves its output back to its input's layout (``mirror``: rank (a, b, c) and its mirror swap
+their blocks), so that ``lora_B``, oriented as the base layer, maps it where the base layer's
+output lies. The move all-gathers the r-wide output along g (its hidden) then along s (its
+batch) and keeps this rank's block: ``|H| (1/q**2 + 1/q)`` more per rank for ``|H| =
+tokens*r*e``, small beside the base layer's bytes while r is small beside the layer's width.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ __all__ = [
     "gather_bias",
     "linear_3d",
     "linear_axes",
+    "mirror",
     "weight_spec",
 ]
 
@@ -104,6 +112,18 @@ def linear_3d(x: Tensor, weight: Tensor, cube: Cube3D, *, swapped: bool = False)
     return apply_function(_Linear3D, x, weight, cube, swapped)
 
 
+def mirror(y: Tensor, cube: Cube3D, *, swapped: bool) -> Tensor:
+    """A linear's output (``linear_3d(..., swapped=swapped)``: batch block ``b*q + s``, hidden
+    block g) in that linear's input layout (batch block ``b*q + g``, hidden block s): gathered
+    along g over the hidden, along s over the batch, this rank's block kept; backward the
+    reduce-scatters of the gradient (exact: each element has one consumer)."""
+    g, s = linear_axes(swapped)
+    q = cube.q
+    whole = all_gather_along(all_gather_along(y, y.dim() - 1, cube.group(g)), 0, cube.group(s))
+    rows, cols = whole.shape[0] // q, whole.shape[-1] // q
+    return whole.narrow(0, cube.coord(g) * rows, rows).narrow(-1, cube.coord(s) * cols, cols)
+
+
 def gather_bias(bias: Tensor, cube: Cube3D, *, swapped: bool) -> Tensor:
     """Out block g of a bias held as chunk ``(g*q + b)*q + s``: all-gathers along s then b
     (|b|/q^2 + |b|/q); backward reduce-scatters the gradient back (the same bytes)."""
@@ -114,7 +134,7 @@ def gather_bias(bias: Tensor, cube: Cube3D, *, swapped: bool) -> Tensor:
 class Linear3D(nn.Module):
     """A 3D linear layer over a q x q x q cube (see the module): input (batch/q^2, ...,
     in/q) in the stream layout, output (batch/q^2, ..., out/q) in the branch layout
-    (the reverse when ``swapped``).
+    (the reverse when ``swapped``); with ``returns``, back in the input's layout (``mirror``).
 
     ``weight`` (out/q^2, in/q) and ``bias`` (out/q^3) are this rank's shards by
     ``weight_spec(swapped)`` and ``bias_spec(swapped)``. Raises ValueError naming the numbers
@@ -128,6 +148,7 @@ class Linear3D(nn.Module):
         cube: Cube3D,
         *,
         swapped: bool = False,
+        returns: bool = False,
         bias: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -135,7 +156,7 @@ class Linear3D(nn.Module):
         super().__init__()
         check_linear_3d(in_features, out_features, cube.q, bias=bias, where="Linear3D")
         self.in_features, self.out_features = in_features, out_features
-        self.cube, self.swapped = cube, swapped
+        self.cube, self.swapped, self.returns = cube, swapped, returns
         q = cube.q
         self.weight = nn.Parameter(
             torch.empty(out_features // q**2, in_features // q, dtype=dtype, device=device)
@@ -145,7 +166,9 @@ class Linear3D(nn.Module):
         )
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, cube: Cube3D, *, swapped: bool = False) -> Linear3D:
+    def from_dense(
+        cls, linear: nn.Linear, cube: Cube3D, *, swapped: bool = False, returns: bool = False
+    ) -> Linear3D:
         """The 3D twin of ``linear`` holding this rank's shards of its weight and bias."""
         w = linear.weight
         new = cls(
@@ -153,6 +176,7 @@ class Linear3D(nn.Module):
             linear.out_features,
             cube,
             swapped=swapped,
+            returns=returns,
             bias=linear.bias is not None,
             dtype=w.dtype,
             device=w.device,
@@ -174,13 +198,14 @@ class Linear3D(nn.Module):
         y = linear_3d(x, self.weight, self.cube, swapped=self.swapped)
         if self.bias is not None:
             y = y + gather_bias(self.bias, self.cube, swapped=self.swapped)
-        return y
+        return mirror(y, self.cube, swapped=self.swapped) if self.returns else y
 
     def extra_repr(self) -> str:
         cube = self.cube
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, q={cube.q}, "
-            f"position=({cube.a}, {cube.b}, {cube.c}), swapped={self.swapped}, bias={self.bias is not None}"
+            f"position=({cube.a}, {cube.b}, {cube.c}), swapped={self.swapped}, "
+            f"{'returns=True, ' if self.returns else ''}bias={self.bias is not None}"
         )
 
 

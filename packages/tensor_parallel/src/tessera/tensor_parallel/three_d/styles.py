@@ -58,10 +58,12 @@ class Style3D(BaseStyle):
 class Linear3DStyle(Style3D):
     """nn.Linear -> Linear3D, stream to branch layout (``swapped``: branch to stream).
     ``classifier``: the LM head, whose logits are vocabulary-split along the a line (for
-    ``cross_entropy_3d``); its size is called vocab."""
+    ``cross_entropy_3d``); its size is called vocab. ``returns``: the output moved back to the
+    input's layout (an adapter's ``lora_A``; ``linear.mirror``)."""
 
     swapped: bool = False
     classifier: bool = False
+    returns: bool = False
 
     def check(self, module: nn.Module, *, name: str, tp: int) -> None:
         where = f"{name} ({self.name})"
@@ -74,7 +76,7 @@ class Linear3DStyle(Style3D):
 
     def apply(self, module: nn.Module, ctx: ApplyContext) -> nn.Module | None:
         assert isinstance(module, nn.Linear)
-        return Linear3D.from_dense(module, self._cube(ctx), swapped=self.swapped)
+        return Linear3D.from_dense(module, self._cube(ctx), swapped=self.swapped, returns=self.returns)
 
     def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
         return weight_spec(self.swapped) if param == "weight" else bias_spec(self.swapped)
