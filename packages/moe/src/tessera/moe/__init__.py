@@ -3,7 +3,8 @@
 `MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
 matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
 shared experts, and routers of DeepSeek's kinds (`RouterSpec`: sigmoid scores, a choice bias,
-group-limited top-k, a routed scale); with an ``ep_group`` (or `shard_experts`) its experts are split over the
+group-limited top-k, a routed scale), low-rank adapters on the experts and the router
+(`ExpertAdapter`, `RouterAdapter`); with an ``ep_group`` (or `shard_experts`) its experts are split over the
 group's ranks and tokens travel to them by uneven all-to-all; with `split_hidden` every
 expert's hidden units are split over a tensor-parallel group. Depends on torch and
 ``tessera.comm`` only.
@@ -11,6 +12,7 @@ expert's hidden units are split over a tensor-parallel group. Depends on torch a
 
 from __future__ import annotations
 
+from tessera.moe.adapters import ExpertAdapter, RouterAdapter
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
 from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
@@ -23,9 +25,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Activation",
     "DispatchPlan",
+    "ExpertAdapter",
     "Experts",
     "MoE",
     "MoEStats",
+    "RouterAdapter",
     "RouterSpec",
     "Routing",
     "TopKRouter",

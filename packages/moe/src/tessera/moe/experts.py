@@ -5,6 +5,8 @@ SwiGLU computes ``(silu(x @ w1) * (x @ w3)) @ w2``, GELU ``gelu(x @ w1) @ w2``; 
 The input rows arrive sorted by expert with ``counts[i]`` rows for the bank's expert ``i``.
 The grouped path scatters them into a ``[n, max(counts), d]`` batch (zero padding) and runs
 one batched matmul per weight; the loop path (the reference) runs each expert on its slice.
+Low-rank adapters in ``adapters`` (`tessera.moe.adapters`) add their deltas to the weights the
+bank computes with.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.moe.adapters import ExpertAdapter, deltas
 from tessera.moe.init import generator, uniform
 
 __all__ = ["ACTIVATIONS", "Activation", "Experts"]
@@ -49,6 +52,45 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.stack([w[0] for w in per_expert]))
         self.w2 = nn.Parameter(torch.stack([w[1] for w in per_expert]))
         self.w3 = nn.Parameter(torch.stack([w[2] for w in per_expert])) if activation == "swiglu" else None
+        self.adapters = nn.ModuleDict()  # adapter name -> {key -> ExpertAdapter} (`add_adapter`)
+
+    def add_adapter(self, name: str, adapter: ExpertAdapter, *, key: str | None = None) -> None:
+        """Add ``adapter`` under adapter name ``name`` and ``key`` (default: its ``site``; two
+        adapters of one name at one site, such as a gate's and an up projection's, take keys
+        of their own); ValueError if the key is taken or the adapter does not fit the bank."""
+        d, h = self.w1.shape[1], self.w1.shape[2]
+        n, _, width = adapter.down.shape
+        want_in = d if adapter.site == "in" else h
+        outs = {w: int(u.shape[1]) for w, u in adapter.up.items()}
+        wanted = {w: h if w in ("w1", "w3") else d for w in outs}
+        if n != self.count or width != want_in or outs != wanted or ("w3" in outs and self.w3 is None):
+            raise ValueError(
+                f"adapter {name!r} at site {adapter.site!r}: down {tuple(adapter.down.shape)} and ups "
+                f"{outs} do not fit a bank of {self.count} experts d={d} -> h={h} ({self.activation})"
+            )
+        key = adapter.site if key is None else key
+        keys = self.adapters[name] if name in self.adapters else nn.ModuleDict()
+        assert isinstance(keys, nn.ModuleDict)
+        if key in keys:
+            raise ValueError(f"the bank already has adapter {name!r} under {key!r}")
+        keys[key] = adapter
+        self.adapters[name] = keys
+
+    def _adapters(self) -> list[ExpertAdapter]:
+        found = [
+            a for keys in self.adapters.values() if isinstance(keys, nn.ModuleDict) for a in keys.values()
+        ]
+        return [a for a in found if isinstance(a, ExpertAdapter)]
+
+    def weights(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(w1, w2, w3)`` as the bank computes with them: each weight plus its adapters' deltas."""
+        adapters = self._adapters()
+        if not adapters:
+            return self.w1, self.w2, self.w3
+        w1 = deltas(self.w1, (a.delta("w1") for a in adapters))
+        w2 = deltas(self.w2, (a.delta("w2") for a in adapters))
+        w3 = None if self.w3 is None else deltas(self.w3, (a.delta("w3") for a in adapters))
+        return w1, w2, w3
 
     @property
     def count(self) -> int:
@@ -63,6 +105,8 @@ class Experts(nn.Module):
             if w is not None:
                 part = w.detach()[start:stop].clone()
                 setattr(self, name, nn.Parameter(part, requires_grad=w.requires_grad))
+        for adapter in self._adapters():
+            adapter.keep(start, stop)
 
     def keep_hidden(self, start: int, stop: int) -> None:
         """Keep only hidden units ``start:stop`` of every expert (``w1`` / ``w3`` columns,
@@ -74,6 +118,8 @@ class Experts(nn.Module):
             if w is not None:
                 part = w.detach().narrow(dim, start, stop - start).clone()
                 setattr(self, name, nn.Parameter(part, requires_grad=w.requires_grad))
+        for adapter in self._adapters():
+            adapter.keep_hidden(start, stop)
 
     @property
     def hidden(self) -> int:
@@ -89,7 +135,8 @@ class Experts(nn.Module):
 
     def expert(self, i: int, x: Tensor) -> Tensor:
         """Run rows ``x [m, d]`` through the bank's expert ``i``."""
-        return self._mlp(x, self.w1[i], self.w2[i], None if self.w3 is None else self.w3[i])
+        w1, w2, w3 = self.weights()
+        return self._mlp(x, w1[i], w2[i], None if w3 is None else w3[i])
 
     def forward(self, x: Tensor, counts: Tensor, *, grouped: bool = True) -> Tensor:
         """Run rows ``x [sum(counts), d]``, sorted by expert, through their experts."""
@@ -102,7 +149,8 @@ class Experts(nn.Module):
 
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
         pieces = torch.split(x, counts.tolist())
-        out = [self.expert(i, piece) for i, piece in enumerate(pieces)]
+        w1, w2, w3 = self.weights()
+        out = [self._mlp(p, w1[i], w2[i], None if w3 is None else w3[i]) for i, p in enumerate(pieces)]
         return torch.cat(out)
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -112,5 +160,5 @@ class Experts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = expert * width + torch.arange(rows, device=x.device) - starts[expert]
         batch = x.new_zeros(n * width, x.shape[1]).index_copy(0, slot, x).view(n, width, x.shape[1])
-        out = self._mlp(batch, self.w1, self.w2, self.w3)
+        out = self._mlp(batch, *self.weights())
         return out.reshape(n * width, out.shape[-1]).index_select(0, slot)

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from tessera.moe.adapters import deltas
 from tessera.moe.init import ROUTER_STREAM, generator, uniform
 
 __all__ = ["GroupScore", "RouterSpec", "Routing", "ScoreFunction", "TopKRouter", "limit_to_groups", "route"]
@@ -172,7 +173,8 @@ class TopKRouter(nn.Module):
     (zeros; loaded, never trained: module docstring).
 
     Initialised uniformly in ``±1/sqrt(d)`` from stream 0 of ``seed`` (`tessera.moe.init`). Under expert
-    parallelism every rank holds the same router (a data-parallel parameter).
+    parallelism every rank holds the same router (a data-parallel parameter). Low-rank
+    adapters in ``adapters`` (`tessera.moe.adapters.RouterAdapter`) add their deltas to ``weight``.
     """
 
     score_bias: Tensor | None
@@ -197,10 +199,12 @@ class TopKRouter(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(uniform((experts, d_model), d_model, generator(seed, ROUTER_STREAM)))
         self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
+        self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
     def forward(self, x: Tensor) -> Routing:
+        weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
         return route(
-            x @ self.weight.t(),
+            x @ weight.t(),
             self.top_k,
             renormalize=self.renormalize,
             spec=self.spec,

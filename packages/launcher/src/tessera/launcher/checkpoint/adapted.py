@@ -6,6 +6,9 @@ computes ``base_layer(x) + sum_k scaling_k * lora_B[k](lora_A[k](x))``. Its merg
 (in, out)). `Adapters` keeps, by the adapted layer's serial name, each adapter's scale and
 whether the base is transposed, and the adapters' configurations as PEFT writes them
 (``adapter_config.json``); `tessera.launcher.checkpoint.adapter_files` writes the files.
+Adapters carried into a converted mixture of experts (``tessera.moe.adapters``, from PEFT's by
+`tessera.launcher.families.hf_moe_adapters`) are kept apart, each with the PEFT module it came
+from, so that the files keep PEFT's keys and the merge reaches the experts' stacked weights.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 
 from torch import nn
 
+from tessera.launcher.families.hf_moe_adapters import PEFT_SOURCES
+from tessera.moe import MoE
 from tessera.tensor_parallel.adapted import adapter_names, saved_copies
 
-__all__ = ["AdaptedLayer", "Adapters", "is_adapter_parameter", "read_adapters"]
+__all__ = ["AdaptedLayer", "Adapters", "ConvertedAdapter", "is_adapter_parameter", "read_adapters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,20 @@ class AdaptedLayer:
 
 
 @dataclass(frozen=True, slots=True)
+class ConvertedAdapter:
+    """An adapter of a converted mixture: ``source``, the PEFT module it came from (serial name,
+    with PEFT's ``base_layer`` nesting); ``kind`` ``"experts"``, ``"shared"`` or ``"router"``;
+    ``adapter``, its name; ``scaling``; ``weights``, what its up projections change (``w1``,
+    ``w3``, ``w2``; a router's: ``up``)."""
+
+    source: str
+    kind: str
+    adapter: str
+    scaling: float
+    weights: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Adapters:
     """The adapted layers by serial name, the adapters' configurations by adapter name (JSON-ready,
     as ``adapter_config.json`` holds them; empty when the model came without PEFT), and the layers
@@ -38,6 +57,12 @@ class Adapters:
     layers: Mapping[str, AdaptedLayer] = field(default_factory=dict)
     configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     copies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # saved layer -> adapter names
+    converted: Mapping[str, ConvertedAdapter] = field(default_factory=dict)  # module -> its source
+
+    def converted_of(self, name: str) -> str | None:
+        """The converted adapter module serial parameter ``name`` lies in, None for any other."""
+        module = name.rpartition(".up.")[0] if ".up." in name else name.rpartition(".")[0]
+        return module if module in self.converted else None
 
     def copy_of(self, name: str) -> tuple[str, str | None, str] | None:
         """``(layer, adapter, rest)`` when serial parameter ``name`` lies in a layer kept beside
@@ -58,7 +83,8 @@ class Adapters:
         """Whether serial parameter ``name`` belongs to the adapters' files: an adapter's own, or
         a trained copy's."""
         found = self.copy_of(name)
-        return is_adapter_parameter(name) or (found is not None and found[1] is not None)
+        converted = self.converted_of(name) is not None
+        return is_adapter_parameter(name) or converted or (found is not None and found[1] is not None)
 
     def owner(self, name: str) -> str | None:
         """The adapted layer a serial parameter name lies in, None for any other."""
@@ -99,4 +125,20 @@ def read_adapters(model: nn.Module, configs: Mapping[str, object] | None = None)
             {k: float(scaling[k]) for k in names}, transposed=not isinstance(base, nn.Linear)
         )
     copies = {name: names for name, module in model.named_modules() if (names := saved_copies(module))}
-    return Adapters(layers, {k: _json_ready(v) for k, v in (configs or {}).items()}, copies)
+    configured = {k: _json_ready(v) for k, v in (configs or {}).items()}
+    return Adapters(layers, configured, copies, _converted(model))
+
+
+def _converted(model: nn.Module) -> dict[str, ConvertedAdapter]:
+    out = {}
+    for name, module in model.named_modules():
+        sources = getattr(module, PEFT_SOURCES, None) if isinstance(module, MoE) else None
+        for inner, source in (sources or {}).items():
+            adapter = module.get_submodule(inner)
+            up = adapter.up
+            weights = tuple(up.keys()) if isinstance(up, nn.ParameterDict) else ("up",)
+            kind, _, rest = inner.partition(".adapters.")
+            out[f"{name}.{inner}"] = ConvertedAdapter(
+                f"{name}.{source}", kind, rest.split(".")[0], float(adapter.scaling), weights
+            )
+    return out

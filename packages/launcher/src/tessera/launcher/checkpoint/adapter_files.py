@@ -16,6 +16,10 @@ weight ``W + sum_k scaling_k * B_k @ A_k`` (transposed for a Conv1D base) under 
 layer's own name (``q_proj.weight``, not ``q_proj.base_layer.weight``), the adapters left out,
 streamed like ``export``. A layer trained whole as a copy (PEFT's ``modules_to_save``) is in the
 adapter files under its plain name, and in the merged model as its (first adapter's) copy.
+An adapter carried into a converted mixture goes into the files under the key of the PEFT
+module it came from (``experts.base_layer.lora_A.weight``, in PEFT's stacked layout), and into
+the merged model added to the experts' stacked weights (or the router's), which the export
+holds under the converted names (``hf_moe_state_dict`` maps them to transformers').
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tessera.launcher.checkpoint.consolidate import (
 from tessera.launcher.checkpoint.exported import ExportPart, ExportView, parts_of
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.launcher.families.adapters import PEFT_PREFIX
+from tessera.launcher.families.hf_moe_adapters import to_peft
 
 __all__ = ["adapter_tensors", "export_merged", "peft_key", "save_adapter"]
 
@@ -103,6 +108,7 @@ def save_adapter(engine: Boosted, directory: str | Path) -> Path:
                 keyed = {
                     k: v for n, v in tensors.items() if (k := peft_key(n, adapter, adapters)) is not None
                 }
+                keyed.update(_converted_files(adapters, tensors, adapter))
                 if not keyed:
                     raise ValueError(f"save_adapter: no parameters of adapter {adapter!r} were trained")
                 target.mkdir(parents=True, exist_ok=True)
@@ -116,6 +122,42 @@ def save_adapter(engine: Boosted, directory: str | Path) -> Path:
     return directory
 
 
+def _factors(
+    module: str, weights: tuple[str, ...], tensors: dict[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    ups = {w: tensors[f"{module}.up" if w == "up" else f"{module}.up.{w}"] for w in weights}
+    return tensors[f"{module}.down"], ups
+
+
+def _converted_files(adapters: Adapters, tensors: dict[str, Tensor], adapter: str) -> dict[str, Tensor]:
+    """Adapter ``adapter``'s converted mixture adapters under PEFT's keys."""
+    out = {}
+    for module, found in adapters.converted.items():
+        if found.adapter != adapter or f"{module}.down" not in tensors:
+            continue
+        a, b = to_peft(found.kind, *_factors(module, found.weights, tensors))
+        out[f"{PEFT_PREFIX}{found.source}.lora_A.weight"] = a.contiguous()
+        out[f"{PEFT_PREFIX}{found.source}.lora_B.weight"] = b.contiguous()
+    return out
+
+
+def _converted_deltas(adapters: Adapters, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What the converted mixture adapters add to the weights they change, by serial name."""
+    out: dict[str, Tensor] = {}
+    for module, found in adapters.converted.items():
+        if f"{module}.down" not in tensors:
+            continue  # another pipeline stage's
+        down, ups = _factors(module, found.weights, tensors)
+        bank = module.partition(".adapters.")[0]
+        for w, up in ups.items():
+            if w == "up":
+                target, delta = f"{bank}.weight", up @ down
+            else:
+                target, delta = f"{bank}.{w}", (up @ down).transpose(1, 2)
+            out[target] = out[target] + delta * found.scaling if target in out else delta * found.scaling
+    return out
+
+
 def _merged_view(engine: Boosted) -> ExportView:
     """Each adapted layer's base weight under its own name with the adapters' product added;
     the adapters' own parameters left out (this rank's stages)."""
@@ -124,7 +166,11 @@ def _merged_view(engine: Boosted) -> ExportView:
     exported = dict(placement.exported)
     added: dict[str, Tensor] = {}
     first = {layer: names[0] for layer, names in adapters.copies.items() if names}
+    added.update(_converted_deltas(adapters, tensors))
     for name in placement.full_shapes:
+        if adapters.converted_of(name) is not None:
+            exported[name] = ()
+            continue
         copy = adapters.copy_of(name)
         if copy is not None:  # the first adapter's trained copy stands for the layer; the rest go
             saved, copy_adapter, rest = copy

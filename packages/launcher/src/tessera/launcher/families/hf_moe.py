@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tessera.launcher.families.hf_moe_adapters import carry, peel, peeled
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.moe import MoE
@@ -49,6 +50,7 @@ def is_hf_sparse_moe(module: nn.Module) -> bool:
     router submodule ``gate`` or ``router``. Whether it can be reproduced is `moe_from_hf`'s
     to say."""
     experts = getattr(module, "experts", None)
+    experts = peel(experts) if isinstance(experts, nn.Module) else experts  # PEFT's wrappers
     routers = (getattr(module, "gate", None), getattr(module, "router", None))
     return (
         any(isinstance(router, nn.Module) for router in routers)
@@ -68,12 +70,21 @@ def _tensor(module: nn.Module, dotted: str) -> Tensor:
 
 def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> MoE:
     """The `MoE` computing what HF sparse MoE ``block`` computes, with copies of its weights
-    (on its device, in its dtype); refuses a block it cannot reproduce, naming why."""
+    (on its device, in its dtype, trained or frozen as they were) and of PEFT's LoRA adapters
+    on it (`hf_moe_adapters`); refuses a block it cannot reproduce, naming why."""
     if not is_hf_sparse_moe(block):
         raise ValueError(
             f"{type(block).__name__} is not a Mixtral / Qwen2-MoE sparse MoE block, nor any HF sparse MoE "
             "block (experts.gate_up_proj, experts.down_proj and a gate or router)"
         )
+    with peeled(block) as wrapped:  # PEFT's adapters on the block: carried (hf_moe_adapters)
+        layer, layout = _read(block, aux_loss_coef, z_loss_coef)
+        where = type(block).__name__
+        carry(layer, wrapped, router_weight=layout.router_weight, shared=layout.shared, where=where)
+    return layer
+
+
+def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[MoE, HFLayout]:
     layout = read_layout(block)
     bank: Any = block.experts
     gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]
@@ -109,7 +120,22 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
         if layout.shared_gate is not None:
             assert layer.shared_gate is not None
             layer.shared_gate.copy_(_tensor(block, f"{layout.shared_gate}.weight"))
-    return layer
+    _keep_frozen(layer, block, layout)
+    return layer, layout
+
+
+def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
+    """The converted weights trained or frozen as the block's were (a PEFT model freezes them)."""
+    bank: Any = block.experts
+    layer.router.weight.requires_grad_(_tensor(block, layout.router_weight).requires_grad)
+    for w, source in (("w1", bank.gate_up_proj), ("w3", bank.gate_up_proj), ("w2", bank.down_proj)):
+        getattr(layer.experts, w).requires_grad_(source.requires_grad)
+    if layout.shared is not None and layer.shared is not None:
+        shared: Any = block.get_submodule(layout.shared)
+        for w, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            getattr(layer.shared, w).requires_grad_(getattr(shared, hf).weight.requires_grad)
+    if layout.shared_gate is not None and layer.shared_gate is not None:
+        layer.shared_gate.requires_grad_(_tensor(block, f"{layout.shared_gate}.weight").requires_grad)
 
 
 def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> int:

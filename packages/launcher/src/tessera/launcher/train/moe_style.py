@@ -8,7 +8,10 @@ the sum over tp of its share of the output leaves the region. The style is self-
 (``tensor_parallel.plan.self_contained``): it names the split of the layer's descendants'
 parameters (``experts.w1`` / ``w3`` along their hidden dim 2, ``experts.w2`` along dim 1,
 the same for ``shared``), and the router and the shared gate, whole on every rank inside
-the region, get partial gradients that the engine sums over tp. With expert parallelism too,
+the region, get partial gradients that the engine sums over tp. Low-rank adapters on the
+experts (`tessera.moe.adapters`) split along the hidden units with their bank (the up
+projections of the ``in`` adapters, the down projections of the ``out`` ones); their other
+halves stay whole, with partial gradients, as the router's. With expert parallelism too,
 each rank holds its ``experts / ep`` experts, each split over tp.
 
 The other way to run an MoE layer under tensor parallelism is ``replicate`` (the whole
@@ -63,7 +66,21 @@ class MoEStyle(BaseStyle):
         bank, _, weight = param.rpartition(".")
         if bank in ("experts", "shared") and weight in _HIDDEN_DIM:
             return ShardSpec(_HIDDEN_DIM[weight])
+        if bank.split(".")[0] in ("experts", "shared") and ".adapters." in param:
+            return _adapter_spec(module, param)
         return None  # the router and the shared gate: whole on every tp rank
+
+
+def _adapter_spec(module: nn.Module, param: str) -> ShardSpec | None:
+    """An expert adapter's part (``<bank>.adapters.<name>.<key>.down`` or ``.up.<w>``): split
+    along the hidden units where the bank's weights are (``ExpertAdapter.keep_hidden``); the
+    other part whole, its gradient partial over tp."""
+    owner = param.removesuffix(".down") if param.endswith(".down") else param.rpartition(".up.")[0]
+    adapter = module.get_submodule(owner)
+    site = getattr(adapter, "site", None)
+    if param.endswith(".down"):
+        return ShardSpec(2) if site == "out" else None
+    return ShardSpec(1) if site == "in" else None
 
 
 MOE_STYLE: Final = register_style(MoEStyle("moe"))
