@@ -23,7 +23,14 @@ from tessera.launcher.families.hf_moe_adapters import PEFT_SOURCES
 from tessera.moe import MoE
 from tessera.tensor_parallel.adapted import adapter_names, saved_copies
 
-__all__ = ["AdaptedLayer", "Adapters", "ConvertedAdapter", "is_adapter_parameter", "read_adapters"]
+__all__ = [
+    "AdaptedLayer",
+    "Adapters",
+    "ConvertedAdapter",
+    "converted_adapters",
+    "is_adapter_parameter",
+    "read_adapters",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +43,12 @@ class AdaptedLayer:
 
 @dataclass(frozen=True, slots=True)
 class ConvertedAdapter:
-    """An adapter of a converted mixture: ``source``, the PEFT module it came from (serial name,
-    with PEFT's ``base_layer`` nesting); ``kind`` ``"experts"``, ``"shared"`` or ``"router"``;
-    ``adapter``, its name; ``scaling``; ``weights``, what its up projections change (``w1``,
-    ``w3``, ``w2``; a router's: ``up``)."""
+    """An adapter of a converted mixture: ``sources``, the PEFT modules it came from (serial
+    names, with PEFT's ``base_layer`` nesting; one per expert for a user's mixture); ``kind``
+    (`hf_moe_adapters.to_peft`); ``adapter``, its name; ``scaling``; ``weights``, what its up
+    projections change (``w1``, ``w3``, ``w2``; a router's: ``up``)."""
 
-    source: str
+    sources: tuple[str, ...]
     kind: str
     adapter: str
     scaling: float
@@ -126,19 +133,22 @@ def read_adapters(model: nn.Module, configs: Mapping[str, object] | None = None)
         )
     copies = {name: names for name, module in model.named_modules() if (names := saved_copies(module))}
     configured = {k: _json_ready(v) for k, v in (configs or {}).items()}
-    return Adapters(layers, configured, copies, _converted(model))
+    return Adapters(layers, configured, copies, converted_adapters(model))
 
 
-def _converted(model: nn.Module) -> dict[str, ConvertedAdapter]:
+def converted_adapters(model: nn.Module) -> dict[str, ConvertedAdapter]:
+    """The adapters carried into ``model``'s converted mixtures (their layers' ``peft_sources``),
+    by adapter module."""
     out = {}
     for name, module in model.named_modules():
         sources = getattr(module, PEFT_SOURCES, None) if isinstance(module, MoE) else None
-        for inner, source in (sources or {}).items():
+        for inner, found in (sources or {}).items():
             adapter = module.get_submodule(inner)
             up = adapter.up
             weights = tuple(up.keys()) if isinstance(up, nn.ParameterDict) else ("up",)
-            kind, _, rest = inner.partition(".adapters.")
+            bank, _, rest = inner.partition(".adapters.")
+            kind = "per_expert" if bank == "experts" and len(found) > 1 else bank
             out[f"{name}.{inner}"] = ConvertedAdapter(
-                f"{name}.{source}", kind, rest.split(".")[0], float(adapter.scaling), weights
+                tuple(f"{name}.{s}" for s in found), kind, rest.split(".")[0], float(adapter.scaling), weights
             )
     return out

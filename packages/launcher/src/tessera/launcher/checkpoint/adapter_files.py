@@ -135,9 +135,10 @@ def _converted_files(adapters: Adapters, tensors: dict[str, Tensor], adapter: st
     for module, found in adapters.converted.items():
         if found.adapter != adapter or f"{module}.down" not in tensors:
             continue
-        a, b = to_peft(found.kind, *_factors(module, found.weights, tensors))
-        out[f"{PEFT_PREFIX}{found.source}.lora_A.weight"] = a.contiguous()
-        out[f"{PEFT_PREFIX}{found.source}.lora_B.weight"] = b.contiguous()
+        pairs = to_peft(found.kind, *_factors(module, found.weights, tensors))
+        for source, (a, b) in zip(found.sources, pairs, strict=True):
+            out[f"{PEFT_PREFIX}{source}.lora_A.weight"] = a.contiguous()
+            out[f"{PEFT_PREFIX}{source}.lora_B.weight"] = b.contiguous()
     return out
 
 
@@ -170,6 +171,13 @@ def _merged_view(engine: Boosted) -> ExportView:
     for name in placement.full_shapes:
         if adapters.converted_of(name) is not None:
             exported[name] = ()
+            continue
+        if name in added:  # a converted bank: its parts under the plain layers' names
+            plain_parts = (
+                ExportPart(p.name.replace(".base_layer.", "."), p.index, p.transpose)
+                for p in parts_of(name, exported)
+            )
+            exported[name] = tuple(plain_parts)
             continue
         copy = adapters.copy_of(name)
         if copy is not None:  # the first adapter's trained copy stands for the layer; the rest go

@@ -17,8 +17,8 @@ is read, and `carry` gives the converted layer the same adapters (`tessera.moe.a
   the shared bank (``w1`` / ``w3`` / ``w2``) under their own keys.
 
 Frozen and trained flags are kept, tensors copied. The layer's attribute ``peft_sources``
-maps each adapter module (relative to the layer) to the PEFT module it came from (relative
-to the block, with PEFT's ``base_layer`` nesting), and `to_peft` gives its PEFT tensors back,
+maps each adapter module (relative to the layer) to the PEFT modules it came from (relative
+to the block, with PEFT's ``base_layer`` nesting), and `to_peft` gives their PEFT tensors back,
 so that an adapter file keeps PEFT's keys. Refused, naming the place: an adapter
 anywhere else in the block, dropout, DoRA or a bias on an adapter, an adapter that is not
 active, and a stacked weight whose adapter is laid out ``(experts, in, out)``.
@@ -37,9 +37,19 @@ from torch import Tensor, nn
 from tessera.moe import ExpertAdapter, MoE, RouterAdapter
 from tessera.moe.adapters import Site
 
-__all__ = ["PEFT_SOURCES", "Wrapped", "carry", "is_wrapper", "peel", "peeled", "to_peft"]
+__all__ = [
+    "PEFT_SOURCES",
+    "Wrapped",
+    "adapter_names",
+    "carry",
+    "factors",
+    "is_wrapper",
+    "peel",
+    "peeled",
+    "to_peft",
+]
 
-PEFT_SOURCES = "peft_sources"  # a converted layer's attribute: adapter module -> PEFT's module
+PEFT_SOURCES = "peft_sources"  # a converted layer's attribute: adapter module -> PEFT's modules
 
 _SHARED: dict[str, tuple[str, Site]] = {
     "gate_proj": ("w1", "in"),
@@ -104,7 +114,7 @@ def carry(layer: MoE, wrapped: list[Wrapped], *, router_weight: str, shared: str
     targets = {("experts", "gate_up_proj"), ("experts", "down_proj"), (router, weight)}
     if shared is not None:
         targets |= {(f"{shared}.{p}", "weight") for p in ("gate_proj", "up_proj", "down_proj")}
-    sources: dict[str, str] = {}
+    sources: dict[str, tuple[str, ...]] = {}
     for depth, item in _nested(wrapped):
         place = f"{where}.{item.path}.{item.param}"
         if (item.path, item.param) not in targets:
@@ -112,10 +122,10 @@ def carry(layer: MoE, wrapped: list[Wrapped], *, router_weight: str, shared: str
                 f"{place}: an adapter there is not carried into tessera.moe.MoE (adapters on the experts, "
                 "the router and the shared expert's projections are); leave it out of the adapters' targets"
             )
-        for name in _names(item.wrapper, place):
-            a, b, scaling = _factors(item.wrapper, name, place)
+        for name in adapter_names(item.wrapper, place):
+            a, b, scaling = factors(item.wrapper, name, place)
             module = _attach(layer, item, name, a, b, scaling, place)
-            sources[module] = item.path + ".base_layer" * depth
+            sources[module] = (item.path + ".base_layer" * depth,)
     setattr(layer, PEFT_SOURCES, sources)
 
 
@@ -130,7 +140,8 @@ def _nested(wrapped: list[Wrapped]) -> list[tuple[int, Wrapped]]:
     return out
 
 
-def _names(wrapper: Any, place: str) -> list[str]:
+def adapter_names(wrapper: Any, place: str) -> list[str]:
+    """The adapters of PEFT layer ``wrapper``; ValueError naming ``place`` if one is not active."""
     names = list(wrapper.lora_A.keys())
     active = set(getattr(wrapper, "active_adapters", names))
     idle = [n for n in names if n not in active]
@@ -141,7 +152,9 @@ def _names(wrapper: Any, place: str) -> list[str]:
     return names
 
 
-def _factors(wrapper: Any, name: str, place: str) -> tuple[Tensor, Tensor, float]:
+def factors(wrapper: Any, name: str, place: str) -> tuple[Tensor, Tensor, float]:
+    """Adapter ``name``'s ``lora_A`` and ``lora_B`` weights and scale; ValueError naming
+    ``place`` for dropout, DoRA or a bias."""
     drop = wrapper.lora_dropout[name] if name in getattr(wrapper, "lora_dropout", {}) else None
     dora = getattr(wrapper, "use_dora", {})
     if isinstance(drop, nn.Dropout) and drop.p > 0:
@@ -193,13 +206,15 @@ def _attach(layer: MoE, item: Wrapped, name: str, a: Tensor, b: Tensor, scaling:
     return f"router.adapters.{name}"
 
 
-def to_peft(kind: str, down: Tensor, ups: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """PEFT's ``(lora_A, lora_B)`` weights of a converted adapter (the inverse of `carry`):
-    ``kind`` ``"experts"`` (``down [E, r, in]``, ``ups`` by weight ``[E, out, r]``, gate before
-    up), ``"shared"`` (one expert) or ``"router"`` (``down [r, d]``, ``ups {"up": [E, r]}``)."""
+def to_peft(kind: str, down: Tensor, ups: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """PEFT's ``(lora_A, lora_B)`` weights of a converted adapter, one pair per PEFT module it
+    came from (the inverse of `carry`): ``kind`` ``"experts"`` (``down [E, r, in]``, ``ups`` by
+    weight ``[E, out, r]``, gate before up; PEFT's one stacked pair), ``"per_expert"`` (a user's
+    mixture: a pair per expert), ``"shared"`` (one expert) or ``"router"`` (``down [r, d]``,
+    ``ups {"up": [E, r]}``)."""
     if kind == "router":
-        return down, ups["up"]
+        return [(down, ups["up"])]
     stacked = torch.cat([ups[w] for w in ("w1", "w3", "w2") if w in ups], dim=1)  # [E, out, r]
-    if kind == "shared":
-        return down[0], stacked[0]
-    return down.reshape(-1, down.shape[-1]), stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1)
+    if kind in ("shared", "per_expert"):
+        return [(down[e], stacked[e]) for e in range(down.shape[0])]
+    return [(down.reshape(-1, down.shape[-1]), stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1))]

@@ -31,7 +31,8 @@ trained names of the converted layers' parameters mapped to the user's names
 (``ExportPart``: per expert, ``w1[e].T`` is ``experts.<e>.<gate>.weight``), which
 ``boost()`` records so that ``export`` and ``consolidate`` write the user's names, and the
 optimizer group of every new parameter (each stacked bank must come from parameters of
-one group, trainable or frozen alike).
+one group, trainable or frozen alike). PEFT's LoRA adapters on the block's projections are
+carried into the converted layer (`own_moe_adapters`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import torch
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.hf_moe_adapters import peeled
+from tessera.launcher.families.own_moe_adapters import carry_own
 from tessera.launcher.families.own_moe_readings import (
     Reading,
     Source,
@@ -183,9 +186,22 @@ def _block(module: nn.Module) -> _Block | None:
     return None
 
 
+def _may_hold_experts(module: nn.Module) -> bool:
+    """A cheap first look: a ``ModuleList`` child or a stacked ``[E, a, b]`` tensor."""
+    return any(isinstance(c, nn.ModuleList) for c in module.children()) or any(
+        p.dim() == 3 for p in module.parameters()
+    )
+
+
 def find_own_moe(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every block of ``model`` laid out as a mixture of experts (module docstring)."""
-    return [(n, m) for n, m in model.named_modules() if _block(m) is not None]
+    found = []
+    for name, module in model.named_modules():
+        if _may_hold_experts(module):
+            with peeled(module):
+                if _block(module) is not None:
+                    found.append((name, module))
+    return found
 
 
 def _mlp_sources(path: str, module: nn.Module, d: int, per_expert: list[str] | None) -> Reading | None:
@@ -339,12 +355,15 @@ def convert_own_moe(model: nn.Module, groups: Mapping[str, int] | None = None) -
     any block is replaced."""
     conversion = Conversion()
     layers = []
-    for name, block in [(n, m) for n, m in model.named_modules() if n]:
-        found = _block(block)
-        if found is None:
-            continue
-        layer, exported = _converted(name, block, found)
+    for name, block in [(n, m) for n, m in model.named_modules() if n and _may_hold_experts(m)]:
         prefix = f"{name}."
+        with peeled(block) as wrapped:  # PEFT's adapters: read without, then carried
+            found = _block(block)
+            if found is None:
+                continue
+            layer, exported = _converted(name, block, found)
+            if wrapped:
+                exported = carry_own(layer, wrapped, exported, prefix)
         if groups is not None:
             held = {groups[f"{prefix}{n}"] for n, p in block.named_parameters() if f"{prefix}{n}" in groups}
             if len(held) > 1:

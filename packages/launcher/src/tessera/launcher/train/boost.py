@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
-from tessera.launcher.checkpoint.adapted import Adapters, read_adapters
+from tessera.launcher.checkpoint.adapted import Adapters, converted_adapters, read_adapters
 from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import Placement, persistent_buffers
 from tessera.launcher.config import BoostConfig
@@ -202,6 +202,8 @@ def _checked(
     topology = p.topology()
     deferred = copy.deepcopy(model) if has_deferred(model) else None  # as meta, before anything converts it
     group_of, conversion = _own_experts(model, groups_by_name(model, optimizer), topology.ep)
+    if conversion.blocks:  # adapters carried into the converted layers: known by their new names
+        adapters = dataclasses.replace(adapters, converted=converted_adapters(model))
     check_experts(model, topology.ep)  # before anything else changes the model
     spec = spec if spec is not None else model_spec(model)
     _check_refusals(model, spec, p)
