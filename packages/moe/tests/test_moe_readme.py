@@ -42,3 +42,14 @@ def test_the_readme_usage_example_runs() -> None:
     stats = layer.stats  # type: ignore[attr-defined]
     assert int(stats.tokens_per_expert.sum()) == 12 * 2
     assert 0.0 <= stats.dropped_fraction < 1.0
+
+
+def test_the_readme_adapters_example_trains_only_the_adapters() -> None:
+    ns = run("## Low-rank adapters")
+    layer, out = ns["layer"], ns["out"]
+    assert isinstance(layer, torch.nn.Module) and isinstance(out, torch.Tensor)
+    out.square().sum().backward()
+    trained = {n for n, p in layer.named_parameters() if p.grad is not None}
+    assert trained == {
+        n for n, _ in layer.named_parameters() if ".adapters." in n or n.startswith("router.adapters")
+    }
