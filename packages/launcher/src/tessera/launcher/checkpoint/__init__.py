@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from tessera.comm import lazy_exports
 
 if TYPE_CHECKING:
-    from tessera.launcher.checkpoint.generations import committed_checkpoint, saved_vocab
+    from tessera.launcher.checkpoint.generations import committed_checkpoint, generation_name, saved_vocab
 
-__all__ = ["committed_checkpoint", "saved_vocab"]
+__all__ = ["committed_checkpoint", "generation_name", "saved_vocab"]
 
 if not TYPE_CHECKING:  # imported on first use (PEP 562), so the package stays light to import
     __getattr__, __dir__ = lazy_exports(__name__, ("generations",))

@@ -43,6 +43,9 @@ from torch import Tensor
 
 from tessera.comm.consensus import raise_together
 from tessera.comm.safefile import SafeFile
+from tessera.launcher.checkpoint.fingerprint import LAYOUT_SECTIONS, sha256
+from tessera.launcher.checkpoint.fingerprint import differences as _differences
+from tessera.launcher.checkpoint.fingerprint import fingerprint as _fingerprint
 from tessera.launcher.checkpoint.generations import (
     FORMAT,
     MANIFEST,
@@ -56,10 +59,8 @@ from tessera.launcher.checkpoint.saving import (
     Checkpointable,
     begin_save,
     layout,
-    sha256,
     zero_dir,
 )
-from tessera.launcher.checkpoint.saving import fingerprint as _fingerprint
 from tessera.launcher.checkpoint.storage import gather_generation
 
 __all__ = [
@@ -76,22 +77,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _READ_ERRORS = (OSError, ValueError, KeyError, json.JSONDecodeError, safetensors.SafetensorError)
-
-
-def _differences(saved: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> list[str]:
-    """What differs, for the keys this run's fingerprint has (a key only an older checkpoint
-    recorded, such as ``parallel.auto``, no longer shapes the state; a section the saved one
-    lacks, ``[model]`` of a job saved from a `BoostConfig`, was not the saver's to shape)."""
-    lines = []
-    for key in sorted(mine):
-        if not prefix and key not in saved:
-            continue
-        a, b = saved.get(key), mine.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            lines += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            lines.append(f"{prefix}{key}: saved {a!r}, now {b!r}")
-    return lines
 
 
 def save_engine(
@@ -168,9 +153,8 @@ def _check_portable(
 ) -> tuple[Path, dict[str, Any], Mapping[str, Tensor], dict[str, Any]]:
     """The checks of a generation saved under another topology: the configuration but its
     parallel and zero sections, and the checksums of the portable parts every rank reads."""
-    ignored = ("parallel", "zero")
-    saved = {k: v for k, v in manifest["config"].items() if k not in ignored}
-    mine = {k: v for k, v in _fingerprint(engine.config).items() if k not in ignored}
+    saved = {k: v for k, v in manifest["config"].items() if k not in LAYOUT_SECTIONS}
+    mine = {k: v for k, v in _fingerprint(engine.config).items() if k not in LAYOUT_SECTIONS}
     changed = _differences(saved, mine)
     if changed:
         raise ValueError(f"{gen} was saved under another configuration: {'; '.join(changed[:6])}")

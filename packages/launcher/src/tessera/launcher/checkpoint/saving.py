@@ -32,7 +32,6 @@ before.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -50,6 +49,7 @@ from tessera.comm import group_rank
 from tessera.comm.blobs import all_gather_bytes
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
+from tessera.launcher.checkpoint.fingerprint import fingerprint, sha256
 from tessera.launcher.checkpoint.generations import (
     FORMAT,
     LATEST,
@@ -60,8 +60,7 @@ from tessera.launcher.checkpoint.generations import (
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.launcher.checkpoint.reshard import snapshot_portable, write_portable
 from tessera.launcher.checkpoint.storage import REPLICAS, Storage, spread
-from tessera.launcher.config import BoostConfig, Config
-from tessera.launcher.config.config_io import config_to_dict
+from tessera.launcher.config import BoostConfig
 from tessera.zero.checkpoint import ShardSave, rank_file, replicated_checkpoint, write_tensors
 
 __all__ = ["BackgroundSave", "Checkpointable", "PendingSave", "begin_save", "fingerprint", "layout"]
@@ -77,34 +76,6 @@ class Checkpointable(Boosted, Protocol):
     @property
     def config(self) -> BoostConfig: ...
     def checkpoint_storage(self, root: Path) -> Storage: ...
-
-
-# Fields that choose where or how the state lives but not what it is: a resume may change them
-# (a chunked run's checkpoint loads unchunked, under another disk directory or budget; the
-# split tuning only orders the halves of each backward).
-_PLACEMENT_ONLY = {
-    "parallel": ("auto", "cluster", "tune_splits"),
-    "zero": ("host_budget_mb", "device_budget_mb", "disk_dir", "policy", "fractions", "chunk_numel"),
-}
-
-
-def fingerprint(config: BoostConfig) -> dict[str, Any]:
-    """The configuration that shapes the saved state, as plain values (a choice is its name): a
-    resume under another one is refused. A `Config` adds the main job's ``[model]`` and what
-    its data position counts."""
-    plain = config_to_dict(config)
-    out: dict[str, Any] = {n: plain[n] for n in ("parallel", "zero", "model", "optim") if n in plain}
-    for section, names in _PLACEMENT_ONLY.items():
-        for name in names:
-            out[section].pop(name, None)
-    if out["parallel"].get("ep") == 1:  # without expert parallelism: as saved before parallel.ep
-        del out["parallel"]["ep"]
-    if isinstance(config, Config):
-        out["data"] = {"corpus": config.data.corpus, "batch_size": config.data.batch_size}
-        if config.data.path:  # the user's own data: its samples are what the data position counts
-            out["data"].update(path=config.data.path, tokenizer=config.data.tokenizer)
-    out["train"] = {"seed": config.train.seed, "precision": str(config.train.precision)}
-    return out
 
 
 def layout(engine: Checkpointable) -> dict[str, Any]:
@@ -124,15 +95,6 @@ def layout(engine: Checkpointable) -> dict[str, Any]:
         "stage_to_rank": list(engine.placement.stage_to_rank),
         "zero_stage": engine.zero.stage,
     }
-
-
-def sha256(path: Path) -> str:
-    """The hex sha256 of a file, read in blocks of 1 MiB."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def generation_files(generation: Path) -> list[str]:

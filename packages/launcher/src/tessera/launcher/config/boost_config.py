@@ -23,6 +23,7 @@ from tessera.launcher.config.choices import (
     coerce_choices,
 )
 from tessera.launcher.config.compile_rules import compile_problems
+from tessera.launcher.config.world_rule import AUTO, AUTO_FIELDS, auto_degrees, auto_problems
 from tessera.pipeline import SCHEDULES, schedule_spec
 from tessera.zero.chunks.config import Policy, chunk_problems
 from tessera.zero.precisions import Precision
@@ -41,6 +42,10 @@ __all__ = [
 class ParallelConfig(Parallelism):
     """Degrees of parallelism and the pipeline schedule (`tessera.comm.Parallelism`, which the
     planner's ``Layout`` is too), and how the launcher picks them. world size = dp * pp * tp * cp.
+    One of dp, pp, tp and cp may be -1 ("auto" in TOML, the environment and ``--set``): it is
+    inferred from the world size, and with none set (all 1) dp fills the world
+    (``tessera.launcher.config.world_rule``); until the world size is known, ``validate()`` checks
+    each field alone.
 
     ``tp_mode`` (`tessera.comm.TPMode`): "1d" (Megatron), "2d" (SUMMA over a q x q grid,
     tp = q*q), "2.5d" (Tesseract, tp = q*q*tp_depth) or "3d" (a q x q x q cube, tp = q**3).
@@ -230,6 +235,8 @@ class BoostConfig:
             for f in fields(section):
                 value = getattr(section, f.name)
                 name = f"{prefix}.{f.name}"
+                if name in AUTO_FIELDS and value == AUTO:  # inferred from the world size (world_rule)
+                    continue
                 if isinstance(value, int) and not isinstance(value, bool):
                     least = (
                         0
@@ -249,11 +256,15 @@ class BoostConfig:
                         )
                         else 1
                     )
-                    need(value >= least, f"{name} must be >= {least}, got {value}")
+                    auto = " (or -1: inferred from the world size)" if name in AUTO_FIELDS else ""
+                    need(value >= least, f"{name} must be >= {least}, got {value}{auto}")
                 if isinstance(value, float):
                     need(math.isfinite(value), f"{name}={value} must be a finite number")
         if errors:  # the checks below divide by these numbers
             return choices + errors
+        degrees = self.parallel.degree_values()
+        if auto_degrees(degrees):  # the rules between fields wait for the world size
+            return choices + auto_problems(degrees)
         modes = not any(line.startswith("parallel.") for line in choices)  # the degrees' own rules
         return list(dict.fromkeys(choices + rules(modes)))  # zero.policy: the chunks' rule too
 

@@ -7,6 +7,11 @@ Later sources override earlier ones, field by field:
   ``TESSERA_TRAIN_STEPS=50``.
 - Flags: ``--set section.field=value`` (repeatable), e.g. ``--set parallel.tp=2``.
 
+The TOML file is the one given (``tessera --config``), else the one ``TESSERA_CONFIG`` names.
+A degree (``parallel.dp``, ``pp``, ``tp``, ``cp``) may be ``-1`` or ``"auto"`` in any source:
+inferred from the world size (``tessera.launcher.config.world_rule``), which ``load_config()`` takes
+from ``WORLD_SIZE`` under plain ``torchrun``.
+
 Unknown sections or fields and values of the wrong type are errors naming the key: in TOML
 (and the resolved JSON) a value must have the field's own type (a string is not an int, a
 float or a bool is not an int; an int is accepted for a float), while environment and flag
@@ -43,8 +48,11 @@ from tessera.launcher.config.boost_config import BoostConfig
 from tessera.launcher.config.choices import choice_line, choice_of
 from tessera.launcher.config.elastic import ELASTIC_ENV, at_world
 from tessera.launcher.config.main_config import Config
+from tessera.launcher.config.world import fit_world, world_from_env
+from tessera.launcher.config.world_rule import AUTO, AUTO_FIELDS
 
 __all__ = [
+    "CONFIG_FILE_ENV",
     "HEARTBEAT_ENV",
     "LAUNCHER_ENV",
     "LAUNCHER_PID_ENV",
@@ -63,6 +71,7 @@ RUN_FOLDER_ENV = "TESSERA_RUN_FOLDER"  # the run folder `tessera train` created 
 HEARTBEAT_ENV = "TESSERA_HEARTBEAT_DIR"  # where each rank's watchdog heartbeat goes
 LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"  # workers die with this process
 RESTART_ENV = "TESSERA_RESTART_COUNT"  # which attempt of the job this is (0: the first)
+CONFIG_FILE_ENV = "TESSERA_CONFIG"  # the TOML file when none is given (plain torchrun, srun)
 # TESSERA_* variables that are not configuration fields: the launcher's own, and the
 # workspace's hatch environments' (TESSERA_PKG_TESTS names a package's tests).
 LAUNCHER_ENV = frozenset(
@@ -73,6 +82,7 @@ LAUNCHER_ENV = frozenset(
         LAUNCHER_PID_ENV,
         RESTART_ENV,
         ELASTIC_ENV,
+        CONFIG_FILE_ENV,
         "TESSERA_PKG_TESTS",
     }
 )
@@ -110,6 +120,8 @@ def _numbers(key: str, value: Any, *, text: bool) -> tuple[float, ...]:
 
 
 def _convert(key: str, value: Any, default: Any, *, text: bool) -> Any:
+    if key in AUTO_FIELDS and isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO  # a degree inferred from the world size, in any source
     kind = type(default)
     if isinstance(default, StrEnum):  # a choice: its name, from TOML, the environment or a flag
         name = value.strip() if text and isinstance(value, str) else value
@@ -236,16 +248,22 @@ def resolve_config(
     env: Mapping[str, str] | None = None,
     *,
     main_job: bool = True,
+    world: int | None = None,
 ) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``env``, then ``sets``; validated: for the
-    main job (``tessera train``, ``plan``, ``prepare-data``) with its ``[model]`` and ``[data]``,
-    else (``main_job=False``: ``tessera run`` of a script) the core sections' rules and each
-    field alone (`Config.validate_fields`).
+    """Defaults, then the TOML file at ``path`` (None: the one ``TESSERA_CONFIG`` in ``env``
+    names, if any), then ``env``, then ``sets``; with ``world``, the degrees inferred for that
+    many processes (`tessera.launcher.config.world.fit_world`); validated: for the main job
+    (``tessera train``, ``plan``, ``prepare-data``) with its ``[model]`` and ``[data]``, else
+    (``main_job=False``: ``tessera run`` of a script) the core sections' rules and each field
+    alone (`Config.validate_fields`). While a degree is -1 (no ``world``), the rules between
+    fields wait for the world size.
 
     Raises ConfigError listing every mistake (unknown keys, wrong types, impossible values).
     """
     env = os.environ if env is None else env
     config, errors = Config(), list[str]()
+    if path is None and env.get(CONFIG_FILE_ENV):
+        path = env[CONFIG_FILE_ENV]
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -260,6 +278,11 @@ def resolve_config(
         config = _apply(config, data, str(p), errors)
     config = _apply(config, _from_env(env), "environment", errors, text=True)
     config = _apply(config, _from_flags(sets), "--set", errors, text=True)
+    if world is not None and not errors:
+        try:
+            config = fit_world(config, world)
+        except ValueError as exc:
+            errors.append(str(exc))
     errors += _problems(config, main_job)
     if errors:
         raise ConfigError(errors)
@@ -269,13 +292,20 @@ def resolve_config(
 def load_config(env: Mapping[str, str] | None = None) -> Config:
     """Inside a worker of ``tessera run``: the resolved config it was started with.
 
-    Outside one (no ``TESSERA_RESOLVED_CONFIG``), defaults plus the environment. Validated as a
+    Outside one (plain ``torchrun``, or ``srun`` with torch's environment): defaults, then the
+    TOML file ``TESSERA_CONFIG`` names, then the environment, with the degrees inferred for the
+    world ``WORLD_SIZE`` gives (a degree of -1 takes what the others leave; with none set dp
+    fills the world); without ``WORLD_SIZE`` a -1 stays for ``boost()`` to infer. Validated as a
     script's (the core sections): the launcher checked the main job's whole before spawning.
     """
     env = os.environ if env is None else env
     resolved = env.get(RESOLVED_ENV)
     if not resolved:
-        return resolve_config(None, (), env, main_job=False)
+        try:
+            world = world_from_env(env)
+        except ValueError as exc:
+            raise ConfigError([f"environment: {exc}"]) from None
+        return resolve_config(None, (), env, main_job=False, world=world)
     config = config_from_dict(json.loads(Path(resolved).read_text()))
     if env.get(ELASTIC_ENV) == "1" and "WORLD_SIZE" in env:  # restarted on fewer nodes: dp follows
         config = at_world(config, int(env["WORLD_SIZE"]))

@@ -1,14 +1,16 @@
 """The main job's text, read without torch: "stdlib", a text file, or a directory of sources.
 
-The launcher reads it before anything spawns (to refuse a corpus that is missing or too
-small, or a ``model.vocab_size`` smaller than its alphabet); ``data.TextData`` tokenizes it
-inside the job.
+The launcher reads it before anything spawns (to refuse a corpus that is missing, too small or
+not text, a ``model.vocab_size`` smaller than its alphabet, or splits too short for
+``model.seq_len``); ``data.TextData`` tokenizes it inside the job.
 """
 
 from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+
+from tessera.launcher.data.text_check import read_text
 
 __all__ = ["MIN_CHARS", "corpus_files", "load_corpus"]
 
@@ -32,10 +34,7 @@ def load_corpus(spec: str, max_chars: int) -> str:
     parts: list[str] = []
     total = 0
     for f in corpus_files(spec):
-        try:
-            text = f.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise ValueError(f"data.corpus={spec!r}: {f} cannot be read ({exc.strerror})") from None
+        text = read_text(f, f"data.corpus={spec!r}")  # refuses what is not UTF-8 text (``text_check``)
         parts.append(text)
         total += len(text)
         if total >= max_chars:

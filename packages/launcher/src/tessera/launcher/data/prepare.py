@@ -40,6 +40,7 @@ from tessera.launcher.data.data_sources import (
     source_files,
     token_files,
 )
+from tessera.launcher.data.text_check import text_problem
 from tessera.launcher.data.text_tokenizers import (
     ByteVocab,
     CharVocab,
@@ -56,6 +57,7 @@ __all__ = [
     "prepare_command",
     "prepared_dir",
     "problems",
+    "split_problems",
     "split_sizes",
 ]
 
@@ -211,15 +213,20 @@ def split_sizes(tokens: int, val_fraction: float) -> tuple[int, int]:
     return cut, tokens - cut
 
 
+def split_problems(config: Config, tokens: int, where: str) -> list[str]:
+    """The splits of ``tokens`` (``data.val_fraction``) too short for ``model.seq_len``, one line
+    each starting with ``where``: a batch row needs ``seq_len + 1`` tokens and a choice of start."""
+    seq_len, fraction = config.model.seq_len, config.data.val_fraction
+    return [
+        f"{where}: the {name} split has {n} tokens (of {tokens}, data.val_fraction={fraction}), too few "
+        f"for model.seq_len={seq_len}"
+        for name, n in zip(("train", "val"), split_sizes(tokens, fraction), strict=True)
+        if n <= seq_len + 1
+    ]
+
+
 def _size_problems(config: Config, tokens: int, vocab: int) -> list[str]:
-    errors = []
-    seq_len = config.model.seq_len
-    for name, n in zip(("train", "val"), split_sizes(tokens, config.data.val_fraction), strict=True):
-        if n <= seq_len + 1:
-            errors.append(
-                f"data.path={config.data.path!r}: the {name} split has {n} tokens (of {tokens}, "
-                f"data.val_fraction={config.data.val_fraction}), too few for model.seq_len={seq_len}"
-            )
+    errors = split_problems(config, tokens, f"data.path={config.data.path!r}")
     if config.model.vocab_size and config.model.vocab_size < vocab:
         errors.append(
             f"model.vocab_size={config.model.vocab_size} is smaller than the {vocab} ids of "
@@ -256,7 +263,8 @@ def open_tokens(config: Config) -> TokenFiles:
 def problems(config: Config) -> list[str]:
     """Every mistake in ``[data]`` with ``data.path`` set, one line each, before anything
     spawns: the path, the files, the tokenizer, the dtype, each token file's ids against the
-    vocabulary, each JSON line's field (unless fresh shards exist), and the split sizes."""
+    vocabulary, that each text file is UTF-8 text (``text_check``) and each JSON line's field
+    (unless fresh shards exist), and the split sizes."""
     d = config.data
     errors = []
     if d.token_dtype not in ("", *DTYPES):
@@ -282,6 +290,10 @@ def problems(config: Config) -> list[str]:
         meta = _fresh_meta(config, files)
         if meta is not None:
             return _size_problems(config, int(meta["tokens"]), int(meta["vocab_size"]))
+        for f in files:  # binary data or another encoding would tokenize into noise
+            bad = text_problem(f, "data.path")
+            if bad:
+                return [bad]
         for _ in documents([f for f in files if f.suffix == ".jsonl"], d.field):  # each line's field
             pass
     except ValueError as exc:

@@ -13,6 +13,11 @@ every core (``serial_tokens_per_s`` in ``metrics.jsonl``, a reference line in th
 the end of the run logs the parallel job's throughput as a multiple of it. With ``[moe]`` on,
 every layer's MLP is a mixture of experts (``moe_model``) and each logged step also records
 each expert's share of the routed tokens and the fraction dropped for capacity.
+
+SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the job after the next step on
+every rank: it saves a generation there, says where and ends without a traceback
+(``tessera.launcher.run.stopping``). ``train.resume`` naming that checkpoint goes on in the same
+run folder (``tessera.launcher.run.runs``), its metrics appended.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.launcher import Config, Engine, boost, load_config
-from tessera.launcher.checkpoint import saved_vocab
+from tessera.launcher.checkpoint import generation_name, saved_vocab
 from tessera.launcher.config import config_to_toml
 from tessera.launcher.data import Data, TokenData, open_data
 from tessera.launcher.job.moe_model import MOE_GPT_SPEC, ExpertLoad, moe_gpt
@@ -36,7 +41,8 @@ from tessera.launcher.job.optim import lr_factor, optimizer_for
 from tessera.launcher.job.runlog import MetricsWriter, Progress, plot_metrics, read_metrics, truncate_metrics
 from tessera.launcher.job.serial_speed import best_serial_tokens_per_s
 from tessera.launcher.job.start import join_ranks, resume_point
-from tessera.launcher.run import run_folder
+from tessera.launcher.job.stop import StopRequest
+from tessera.launcher.run import CHECKPOINT_DIR, run_folder
 from tessera.models import GPT, GPTConfig
 from tessera.moe import set_aux_grad_scale
 
@@ -130,7 +136,14 @@ def _with_vocab(config: Config, data_vocab: int, resume: str) -> tuple[Config, i
 
 
 def main() -> None:
-    """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank)."""
+    """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank).
+    SIGINT or SIGTERM: stop after the step every rank agrees on, save there and return
+    (``tessera.launcher.run.stopping``)."""
+    with StopRequest() as stop:
+        _train(stop)
+
+
+def _train(stop: StopRequest) -> None:
     config = load_config()
     device = join_ranks()
     rank = dist.get_rank()
@@ -183,6 +196,7 @@ def main() -> None:
     tokens = config.data.batch_size * m.seq_len
     started = time.perf_counter()
     window_start, window_steps = started, 0
+    checkpoints, stopped = run / CHECKPOINT_DIR, 0
     for step in range(engine.step, config.train.steps):
         if load is not None:  # the attached router losses follow the loss's scale and microbatches
             set_aux_grad_scale(model, engine.zero.loss_scale / config.parallel.microbatches)
@@ -215,9 +229,20 @@ def main() -> None:
                 window_start = time.perf_counter()
         if config.train.checkpoint_every and done % config.train.checkpoint_every == 0:
             background = config.train.checkpoint_async and done < config.train.steps
-            engine.save(run / "checkpoint", keep_last=config.train.keep_last, background=background)
+            engine.save(checkpoints, keep_last=config.train.keep_last, background=background)
+        stopped = stop.agreed(engine.mesh.device)  # collective: every rank stops after the same step
+        if stopped:
+            break
     if not (config.train.checkpoint_every and engine.step % config.train.checkpoint_every == 0):
-        engine.save(run / "checkpoint", keep_last=config.train.keep_last)  # commits a pending one first
+        engine.save(checkpoints, keep_last=config.train.keep_last)  # commits a pending one first
+    if stopped:
+        at = engine.step
+        if metrics is not None:
+            metrics.close()
+        engine.close()  # commits a generation still being written in the background
+        stop.announce(stopped, at, checkpoints / generation_name(at), checkpoints)
+        dist.destroy_process_group()
+        return
     full = engine.consolidate(run / "model.safetensors")
     if rank == 0 and metrics is not None:
         metrics.close()

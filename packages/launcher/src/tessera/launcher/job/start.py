@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tessera.comm import default_device
 from tessera.launcher.checkpoint import committed_checkpoint
 from tessera.launcher.config import RESTART_ENV, Config
+from tessera.launcher.run import CHECKPOINT_DIR
 
 __all__ = ["join_ranks", "resume_point"]
 
@@ -31,6 +32,6 @@ def resume_point(config: Config, run: Path) -> tuple[str, int]:
     """What the job resumes from and how many times it was restarted: ``train.resume``, or, on an
     elastic restart, the newest committed generation under ``run/checkpoint``."""
     restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if restarts and committed_checkpoint(run / "checkpoint") is not None:
-        return str(run / "checkpoint"), restarts  # an elastic restart goes on from the newest generation
+    if restarts and committed_checkpoint(run / CHECKPOINT_DIR) is not None:
+        return str(run / CHECKPOINT_DIR), restarts  # an elastic restart goes on from the newest generation
     return config.train.resume, restarts

@@ -5,7 +5,8 @@
 ``tessera.planner``).
 
 Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
-mistake (found before anything spawns, and before torch is imported), 130 interrupted.
+mistake (found before anything spawns, and before torch is imported), 130 stopped by SIGINT
+(Ctrl-C) and 143 by SIGTERM (the main job saves a checkpoint first: ``stopping``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +31,8 @@ from tessera.launcher.config.config_io import (
 )
 from tessera.launcher.config.elastic import elastic_problems
 from tessera.launcher.config.finetune_config import finetune_problems
+from tessera.launcher.config.world import fit_world, known_world_size
+from tessera.launcher.config.world_rule import world_needed
 from tessera.launcher.data.prepare import ensure_prepared, prepare_command
 from tessera.launcher.run import netif
 from tessera.launcher.run.fanout import start_every_node
@@ -38,6 +42,7 @@ from tessera.launcher.run.plan_command import run as run_plan
 from tessera.launcher.run.preflight import preflight
 from tessera.launcher.run.runs import RunFolderError, create_run_folder
 from tessera.launcher.run.spawn import build_torchrun_argv, spawn
+from tessera.launcher.run.stopping import exit_code
 
 __all__ = ["build_torchrun_argv", "main", "rank_table"]
 
@@ -181,6 +186,8 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
             return _fail([str(exc)])
         _say(f"parallel.auto: {chosen.label()} (predicted {chosen.step_time:.3g} s/step)")
         args.nproc_per_node = per_node
+    if known_world_size(config) is None and args.nproc_per_node is None and args.hostfile is None:
+        return _fail([world_needed(config.parallel.degree_values())])
     try:
         plan = plan_nodes(
             nproc_per_node=args.nproc_per_node,
@@ -189,22 +196,25 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
             rdzv_endpoint=args.rdzv_endpoint,
             hostfile=args.hostfile,
             env=os.environ,
-            world_size=config.world_size,
+            world_size=known_world_size(config),
             is_me=netif.owns_address,
             min_nodes=min_nodes if min_nodes != args.nnodes else None,
         )
     except ValueError as exc:
         return _fail([str(exc)])
-    try:
-        config.parallel.topology().check_world_size(plan.world_size)
+    try:  # a degree of -1, or dp when none is set, from the world about to start
+        config = fit_world(config, plan.world_size)
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
+    fitted = config.validate() if main_job else config.validate_fields()
+    if fitted:
+        return _fail(fitted)
     if plan.elastic:  # every smaller world the job may restart on must work too
         worlds = [n * plan.nproc_per_node for n in plan.node_counts]
         lines = elastic_problems(config, worlds, main_job=main_job)
         if lines:
             return _fail([f"--nnodes {plan.min_nodes}:{plan.nnodes}: {line}" for line in lines])
-    errors = preflight(config, main_job=main_job, processes=plan.nproc_per_node)
+    errors = preflight(config, main_job=main_job, processes=plan.nproc_per_node, nodes=plan.nnodes)
     if main_job and not args.dry_run and not errors:
         errors = ensure_prepared(config, _say)  # data.path's text tokenized once, before spawning
     if not args.dry_run and not errors:
@@ -240,6 +250,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         log_dir=log_dir,
         loopback_port=endpoint_port(plan.rdzv_endpoint) if loopback else None,
         say=_say,
+        run=folder,
     )
 
 
@@ -253,7 +264,7 @@ def _fan_out(args: argparse.Namespace, config: Config) -> int:
         min_nodes, nnodes = parse_nnodes(args.nnodes) if args.nnodes is not None else (None, None)
         plan = plan_nodes(
             nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=0, rdzv_endpoint=args.rdzv_endpoint,
-            hostfile=args.hostfile, env=os.environ, world_size=config.world_size,
+            hostfile=args.hostfile, env=os.environ, world_size=known_world_size(config),
             min_nodes=min_nodes if min_nodes != nnodes else None,
         )  # fmt: skip
     except ValueError as exc:
@@ -285,6 +296,14 @@ def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` command."""
+    try:
+        return _command(argv)
+    except KeyboardInterrupt:  # before any rank started (while spawning, ``spawn`` says it)
+        _say("interrupted by SIGINT before the job started")
+        return exit_code(signal.SIGINT)
+
+
+def _command(argv: Sequence[str] | None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(raw)
     args.raw = raw

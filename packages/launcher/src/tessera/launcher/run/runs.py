@@ -4,7 +4,9 @@
 generated name (``char-gpt-<time>``; ``finetune-<time>`` for ``tessera finetune``) takes a
 ``-2``, ``-3``... suffix when another job took it in the same second; an explicit
 ``train.name`` that exists is refused, unless ``train.resume`` lies inside it (resuming into its
-own folder). The workers find the
+own folder). Without a ``train.name``, a resume goes on in the run folder that holds its
+checkpoint (``train.resume`` is ``<folder>/checkpoint`` or a ``step-N`` generation in it:
+`resumed_folder`), so one run's metrics stay in one folder. The workers find the
 folder in ``TESSERA_RUN_FOLDER``; started another way (torchrun directly), rank 0 creates
 it the same way and broadcasts its name.
 
@@ -17,6 +19,7 @@ on a shared disk). Give ``train.name`` on several nodes: a generated name is eac
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,9 +31,10 @@ from tessera.launcher.config.config_io import RUN_FOLDER_ENV
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RunFolderError", "create_run_folder", "run_folder"]
+__all__ = ["CHECKPOINT_DIR", "RunFolderError", "create_run_folder", "resumed_folder", "run_folder"]
 
 _NAME_BYTES = 1024
+CHECKPOINT_DIR = "checkpoint"  # where a run folder keeps its checkpoint generations
 
 
 class RunFolderError(ValueError):
@@ -40,6 +44,18 @@ class RunFolderError(ValueError):
 def _resumes_into(config: Config, folder: Path) -> bool:
     resume = config.train.resume
     return bool(resume) and Path(resume).resolve().is_relative_to(folder.resolve())
+
+
+def resumed_folder(config: Config) -> Path | None:
+    """The run folder ``train.resume`` lies in (``<folder>/checkpoint``, or a generation
+    ``<folder>/checkpoint/step-N``), where a resume without a ``train.name`` goes on; None when
+    there is no resume or its checkpoint lies elsewhere."""
+    if not config.train.resume:
+        return None
+    path = Path(config.train.resume)
+    if re.fullmatch(r"step-\d+", path.name):
+        path = path.parent
+    return path.parent if path.name == CHECKPOINT_DIR else None
 
 
 def _made_by_another_node(folder: Path) -> bool:
@@ -59,6 +75,10 @@ def create_run_folder(config: Config, *, now: float | None = None, joining: bool
     root = Path(config.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = config.train.name
+    resumed = resumed_folder(config)
+    if not name and resumed is not None:  # the resumed run goes on where it was (metrics appended)
+        resumed.mkdir(parents=True, exist_ok=True)
+        return resumed
     if name:
         folder = root / name
         if joining:

@@ -8,7 +8,8 @@ launches again, up to ``train.max_restarts`` times, from the newest committed ch
 generation (the job's own resume logic). Each attempt is a fresh rendezvous, with its own id
 (``<rdzv_id>-<attempt>``), so nodes that restart meet again instead of waiting on a closed
 one. With ``--nnodes MIN:MAX`` an attempt starts on as many nodes as come, at least MIN, and
-the workers set dp from the world they find (``elastic``).
+the workers set dp from the world they find (``elastic``). SIGINT or SIGTERM: the ranks of
+the main job save and stop, and this says where (``stopping``); no restart follows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tessera.launcher.config.config_io import (
 from tessera.launcher.config.elastic import ELASTIC_ENV
 from tessera.launcher.run.liveness import NodeWatch, watch_port
 from tessera.launcher.run.nodes import NodePlan, endpoint_port
+from tessera.launcher.run.stopping import exit_code, read_note, stop_line
 from tessera.launcher.run.watchdog import Watchdog, read_beats
 
 __all__ = ["build_torchrun_argv", "spawn"]
@@ -108,8 +110,10 @@ def spawn(
     log_dir: str,
     loopback_port: int | None,
     say: Callable[[str], None],
+    run: Path | None = None,
 ) -> int:
-    """Every attempt of the job on this node (module docstring); the exit code."""
+    """Every attempt of the job on this node (module docstring); the exit code. ``run``: the
+    main job's run folder (where a stopped job's checkpoint is)."""
     with tempfile.TemporaryDirectory(prefix="tessera-run-") as tmp:
         resolved = Path(tmp, "config.json")
         resolved.write_text(json.dumps(config_to_dict(config)))
@@ -144,7 +148,7 @@ def spawn(
                 if watch is not None:
                     watch.begin(attempt)
                 code, again = _attempt(
-                    plan, config, target, log_dir, loopback_port, heartbeats, attempt, say, watch
+                    plan, config, target, log_dir, loopback_port, heartbeats, attempt, say, watch, run
                 )
                 if not again or attempt == config.train.max_restarts:
                     return code
@@ -166,9 +170,10 @@ def _attempt(
     attempt: int,
     say: Callable[[str], None],
     watch: NodeWatch | None,
+    run: Path | None,
 ) -> tuple[int, bool]:
     """One launch of every rank: (exit code, whether a restart may help: a rank failed, hung or
-    a node was lost).
+    a node was lost; not after a stop on a signal).
 
     Each attempt is a fresh torch.distributed.run (its own rendezvous and stores): torch's own
     ``--max-restarts`` hung here on this torch version (the restarted workers never met)."""
@@ -204,13 +209,19 @@ def _attempt(
         _kill_workers(heartbeats)
         say(f"this attempt's rendezvous failed ({type(exc).__name__}: {exc})")
         return 1, True
-    except (KeyboardInterrupt, SignalException) as exc:
-        say(f"interrupted ({exc}); every rank was stopped")
-        return 130, False
+    except (KeyboardInterrupt, SignalException) as exc:  # torch's agent gave the ranks the signal
+        signum = int(exc.sigval) if isinstance(exc, SignalException) else int(signal.SIGINT)
+        say(stop_line(signum, read_note(heartbeats), run))
+        return exit_code(signum), False
     if watchdog.fired:
         if watch is not None:
             watch.settle()
         return 1, True
     if watch is not None:
         watch.finish()
+    note = read_note(heartbeats)
+    if note is not None:  # the ranks were signalled, not this process: they saved and stopped
+        signum = int(signal.Signals[note.signal])
+        say(stop_line(signum, note, run))
+        return exit_code(signum), False
     return 0, False

@@ -10,7 +10,9 @@ streams and leaves with ``os._exit(0)``: it skips the interpreter's teardown, wh
 destructors of torch's process groups and their background threads can abort
 (``terminate called without an active exception``) after a successful run. Whatever the
 script wrote before returning is already on disk, so teardown cannot turn success into a
-failure. (Threads the script left running are not joined.)
+failure. (Threads the script left running are not joined.) A script ended by SIGINT (which
+the launcher passes on after Ctrl-C and reports) leaves with 130 and no traceback; the main job
+catches SIGINT and SIGTERM itself, to save first (``stopping``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import atexit
 import logging
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tessera.comm import configure_logging
 from tessera.launcher.config.config_io import HEARTBEAT_ENV, LAUNCHER_PID_ENV, load_config
 from tessera.launcher.run.heartbeat import Heartbeat
+from tessera.launcher.run.stopping import exit_code
 
 __all__ = ["main"]
 
@@ -40,12 +44,12 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _exit_now() -> None:
+def _exit_now(code: int = 0) -> None:
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 @record
@@ -71,6 +75,8 @@ def main() -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+    except KeyboardInterrupt:  # SIGINT, passed on by the launcher, which says so: no traceback
+        _exit_now(exit_code(signal.SIGINT))
     if heartbeat is not None:
         heartbeat.done()
     _exit_now()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.comm import Mesh, Topology
@@ -39,6 +40,7 @@ from tessera.launcher.checkpoint.adapted import Adapters, converted_adapters, re
 from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import Placement, persistent_buffers
 from tessera.launcher.config import BoostConfig
+from tessera.launcher.config.world import fit_world
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.families.adapters import peft_config_of, unwrap_peft
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
@@ -195,6 +197,8 @@ def _checked(
     adapters: Adapters,
 ) -> _Job:
     """Step 1 (pure: no group exists yet, so a refusal communicates nothing)."""
+    if dist.is_initialized():  # a degree of -1, or dp when none is set, from the default group's size
+        config = fit_world(config, dist.get_world_size())
     errors = BoostConfig.validate(config)  # the core only: this model is checked against the degrees itself
     if errors:
         raise ValueError("; ".join(errors))
