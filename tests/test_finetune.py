@@ -42,6 +42,7 @@ SETS = [
     "train.log_every=1", "train.checkpoint_every=2", "train.precision=fp32", "optim.name=sgd",
     "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0", "optim.warmup_steps=1",
     "optim.clip_grad_norm=0.0", "finetune.seq_len=24", "finetune.rank=4", "finetune.alpha=8.0",
+    "finetune.modules_to_save=lm_head",  # the head trained whole: PEFT's trained copy
 ]  # fmt: skip
 
 
@@ -73,7 +74,10 @@ def _serial(model_dir: Path, data_path: Path) -> tuple[list[float], Any]:
     data = finetune_data(data_path, load_tokenizer(model_dir), seq_len=f.seq_len)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = peft.get_peft_model(
-        base, peft.LoraConfig(r=f.rank, lora_alpha=f.alpha, target_modules=f.target_modules())
+        base,
+        peft.LoraConfig(
+            r=f.rank, lora_alpha=f.alpha, target_modules=f.target_modules(), modules_to_save=f.saved_whole()
+        ),
     )
     named = dict(model.named_parameters())
     shapes = {k.removeprefix(PEFT_PREFIX): tuple(p.shape) for k, p in named.items() if ".lora_" in k}
@@ -102,7 +106,13 @@ def test_finetune_equals_the_serial_peft_run_and_its_outputs_load(tmp_path: Path
     assert losses == pytest.approx(want, rel=1e-5)
     saved = safetensors.torch.load_file(run / "adapter" / "adapter_model.safetensors")
     trained = {k.replace(".default.", "."): v for k, v in serial.state_dict().items() if ".lora_" in k}
-    torch.testing.assert_close(saved, trained, rtol=1e-5, atol=1e-6)
+    head = {  # the head's trained copy, under the head's plain name
+        k.replace(".modules_to_save.default.", "."): v
+        for k, v in serial.state_dict().items()
+        if ".modules_to_save." in k
+    }
+    assert head, "the head is trained whole"
+    torch.testing.assert_close(saved, {**trained, **head}, rtol=1e-5, atol=1e-6)
 
     ids = torch.tensor([[5, 17, 33, 8, 90, 4, 61, 12]])
     expected = serial(ids).logits.detach()

@@ -6,7 +6,9 @@ file of prompt/response pairs or chats (``tessera.launcher.data.finetune_example
 names are ``prompt_field``, ``response_field``, ``messages_field``). Each example becomes a row
 of ``seq_len`` tokens (``packing``: several per row), the loss only on the responses. The
 adapters: PEFT's ``LoraConfig`` with rank ``rank``, ``alpha``, ``dropout`` on ``targets`` (module
-names, comma-separated, or ``all-linear``: every linear layer but the output head). The global
+names, comma-separated, or ``all-linear``: every linear layer but the output head);
+``modules_to_save`` (comma-separated module names, e.g. ``lm_head``) trains those layers whole,
+as PEFT's option of that name does (a trained copy beside the frozen original). The global
 batch, steps, learning rate and the degrees are the usual ``[data]``, ``[train]``, ``[optim]``
 and ``[parallel]`` settings.
 """
@@ -33,6 +35,7 @@ class FinetuneConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: str = "all-linear"
+    modules_to_save: str = ""
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
@@ -41,6 +44,11 @@ class FinetuneConfig:
         """``targets`` as PEFT takes them: ``"all-linear"``, or the list of names."""
         names = [t.strip() for t in self.targets.split(",") if t.strip()]
         return "all-linear" if names == ["all-linear"] else names
+
+    def saved_whole(self) -> list[str] | None:
+        """``modules_to_save`` as PEFT takes it (None: none)."""
+        names = [t.strip() for t in self.modules_to_save.split(",") if t.strip()]
+        return names or None
 
 
 def finetune_problems(f: FinetuneConfig) -> list[str]:

@@ -50,7 +50,11 @@ def lora_model(config: Config) -> nn.Module:
     with deferred_parameters():
         base = transformers.AutoModelForCausalLM.from_config(base_config)
     lora = peft.LoraConfig(
-        r=f.rank, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.target_modules()
+        r=f.rank,
+        lora_alpha=f.alpha,
+        lora_dropout=f.dropout,
+        target_modules=f.target_modules(),
+        modules_to_save=f.saved_whole(),
     )
     wrapped: nn.Module = peft.get_peft_model(base, lora)
     return wrapped
