@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 
 from tessera.comm import Mesh
@@ -15,7 +17,7 @@ from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
-__all__ = ["Boosted", "Placement", "local_part", "persistent_buffers"]
+__all__ = ["Boosted", "Placement", "load_buffers", "local_part", "persistent_buffers"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,23 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
             if buf is not None and name not in module._non_persistent_buffers_set:
                 out[f"{owner}.{name}" if owner else name] = buf
     return out
+
+
+def load_buffers(engine: Boosted, weights: Mapping[str, Tensor], path: Path) -> None:
+    """Copy into this rank's persistent buffers (``Placement.buffers``: a router's bias) those
+    that ``weights`` holds by serial name, as they are; local; ValueError naming a misshapen one
+    (read from ``path``)."""
+    held = dict(engine.module.named_buffers())
+    with torch.no_grad():
+        for local, serial in engine.placement.buffers.items():
+            if serial in weights:
+                value = weights[serial]
+                if tuple(value.shape) != tuple(held[local].shape):
+                    raise ValueError(
+                        f"{path}: buffer {serial} has shape {tuple(value.shape)}, the model's "
+                        f"{tuple(held[local].shape)}"
+                    )
+                held[local].copy_(value)
 
 
 def local_part(

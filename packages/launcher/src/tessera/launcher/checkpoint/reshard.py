@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
 from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.consolidate import full_tensor
-from tessera.launcher.checkpoint.placement import Boosted
+from tessera.launcher.checkpoint.placement import Boosted, load_buffers
 from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
 
 __all__ = [
@@ -279,14 +279,4 @@ def import_weights(engine: Boosted, path: Path, extra: Mapping[str, Tensor] | No
         load_portable_state(
             engine, _AsParams(weights, sources, {n: extra[n] for n in wanted - set(sources)}), {}
         )
-        held = dict(engine.module.named_buffers())
-        with torch.no_grad():  # the persistent buffers the file holds (a router's bias), as they are
-            for local, serial in engine.placement.buffers.items():
-                if serial in weights:
-                    value = weights[serial]
-                    if tuple(value.shape) != tuple(held[local].shape):
-                        raise ValueError(
-                            f"{path}: buffer {serial} has shape {tuple(value.shape)}, the model's "
-                            f"{tuple(held[local].shape)}"
-                        )
-                    held[local].copy_(value)
+        load_buffers(engine, weights, path)

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import torch
 from torch import Tensor
 
 from tessera.comm.safefile import SafeFile
@@ -65,6 +66,10 @@ class LazyTensors(Mapping[str, Tensor]):
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, from its file's header (nothing is read)."""
         return tuple(self._where[name].entries[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of tensor ``name``, from its file's header (nothing is read)."""
+        return self._where[name].entries[name].dtype
 
     def __contains__(self, name: object) -> bool:
         return name in self._where

@@ -33,6 +33,7 @@ from tessera.launcher.checkpoint.consolidate import (
     export_sharded,
     local_full_parameters,
 )
+from tessera.launcher.checkpoint.dcp import export_dcp, import_dcp
 from tessera.launcher.checkpoint.engine_io import BackgroundSave, load_engine, save_engine
 from tessera.launcher.checkpoint.placement import Placement
 from tessera.launcher.checkpoint.reshard import import_weights
@@ -415,6 +416,25 @@ class Engine:
         raise_together(error, None, f"importing {path}", self.mesh.device)
         if self.verifier is not None:
             self.verifier.weights_replaced()
+
+    def import_dcp(self, path: str | Path, *, prefix: str | None = None) -> None:
+        """Load the model's weights from a ``torch.distributed.checkpoint`` folder (FSDP2's
+        ``dcp.save({"model": get_model_state_dict(model)})``, torchtitan's bare names), each rank
+        reading its parameters' full values one at a time, into its shards under any topology;
+        the optimizer state starts fresh. ``prefix``: where the names are (found when None).
+        Collective; a missing, foreign or misshapen name raises on every rank before anything
+        changes (``checkpoint.dcp``)."""
+        import_dcp(self, path, prefix=prefix)
+        if self.verifier is not None:
+            self.verifier.weights_replaced()
+
+    def export_dcp(
+        self, path: str | Path, *, prefix: str = "model", dtype: torch.dtype = torch.float32
+    ) -> Path:
+        """Write the serial model as a ``torch.distributed.checkpoint`` folder that FSDP2 loads
+        (``dcp.load({"model": get_model_state_dict(fsdp_model)}, ...)``; ``prefix=""``: bare names,
+        as torchtitan loads), streamed past a staging folder beside it; collective; returns it."""
+        return export_dcp(self, path, prefix=prefix, dtype=dtype)
 
     def consolidate(self, path: str | Path) -> dict[str, Tensor] | None:
         """Write the serial model's state dict to ``path``; rank 0 also returns it (collective)."""
