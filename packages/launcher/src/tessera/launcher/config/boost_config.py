@@ -170,6 +170,7 @@ class TrainConfig:
     resume: str = ""
     sample_chars: int = 300
     watchdog_s: float = 60.0  # end the job when a rank makes no progress this long (0: off)
+    compile_watchdog_s: float = 1800.0  # the watchdog's limit while a rank compiles (torch.compile; 0: none)
     keep_last: int = 2  # checkpoint generations kept
     checkpoint_async: bool = False  # write checkpoints in a background thread (Engine.save)
     max_skipped_steps: int = 20  # non-finite steps in a row before the run stops as diverged
@@ -319,6 +320,10 @@ class BoostConfig:
         errors += self.zero.check_chunks()
         need(self.optim.lr > 0, f"optim.lr={self.optim.lr} must be > 0")
         need(t.watchdog_s >= 0, f"train.watchdog_s={t.watchdog_s} must be >= 0 (0: off)")
+        need(
+            t.compile_watchdog_s >= 0,
+            f"train.compile_watchdog_s={t.compile_watchdog_s} must be >= 0 (0: no limit while compiling)",
+        )
         need(
             t.activation_checkpointing
             or (t.recompute_every == 1 and t.recompute_policy is RecomputePolicy.FULL),

@@ -1,9 +1,9 @@
 """What every rank of ``tessera run`` executes: ties to the launcher, then the user's script.
 
 Before the script: the process dies with the launcher and heartbeats for its watchdog
-(``heartbeat.Heartbeat``), and logging is rank-aware. Wrapped in torch's ``record`` so that
-an exception on any rank is written to the elastic agent's error file, and the agent prints
-that rank's traceback when it ends the job.
+(``heartbeat.Heartbeat``, torch's compiles in its ``compiling`` phase), and logging is
+rank-aware. Wrapped in torch's ``record`` so that an exception on any rank is written to the
+elastic agent's error file, and the agent prints that rank's traceback when it ends the job.
 
 When the script returns (or exits 0), the worker runs the ``atexit`` handlers, flushes its
 streams and leaves with ``os._exit(0)``: it skips the interpreter's teardown, where the
@@ -68,6 +68,7 @@ def main() -> None:
             int(os.environ.get("RANK", "0")),
             config.train.watchdog_s,
             int(parent) if parent else None,
+            compile_watchdog_s=config.train.compile_watchdog_s,
         )
         heartbeat.start()
     try:
