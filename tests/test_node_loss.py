@@ -13,6 +13,8 @@ by hand on each.
   and its ranks, ends its own workers instead of waiting in a collective, restarts alone
   (dp 2 -> 1, resharded from its folder's newest generation) and finishes. Its losses after
   the resume equal a fresh one-process resume from the same generation, bit for bit.
+- The same with node 0 lost, the rendezvous host: node 1 hosts the rendezvous from then on and
+  finishes alone.
 """
 
 from __future__ import annotations
@@ -159,6 +161,28 @@ def test_a_lost_node_is_named_and_the_job_finishes_on_the_node_left(
     log = (tmp_path / "node0.log").read_text()
     assert code == 0, f"node 0 exited {code} ({waited:.0f} s after the loss):\n{log[-4000:]}"
     assert re.search(r"node 1 \(\S+, ranks 1\) is lost: no heartbeat for \d+ s", log), log[-4000:]
+    assert "restart 1 of 1 on the nodes that remain (at least 1)" in log, log[-4000:]
+    _resumes_as_fresh(run, log, settings, 1, tmp_path)
+
+
+def test_losing_node_0_the_rendezvous_host_the_job_finishes_on_node_1(
+    tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[..., None]
+) -> None:
+    """Node 0 hosts the rendezvous and the node watch's store; it is lost mid-run. Node 1 names
+    it, hosts the rendezvous itself at its own address, restarts alone from its own folder's
+    newest generation and finishes, equal to a fresh one-process resume from it."""
+    node0, node1, address = two_namespaces
+    settings = [*SETTINGS, "train.steps=10", "train.max_restarts=1", "train.watchdog_s=10"]
+    procs = [_node(ns, k, address, "1:2", settings, tmp_path) for k, ns in enumerate((node0, node1))]
+    run = tmp_path / "disk1" / "job"  # rank 0 writes the metrics: node 0's folder until the loss
+    _wait_for_step(procs[0], tmp_path / "disk0" / "job", 5, tmp_path / "node0.log")
+    unplug(node0)  # node 0 vanishes, and with it both stores
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    code = _finish(procs[1], 300)
+    log = (tmp_path / "node1.log").read_text()
+    assert code == 0, f"node 1 exited {code}:\n{log[-4000:]}"
+    assert re.search(r"node 0 \(\S+\) is lost", log), log[-4000:]
+    assert re.search(r"node 1 \(\S+\) hosts the rendezvous from now on", log), log[-4000:]
     assert "restart 1 of 1 on the nodes that remain (at least 1)" in log, log[-4000:]
     _resumes_as_fresh(run, log, settings, 1, tmp_path)
 

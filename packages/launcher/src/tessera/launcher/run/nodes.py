@@ -36,6 +36,7 @@ class NodePlan:
     source: str  # "local", "flags", "hostfile", "slurm" or "openmpi"
     local_addr: str | None = None  # this node's address on the route to the endpoint (several nodes)
     min_nodes: int | None = None  # ``--nnodes MIN:MAX``: the job may go on with MIN of its nnodes
+    host_node: int = 0  # the node hosting the rendezvous (a survivor's after the host is lost)
 
     @property
     def world_size(self) -> int:

@@ -8,8 +8,10 @@ launches again, up to ``train.max_restarts`` times, from the newest committed ch
 generation (the job's own resume logic). Each attempt is a fresh rendezvous, with its own id
 (``<rdzv_id>-<attempt>``), so nodes that restart meet again instead of waiting on a closed
 one. With ``--nnodes MIN:MAX`` an attempt starts on as many nodes as come, at least MIN, and
-the workers set dp from the world they find (``elastic``). SIGINT or SIGTERM: the ranks of
-the main job save and stop, and this says where (``stopping``); no restart follows.
+the workers set dp from the world they find (``elastic``). Any node may be the one lost: when
+it is the rendezvous host (node 0 at first), the lowest node left hosts the rendezvous and the
+node watch from the next attempt on, at its own address (``_rehost``). SIGINT or SIGTERM: the
+ranks of the main job save and stop, and this says where (``stopping``); no restart follows.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ RESTART_LAST_CALL_S = 10  # how long a restarted rendezvous waits for more than 
 
 
 def build_torchrun_argv(
-    plan: NodePlan, *, log_dir: str, target: Sequence[str], attempt: int = 0
+    plan: NodePlan, *, log_dir: str, target: Sequence[str], attempt: int = 0, read_timeout: int = 60
 ) -> list[str]:
     """Arguments for torch.distributed.run: no restarts of its own (``spawn`` restarts a failed
     job itself), per-rank logs, rank 0 on the console; on several nodes the rendezvous of this
-    ``attempt``."""
+    ``attempt``, whose store calls give up after ``read_timeout`` seconds (torch's default, 60,
+    would keep a node waiting that long on every call to a host that vanished)."""
     argv = [f"--nproc-per-node={plan.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
     if plan.source == "local":
         argv += [
@@ -58,10 +61,13 @@ def build_torchrun_argv(
             "--local-addr=127.0.0.1",
         ]
     else:
-        # node 0 hosts the store (``netif``): torch would match the endpoint to the hostname
-        conf = [f"is_host={int(plan.node_rank == 0)}"]
+        # the host node (node 0, or the survivor that took over) hosts the store (``netif``):
+        # torch would match the endpoint to the hostname
+        conf = [f"is_host={int(plan.node_rank == plan.host_node)}"]
         if plan.elastic and attempt > 0:
             conf.append(f"last_call_timeout={RESTART_LAST_CALL_S}")
+        if read_timeout != 60:
+            conf.append(f"read_timeout={read_timeout}")
         nnodes = f"{plan.min_nodes}:{plan.nnodes}" if plan.elastic else str(plan.nnodes)
         argv += [
             f"--nnodes={nnodes}",
@@ -127,7 +133,7 @@ def spawn(
             os.environ[ELASTIC_ENV] = "1"
         os.makedirs(log_dir, exist_ok=True)
         with contextlib.ExitStack() as stack:
-            if plan.nnodes > 1 and plan.node_rank == 0:
+            if plan.nnodes > 1 and plan.node_rank == plan.host_node:
                 stack.enter_context(_rendezvous_store(plan))
             watch = None
             if plan.nnodes > 1 and config.train.watchdog_s > 0:
@@ -141,6 +147,7 @@ def spawn(
                     heartbeats=heartbeats,
                     report=say,
                     on_lost=lambda: _kill_workers(heartbeats),
+                    address=plan.local_addr,
                 )
                 stack.enter_context(watch)
             for attempt in range(config.train.max_restarts + 1):
@@ -152,12 +159,38 @@ def spawn(
                 )
                 if not again or attempt == config.train.max_restarts:
                     return code
+                if watch is not None and plan.host_node in watch.lost_nodes:  # the rendezvous host
+                    moved = _rehost(plan, watch, say)
+                    if moved is None:
+                        return code
+                    plan = moved
+                    if plan.node_rank == plan.host_node:
+                        stack.enter_context(_rendezvous_store(plan))
+                    watch.move(plan.host_node, moved.rdzv_endpoint.rpartition(":")[0].strip("[]"))
                 fewer = f" on the nodes that remain (at least {plan.min_nodes})" if plan.elastic else ""
                 say(
                     f"restart {attempt + 1} of {config.train.max_restarts}{fewer}: every rank, from the "
                     "newest committed checkpoint generation"
                 )
     return 1
+
+
+def _rehost(plan: NodePlan, watch: NodeWatch, say: Callable[[str], None]) -> NodePlan | None:
+    """The plan with the rendezvous on the lowest node not lost (this node's own address, or the
+    one that node gave the watch), at the same port; None (said why) when its address is not
+    known."""
+    left = [n for n in range(plan.nnodes) if n not in watch.lost_nodes]
+    if not left:
+        return None
+    host = left[0]
+    address = plan.local_addr if host == plan.node_rank else watch.addresses.get(host)
+    if not address:
+        say(f"the rendezvous host (node {plan.host_node}) is lost and node {host}'s address is unknown")
+        return None
+    port = endpoint_port(plan.rdzv_endpoint)
+    endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"  # IPv6 in brackets
+    say(f"node {host} ({address}) hosts the rendezvous from now on (node {plan.host_node} is lost)")
+    return dataclasses.replace(plan, rdzv_endpoint=endpoint, host_node=host)
 
 
 def _attempt(
@@ -195,7 +228,10 @@ def _attempt(
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too
                 endpoint = stack.enter_context(loopback_rendezvous(loopback_port))
                 plan = dataclasses.replace(plan, rdzv_endpoint=endpoint)
-            argv = build_torchrun_argv(plan, log_dir=log_dir, target=target, attempt=attempt)
+            read_timeout = max(10, int(config.train.watchdog_s)) if config.train.watchdog_s > 0 else 60
+            argv = build_torchrun_argv(
+                plan, log_dir=log_dir, target=target, attempt=attempt, read_timeout=min(60, read_timeout)
+            )
             torchrun(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]  # torch: run() unannotated
     except ChildFailedError as exc:
         if watchdog.fired and watch is not None:
