@@ -187,6 +187,39 @@ def test_losing_node_0_the_rendezvous_host_the_job_finishes_on_node_1(
     _resumes_as_fresh(run, log, settings, 1, tmp_path)
 
 
+def test_a_partition_longer_than_the_watchdog_on_shared_storage_ends_in_one_job(
+    tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[..., None]
+) -> None:
+    """Both nodes write one run folder (shared storage); node 1's link goes down for 20 s, twice
+    ``train.watchdog_s``: each side names the other lost. Node 0, the host, restarts alone; node
+    1 sees node 0's lease in the run folder move and ends instead of taking over, so the two
+    never train apart into the folder: the job finishes once, each step logged once."""
+    node0, node1, address = two_namespaces
+    settings = [*SETTINGS, "train.steps=14", "train.max_restarts=1", "train.watchdog_s=10"]
+    shared = [*settings, f"train.run_dir={tmp_path}/shared"]
+    flags = [["--nnodes", "1:2", "--node-rank", str(k), "--nproc-per-node", "1"] for k in (0, 1)]
+    cmds = [_train(*f, "--rdzv-endpoint", f"{address}:29500", settings=shared) for f in flags]
+    procs = [
+        _start(ns, cmd, tmp_path / f"node{k}.log")
+        for k, (ns, cmd) in enumerate(zip((node0, node1), cmds, strict=True))
+    ]
+    run = tmp_path / "shared" / "job"
+    _wait_for_step(procs[0], run, 4, tmp_path / "node0.log")
+    unplug(node1)
+    time.sleep(20)
+    unplug(node1, up=True)
+    codes = [_finish(p, 300) for p in procs]
+    logs = [(tmp_path / f"node{k}.log").read_text() for k in (0, 1)]
+    assert codes[0] == 0 and codes[1] != 0, f"exit codes {codes}; logs: {[t[-3000:] for t in logs]}"
+    assert re.search(r"node 1 \(\S+, ranks 1\) is lost", logs[0]), logs[0][-3000:]
+    assert "node 0 is out of reach but still holds the run folder" in logs[1], logs[1][-3000:]
+    assert "hosts the rendezvous from now on" not in logs[1], logs[1][-3000:]
+    steps = [
+        r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
+    assert steps == list(range(1, 15)), steps
+
+
 def test_a_partition_shorter_than_the_watchdog_loses_nothing(
     tmp_path: Path, two_namespaces: tuple[str, str, str], unplug: Callable[..., None]
 ) -> None:

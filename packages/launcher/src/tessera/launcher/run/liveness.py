@@ -219,6 +219,8 @@ class NodeWatch:
         """Beat and read the others through ``store`` until the watch ends (False) or the store
         stops answering, its host lost (True)."""
         while not self._stop.wait(self.interval):
+            if self._moved.is_set():  # another node hosts the store from the next attempt on
+                return True
             try:
                 with self._lock:
                     if self._finished:

@@ -10,7 +10,7 @@ generation (the job's own resume logic). Each attempt is a fresh rendezvous, wit
 one. With ``--nnodes MIN:MAX`` an attempt starts on as many nodes as come, at least MIN, and
 the workers set dp from the world they find (``elastic``). Any node may be the one lost: when
 it is the rendezvous host (node 0 at first), the lowest node left hosts the rendezvous and the
-node watch from the next attempt on, at its own address (``_rehost``). SIGINT or SIGTERM: the
+node watch from the next attempt on, at its own address (``rehost``). SIGINT or SIGTERM: the
 ranks of the main job save and stop, and this says where (``stopping``); no restart follows.
 """
 
@@ -37,6 +37,7 @@ from tessera.launcher.config.config_io import (
 from tessera.launcher.config.elastic import ELASTIC_ENV
 from tessera.launcher.run.liveness import NodeWatch, watch_port
 from tessera.launcher.run.nodes import NodePlan, endpoint_port
+from tessera.launcher.run.rehost import Lease, next_host
 from tessera.launcher.run.stopping import exit_code, read_note, stop_line
 from tessera.launcher.run.watchdog import Watchdog, read_beats
 
@@ -135,6 +136,8 @@ def spawn(
         with contextlib.ExitStack() as stack:
             if plan.nnodes > 1 and plan.node_rank == plan.host_node:
                 stack.enter_context(_rendezvous_store(plan))
+                if run is not None:
+                    stack.enter_context(Lease(run, plan.node_rank))
             watch = None
             if plan.nnodes > 1 and config.train.watchdog_s > 0:
                 host = plan.rdzv_endpoint.rpartition(":")[0].strip("[]")
@@ -159,38 +162,23 @@ def spawn(
                 )
                 if not again or attempt == config.train.max_restarts:
                     return code
-                if watch is not None and plan.host_node in watch.lost_nodes:  # the rendezvous host
-                    moved = _rehost(plan, watch, say)
+                if watch is not None:  # the next attempt's rendezvous host (`rehost`)
+                    moved = next_host(plan, watch, say, run, config.train.watchdog_s)
                     if moved is None:
                         return code
+                    if moved.host_node != plan.host_node:
+                        if moved.node_rank == moved.host_node:
+                            stack.enter_context(_rendezvous_store(moved))
+                            if run is not None:
+                                stack.enter_context(Lease(run, moved.node_rank))
+                        watch.move(moved.host_node, moved.rdzv_endpoint.rpartition(":")[0].strip("[]"))
                     plan = moved
-                    if plan.node_rank == plan.host_node:
-                        stack.enter_context(_rendezvous_store(plan))
-                    watch.move(plan.host_node, moved.rdzv_endpoint.rpartition(":")[0].strip("[]"))
                 fewer = f" on the nodes that remain (at least {plan.min_nodes})" if plan.elastic else ""
                 say(
                     f"restart {attempt + 1} of {config.train.max_restarts}{fewer}: every rank, from the "
                     "newest committed checkpoint generation"
                 )
     return 1
-
-
-def _rehost(plan: NodePlan, watch: NodeWatch, say: Callable[[str], None]) -> NodePlan | None:
-    """The plan with the rendezvous on the lowest node not lost (this node's own address, or the
-    one that node gave the watch), at the same port; None (said why) when its address is not
-    known."""
-    left = [n for n in range(plan.nnodes) if n not in watch.lost_nodes]
-    if not left:
-        return None
-    host = left[0]
-    address = plan.local_addr if host == plan.node_rank else watch.addresses.get(host)
-    if not address:
-        say(f"the rendezvous host (node {plan.host_node}) is lost and node {host}'s address is unknown")
-        return None
-    port = endpoint_port(plan.rdzv_endpoint)
-    endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"  # IPv6 in brackets
-    say(f"node {host} ({address}) hosts the rendezvous from now on (node {plan.host_node} is lost)")
-    return dataclasses.replace(plan, rdzv_endpoint=endpoint, host_node=host)
 
 
 def _attempt(
