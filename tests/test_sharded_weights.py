@@ -6,14 +6,17 @@ without memory (``deferred_parameters``) at tp2 and at pp2; every rank's paramet
 equal the saved model's exactly (a copy and a slice: ``torch.equal``). Out: the trained
 engine writes one shard per pipeline stage group and the index (``Engine.export``), and
 transformers' ``from_pretrained`` loads the folder; its loss on a batch equals the engine's
-(rel 1e-5: the same weights, another summation order across stages and ranks).
+(rel 1e-5: the same weights, another summation order across stages and ranks). Each rank
+reads each tensor it needs from the files once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from torch import Tensor
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, boost, deferred_parameters
+from tessera.launcher.checkpoint.tensorfile import LazyTensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,18 +45,28 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _round_trip(rank: int, parallel: ParallelConfig, saved: str, out: str) -> tuple[dict[str, Tensor], float]:
+def _round_trip(
+    rank: int, parallel: ParallelConfig, saved: str, out: str
+) -> tuple[dict[str, Tensor], float, int]:
     base = Config(parallel=parallel, train=TrainConfig(precision="fp32"))
     config = dataclasses.replace(base, data=dataclasses.replace(base.data, batch_size=8))
     with deferred_parameters():
         model = transformers.LlamaForCausalLM(_config())
+    reads: collections.Counter[str] = collections.Counter()
+    read = LazyTensors.__getitem__
+
+    def counted(self: LazyTensors, name: str) -> Tensor:
+        reads[name] += 1
+        return read(self, name)
+
     with boost(model, torch.optim.SGD(model.parameters(), lr=0.5), config) as engine:
-        engine.import_weights(saved)
+        with mock.patch.object(LazyTensors, "__getitem__", counted):
+            engine.import_weights(saved)
         imported = {n: t.clone() for n, t in engine.full_state_dict().items()}
         engine.train_step(*_batch(0))
         engine.export(out)
         loss = engine.eval_loss(*_batch(1))
-    return imported, loss
+    return imported, loss, max(reads.values())
 
 
 @pytest.mark.parametrize(
@@ -72,8 +86,9 @@ def test_a_sharded_checkpoint_loads_into_any_layout_and_exports_for_transformers
     want = original.state_dict()
     out = tmp_path / "exported"
     results = worker_pools(2).run(_round_trip, parallel, str(saved), str(out), timeout=180)
-    for rank, (imported, _) in enumerate(results):
+    for rank, (imported, _, most_reads) in enumerate(results):
         assert imported, f"rank {rank} holds no parameters"
+        assert most_reads == 1, f"rank {rank} read a tensor from the files {most_reads} times"
         wrong = [n for n, t in imported.items() if not torch.equal(t, want[n].float())]
         assert not wrong, f"rank {rank}: imported values differ from the checkpoint's for {wrong}"
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))

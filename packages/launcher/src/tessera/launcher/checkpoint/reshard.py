@@ -234,6 +234,14 @@ class _AsParams(Mapping[str, Tensor]):
             raise KeyError(key)
         return (self._weights[self._sources[name]] if name in self._sources else self._extra[name]).float()
 
+    def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor to find out
+        name = key.removeprefix("param/") if isinstance(key, str) else None
+        return (
+            isinstance(key, str)
+            and key.startswith("param/")
+            and (name in self._sources or name in self._extra)
+        )
+
     def __iter__(self) -> Iterator[str]:
         return (f"param/{name}" for name in {*self._sources, *self._extra})
 
