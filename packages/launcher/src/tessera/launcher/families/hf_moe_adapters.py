@@ -42,6 +42,7 @@ __all__ = [
     "Wrapped",
     "adapter_names",
     "carry",
+    "copied",
     "factors",
     "is_wrapper",
     "peel",
@@ -165,7 +166,8 @@ def factors(wrapper: Any, name: str, place: str) -> tuple[Tensor, Tensor, float]
     return a, b, float(wrapper.scaling[name])
 
 
-def _copy(t: Tensor, like: Tensor) -> Tensor:
+def copied(t: Tensor, like: Tensor) -> Tensor:
+    """A detached contiguous copy of ``t`` on ``like``'s device, in its dtype."""
     return t.detach().to(device=like.device, dtype=like.dtype).contiguous().clone()
 
 
@@ -181,8 +183,8 @@ def _attach(layer: MoE, item: Wrapped, name: str, a: Tensor, b: Tensor, scaling:
                 f"{place}: its adapter {name!r} is laid out (experts, in, out); tessera reads "
                 "(experts, out, in)"
             )
-        down = _copy(a, like).reshape(n, -1, a.shape[-1])
-        up = _copy(b, like).reshape(b.shape[0], -1, n).permute(2, 0, 1).contiguous()
+        down = copied(a, like).reshape(n, -1, a.shape[-1])
+        up = copied(b, like).reshape(b.shape[0], -1, n).permute(2, 0, 1).contiguous()
         if item.param == "gate_up_proj":
             adapter = ExpertAdapter(down, {"w1": up[:, :h], "w3": up[:, h:]}, site="in", scaling=scaling)
         else:
@@ -195,12 +197,12 @@ def _attach(layer: MoE, item: Wrapped, name: str, a: Tensor, b: Tensor, scaling:
         part = item.path.rpartition(".")[2]
         weight, site = _SHARED[part]
         shared = ExpertAdapter(
-            _copy(a, like).unsqueeze(0), {weight: _copy(b, like).unsqueeze(0)}, site=site, scaling=scaling
+            copied(a, like).unsqueeze(0), {weight: copied(b, like).unsqueeze(0)}, site=site, scaling=scaling
         )
         shared.requires_grad_(trained)
         layer.shared.add_adapter(name, shared, key=part)
         return f"shared.adapters.{name}.{part}"
-    router = RouterAdapter(_copy(a, like), _copy(b, like), scaling=scaling)
+    router = RouterAdapter(copied(a, like), copied(b, like), scaling=scaling)
     router.requires_grad_(trained)
     layer.router.adapters[name] = router
     return f"router.adapters.{name}"

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tessera.launcher.checkpoint.exported import ExportPart
-from tessera.launcher.families.hf_moe_adapters import PEFT_SOURCES, Wrapped, adapter_names, factors
+from tessera.launcher.families.hf_moe_adapters import PEFT_SOURCES, Wrapped, adapter_names, copied, factors
 from tessera.moe import ExpertAdapter, MoE, RouterAdapter
 
 __all__ = ["carry_own"]
@@ -99,7 +99,7 @@ def _attach(
     like = layer.router.weight
     if bank == "router":
         ((item, a, b, scaling),) = by_expert.values()
-        router = RouterAdapter(_copy(a, like), _copy(b, like), scaling=scaling)
+        router = RouterAdapter(copied(a, like), copied(b, like), scaling=scaling)
         router.requires_grad_(a.requires_grad or b.requires_grad)
         layer.router.adapters[name] = router
         return f"router.adapters.{name}", [(item, a, b, scaling)]
@@ -115,8 +115,8 @@ def _attach(
             f"{where}.{bank}: adapter {name!r} on {weight} must be on every expert with one rank and "
             f"scale; experts {missing} have none" + ("" if len(shapes) == 1 else f", shapes {sorted(shapes)}")
         )
-    down = torch.stack([_copy(a, like) for _, a, _, _ in parts])
-    up = torch.stack([_copy(b, like) for _, _, b, _ in parts])
+    down = torch.stack([copied(a, like) for _, a, _, _ in parts])
+    up = torch.stack([copied(b, like) for _, _, b, _ in parts])
     adapter = ExpertAdapter(down, {weight: up}, site="out" if weight == "w2" else "in", scaling=parts[0][3])
     adapter.requires_grad_(any(a.requires_grad or b.requires_grad for _, a, b, _ in parts))
     target.add_adapter(name, adapter, key=weight)
@@ -141,7 +141,3 @@ def _adapter_parts(
             ExportPart(f"{prefix}{p}.lora_B.{name}.weight", index=e) for e, p in enumerate(paths)
         ),
     }
-
-
-def _copy(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device=like.device, dtype=like.dtype).contiguous().clone()

@@ -36,7 +36,14 @@ from tessera.launcher.config.world_rule import world_needed
 from tessera.launcher.data.prepare import ensure_prepared, prepare_command
 from tessera.launcher.run import netif
 from tessera.launcher.run.fanout import start_every_node
-from tessera.launcher.run.nodes import NodePlan, endpoint_port, is_loopback, parse_nnodes, plan_nodes
+from tessera.launcher.run.nodes import (
+    NodePlan,
+    endpoint_host,
+    endpoint_port,
+    is_loopback,
+    parse_nnodes,
+    plan_nodes,
+)
 from tessera.launcher.run.plan_command import add_arguments as add_plan_arguments
 from tessera.launcher.run.plan_command import run as run_plan
 from tessera.launcher.run.preflight import preflight
@@ -278,7 +285,7 @@ def _place_node(plan: NodePlan) -> tuple[NodePlan, list[str]]:
     and gloo uses that interface unless GLOO_SOCKET_IFNAME is set."""
     if plan.source == "local":
         return plan, []
-    host = plan.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    host = endpoint_host(plan.rdzv_endpoint)
     if netif.resolve(host) is None:
         return plan, [f"--rdzv-endpoint {plan.rdzv_endpoint}: {host!r} does not resolve to an address"]
     if plan.node_rank == 0 and not netif.owns_address(host):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 __all__ = [
     "NodePlan",
+    "endpoint_host",
+    "endpoint_of",
     "endpoint_port",
     "expand_slurm_nodelist",
     "is_loopback",
@@ -72,6 +74,16 @@ def is_loopback(endpoint: str) -> bool:
     """Whether the host of ``HOST:PORT`` is this machine's loopback interface."""
     host = endpoint.rpartition(":")[0]
     return host == "localhost" or host.startswith("127.")
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of ``HOST:PORT`` (an IPv6 address without its brackets)."""
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
+def endpoint_of(host: str, port: int) -> str:
+    """``HOST:PORT`` (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def endpoint_port(endpoint: str) -> int:

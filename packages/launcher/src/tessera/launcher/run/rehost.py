@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 
 from tessera.launcher.run.liveness import NodeWatch
-from tessera.launcher.run.nodes import NodePlan, endpoint_port
+from tessera.launcher.run.nodes import NodePlan, endpoint_of, endpoint_port
 
 __all__ = ["Lease", "lease_moves", "next_host"]
 
@@ -106,7 +106,6 @@ def next_host(
     if not address:
         say(f"the rendezvous host (node {old}) is lost and node {host}'s address is unknown")
         return None
-    port = endpoint_port(plan.rdzv_endpoint)
-    endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"  # IPv6 in brackets
+    endpoint = endpoint_of(address, endpoint_port(plan.rdzv_endpoint))
     say(f"node {host} ({address}) hosts the rendezvous from now on (node {old} is lost)")
     return dataclasses.replace(plan, rdzv_endpoint=endpoint, host_node=host)

@@ -36,7 +36,7 @@ from tessera.launcher.config.config_io import (
 )
 from tessera.launcher.config.elastic import ELASTIC_ENV
 from tessera.launcher.run.liveness import NodeWatch, watch_port
-from tessera.launcher.run.nodes import NodePlan, endpoint_port
+from tessera.launcher.run.nodes import NodePlan, endpoint_host, endpoint_port
 from tessera.launcher.run.rehost import Lease, next_host
 from tessera.launcher.run.stopping import exit_code, read_note, stop_line
 from tessera.launcher.run.watchdog import Watchdog, read_beats
@@ -91,7 +91,7 @@ def _rendezvous_store(plan: NodePlan) -> Iterator[None]:
     from torch._C._distributed_c10d import TCPStore
 
     store = TCPStore(
-        plan.rdzv_endpoint.rpartition(":")[0].strip("[]"),
+        endpoint_host(plan.rdzv_endpoint),
         endpoint_port(plan.rdzv_endpoint),
         is_master=True,
         multi_tenant=True,
@@ -140,7 +140,7 @@ def spawn(
                     stack.enter_context(Lease(run, plan.node_rank))
             watch = None
             if plan.nnodes > 1 and config.train.watchdog_s > 0:
-                host = plan.rdzv_endpoint.rpartition(":")[0].strip("[]")
+                host = endpoint_host(plan.rdzv_endpoint)
                 watch = NodeWatch(
                     host=host,
                     port=watch_port(endpoint_port(plan.rdzv_endpoint)),
@@ -171,7 +171,7 @@ def spawn(
                             stack.enter_context(_rendezvous_store(moved))
                             if run is not None:
                                 stack.enter_context(Lease(run, moved.node_rank))
-                        watch.move(moved.host_node, moved.rdzv_endpoint.rpartition(":")[0].strip("[]"))
+                        watch.move(moved.host_node, endpoint_host(moved.rdzv_endpoint))
                     plan = moved
                 fewer = f" on the nodes that remain (at least {plan.min_nodes})" if plan.elastic else ""
                 say(
