@@ -124,9 +124,11 @@ def test_no_attachment_without_gradients_and_refusals() -> None:
 
 
 def _ep_rank(rank: int, xs: list[Tensor], gs: list[Tensor]) -> dict[str, Tensor]:
+    # every rank makes every group, in the same order: group creation is collective
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
     layer = MoE(**CONFIG, aux_loss_coef=A, z_loss_coef=Z, ep_group=dist.group.WORLD)
     (layer(xs[rank]) * gs[rank]).sum().backward()
-    reduce_gradients(layer, data_group=None, expert_data_group=dist.new_group([rank]))
+    reduce_gradients(layer, data_group=None, expert_data_group=alone[rank])
     return _grads(layer)
 
 
