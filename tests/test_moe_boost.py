@@ -70,12 +70,19 @@ class Attend(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, seed: int, coef: float) -> None:
+    def __init__(self, seed: int, coef: float, capacity: float | None) -> None:
         super().__init__()
         self.pre, self.attend = Norm(), Attend()
         self.post = Norm()
         self.mix = MoE(
-            d_model=D, hidden=24, experts=4, top_k=2, shared_hidden=8, seed=seed, aux_loss_coef=coef
+            d_model=D,
+            hidden=24,
+            experts=4,
+            top_k=2,
+            shared_hidden=8,
+            seed=seed,
+            aux_loss_coef=coef,
+            capacity_factor=capacity,
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -84,10 +91,10 @@ class Layer(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, coef: float = 0.0) -> None:
+    def __init__(self, coef: float = 0.0, capacity: float | None = None) -> None:
         super().__init__()
         self.stem = nn.Embedding(VOCAB, D)
-        self.trunk = nn.ModuleList(Layer(seed=11 + i, coef=coef) for i in range(2))
+        self.trunk = nn.ModuleList(Layer(seed=11 + i, coef=coef, capacity=capacity) for i in range(2))
         self.readout = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -124,10 +131,11 @@ SPLIT_PLAN = Plan.of(
 )
 
 
-def build(coef: float = 0.0) -> TinyMoE:
-    """``coef``: each layer trains its router on ``coef * aux_loss`` itself."""
+def build(coef: float = 0.0, capacity: float | None = None) -> TinyMoE:
+    """``coef``: each layer trains its router on ``coef * aux_loss`` itself; ``capacity``: each
+    expert keeps the first ``ceil(capacity * tokens * top_k / experts)`` assignments of a call."""
     torch.manual_seed(0)
-    return TinyMoE(coef)
+    return TinyMoE(coef, capacity)
 
 
 def batch(step: int) -> tuple[Tensor, Tensor]:
@@ -142,11 +150,11 @@ def aux_of(model: nn.Module) -> Tensor:
 Serial = tuple[list[float], list[float], list[float], dict[str, Tensor]]
 
 
-def serial(chunks: int, aux: float, clip: float = 0.0) -> Serial:
+def serial(chunks: int, aux: float, clip: float = 0.0, capacity: float | None = None) -> Serial:
     """Losses (with and without ``aux``), gradient norms and final weights of the serial
     model on ``chunks`` chunks a step, adding ``aux * aux_loss`` to each chunk's loss by hand;
-    ``clip`` > 0: the gradient norm clipped to it (``clip_grad_norm_``)."""
-    model = build()
+    ``clip`` > 0: the gradient norm clipped to it (``clip_grad_norm_``); ``capacity``: as ``build``."""
+    model = build(capacity=capacity)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, plain, norms = [], [], []
     for step in range(STEPS):
@@ -198,16 +206,17 @@ def full_weights(engine: Any) -> dict[str, Tensor]:
 
 
 def _rank(
-    rank: int, cfg: BoostConfig, inside: bool, plan: Plan = PLAN
+    rank: int, cfg: BoostConfig, inside: bool, plan: Plan = PLAN, capacity: float | None = None
 ) -> tuple[list[float], list[float], dict[str, Tensor]]:
     """``inside``: the layers train on the aux loss themselves; else the loss function adds it."""
-    model = build(AUX if inside else 0.0)
+    model = build(AUX if inside else 0.0, capacity)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:  # the head is whole under tp: plain entropy
         entropy = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return entropy if inside else entropy + AUX * aux_of(model)
 
-    spec = ModelSpec(plans={"1d": plan}, loss=loss)
+    grid = not cfg.parallel.tp_mode.whole_rows  # the mode's own loss over its split logits
+    spec = ModelSpec(roles=plan) if grid else ModelSpec(plans={"1d": plan}, loss=loss)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
     weights = full_weights(engine)
@@ -239,17 +248,24 @@ def _id(case: Any) -> str:
 
 
 def _follows_serial(
-    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int, clip: float, plan: Plan
+    worker_pools: PoolFactory,
+    parallel: ParallelConfig,
+    stage: int,
+    clip: float,
+    plan: Plan,
+    capacity: float | None = None,
 ) -> None:
     cfg = config(parallel, stage, clip)
     assert cfg.validate() == []
-    inside = parallel.pp > 1  # the loss runs on the last stage only: the layers add their aux loss
-    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX, clip)
+    # the loss runs on the last stage only (pp), or is the mode's own over split logits (2D, 2.5D,
+    # 3D): the layers add their aux loss
+    inside = parallel.pp > 1 or not parallel.tp_mode.whole_rows
+    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX, clip, capacity)
     if inside:
         want_losses = plain  # the engine's loss: the cross-entropy
     merged: dict[str, Tensor] = {}
     for rank, (losses, norms, weights) in enumerate(
-        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, timeout=180)
+        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, capacity, timeout=180)
     ):
         assert losses == pytest.approx(want_losses, rel=1e-5), (
             f"rank {rank}: losses {losses} vs {want_losses}"
@@ -297,6 +313,48 @@ def test_experts_split_over_tp_follow_the_serial_run(
     whole tokens and reduce-scatters), ep, ZeRO-3 with clipping and pp, against the same
     serial run (the router losses weigh 1 / tp on each tp rank: counted once)."""
     _follows_serial(worker_pools, parallel, stage, clip, SPLIT_PLAN)
+
+
+# the same model in roles, for the modes that split every activation over a grid: its mixtures
+# are named by no entry, so boost() gives them the ``moe`` style (``split_mixtures``)
+GRID_ROLES = Plan.of(
+    {
+        "stem": "embedding",
+        "trunk.*.pre": "norm",
+        "trunk.*.post": "norm",
+        "trunk.*.attend": "attention",
+        "trunk.*.attend.q": "colwise",
+        "trunk.*.attend.k": "colwise",
+        "trunk.*.attend.v": "colwise",
+        "trunk.*.attend.o": "rowwise",
+        "readout": "head",
+    },
+    name="tiny-moe-roles",
+)
+GRID_CASES = [
+    (ParallelConfig(tp=4, tp_mode="2d", microbatches=1), 0, 0.0),
+    (ParallelConfig(dp=2, ep=2, tp=4, tp_mode="2d", microbatches=1), 3, CLIP),
+    (ParallelConfig(tp=8, tp_mode="2.5d", tp_depth=2, microbatches=1), 1, 0.0),
+    (ParallelConfig(tp=8, tp_mode="3d", microbatches=1), 1, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "stage", "clip"),
+    GRID_CASES,
+    ids=lambda c: f"{c.tp_mode}-{_id(c)}" if isinstance(c, ParallelConfig) else _id(c),
+)
+def test_experts_split_over_a_grid_follow_the_serial_run(
+    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int, clip: float
+) -> None:
+    """2D, 2.5D and 3D split the batch and the hidden of every activation over a grid: each
+    mixture gathers its input whole along the grid's lines, routes all the microbatch's tokens
+    on every tp rank (the serial layer's routing and losses), computes ``hidden / tp`` of every
+    expert and reduce-scatters back, with ep (2D x ep2, ZeRO-3, clipped) around it. The experts
+    keep 3/4 of an even share of a call's assignments (capacity 0.75), so that which tokens an
+    expert drops (the first in token order are kept) tells whether the tokens were gathered in
+    the batch's order."""
+    _follows_serial(worker_pools, parallel, stage, clip, GRID_ROLES, capacity=0.75)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -383,6 +441,31 @@ def test_a_checkpoint_resumes_at_ep2_and_reshards_to_ep1_and_back(
         _close(run["back"], run["dense_next"], f"rank {rank}, ep=1 -> ep=2")
 
 
+# ---------------------------------------------------------------------------- plans, no ranks
+def test_split_mixtures_gives_the_mixtures_a_plan_keeps_whole_the_moe_style() -> None:
+    """What 2D, 2.5D and 3D need: a ``replicate`` pattern matching a dense MLP and a mixture
+    (DeepSeek's first dense layer) keeps the dense one replicated, by name; a mixture no entry
+    names gets ``moe``; one already named otherwise is left to its entry."""
+    from tessera.launcher.train.moe_style import split_mixtures
+
+    mixed = nn.Module()
+    mixed.layers = nn.ModuleList([nn.Module(), nn.Module(), nn.Module()])
+    mixed.layers[0].mlp = nn.Sequential(nn.Linear(D, D))
+    mixed.layers[1].mlp = MoE(d_model=D, hidden=8, experts=2, top_k=1, seed=0)
+    mixed.layers[2].mlp = MoE(d_model=D, hidden=8, experts=2, top_k=1, seed=1)
+    got = split_mixtures({"layers.*.mlp": "replicate", "layers.0.mlp.0": "colwise"}, mixed).as_dict()
+    assert {p: s.name for p, s in got.items()} == {
+        "layers.0.mlp": "replicate",
+        "layers.0.mlp.0": "colwise",
+        "layers.1.mlp": "moe",
+        "layers.2.mlp": "moe",
+    }, got
+    unnamed = split_mixtures(GRID_ROLES, build()).as_dict()
+    assert {p: s.name for p, s in unnamed.items() if p.startswith("trunk.0.mix")} == {"trunk.0.mix": "moe"}
+    named = split_mixtures({"layers.*.mlp": "region"}, mixed).as_dict()
+    assert {p: s.name for p, s in named.items()} == {"layers.*.mlp": "region"}, named
+
+
 # ---------------------------------------------------------------------------- refusals, no ranks
 def test_bad_expert_degrees_are_refused_naming_them() -> None:
     assert any(
@@ -392,7 +475,7 @@ def test_bad_expert_degrees_are_refused_naming_them() -> None:
     cp = config(ParallelConfig(dp=2, ep=2, cp=2), 0).validate()
     assert cp == ["parallel.ep=2 with parallel.cp=2 (context parallelism) is not built"], cp
     grid = config(ParallelConfig(dp=2, ep=2, tp=4, tp_mode="2d"), 0).validate()
-    assert grid == ["parallel.ep=2 with tp_mode 2d is not built: its grid splits the tokens"], grid
+    assert grid == [], grid  # the mixtures gather their input whole along the grid's lines
     megatron = config(ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True), 0).validate()
     assert megatron == [], megatron  # boost() checks the MoE layers' styles (the next test)
 
@@ -469,13 +552,18 @@ def _mixtral_rank(rank: int, cfg: BoostConfig) -> tuple[list[float], list[float]
 
 @pytest.mark.parametrize(
     ("parallel", "stage"),
-    [(ParallelConfig(dp=2, ep=2, microbatches=1), 1), (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 3)],
-    ids=_id,
+    [
+        (ParallelConfig(dp=2, ep=2, microbatches=1), 1),
+        (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 3),
+        # 2D: the plan replicates each mlp; boost() gives the mixtures the moe style (split_mixtures)
+        (ParallelConfig(dp=2, ep=2, tp=4, tp_mode="2d", microbatches=1), 3),
+    ],
+    ids=lambda c: f"{c.tp_mode}-{_id(c)}" if isinstance(c, ParallelConfig) else _id(c),
 )
 def test_hf_mixtral_trains_with_expert_parallelism_as_serially(
     worker_pools: PoolFactory, parallel: ParallelConfig, stage: int
 ) -> None:
-    """Mixtral made from its config, converted, at ep=2 (and with its plan's tp=2): the same
+    """Mixtral made from its config, converted, at ep=2 (and with its plan's tp=2, or a 2D grid): the same
     bounds as above against its serial run on the whole batch (no aux loss, drop-less: the
     chunks' mean cross-entropy is the batch's)."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF Mixtral NOT tested")

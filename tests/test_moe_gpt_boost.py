@@ -77,6 +77,9 @@ def _parallel(rank: int, config: Config, frozen: bool) -> Run:
         (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3, False),
         # one layer's expert bank (sharded over ep) and the other's router frozen
         (ParallelConfig(dp=DP, ep=2, tp=2, sequence_parallel=True, microbatches=MICRO), 3, True),
+        # 2D and 3D: each mixture gathers the grid's blocks of its input, experts split over all tp
+        (ParallelConfig(dp=DP, ep=2, tp=4, tp_mode="2d", microbatches=MICRO), 1, False),
+        (ParallelConfig(tp=8, tp_mode="3d", microbatches=1), 3, False),
     ],
     ids=[
         "dp2-zero1",
@@ -85,6 +88,8 @@ def _parallel(rank: int, config: Config, frozen: bool) -> Run:
         "tp2-sp-zero1",
         "dp2-ep2-tp2-sp-zero3",
         "frozen-dp2-ep2-tp2-sp-zero3",
+        "dp2-ep2-2d-zero1",
+        "3d-zero3",
     ],
 )
 def test_the_moe_gpt_trains_through_boost_as_its_serial_chunks(

@@ -55,12 +55,17 @@ def test_bad_moe_sections_are_refused_naming_the_values(changes: dict[str, objec
 
 
 def test_compositions_not_built_are_refused() -> None:
-    compose = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"dp": 2, "ep": 2})
+    compose = (
+        {"tp": 2},
+        {"tp": 2, "sequence_parallel": True},
+        {"pp": 2},
+        {"dp": 2, "ep": 2},
+        {"dp": 2, "ep": 2, "tp": 4, "tp_mode": "2d"},  # the experts split over the whole grid
+    )
     for degrees in compose:
         ok = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]
         assert not [line for line in ok.validate() if line.startswith("moe.")], ok.validate()
     for degrees, message in [
-        ({"tp": 4, "tp_mode": "2d"}, "moe.enabled with parallel.tp_mode=2d"),
         ({"cp": 2}, "moe.enabled with parallel.cp=2"),
     ]:
         config = dataclasses.replace(_moe(), parallel=ParallelConfig(**degrees))  # type: ignore[arg-type]

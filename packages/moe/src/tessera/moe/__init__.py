@@ -15,7 +15,7 @@ from __future__ import annotations
 from tessera.moe.adapters import ExpertAdapter, RouterAdapter
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
-from tessera.moe.layer import MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
+from tessera.moe.layer import Gather, MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
 from tessera.moe.router import RouterSpec, Routing, TopKRouter, route
@@ -27,6 +27,7 @@ __all__ = [
     "DispatchPlan",
     "ExpertAdapter",
     "Experts",
+    "Gather",
     "MoE",
     "MoEStats",
     "RouterAdapter",

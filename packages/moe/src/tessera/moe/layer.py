@@ -15,10 +15,12 @@ rank computes exactly what the serial layer computes on that rank's tokens.
 Tensor parallelism inside the experts (`split_hidden`, Megatron's expert tensor
 parallelism) splits every expert's hidden units, and the shared expert's, over a tp group.
 The layer is then a tp region of its own: its input enters it once (with sequence
-parallelism, each rank's slice of the sequence is all-gathered), so every tp rank routes
-the same whole tokens, with the serial layer's capacity and losses; each rank computes its
-share of every expert's output, and the sum over the group (with sequence parallelism, a
-reduce-scatter back to each rank's slice) leaves the region. The router and the shared
+parallelism, each rank's slice of the sequence is all-gathered; under 2D, 2.5D and 3D tensor
+parallelism, whose ranks each hold a block of the batch and of the hidden, both are gathered
+along the lines of the grid: ``gathers``), so every tp rank routes the same whole tokens,
+with the serial layer's capacity and losses; each rank computes its share of every expert's
+output, and the sum over the group (with gathers, reduce-scatters back to each rank's block,
+in the reverse order) leaves the region. The router and the shared
 gate are whole on every tp rank and their gradients are partial sums to be summed over tp
 (as any whole parameter inside a tp region); the losses, which every tp rank computes whole,
 weigh ``1 / tp`` on each in the backward so that sum counts them once (`aux.scale_grad`).
@@ -27,6 +29,8 @@ weigh ``1 / tp`` on each in the backward so that sum counts them once (`aux.scal
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.comm import (
+    Group,
     all_gather_along,
     copy_to_region,
     group_rank,
@@ -49,9 +54,21 @@ from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import RouterSpec, TopKRouter
 
-__all__ = ["MoE", "MoEStats", "hidden_split_problem", "set_aux_grad_scale", "shard_experts", "split_hidden"]
+__all__ = [
+    "Gather",
+    "MoE",
+    "MoEStats",
+    "hidden_split_problem",
+    "set_aux_grad_scale",
+    "shard_experts",
+    "split_hidden",
+]
 
 _log = logging.getLogger(__name__)
+
+Gather = tuple[int, Group]
+"""An all-gather that enters the layer's tp region: (the dim of the activations, the group
+whose ranks hold its blocks, in group-rank order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +164,7 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
         self.first_expert = start
         self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
-        self.sequence_parallel, self.seq_dim = False, -2
+        self.gathers: tuple[Gather, ...] = ()  # `split_hidden`: how the input enters the region
         self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed, spec=routing)
         self.experts = Experts(
             d_model, hidden, activation, seed=seed, streams=[expert_stream(e) for e in range(start, stop)]
@@ -174,9 +191,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp
         if tp > 1:  # enter the layer's tp region: every rank routes the same whole tokens
-            if self.sequence_parallel:
-                x = all_gather_along(x, self.seq_dim, self.tp_group)
-            else:
+            for dim, group in self.gathers:
+                x = all_gather_along(x, dim, group)
+            if not self.gathers:
                 x = copy_to_region(x, self.tp_group)
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
@@ -204,9 +221,9 @@ class MoE(nn.Module):
         self.stats = MoEStats(routed=plan.routed, kept=plan.kept)
         out = out.view(x.shape)
         if tp > 1:  # leave the region: the shares of every expert's output summed
-            if self.sequence_parallel:
-                out = reduce_scatter_along(out, self.seq_dim, self.tp_group)
-            else:
+            for dim, group in reversed(self.gathers):
+                out = reduce_scatter_along(out, dim, group)
+            if not self.gathers:
                 out = reduce_from_region(out, self.tp_group)
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
@@ -236,25 +253,40 @@ def hidden_split_problem(layer: MoE, tp: int) -> str:
 
 
 def split_hidden(
-    layer: MoE, group: dist.ProcessGroup, *, sequence_parallel: bool = False, seq_dim: int = -2
+    layer: MoE,
+    group: dist.ProcessGroup,
+    *,
+    sequence_parallel: bool = False,
+    seq_dim: int = -2,
+    gathers: Sequence[Gather] = (),
 ) -> MoE:
     """Make ``layer`` tensor-parallel inside its experts over ``group`` in place (module
     docstring): keep this rank's ``hidden / tp`` hidden units of every expert and of the
-    shared expert. ``sequence_parallel``: the layer's input and output hold this rank's slice
-    of dim ``seq_dim``. Every rank must hold the same serial layer; refuses (ValueError naming
-    the widths, nothing changed) a hidden width ``tp`` does not divide. Returns the layer."""
+    shared expert. Every rank of ``group`` must see the same whole tokens inside the layer:
+    its input is whole on every rank (the default), or ``sequence_parallel`` (the input and
+    output hold this rank's slice of dim ``seq_dim``, gathered over ``group``), or
+    ``gathers`` (all-gathers along dims over groups, in order, whose ranks multiply to
+    ``group``'s: a 2D grid's hidden over its row, then its batch over its column). Every rank
+    must hold the same serial layer; refuses (ValueError naming the widths, nothing changed) a
+    hidden width ``tp`` does not divide. Returns the layer."""
     if layer.tp_group is not None:
         raise ValueError("the layer's experts are already split over a tp group")
+    if sequence_parallel and gathers:
+        raise ValueError("give sequence_parallel or gathers, not both (sequence parallelism is one gather)")
     tp, rank = group_size(group), group_rank(group)
     problem = hidden_split_problem(layer, tp)
     if problem:
         raise ValueError(problem)
+    spans = math.prod(group_size(g) for _, g in gathers)
+    if gathers and spans != tp:
+        raise ValueError(f"the gathers span {spans} ranks, but the tp group has {tp}")
     for bank in (layer.experts, layer.shared):
         if bank is None:
             continue
         share = bank.hidden // tp
         bank.keep_hidden(rank * share, (rank + 1) * share)
-    layer.tp_group, layer.sequence_parallel, layer.seq_dim = group, sequence_parallel, seq_dim
+    layer.tp_group = group
+    layer.gathers = ((seq_dim, group),) if sequence_parallel else tuple(gathers)
     _log.debug("expert hidden units split over tp=%d (rank %d)", tp, rank)
     return layer
 

@@ -68,17 +68,22 @@ from tessera.tensor_parallel.nd_styles import (
     _hidden_2d,
     _with_depth,
 )
-from tessera.tensor_parallel.plan import Plan, PlanLike, match_pattern
+from tessera.tensor_parallel.plan import Plan, PlanLike, match_pattern, self_contained
 from tessera.tensor_parallel.roles import Replicate
 from tessera.tensor_parallel.style import TPStyle
 from tessera.tensor_parallel.styles import Style
 from tessera.tensor_parallel.three_d.cube import Cube3D
 from tessera.tensor_parallel.three_d.styles import Styles3D
+from tessera.tensor_parallel.two_d.grid import Grid2D
 from tessera.tensor_parallel.two_d.styles import Styles2D
 from tessera.tensor_parallel.two_p5_d.grid import Grid2p5D
 from tessera.tensor_parallel.two_p5_d.styles import Styles2p5D
 
-__all__ = ["ModeSpec", "mode_spec", "plan_for_mode", "register_mode", "registered_modes"]
+__all__ = ["ModeSpec", "StreamGather", "mode_spec", "plan_for_mode", "register_mode", "registered_modes"]
+
+StreamGather = tuple[int, Group]
+"""An all-gather of the residual stream: (its dim, the group whose ranks hold its blocks in
+group-rank order)."""
 
 _HEAD_LIKE = ("head", "colwise", "colwise_whole")
 _VOCAB_LIKE = ("vocab", "vocab_whole")
@@ -102,6 +107,22 @@ class ModeSpec:
     native: str | None = None
     tied_head: TPStyle | None = None
     identity: bool = False
+    blocks: Callable[[Mesh], tuple[StreamGather, ...]] | None = None
+
+    def stream_gathers(
+        self, mesh: Mesh, *, sequence_parallel: bool = False, seq_dim: int = -2
+    ) -> tuple[StreamGather, ...]:
+        """The all-gathers (dim, group), in order, that make this rank's part of the residual
+        stream ``[batch, ..., hidden]`` whole on every tp rank; reduce-scatters in the reverse
+        order make a whole result this rank's part again, summed over tp. 1D: none (every rank
+        holds the whole stream), or the sequence over tp under sequence parallelism; 2D: the
+        hidden over the row, then the batch over the column; 2.5D: then over the depth too; 3D:
+        the hidden over ``tp_output``, the batch over ``tp_input`` then ``tp_weight``. What a
+        module needs when it must see whole tokens inside a mode that splits them (a mixture of
+        experts, whose routing and capacity are those of all the batch's tokens)."""
+        if self.blocks is None:
+            return ((seq_dim, mesh.group("tp")),) if sequence_parallel else ()
+        return self.blocks(mesh)
 
     @property
     def whole_rows(self) -> bool:
@@ -121,6 +142,8 @@ class ModeSpec:
             role = style.name
             if pattern in heads:
                 new = heads[pattern]
+            elif self_contained(style):  # it reads the mode's layout from the mesh itself
+                new = style
             elif role in self.roles:
                 new = self.roles[role]
             elif role in self.refused:
@@ -142,11 +165,14 @@ class ModeSpec:
         """Every module owning parameters has a plan entry: in this mode each rank holds a
         block of every activation, so an unplanned norm would normalise one block (wrong)."""
         patterns = [p for p, _ in plan.entries]
+        whole = [p for p, style in plan.entries if self_contained(style)]
         adapted: list[str] = []  # planned layers carrying adapters: their parts follow the entry
         for name, module in model.named_modules():
             if any(name.startswith(a + ".") for a in adapted):
                 continue
-            if has_adapters(module) and any(match_pattern(p, name) for p in patterns):
+            if (has_adapters(module) and any(match_pattern(p, name) for p in patterns)) or any(
+                match_pattern(p, name) for p in whole
+            ):  # a self-contained region says how its whole subtree is split
                 adapted.append(name)
                 continue
             if any(True for _ in module.parameters(recurse=False)) and not any(
@@ -241,11 +267,27 @@ def _hidden_3d(mesh: Mesh) -> tuple[int, Group, int]:
     return cube.q, cube.output, cube.c
 
 
+def _blocks_2d(mesh: Mesh) -> tuple[StreamGather, ...]:
+    grid = Grid2D.from_mesh(mesh)  # rank (i, j): batch block i, hidden block j
+    return ((-1, grid.row), (0, grid.col))
+
+
+def _blocks_2p5d(mesh: Mesh) -> tuple[StreamGather, ...]:
+    grid = Grid2p5D.from_mesh(mesh)  # rank (k, i, j): batch block k*q + i, hidden block j
+    return ((-1, grid.row), (0, grid.col), (0, grid.dep))
+
+
+def _blocks_3d(mesh: Mesh) -> tuple[StreamGather, ...]:
+    cube = Cube3D.from_mesh(mesh)  # stream layout: batch block b*q + a, hidden block c
+    return ((-1, cube.output), (0, cube.input), (0, cube.weight))
+
+
 def _nd(
     mode: TPMode,
     geo: Geometry,
     *,
     objective: Callable[[Mesh], ModeObjective],
+    blocks: Callable[[Mesh], tuple[StreamGather, ...]],
     linear: TPStyle,
     linear_back: TPStyle,
     classifier: TPStyle,
@@ -288,7 +330,7 @@ def _nd(
         "with a rowwise layer after it",
     }
     native = {"2d": "2d_", "2.5d": "2.5d_", "3d": "3d_"}[m]
-    return ModeSpec(mode, objective, roles, refused, native, tied_head)
+    return ModeSpec(mode, objective, roles, refused, native, tied_head, blocks=blocks)
 
 
 ONE_D = register_mode(ModeSpec(TPMode.ONE_D, objective_1d, identity=True))
@@ -297,6 +339,7 @@ TWO_D = register_mode(
         TPMode.TWO_D,
         Geometry(TPMode.TWO_D, _hidden_2d),
         objective=objective_2d,
+        blocks=_blocks_2d,
         linear=Styles2D.LINEAR,
         linear_back=Styles2D.LINEAR,
         classifier=Styles2D.CLASSIFIER,
@@ -311,6 +354,7 @@ TWO_P5_D = register_mode(
         TPMode.TWO_P5_D,
         Geometry(TPMode.TWO_P5_D, _hidden_2p5d, depth=None),
         objective=objective_2p5d,
+        blocks=_blocks_2p5d,
         linear=Styles2p5D.LINEAR,
         linear_back=Styles2p5D.LINEAR,
         classifier=Styles2p5D.CLASSIFIER,
@@ -325,6 +369,7 @@ THREE_D = register_mode(
         TPMode.THREE_D,
         Geometry(TPMode.THREE_D, _hidden_3d),
         objective=objective_3d,
+        blocks=_blocks_3d,
         linear=Styles3D.LINEAR,
         linear_back=Styles3D.LINEAR_BACK,
         classifier=Styles3D.CLASSIFIER,

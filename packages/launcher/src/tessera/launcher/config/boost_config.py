@@ -279,10 +279,6 @@ class BoostConfig:
             (p.auto, f"parallel.ep={p.ep} with parallel.auto is not built: the planner places no experts"),
             (z.chunked, f"parallel.ep={p.ep} with the chunk memory manager (budgets, disk_dir) is not built"),
             (z.offload, f"parallel.ep={p.ep} with zero.offload is not built"),
-            (
-                not p.tp_mode.whole_rows and p.tp > 1,
-                f"parallel.ep={p.ep} with tp_mode {p.tp_mode} is not built: its grid splits the tokens",
-            ),
         ]
         return [message for bad, message in refused if bad]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.comm import TPMode
 from tessera.comm.sequence_modes import sequence_chunks
 from tessera.launcher.config.boost_config import BoostConfig
 from tessera.launcher.config.finetune_config import FinetuneConfig
@@ -208,10 +207,6 @@ class Config(BoostConfig):
             (e.aux_loss_coef < 0, f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0"),
             (e.z_loss_coef < 0, f"moe.z_loss_coef={e.z_loss_coef} must be >= 0"),
             (e.experts % p.ep != 0, f"moe.experts={e.experts} is not divisible by parallel.ep={p.ep}"),
-            (
-                p.tp > 1 and not (isinstance(p.tp_mode, TPMode) and p.tp_mode.whole_rows),
-                f"moe.enabled with parallel.tp_mode={p.tp_mode}: the experts are split under 1D tp only",
-            ),
             (p.cp > 1, f"moe.enabled with parallel.cp={p.cp}: context parallelism with MoE is not built"),
         ]
         return [message for bad, message in refused if bad]

@@ -98,9 +98,17 @@ class ModelSpec:
     positions: str | None = None
     refuses: Mapping[str, str] = field(default_factory=dict)
 
-    def plan(self, mode: TPMode, model: nn.Module, *, depth: int | None = None) -> PlanLike:
+    def plan(
+        self,
+        mode: TPMode,
+        model: nn.Module,
+        *,
+        depth: int | None = None,
+        adjust: Callable[[PlanLike], PlanLike] | None = None,
+    ) -> PlanLike:
         """The plan for tensor-parallel ``mode``: ``plans[mode]``, else ``roles`` translated to
-        the mode (for ``model``; ``depth``: 2.5D's); ValueError naming the modes there are."""
+        the mode (for ``model``; ``depth``: 2.5D's; ``adjust``: applied to the plan of roles
+        before it is translated); ValueError naming the modes there are."""
         plan = self.plans.get(mode.value, self.roles)
         if plan is None and self.plans:
             offered = ", ".join(sorted(self.plans))
@@ -116,7 +124,7 @@ class ModelSpec:
                     f"no tensor-parallel plan for {type(model).__name__} in mode {mode.value} and none "
                     f"could be derived ({exc}); pass boost(..., plan=...) or ModelSpec(roles=plan)"
                 ) from exc
-        return plan_for_mode(plan, mode, model, depth=depth)
+        return plan_for_mode(plan if adjust is None else adjust(plan), mode, model, depth=depth)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

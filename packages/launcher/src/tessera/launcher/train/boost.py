@@ -60,7 +60,7 @@ from tessera.launcher.train.compiling import compile_layers
 from tessera.launcher.train.deferred import DeferredValues, InitFn, has_deferred
 from tessera.launcher.train.engine import Engine
 from tessera.launcher.train.experts import check_experts, expert_sharding, expert_slices, shard_moe
-from tessera.launcher.train.moe_style import check_moe_plan
+from tessera.launcher.train.moe_style import check_moe_plan, split_mixtures
 from tessera.launcher.train.objective import StepLoss, objective
 from tessera.launcher.train.rebuild import (
     chunk_config,
@@ -214,7 +214,10 @@ def _checked(
     tp_plan = None
     if topology.tp > 1:  # resolved on the serial model: the MoE layers' styles are checked before any group
         roles = (spec if plan is None else ModelSpec(roles=plan)).plan(
-            topology.tp_mode, model, depth=topology.tp_depth
+            topology.tp_mode,
+            model,
+            depth=topology.tp_depth,
+            adjust=None if topology.tp_mode.whole_rows else (lambda roles: split_mixtures(roles, model)),
         )
         tp_plan = resolve(model, roles, tp=topology.tp, sequence_parallel=p.sequence_parallel)
         check_moe_plan(model, tp_plan.assignments, sequence_parallel=p.sequence_parallel)

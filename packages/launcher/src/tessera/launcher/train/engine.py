@@ -169,7 +169,7 @@ class Engine:
         y = None if targets is None else targets.to(self.mesh.device)
         self._count(y, self.mesh.size("dp") * parts)
         if not isinstance(inputs, Mapping):
-            return self._shard(None if inputs is None else inputs.to(self.mesh.device), y)
+            return self._shard(None if inputs is None else inputs.to(self.mesh.device), y, parts)
         topology = self.mesh.topology
         if self.runtime is not None or topology.cp > 1 or not topology.tp_mode.whole_rows:
             raise ValueError(
@@ -178,9 +178,17 @@ class Engine:
             )
         return {k: v.to(self.mesh.device) for k, v in inputs.items()}, y
 
-    def _shard(self, x: Tensor | None, y: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """The objective's share of ``x`` and ``y``; every objective shards each tensor on its
-        own, so a pipeline rank that holds one of them shards it alone."""
+    def _shard(
+        self, x: Tensor | None, y: Tensor | None, parts: int = 1
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The objective's share of ``x`` and ``y``, microbatch by microbatch (``parts``), so
+        that this rank's microbatch j is its share of the replica's microbatch j: the rows one
+        call of the serial model sees, which per-call statistics (an MoE layer's capacity and
+        router losses) need where the mode splits the rows (2D, 2.5D, 3D). Every objective shards
+        each tensor on its own, so a pipeline rank that holds one of them shards it alone."""
+        if parts > 1 and not self.mesh.topology.tp_mode.whole_rows:
+            shares = [self._shard(a, b) for a, b in zip(_parts(x, parts), _parts(y, parts), strict=True)]
+            return _joined([a for a, _ in shares]), _joined([b for _, b in shares])
         if x is not None and y is not None:
             return self.objective.shard(x, y)
         if x is not None:
@@ -505,3 +513,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _parts(t: Tensor | None, parts: int) -> list[Tensor | None]:
+    """``t``'s ``parts`` row chunks in order (as many Nones without ``t``)."""
+    return [None] * parts if t is None else list(torch.tensor_split(t, parts))
+
+
+def _joined(shares: list[Tensor | None]) -> Tensor | None:
+    """The row chunks joined again (None when there were none)."""
+    kept = [t for t in shares if t is not None]
+    return torch.cat(kept) if kept else None

@@ -14,6 +14,14 @@ projections of the ``in`` adapters, the down projections of the ``out`` ones); t
 halves stay whole, with partial gradients, as the router's. With expert parallelism too,
 each rank holds its ``experts / ep`` experts, each split over tp.
 
+The style serves every tp mode as it is (``plan_for_mode`` keeps self-contained styles): under
+2D, 2.5D and 3D, where each rank holds a block of the batch and of the hidden, the layer
+all-gathers its input whole along the lines of the grid (``ModeSpec.stream_gathers``) and
+reduce-scatters its output back, so every rank of the q*q (q*q*d, q**3) tp ranks routes all
+the microbatch's tokens as the serial layer does and computes ``hidden / tp`` of every
+expert. This costs what 1D sequence parallelism costs the layer: the whole input and output
+on every rank, for the layer's time.
+
 The other way to run an MoE layer under tensor parallelism is ``replicate`` (the whole
 mixture on every tp rank, on the same tokens); it cannot take sequence parallelism, whose
 ranks would each route their own slice of the sequence (``check_moe_plan``).
@@ -29,10 +37,11 @@ from torch import nn
 
 from tessera.moe.layer import MoE, hidden_split_problem, split_hidden
 from tessera.tensor_parallel import ShardSpec
-from tessera.tensor_parallel.plan import Assignment, self_contained
-from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, module_kind, register_style
+from tessera.tensor_parallel.modes import mode_spec
+from tessera.tensor_parallel.plan import Assignment, Plan, PlanLike, match_pattern, self_contained
+from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle, module_kind, register_style
 
-__all__ = ["MOE_STYLE", "MoEStyle", "check_moe_plan"]
+__all__ = ["MOE_STYLE", "MoEStyle", "check_moe_plan", "split_mixtures"]
 
 _HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}  # w1 / w3 [n, d, h], w2 [n, h, d]
 
@@ -59,7 +68,13 @@ class MoEStyle(BaseStyle):
         assert isinstance(module, MoE)
         if ctx.group is None:  # the default group: parallelize is always given the mesh's own
             raise ValueError(f"{ctx.name} ({self.name}): needs the tp group itself, got the default group")
-        split_hidden(module, ctx.group, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim)
+        if ctx.mesh is None:  # 1D without a mesh: the sequence is the only thing split
+            split_hidden(module, ctx.group, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim)
+            return None
+        gathers = mode_spec(ctx.mesh.topology.tp_mode).stream_gathers(
+            ctx.mesh, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
+        )
+        split_hidden(module, ctx.group, gathers=gathers)
         return None
 
     def shard_spec(self, module: nn.Module, param: str) -> ShardSpec | None:
@@ -100,3 +115,25 @@ def check_moe_plan(model: nn.Module, assignments: Iterable[Assignment], *, seque
             "parallel.sequence_parallel (the capacity and router losses of a slice, not the serial "
             "layer's): give them the plan style 'moe', which splits their experts over tp"
         )
+
+
+def split_mixtures(plan: PlanLike, model: nn.Module) -> Plan:
+    """``plan`` (roles) with every MoE layer of ``model`` that it keeps whole (``replicate``, or
+    no entry) given the ``moe`` style instead: what 2D, 2.5D and 3D need, where a mixture kept
+    whole would run on one block of the hidden. A ``replicate`` pattern matching other modules
+    too keeps them, named one by one. Entries naming a mixture otherwise are left as they are."""
+    plan = plan if isinstance(plan, Plan) else Plan.of(plan)
+    modules = [name for name, _ in model.named_modules() if name]
+    layers = [name for name, m in model.named_modules() if isinstance(m, MoE) and name]
+    if not layers:
+        return plan
+    entries: list[tuple[str, TPStyle]] = []
+    for pattern, style in plan.entries:
+        hits = [n for n in layers if match_pattern(pattern, n)]
+        if style.name != "replicate" or not hits:
+            entries.append((pattern, style))
+            continue
+        entries += [(n, style) for n in modules if match_pattern(pattern, n) and n not in hits]
+    named = {n for n in layers for pattern, _ in entries if match_pattern(pattern, n)}
+    entries += [(n, MOE_STYLE) for n in layers if n not in named]
+    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel)
