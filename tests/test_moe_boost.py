@@ -206,7 +206,12 @@ def full_weights(engine: Any) -> dict[str, Tensor]:
 
 
 def _rank(
-    rank: int, cfg: BoostConfig, inside: bool, plan: Plan = PLAN, capacity: float | None = None
+    rank: int,
+    cfg: BoostConfig,
+    inside: bool,
+    plan: Plan = PLAN,
+    capacity: float | None = None,
+    verify: bool = False,
 ) -> tuple[list[float], list[float], dict[str, Tensor]]:
     """``inside``: the layers train on the aux loss themselves; else the loss function adds it."""
     model = build(AUX if inside else 0.0, capacity)
@@ -217,7 +222,8 @@ def _rank(
 
     grid = not cfg.parallel.tp_mode.whole_rows  # the mode's own loss over its split logits
     spec = ModelSpec(roles=plan) if grid else ModelSpec(plans={"1d": plan}, loss=loss)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), cfg, spec=spec)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    engine = boost(model, opt, cfg, spec=spec, verify=verify)
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
     weights = full_weights(engine)
     engine.close()
@@ -254,6 +260,7 @@ def _follows_serial(
     clip: float,
     plan: Plan,
     capacity: float | None = None,
+    verify: bool = False,
 ) -> None:
     cfg = config(parallel, stage, clip)
     assert cfg.validate() == []
@@ -265,7 +272,7 @@ def _follows_serial(
         want_losses = plain  # the engine's loss: the cross-entropy
     merged: dict[str, Tensor] = {}
     for rank, (losses, norms, weights) in enumerate(
-        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, capacity, timeout=180)
+        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, capacity, verify, timeout=180)
     ):
         assert losses == pytest.approx(want_losses, rel=1e-5), (
             f"rank {rank}: losses {losses} vs {want_losses}"
@@ -353,8 +360,8 @@ def test_experts_split_over_a_grid_follow_the_serial_run(
     expert and reduce-scatters back, with ep (2D x ep2, ZeRO-3, clipped) around it. The experts
     keep 3/4 of an even share of a call's assignments (capacity 0.75), so that which tokens an
     expert drops (the first in token order are kept) tells whether the tokens were gathered in
-    the batch's order."""
-    _follows_serial(worker_pools, parallel, stage, clip, GRID_ROLES, capacity=0.75)
+    the batch's order. ``verify=True``: the engine's own first-step check passes them too."""
+    _follows_serial(worker_pools, parallel, stage, clip, GRID_ROLES, capacity=0.75, verify=True)
 
 
 # ---------------------------------------------------------------------------- checkpoints
