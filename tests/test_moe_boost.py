@@ -40,7 +40,7 @@ from tessera.comm import all_gather
 from tessera.comm.testing import run_threaded
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.moe import MoE, expert_parameters
+from tessera.moe import MoE, RouterSpec, balance_choice_biases, expert_parameters
 from tessera.tensor_parallel import Plan, Style
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 48, 8, 8, 3, 0.1, 0.05
@@ -70,7 +70,7 @@ class Attend(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, seed: int, coef: float, capacity: float | None) -> None:
+    def __init__(self, seed: int, coef: float, capacity: float | None, balance: float) -> None:
         super().__init__()
         self.pre, self.attend = Norm(), Attend()
         self.post = Norm()
@@ -83,6 +83,8 @@ class Layer(nn.Module):
             seed=seed,
             aux_loss_coef=coef,
             capacity_factor=capacity,
+            routing=RouterSpec(score="sigmoid", choice_bias=True) if balance else None,
+            bias_rate=balance,
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -91,10 +93,12 @@ class Layer(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, coef: float = 0.0, capacity: float | None = None) -> None:
+    def __init__(self, coef: float = 0.0, capacity: float | None = None, balance: float = 0.0) -> None:
         super().__init__()
         self.stem = nn.Embedding(VOCAB, D)
-        self.trunk = nn.ModuleList(Layer(seed=11 + i, coef=coef, capacity=capacity) for i in range(2))
+        self.trunk = nn.ModuleList(
+            Layer(seed=11 + i, coef=coef, capacity=capacity, balance=balance) for i in range(2)
+        )
         self.readout = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -131,11 +135,13 @@ SPLIT_PLAN = Plan.of(
 )
 
 
-def build(coef: float = 0.0, capacity: float | None = None) -> TinyMoE:
+def build(coef: float = 0.0, capacity: float | None = None, balance: float = 0.0) -> TinyMoE:
     """``coef``: each layer trains its router on ``coef * aux_loss`` itself; ``capacity``: each
-    expert keeps the first ``ceil(capacity * tokens * top_k / experts)`` assignments of a call."""
+    expert keeps the first ``ceil(capacity * tokens * top_k / experts)`` assignments of a call;
+    ``balance``: sigmoid routers with a choice bias moved by ``balance`` after each step against
+    the experts' load (DeepSeek-V3's auxiliary-loss-free balancing)."""
     torch.manual_seed(0)
-    return TinyMoE(coef, capacity)
+    return TinyMoE(coef, capacity, balance)
 
 
 def batch(step: int) -> tuple[Tensor, Tensor]:
@@ -150,11 +156,14 @@ def aux_of(model: nn.Module) -> Tensor:
 Serial = tuple[list[float], list[float], list[float], dict[str, Tensor]]
 
 
-def serial(chunks: int, aux: float, clip: float = 0.0, capacity: float | None = None) -> Serial:
+def serial(
+    chunks: int, aux: float, clip: float = 0.0, capacity: float | None = None, balance: float = 0.0
+) -> Serial:
     """Losses (with and without ``aux``), gradient norms and final weights of the serial
     model on ``chunks`` chunks a step, adding ``aux * aux_loss`` to each chunk's loss by hand;
-    ``clip`` > 0: the gradient norm clipped to it (``clip_grad_norm_``); ``capacity``: as ``build``."""
-    model = build(capacity=capacity)
+    ``clip`` > 0: the gradient norm clipped to it (``clip_grad_norm_``); ``capacity``, ``balance``:
+    as ``build`` (the choice biases moved after each step, and returned with the weights)."""
+    model = build(capacity=capacity, balance=balance)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, plain, norms = [], [], []
     for step in range(STEPS):
@@ -169,9 +178,16 @@ def serial(chunks: int, aux: float, clip: float = 0.0, capacity: float | None = 
             ce += entropy.item() / chunks
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
         opt.step()
+        balance_choice_biases(model)
         losses.append(total)
         plain.append(ce)
-    return losses, plain, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, plain, norms, {n: t.detach().clone() for n, t in _state(model)}
+
+
+def _state(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The parameters, and the routers' choice biases when they have one."""
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("score_bias")]
+    return [*model.named_parameters(), *biases]
 
 
 def config(parallel: ParallelConfig, stage: int, clip: float = 0.0) -> BoostConfig:
@@ -212,9 +228,10 @@ def _rank(
     plan: Plan = PLAN,
     capacity: float | None = None,
     verify: bool = False,
+    balance: float = 0.0,
 ) -> tuple[list[float], list[float], dict[str, Tensor]]:
     """``inside``: the layers train on the aux loss themselves; else the loss function adds it."""
-    model = build(AUX if inside else 0.0, capacity)
+    model = build(AUX if inside else 0.0, capacity, balance)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:  # the head is whole under tp: plain entropy
         entropy = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -226,6 +243,10 @@ def _rank(
     engine = boost(model, opt, cfg, spec=spec, verify=verify)
     outs = [engine.train_step(*batch(step)) for step in range(STEPS)]
     weights = full_weights(engine)
+    if cfg.parallel.pp == 1:  # the choice biases, whole on every rank (under pp: in the weights' steps)
+        weights.update(
+            {n: b.detach().clone() for n, b in engine.module.named_buffers() if n.endswith("score_bias")}
+        )
     engine.close()
     return [o.loss for o in outs], [float(o.grad_norm or 0.0) for o in outs], weights
 
@@ -261,18 +282,21 @@ def _follows_serial(
     plan: Plan,
     capacity: float | None = None,
     verify: bool = False,
+    balance: float = 0.0,
 ) -> None:
     cfg = config(parallel, stage, clip)
     assert cfg.validate() == []
     # the loss runs on the last stage only (pp), or is the mode's own over split logits (2D, 2.5D,
     # 3D): the layers add their aux loss
     inside = parallel.pp > 1 or not parallel.tp_mode.whole_rows
-    want_losses, plain, want_norms, want = serial(parallel.dp * parallel.microbatches, AUX, clip, capacity)
+    want_losses, plain, want_norms, want = serial(
+        parallel.dp * parallel.microbatches, AUX, clip, capacity, balance
+    )
     if inside:
         want_losses = plain  # the engine's loss: the cross-entropy
     merged: dict[str, Tensor] = {}
     for rank, (losses, norms, weights) in enumerate(
-        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, capacity, verify, timeout=180)
+        worker_pools(cfg.world_size).run(_rank, cfg, inside, plan, capacity, verify, balance, timeout=180)
     ):
         assert losses == pytest.approx(want_losses, rel=1e-5), (
             f"rank {rank}: losses {losses} vs {want_losses}"
@@ -362,6 +386,39 @@ def test_experts_split_over_a_grid_follow_the_serial_run(
     expert drops (the first in token order are kept) tells whether the tokens were gathered in
     the batch's order. ``verify=True``: the engine's own first-step check passes them too."""
     _follows_serial(worker_pools, parallel, stage, clip, GRID_ROLES, capacity=0.75, verify=True)
+
+
+BALANCE = 0.05  # the bias step: a few steps move sigmoid scores' choices
+BALANCED_CASES = [
+    (ParallelConfig(dp=2, ep=2, microbatches=2), 1, PLAN),
+    (ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1), 3, SPLIT_PLAN),
+    (ParallelConfig(dp=2, tp=4, tp_mode="2d", microbatches=1), 0, GRID_ROLES),
+]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "stage", "plan"),
+    BALANCED_CASES,
+    ids=lambda c: (
+        f"{c.tp_mode}-{_id(c)}"
+        if isinstance(c, ParallelConfig)
+        else _id(c)
+        if not isinstance(c, Plan)
+        else c.name
+    ),
+)
+def test_choice_biases_follow_the_serial_load(
+    worker_pools: PoolFactory, parallel: ParallelConfig, stage: int, plan: Plan
+) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (``bias_rate``): after each step every rank
+    moves each router's choice bias by the load of the step's tokens over all replicas and
+    microbatches (tp ranks route the same tokens), as the serial loop over the same chunks
+    does; the biases are compared exactly as the weights are, and the losses of the later steps
+    follow the choices they move."""
+    _, _, _, want = serial(parallel.dp * parallel.microbatches, AUX, 0.0, None, BALANCE)
+    biases = [n for n in want if n.endswith("score_bias")]
+    assert len(biases) == 2 and all(bool(want[n].abs().sum() > 0) for n in biases), want
+    _follows_serial(worker_pools, parallel, stage, 0.0, plan, balance=BALANCE)
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from tessera.launcher.config import Config, ParallelConfig, TrainConfig, ZeroConfig
 from tessera.launcher.train.boost import boost
-from tessera.moe import set_aux_grad_scale
+from tessera.moe import balance_choice_biases, set_aux_grad_scale
 from tessera.zero import Precision
 
 __all__ = [
@@ -122,7 +122,8 @@ def serial_run(
     loss divided by ``chunks``, as a boosted run over dp x microbatches chunks trains it (what
     a loss that is no mean over tokens needs: an MoE's load-balancing loss is per call); the
     router losses that ``tessera.moe.MoE`` layers train on from inside then weigh ``1 / chunks``
-    per call, as the engine weighs them."""
+    per call, as the engine weighs them. After each step the choice biases of MoE layers with a
+    ``bias_rate`` move by the step's load (`tessera.moe.balance_choice_biases`), as the engine's."""
     opt = optimizer(model)
     objective = loss if loss is not None else _cross_entropy
     if chunks > 1:
@@ -136,6 +137,7 @@ def serial_run(
             (value / chunks).backward()  # type: ignore[no-untyped-call]
             total += value.item() / chunks
         opt.step()
+        balance_choice_biases(model)  # MoE routers balanced by a bias (bias_rate): after the step
         losses.append(total)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 

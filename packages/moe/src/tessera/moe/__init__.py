@@ -3,7 +3,8 @@
 `MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
 matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
 shared experts, and routers of DeepSeek's kinds (`RouterSpec`: sigmoid scores, a choice bias,
-group-limited top-k, a routed scale), low-rank adapters on the experts and the router
+group-limited top-k, a routed scale, the bias moved by the experts' load after each step:
+`balance_choice_biases`), low-rank adapters on the experts and the router
 (`ExpertAdapter`, `RouterAdapter`); with an ``ep_group`` (or `shard_experts`) its experts are split over the
 group's ranks and tokens travel to them by uneven all-to-all; with `split_hidden` every
 expert's hidden units are split over a tensor-parallel group. Depends on torch and
@@ -13,6 +14,7 @@ expert's hidden units are split over a tensor-parallel group. Depends on torch a
 from __future__ import annotations
 
 from tessera.moe.adapters import ExpertAdapter, RouterAdapter
+from tessera.moe.balance import balance_choice_biases, set_bias_rate
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
 from tessera.moe.layer import Gather, MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
@@ -34,6 +36,7 @@ __all__ = [
     "RouterSpec",
     "Routing",
     "TopKRouter",
+    "balance_choice_biases",
     "capacity",
     "expert_parameters",
     "load_balancing_loss",
@@ -41,6 +44,7 @@ __all__ = [
     "reduce_gradients",
     "route",
     "set_aux_grad_scale",
+    "set_bias_rate",
     "shard_experts",
     "split_hidden",
     "z_loss",

@@ -47,6 +47,7 @@ from tessera.comm import (
     reduce_scatter_along,
 )
 from tessera.moe.aux import attach_aux, scale_grad
+from tessera.moe.balance import count_load
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, SHARED_STREAM, expert_stream, generator, uniform
@@ -121,7 +122,10 @@ class MoE(nn.Module):
     ``aux_loss_coef`` / ``z_loss_coef``: train the router on ``coef * loss`` of each call from
     inside the layer's backward (`tessera.moe.aux`), scaled by ``aux_grad_scale`` (1: set it
     with `set_aux_grad_scale` to the factor the caller's backward multiplies its loss by); 0:
-    the caller adds the losses itself, if at all.
+    the caller adds the losses itself, if at all. ``bias_rate``: with a choice bias in
+    ``routing``, DeepSeek-V3's auxiliary-loss-free balancing (`tessera.moe.balance`): the
+    layer counts each trained call's load, and `balance_choice_biases` after each step moves
+    the bias by ``bias_rate`` per expert against its load.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        bias_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if experts < 1:
@@ -151,7 +156,15 @@ class MoE(nn.Module):
         capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
         if shared_gate and shared_hidden is None:
             raise ValueError("shared_gate needs a shared expert (shared_hidden)")
-        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+        if bias_rate and not (routing is not None and routing.choice_bias):
+            raise ValueError(
+                f"bias_rate={bias_rate} needs a router with a choice bias (RouterSpec(choice_bias=True))"
+            )
+        for name, coef in (
+            ("aux_loss_coef", aux_loss_coef),
+            ("z_loss_coef", z_loss_coef),
+            ("bias_rate", bias_rate),
+        ):
             if not coef >= 0:
                 raise ValueError(f"{name} must be >= 0, got {coef}")
         if ep_group is not None and seed is None:
@@ -162,6 +175,8 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.grouped, self.ep_group = grouped, ep_group
         self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
+        self.bias_rate = bias_rate  # `tessera.moe.balance`: the choice bias moved after each step
+        self.pending_load: Tensor | None = None  # this step's assignments per expert (`balance`)
         self.first_expert = start
         self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
         self.gathers: tuple[Gather, ...] = ()  # `split_hidden`: how the input enters the region
@@ -228,6 +243,8 @@ class MoE(nn.Module):
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
             out = attach_aux(out, weighted, self)
+        if self.bias_rate and torch.is_grad_enabled():
+            out = count_load(out, plan.routed, self)
         return out
 
 

@@ -12,10 +12,10 @@ DeepSeek-V3 and the families that copy them, in four independent parts:
   DeepSeek-V3's auxiliary-loss-free balancing, whose paper moves the bias after each step by
   ``-gamma`` for an overloaded expert and ``+gamma`` for an underloaded one. ``transformers``
   does not implement that update (its bias is a buffer read from the checkpoint and left as
-  it is in training), and neither does this router: it never changes ``score_bias``, no
-  gradient reaches it (it is not a parameter), and an optimizer does not see it. A caller who
-  wants the update writes it between steps (``router.score_bias += gamma * sign(mean_load -
-  load)`` from `MoE.stats`, the same on every rank);
+  it is in training). The router itself never changes ``score_bias``, no gradient reaches it
+  (it is not a parameter), and an optimizer does not see it; an `MoE` layer built with
+  ``bias_rate=gamma`` counts its load and `tessera.moe.balance_choice_biases` makes the update
+  after each step (the launcher's engine calls it);
 - ``groups=G, top_groups=M``: the ``E`` experts form ``G`` groups of ``E / G`` consecutive
   experts; each token keeps its ``M`` groups of highest group score (``group_score="max"``: the
   best (biased) score in the group, DeepSeek-V2's ``group_limited_greedy``; ``"top2"``: the sum

@@ -43,7 +43,7 @@ from tessera.launcher.families.spec import logits_of
 from tessera.launcher.train.batches import Inputs, split_inputs
 from tessera.launcher.train.objective import IGNORE_INDEX, Objective, StepLoss
 from tessera.launcher.train.verify import Verifier
-from tessera.moe import set_aux_grad_scale
+from tessera.moe import balance_choice_biases, set_aux_grad_scale
 from tessera.pipeline import PipelineRuntime, forward_loss, split_microbatches
 from tessera.tensor_parallel import (
     sequence_parallel_params,
@@ -271,6 +271,9 @@ class Engine:
                 sync_sequence_parallel_grads(self.module, self.tp)
         with self.verifier.comparing(self, local_loss) if self.verifier else contextlib.nullcontext():
             stepped = self.zero.step()
+        # MoE routers balanced without a loss (bias_rate): their choice biases follow the load
+        # of this step's tokens over every replica (tp ranks route the same tokens)
+        balance_choice_biases(self.module, self.dp, step=stepped)
         if self.verifier is not None and self.verifier.done:
             self.verifier = None  # the serial copy is dropped
         lr = float(self.optimizer.param_groups[0]["lr"])
