@@ -86,7 +86,7 @@ def test_refusals_name_the_values() -> None:
     plain = MoE(d_model=D, hidden=6, experts=E, seed=0)
     with pytest.raises(ValueError, match="MoE has no MoE layer whose router holds a choice bias"):
         set_bias_rate(plain, 0.1)
-    with pytest.raises(ValueError, match="bias_rate must be >= 0, got -0.5"):
+    with pytest.raises(ValueError, match=r"bias_rate must be >= 0, got -0\.5"):
         set_bias_rate(_layer(0.0), -0.5)
     off = _layer(0.0)
     assert set_bias_rate(off, RATE) == 1 and off.bias_rate == RATE
