@@ -5,7 +5,9 @@ without ``reset_parameters``: given an ``init``), ``GPT2ish`` (the head tied to 
 embedding), a Hugging Face Llama and GPT-2 (its head tied, Conv1D layers) from config
 (their ``_init_weights``), the reference GPT with a mixture of experts in every layer and
 a user's own mixture (``Mixish``: a router and a list of experts, which ``boost`` converts to
-``tessera.moe.MoE`` and whose stacked banks it makes from the user's per-expert layers) with
+``tessera.moe.MoE`` and whose stacked banks it makes from the user's per-expert layers) and a
+Hugging Face Mixtral (its sparse MoE blocks converted by ``boost``, each bank made from the
+fused ``experts.gate_up_proj`` / ``down_proj`` that HF's ``_init_weights`` draws) with
 every parameter on the meta device. ``boost`` materializes what the rank holds after
 tensor parallelism (1D, Megatron SP, 2D, 2.5D, 3D), expert parallelism and the pipeline
 cut. The result must equal the same model built eagerly and initialized by
@@ -66,6 +68,13 @@ def _build(kind: str, deferred: bool) -> nn.Module:
             return moe_gpt(cfg, MoEConfig(enabled=True, experts=4, top_k=2, dropless=True), seed=0)
         import transformers
 
+        if kind == "hf-mixtral":  # boost() converts its sparse MoE blocks, their banks made by HF's init
+            mixtral = transformers.MixtralConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+            )  # fmt: skip
+            return transformers.MixtralForCausalLM(mixtral)
         if kind == "hf-gpt2":  # the head tied to the token embedding; no dropout (both runs draw alike)
             gpt2 = transformers.GPT2Config(
                 vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
@@ -143,6 +152,8 @@ CASES = {
     "gpt2ish-tied-3d": ("gpt2ish", P(tp=8, tp_mode="3d", microbatches=1), {}),
     "own-moe-dp2-ep2": ("mixish", P(dp=2, ep=2), {}),
     "own-moe-dp2-ep2-zero3": ("mixish", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
+    "hf-mixtral-dp2-ep2": ("hf-mixtral", P(dp=2, ep=2), {}),
+    "hf-mixtral-dp2-ep2-zero3": ("hf-mixtral", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
     "llamaish-frozen-dp2-tp2-zero3": ("llamaish-frozen", P(dp=2, tp=2), {"stage": 3}),
 }
 

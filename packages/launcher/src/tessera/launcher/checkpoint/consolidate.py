@@ -26,7 +26,7 @@ from tessera.comm import Group, all_gather
 from tessera.comm.consensus import raise_together
 from tessera.comm.files import atomic_write
 from tessera.comm.safefile import Entry, SafeFile, StreamWriter, tensor_bytes
-from tessera.launcher.checkpoint.exported import ExportView, export_names, parts_of
+from tessera.launcher.checkpoint.exported import ExportView, Joiner, export_names, export_shapes, parts_of
 from tessera.launcher.checkpoint.placement import Boosted
 from tessera.tensor_parallel import ShardSpec
 
@@ -168,21 +168,25 @@ def _write_shards(
 ) -> tuple[int, BaseException | None]:
     """Stream this pipeline rank's fp32 masters, one ZeRO flat buffer at a time, each gathered
     over tp and ep (``full_tensor``), into its shards; shard ``j`` is written by the ``j``-th
-    rank of the pipeline rank's group (round robin), then the stage's persistent buffers as
-    they are held (``Placement.buffers``). Collective; returns how many shards the model has in
+    rank of the pipeline rank's group (round robin; a tensor joined from several parameters,
+    HF's ``gate_up_proj`` from ``w1`` and ``w3``, when its last piece has streamed), then the
+    stage's persistent buffers as they are held (``Placement.buffers``, under the names
+    ``Placement.exported`` gives them). Collective; returns how many shards the model has in
     all and this rank's error, if any (it still takes part to the end)."""
     mesh, placement, zero = engine.mesh, engine.placement, engine.zero
     names = streamed_names(engine)
     exported = placement.exported if view is None else view.exported
     added = {} if view is None else view.added
     parts = [parts_of(n, exported) for n in names]  # the user's names, where boost() renamed
-    entries = [
-        Entry(p.name, dtype, p.shape(placement.full_shapes[n]))
-        for n, ps in zip(names, parts, strict=True)
-        for p in ps
-    ]
+    shapes = export_shapes({n: placement.full_shapes[n] for n in names}, exported)
+    entries = [Entry(name, dtype, shape) for name, shape in shapes.items()]
+    joiner = Joiner(exported, names)  # a tensor joined from several parameters: when complete
     held = dict(engine.module.named_buffers())
-    buffers = sorted((serial, held[local]) for local, serial in placement.buffers.items())
+    buffers = sorted(
+        (part.name, held[local])
+        for local, serial in placement.buffers.items()
+        for part in parts_of(serial, exported)[:1]
+    )
     entries += [Entry(n, dtype if b.is_floating_point() else b.dtype, tuple(b.shape)) for n, b in buffers]
     shards = split_shards(entries, max_shard_bytes)
     counts = all_gather(torch.tensor([len(shards)], device=mesh.device), mesh.group("pp"), 0)
@@ -217,7 +221,9 @@ def _write_shards(
             if names[i] in added:
                 full = full.to(torch.float32) + added[names[i]].to(full.device, torch.float32)
             for part in parts[i]:
-                write(stack, part.take(full))
+                tensor = joiner.add(part, part.take(full))
+                if tensor is not None:
+                    write(stack, tensor)
         for _, buffer in buffers:  # held whole on every rank of the stage: no collective
             write(stack, buffer)
     return total, error

@@ -36,7 +36,7 @@ from tessera.comm import all_reduce
 from tessera.comm.consensus import raise_together
 from tessera.launcher.checkpoint.consolidate import MAX_SHARD_BYTES, export_sharded
 from tessera.launcher.checkpoint.dcp_files import DCPReader, read_tensor, write_dcp
-from tessera.launcher.checkpoint.exported import ExportPart, assemble, parts_of
+from tessera.launcher.checkpoint.exported import ExportPart, assemble, export_shapes, parts_of
 from tessera.launcher.checkpoint.placement import Boosted, load_buffers
 from tessera.launcher.checkpoint.reshard import load_portable_state
 from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
@@ -73,16 +73,17 @@ def _parts(name: str, engine: Boosted) -> tuple[ExportPart, ...]:
 
 def _expected(engine: Boosted) -> tuple[Shapes, Shapes, Shapes]:
     """The model's tensors by checkpoint name and shape: every parameter (the same on every
-    rank), the tied names (optional) and this rank's persistent buffers."""
+    rank; under the names it exports as), the tied names (optional) and this rank's persistent
+    buffers (under the names they export as)."""
     placement = engine.placement
-    params = {
-        part.name: part.shape(shape)
-        for name, shape in placement.full_shapes.items()
-        for part in _parts(name, engine)
-    }
+    params = export_shapes(placement.full_shapes, placement.exported)
     tied = {alias: tuple(placement.full_shapes[name]) for alias, name in placement.aliases.items()}
     held = dict(engine.module.named_buffers())
-    buffers = {serial: tuple(held[local].shape) for local, serial in placement.buffers.items()}
+    buffers = {
+        part.name: tuple(held[local].shape)
+        for local, serial in placement.buffers.items()
+        for part in parts_of(serial, placement.exported)[:1]
+    }
     return params, tied, buffers
 
 

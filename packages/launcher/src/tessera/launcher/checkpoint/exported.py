@@ -1,44 +1,89 @@
 """How a trained parameter appears in an export under the model's own names.
 
-``boost()`` may train a parameter under a name and shape of its own: a user's mixture of
-experts converted to ``tessera.moe.MoE`` trains each bank of experts as one stacked tensor
+``boost()`` may train a parameter under a name and shape of its own: a mixture of experts
+converted to ``tessera.moe.MoE`` trains each bank of experts as one stacked tensor
 (``experts.w1 [E, d, h]``) where the user's model holds one ``nn.Linear`` per expert
-(``experts.<e>.gate_proj.weight [h, d]``). An `ExportPart` names one tensor of the export
-and how it is taken from the trained parameter's full value: the slice ``index`` along the
-first dimension (None: the whole tensor), transposed or not. ``export`` and
-``consolidate`` write the parts in place of the parameter, one at a time as it streams;
-`assemble` is the way back (a deferred model's parameters are made under the user's names).
+(``experts.<e>.gate_proj.weight [h, d]``) and a Hugging Face one two fused banks
+(``experts.gate_up_proj [E, 2h, d]``: gate rows, then up rows). An `ExportPart` names one
+exported tensor and how it is taken from the trained parameter's full value: the slice
+``index`` along the first dimension (None: the whole tensor), transposed or not, and, with
+``rows``, as the rows ``start:stop`` (second-to-last dimension) of an exported tensor that
+other parameters' parts with the same name complete (``w1`` and ``w3`` make ``gate_up_proj``).
+``legacy`` is the same piece as checkpoints of an older layout hold it (transformers'
+one-tensor-per-expert layout, which ``save_pretrained`` still writes): an import reads it where
+a file lacks ``name``. A persistent buffer may be renamed the same way (one whole part).
+
+One description serves every direction: ``export`` and ``consolidate`` write the parts as the
+parameters stream (`Joiner` holds a piece until its tensor is complete; `export_shapes` lays
+the file out beforehand), and `assemble` is the way back (``import_weights``, ``import_dcp``,
+and deferred initialization, which makes a parameter from the user's model's own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["ExportPart", "ExportView", "assemble", "export_names", "parts_of"]
+__all__ = [
+    "ExportPart",
+    "ExportView",
+    "Joiner",
+    "assemble",
+    "export_names",
+    "export_shapes",
+    "found_parts",
+    "parts_of",
+    "sliced",
+]
+
+Exported = Mapping[str, tuple["ExportPart", ...]]
 
 
 @dataclass(frozen=True, slots=True)
 class ExportPart:
-    """One exported tensor: ``name``, taken as ``full[index]`` (or ``full``), its last two
-    dimensions swapped when ``transpose``."""
+    """One exported tensor ``name`` (or its rows ``rows`` of the second-to-last dimension),
+    taken as ``full[index]`` (or ``full``), its last two dimensions swapped when ``transpose``;
+    ``legacy``: the same piece in a checkpoint of an older layout."""
 
     name: str
     index: int | None = None
     transpose: bool = False
+    rows: tuple[int, int] | None = None
+    legacy: tuple[ExportPart, ...] = ()
 
     def shape(self, full: Sequence[int]) -> tuple[int, ...]:
-        """The exported tensor's shape from the trained parameter's full shape."""
+        """The piece's shape from the trained parameter's full shape."""
         shape = tuple(full[1:]) if self.index is not None else tuple(full)
         return (*shape[:-2], shape[-1], shape[-2]) if self.transpose else shape
 
     def take(self, full: Tensor) -> Tensor:
-        """The exported tensor from the trained parameter's full value."""
+        """The piece from the trained parameter's full value."""
         out = full[self.index] if self.index is not None else full
         return out.transpose(-2, -1).contiguous() if self.transpose else out
+
+    def fits(self, full: Sequence[int], saved: Sequence[int]) -> bool:
+        """Whether a saved tensor shaped ``saved`` holds this piece of a parameter shaped ``full``."""
+        want, saved = self.shape(full), tuple(saved)
+        if self.rows is None:
+            return saved == want
+        start, stop = self.rows
+        return (
+            len(saved) == len(want)
+            and want[-2] == stop - start
+            and saved[-2] >= stop
+            and (saved[:-2], saved[-1]) == (want[:-2], want[-1])
+        )
+
+    def piece(self, value: Tensor) -> Tensor:
+        """`take` undone but for ``index``: the trained layout of this piece of the exported
+        tensor's ``value``."""
+        if self.rows is not None:
+            value = value.narrow(-2, self.rows[0], self.rows[1] - self.rows[0])
+        return value.transpose(-2, -1) if self.transpose else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,28 +93,105 @@ class ExportView:
     ``added`` a parameter to what is added to its full value first (an adapter merged into its
     base layer's weight: ``tessera.launcher.checkpoint.adapter_files``)."""
 
-    exported: Mapping[str, tuple[ExportPart, ...]]
+    exported: Exported
     added: Mapping[str, Tensor]
 
 
-def parts_of(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> tuple[ExportPart, ...]:
+def parts_of(name: str, exported: Exported) -> tuple[ExportPart, ...]:
     """The parts parameter ``name`` exports as (itself, whole, when ``exported`` lacks it; none
     when ``exported`` maps it to the empty tuple: not exported)."""
     return exported[name] if name in exported else (ExportPart(name),)
 
 
-def export_names(names: Sequence[str], exported: Mapping[str, tuple[ExportPart, ...]]) -> list[str]:
-    """Every exported name of the parameters ``names``, in order."""
-    return [part.name for name in names for part in parts_of(name, exported)]
+def export_names(names: Sequence[str], exported: Exported) -> list[str]:
+    """Every exported name of the parameters ``names``, in order, each once."""
+    return list(dict.fromkeys(part.name for name in names for part in parts_of(name, exported)))
+
+
+def _pieces(parts: Sequence[ExportPart]) -> Counter[str]:
+    """How many row pieces make each joined tensor."""
+    return Counter(p.name for p in parts if p.rows is not None)
+
+
+def export_shapes(shapes: Mapping[str, Sequence[int]], exported: Exported) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor the parameters ``shapes`` (name -> full shape, in streaming
+    order) export as, in the order a `Joiner` gives them (a joined one where its last piece
+    comes); ValueError naming a joined tensor whose pieces do not tile its rows."""
+    out: dict[str, tuple[int, ...]] = {}
+    pieces = _pieces([p for name in shapes for p in parts_of(name, exported)])
+    held: dict[str, list[tuple[ExportPart, tuple[int, ...]]]] = {}
+    for name, full in shapes.items():
+        for part in parts_of(name, exported):
+            if part.rows is None:
+                out[part.name] = part.shape(full)
+                continue
+            got = held.setdefault(part.name, [])
+            got.append((part, part.shape(full)))
+            if len(got) == pieces[part.name]:
+                out[part.name] = _joined_shape(part.name, held.pop(part.name))
+    return out
+
+
+def _joined_shape(name: str, got: list[tuple[ExportPart, tuple[int, ...]]]) -> tuple[int, ...]:
+    spans = sorted((p.rows, s[-2]) for p, s in got if p.rows is not None)
+    stop = 0
+    for (start, end), height in spans:
+        if start != stop or end - start != height:
+            raise ValueError(f"the pieces of {name} (rows {[r for r, _ in spans]}) do not tile its rows")
+        stop = end
+    first = got[0][1]
+    return (*first[:-2], stop, first[-1])
+
+
+class Joiner:
+    """The exported tensors as the parameters' parts stream past (``add``): a whole one at
+    once, one joined from row pieces when its last piece comes (the others held until then)."""
+
+    def __init__(self, exported: Exported, names: Sequence[str]) -> None:
+        self._pieces = _pieces([p for name in names for p in parts_of(name, exported)])
+        self._held: dict[str, list[tuple[int, Tensor]]] = {}
+
+    def add(self, part: ExportPart, piece: Tensor) -> Tensor | None:
+        """``part``'s exported tensor when ``piece`` completes it, else None."""
+        if part.rows is None:
+            return piece
+        held = self._held.setdefault(part.name, [])
+        held.append((part.rows[0], piece))
+        if len(held) < self._pieces[part.name]:
+            return None
+        del self._held[part.name]
+        return torch.cat([t for _, t in sorted(held, key=lambda item: item[0])], dim=-2)
+
+
+def found_parts(parts: tuple[ExportPart, ...], holds: Callable[[str], bool]) -> tuple[ExportPart, ...] | None:
+    """The parts a checkpoint holding the names ``holds`` says yes to gives a parameter: its
+    exported parts, else their ``legacy`` ones; None when it holds neither whole."""
+    if all(holds(p.name) for p in parts):
+        return parts
+    legacy = tuple(old for p in parts for old in p.legacy)
+    if parts and all(p.legacy for p in parts) and all(holds(p.name) for p in legacy):
+        return legacy
+    return None
+
+
+def sliced(parts: tuple[ExportPart, ...], start: int, stop: int) -> tuple[tuple[ExportPart, ...], bool]:
+    """What the experts ``start:stop`` (first dimension) of a parameter need of its ``parts``:
+    per-expert parts, those experts' (indexed from 0), read whole (False); else the parts
+    themselves, each tensor read as its rows ``start:stop`` (True)."""
+    if any(p.index is not None for p in parts):
+        kept = [(p, p.index) for p in parts if p.index is not None and start <= p.index < stop]
+        return tuple(replace(p, index=i - start) for p, i in kept), False
+    return parts, True
 
 
 def assemble(parts: Sequence[ExportPart], values: Sequence[Tensor]) -> Tensor:
-    """The trained parameter's full value from its parts' ``values`` (`ExportPart.take` undone):
-    one part without an index is the whole tensor; parts with indices 0..n-1 are its slices."""
+    """The trained parameter's full value from its parts' exported tensors ``values``
+    (`ExportPart.piece` of each): one part without an index is the whole parameter; parts with
+    indices 0..n-1 are its slices."""
     if len(parts) == 1 and parts[0].index is None:
-        return values[0].transpose(-2, -1) if parts[0].transpose else values[0]
+        return parts[0].piece(values[0])
     index = [-1 if p.index is None else p.index for p in parts]
     order = sorted(range(len(parts)), key=index.__getitem__)
     if [index[i] for i in order] != list(range(len(parts))):
         raise ValueError(f"export parts {[p.name for p in parts]} are not the slices 0..{len(parts) - 1}")
-    return torch.stack([values[i].transpose(-2, -1) if parts[i].transpose else values[i] for i in order])
+    return torch.stack([parts[i].piece(values[i]) for i in order])

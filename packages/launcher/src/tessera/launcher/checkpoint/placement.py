@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from tessera.comm import Mesh
 from tessera.launcher.checkpoint.adapted import Adapters
-from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.checkpoint.exported import ExportPart, found_parts, parts_of
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
@@ -34,12 +34,13 @@ class Placement:
     split, if any, is of that slice. ``aliases`` maps every further name of a tied parameter
     in the serial model's state dict (HF's ``lm_head.weight`` tied to the token embedding)
     to the name it trains under, so that an export holds every key a strict load expects.
-    ``exported`` maps a parameter trained under a name and shape of boost()'s own (a user's
-    mixture of experts converted to ``tessera.moe.MoE``) to the tensors it exports as, under
-    the user's names (`tessera.launcher.checkpoint.exported`). ``buffers`` maps each
-    persistent buffer this rank's module holds whole (by its name in that module) to its
-    serial name: exports and imports carry them beside the parameters (a router's
-    score-correction bias is state a strict load expects). ``adapters``: the model's low-rank
+    ``exported`` maps a parameter trained under a name and shape of boost()'s own (a user's or
+    a Hugging Face mixture of experts converted to ``tessera.moe.MoE``) to the tensors it
+    exports as, under the user's names (`tessera.launcher.checkpoint.exported`), and a
+    persistent buffer so renamed (a converted router's score-correction bias) to its name.
+    ``buffers`` maps each persistent buffer this rank's module holds whole (by its name in
+    that module) to its serial name: exports and imports carry them beside the parameters (a
+    router's score-correction bias is state a strict load expects). ``adapters``: the model's low-rank
     adapters and their PEFT configurations (`tessera.launcher.checkpoint.adapted`), for PEFT's
     adapter files and a merged export.
     """
@@ -72,16 +73,18 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
 
 def load_buffers(engine: Boosted, weights: Mapping[str, Tensor], path: Path) -> None:
     """Copy into this rank's persistent buffers (``Placement.buffers``: a router's bias) those
-    that ``weights`` holds by serial name, as they are; local; ValueError naming a misshapen one
-    (read from ``path``)."""
+    that ``weights`` holds by serial name (or by the name ``Placement.exported`` gives it, or
+    that name's ``legacy`` one), as they are; local; ValueError naming a misshapen one (read
+    from ``path``)."""
     held = dict(engine.module.named_buffers())
     with torch.no_grad():
         for local, serial in engine.placement.buffers.items():
-            if serial in weights:
-                value = weights[serial]
+            parts = found_parts(parts_of(serial, engine.placement.exported)[:1], weights.__contains__)
+            if parts:
+                value = weights[parts[0].name]
                 if tuple(value.shape) != tuple(held[local].shape):
                     raise ValueError(
-                        f"{path}: buffer {serial} has shape {tuple(value.shape)}, the model's "
+                        f"{path}: buffer {parts[0].name} has shape {tuple(value.shape)}, the model's "
                         f"{tuple(held[local].shape)}"
                     )
                 held[local].copy_(value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ from torch import Tensor, nn
 from tessera.comm.safefile import Entry, StreamWriter, tensor_bytes
 from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.consolidate import full_tensor
-from tessera.launcher.checkpoint.placement import Boosted, load_buffers
+from tessera.launcher.checkpoint.exported import ExportPart, assemble, found_parts, parts_of, sliced
+from tessera.launcher.checkpoint.placement import Boosted, load_buffers, local_part
 from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
 
 __all__ = [
@@ -171,12 +173,17 @@ class _TPShards(Mapping[str, Tensor]):
         kind, full_name, param = self._keys[key]
         if f"{kind}/{full_name}" not in self._state:
             raise ValueError(f"the saved state lacks {kind}/{full_name}")
-        full = self._state[f"{kind}/{full_name}"]
-        mesh = self._engine.mesh
+        mesh, placement = self._engine.mesh, self._engine.placement
+        span = placement.experts.get(full_name)
         try:
-            return self._engine.placement.part(
-                full, full_name, mesh.coordinate("tp"), mesh.size("tp"), param.shape
-            )
+            if span is not None and isinstance(self._state, _AsParams):  # only this rank's experts
+                mine = self._state.rows(f"{kind}/{full_name}", *span)
+                specs = placement.shard_specs
+                return local_part(
+                    mine, full_name, specs, {}, mesh.coordinate("tp"), mesh.size("tp"), param.shape
+                )
+            full = self._state[f"{kind}/{full_name}"]
+            return placement.part(full, full_name, mesh.coordinate("tp"), mesh.size("tp"), param.shape)
         except ValueError as exc:
             raise ValueError(f"the saved {kind}/{exc}") from None
 
@@ -220,19 +227,44 @@ def load_portable_state(engine: Boosted, state: Mapping[str, Tensor], header: di
 
 
 class _AsParams(Mapping[str, Tensor]):
-    """A consolidated state dict's tensors as the portable state's ``param/<name>`` in fp32:
-    parameter ``name`` read from the file under ``sources[name]``, else from ``extra``."""
+    """A checkpoint's tensors as the portable state's ``param/<name>`` in fp32: parameter ``name``
+    assembled from the file's tensors ``sources[name]`` (under its own name, or the parts it
+    exports as: `tessera.launcher.checkpoint.exported`), else taken from ``extra``."""
 
     def __init__(
-        self, weights: Mapping[str, Tensor], sources: Mapping[str, str], extra: Mapping[str, Tensor]
+        self,
+        weights: LazyTensors,
+        sources: Mapping[str, tuple[ExportPart, ...]],
+        extra: Mapping[str, Tensor],
     ) -> None:
         self._weights, self._sources, self._extra = weights, sources, extra
 
     def __getitem__(self, key: str) -> Tensor:
         name = key.removeprefix("param/")
-        if not key.startswith("param/") or (name not in self._sources and name not in self._extra):
+        if key not in self:
             raise KeyError(key)
-        return (self._weights[self._sources[name]] if name in self._sources else self._extra[name]).float()
+        return self._read(name, None) if name in self._sources else self._extra[name].float()
+
+    def rows(self, key: str, start: int, stop: int) -> Tensor:
+        """Experts ``start:stop`` (first dimension) of the bank ``key``, reading only theirs:
+        those experts' own tensors, or their rows of a stacked one."""
+        name = key.removeprefix("param/")
+        return self._read(name, (start, stop)) if name in self._sources else self[key][start:stop]
+
+    def _read(self, name: str, experts: tuple[int, int] | None) -> Tensor:
+        """Parameter ``name`` (its ``experts`` only, when given) from its parts, each tensor
+        read once and only as far as the part needs (its rows of a joined tensor)."""
+        parts, by_rows = self._sources[name], False
+        if experts is not None:
+            parts, by_rows = sliced(parts, *experts)
+        first = experts if by_rows else None
+        values = [
+            self._weights[p.name]
+            if first is None and p.rows is None
+            else self._weights.read_part(p.name, first, p.rows)
+            for p in parts
+        ]
+        return assemble([replace(p, rows=None) for p in parts], values).float()  # the rows read already
 
     def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor to find out
         name = key.removeprefix("param/") if isinstance(key, str) else None
@@ -267,23 +299,55 @@ def _source(name: str, weights: Mapping[str, Tensor], adapters: Adapters) -> str
     return None
 
 
+def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[ExportPart, ...] | None:
+    """Where the file holds parameter ``name``: the parts it exports as (a converted mixture's
+    bank), or their ``legacy`` ones (transformers' per-expert layout); else `_source`."""
+    exported = engine.placement.exported
+    if name in exported:
+        return found_parts(exported[name], weights.__contains__)
+    plain = _source(name, weights, engine.placement.adapters)
+    return None if plain is None else (ExportPart(plain),)
+
+
+def _wanted_as(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> str:
+    """Parameter ``name`` as a file would hold it, for an error: its first exported tensor (and
+    the first of the older layout's)."""
+    parts = parts_of(name, exported) or (ExportPart(name),)
+    legacy = f" (or {parts[0].legacy[0].name}, ...)" if parts[0].legacy else ""
+    return parts[0].name + legacy
+
+
 def import_weights(engine: Boosted, path: Path, extra: Mapping[str, Tensor] | None = None) -> None:
     """Load a consolidated state dict (``Engine.consolidate``'s file or folder, or any
     safetensors checkpoint of the serial model's parameters by name, e.g. a Hugging Face one,
     sharded with its index or not: ``tensorfile.weight_files``) into this rank's shards, one
     parameter at a time, and the persistent buffers it holds; the optimizer state starts
     fresh. An adapted layer's base (``q_proj.base_layer.weight``) is read under the plain
-    model's name when the file has it so (a pretrained checkpoint); ``extra``: the full values of
-    parameters the file does not hold (new adapters), by serial name. Local (each rank reads the
-    file); ValueError naming a missing or misshapen parameter."""
+    model's name when the file has it so (a pretrained checkpoint); a parameter boost() trains
+    under a name of its own (a converted mixture's bank) from the tensors it exports as
+    (``Placement.exported``: HF's ``experts.gate_up_proj``, or transformers' per-expert
+    ``experts.<e>.w1.weight`` as ``save_pretrained`` writes them), and of an expert bank split
+    over ep only this rank's experts are read (their rows of a stacked tensor, or their own
+    tensors); ``extra``: the full values of parameters the file does not hold (new adapters),
+    by serial name. Local (each rank reads the file); ValueError naming the missing or
+    misshapen parameters before anything changes."""
     extra = extra or {}
+    shapes = engine.placement.full_shapes
     with LazyTensors(weight_files(path)) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
-        found = {n: _source(n, weights, engine.placement.adapters) for n in wanted}
+        found = {n: _file_parts(engine, n, weights) for n in wanted}
         sources = {n: s for n, s in found.items() if s is not None}
-        missing = sorted(n for n in wanted if n not in sources and n not in extra)
+        missing = sorted(_wanted_as(n, engine.placement.exported) for n in wanted - set(sources) - set(extra))
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
+        misshapen = sorted(
+            f"{p.name} {list(weights.shape(p.name))} (for {n} {list(shapes[n])})"
+            for n, parts in sources.items()
+            for p in parts
+            if not p.fits(shapes[n], weights.shape(p.name))
+        )
+        if misshapen:
+            raise ValueError(f"{path}: {len(misshapen)} tensors do not fit the model: {misshapen[:5]}")
         load_portable_state(
             engine, _AsParams(weights, sources, {n: extra[n] for n in wanted - set(sources)}), {}
         )

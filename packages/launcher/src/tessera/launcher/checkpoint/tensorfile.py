@@ -1,12 +1,14 @@
 """Safetensors files read one tensor at a time: ``LazyTensors`` is a read-only mapping over
-several files whose values are read on access (``tessera.comm.safefile.SafeFile``, the one
-reader of headers and tensors), so loading a checkpoint of a model larger than memory never
-holds it whole. (Writing one tensor at a time is ``tessera.comm.safefile.StreamWriter``.)
+several files whose values (or a part of one, ``read_part``) are read on access
+(``tessera.comm.safefile.SafeFile``, the one reader of headers and tensors), so loading a
+checkpoint of a model larger than memory never holds it whole. (Writing one tensor at a
+time is ``tessera.comm.safefile.StreamWriter``.)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -62,6 +64,30 @@ class LazyTensors(Mapping[str, Tensor]):
         safe = self._where[name]
         with open(safe.path, "rb") as f:
             return safe.read(f, name)
+
+    def read_part(
+        self, name: str, first: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
+    ) -> Tensor:
+        """Tensor ``name`` (of 3 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
+        along its first dimension and to rows ``rows[0]:rows[1]`` of its second-to-last (None:
+        all), reading only those bytes: one run, or one per row block; ValueError naming the
+        tensor when the cut is not within it."""
+        safe = self._where[name]
+        shape, dtype = safe.entries[name].shape, safe.entries[name].dtype
+        a0, a1 = first if first is not None else (0, shape[0] if shape else 0)
+        r0, r1 = rows if rows is not None else (0, shape[-2] if len(shape) >= 2 else 0)
+        if len(shape) < 3 or not (0 <= a0 <= a1 <= shape[0] and 0 <= r0 <= r1 <= shape[-2]):
+            raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x rows {r0}:{r1}")
+        inner, height, width = math.prod(shape[1:-2]), shape[-2], shape[-1]
+        out = torch.empty((a1 - a0, *shape[1:-2], r1 - r0, width), dtype=dtype)
+        if out.numel() == 0:
+            return out
+        whole_rows = (r0, r1) == (0, height)  # then the part is one run
+        runs = out.view(1, -1) if whole_rows else out.view(-1, (r1 - r0) * width)
+        with open(safe.path, "rb") as f:
+            for k in range(runs.shape[0]):
+                safe.read_into(f, name, runs[k], ((a0 * inner + k) * height + r0) * width)
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, from its file's header (nothing is read)."""

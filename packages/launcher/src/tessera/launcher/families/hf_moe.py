@@ -16,32 +16,77 @@ own router loss (from ``output_router_logits``) is not kept: pass ``aux_loss_coe
 ``z_loss_coef`` to train the routers with the layer's own losses (`tessera.moe.aux`).
 `hf_moe_state_dict` maps a converted model's weights (what ``consolidate`` writes) back to
 transformers' names. The plans of roles of these families are in ``hf_moe_plans``.
+
+``boost()`` converts the blocks itself (`hf_moe_conversion`, at every ep) when the user did
+not, keeping transformers' names in exports, ``consolidate`` and ``import_weights``: each
+converted tensor is a part of the HF tensor it came from (``tessera.launcher.checkpoint.
+exported``), with the per-expert names ``save_pretrained`` writes (`SAVED_LAYOUTS`, checked
+against the pinned transformers' conversion mapping by ``tests/test_hf_moe_boost.py``) as the
+older layout an import also reads; a deferred model's banks are made from the HF tensors that
+HF's own ``_init_weights`` draws (``train/deferred.py``), so they hold what an eager build holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tessera.launcher.families.hf_moe_adapters import carry, peel, peeled
+from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, peeled
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
+from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 
 __all__ = [
     "MIXTRAL_PLAN",
     "QWEN2_MOE_PLAN",
+    "SAVED_LAYOUTS",
+    "SavedLayout",
     "convert_hf_moe",
+    "hf_moe_conversion",
     "hf_moe_state_dict",
     "is_hf_sparse_moe",
     "moe_from_hf",
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedLayout:
+    """How ``save_pretrained`` writes a family's MoE blocks (transformers' checkpoint conversion
+    mapping ``like``, reversed): expert ``e``'s gate, up and down projections as
+    ``experts.<e>.<gate|up|down>.weight`` (``nn.Linear``'s ``[out, in]``), the block under
+    ``block[1]`` where the model holds it under ``block[0]``; everything else as the model
+    names it."""
+
+    like: str
+    gate: str
+    up: str
+    down: str
+    block: tuple[str, str] | None = None
+
+
+_MIXTRAL_SAVED = SavedLayout("mixtral", "w1", "w3", "w2", block=("mlp", "block_sparse_moe"))
+_QWEN2_MOE_SAVED = SavedLayout("qwen2_moe", "gate_proj", "up_proj", "down_proj")
+# model_type -> layout: the families whose conversion mapping in the pinned transformers is
+# the experts' merge alone (and Mixtral's block renamed), nothing else of the block
+_QWEN2_MOE_LIKE = (
+    *("qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe"),
+    *("exaone_moe", "solar_open", "hunyuan_v1_moe", "cohere2_moe", "afmoe", "ernie4_5_moe"),
+)
+SAVED_LAYOUTS: dict[str, SavedLayout] = {
+    **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL_SAVED),
+    **dict.fromkeys(_QWEN2_MOE_LIKE, _QWEN2_MOE_SAVED),
+    "jamba": SavedLayout("jamba", "gate_proj", "up_proj", "down_proj"),
+}
 
 
 def is_hf_sparse_moe(module: nn.Module) -> bool:
@@ -88,25 +133,33 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
     layout = read_layout(block)
     bank: Any = block.experts
     gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]
-    layer = MoE(
-        layout.d_model,
-        layout.hidden,
-        layout.experts,
-        layout.top_k,
-        renormalize=layout.renormalize,
-        routing=layout.routing,
-        shared_hidden=layout.shared_hidden,
-        shared_gate=layout.shared_gate is not None,
-        seed=0,
-        aux_loss_coef=aux_loss_coef,
-        z_loss_coef=z_loss_coef,
-    ).to(device=gate_up.device, dtype=gate_up.dtype)
+    # a block without storage (deferred) gives a layer without storage: nothing is drawn
+    with torch.device("meta") if gate_up.is_meta else contextlib.nullcontext():
+        layer = MoE(
+            layout.d_model,
+            layout.hidden,
+            layout.experts,
+            layout.top_k,
+            renormalize=layout.renormalize,
+            routing=layout.routing,
+            shared_hidden=layout.shared_hidden,
+            shared_gate=layout.shared_gate is not None,
+            seed=0,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+        )
+    layer = layer.to(device=gate_up.device, dtype=gate_up.dtype)
     h = layout.hidden
     with torch.no_grad():
         layer.router.weight.copy_(_tensor(block, layout.router_weight))
         if layout.score_bias is not None:
-            assert layer.router.score_bias is not None  # RouterSpec(choice_bias=True)
-            layer.router.score_bias.copy_(_tensor(block, layout.score_bias).reshape(-1))
+            held = layer.router.score_bias
+            assert held is not None  # RouterSpec(choice_bias=True)
+            bias = _tensor(block, layout.score_bias).detach().reshape(-1)
+            if held.is_meta and not bias.is_meta:  # a deferred model's buffer stays real
+                layer.router.score_bias = bias.to(held.dtype).clone()
+            else:
+                held.copy_(bias)
         layer.experts.w1.copy_(gate_up[:, :h].transpose(1, 2))
         assert layer.experts.w3 is not None  # SwiGLU
         layer.experts.w3.copy_(gate_up[:, h:].transpose(1, 2))
@@ -144,12 +197,7 @@ def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef:
     ``...mlp.experts.w1``, ...). Returns how many. Refuses, changing nothing, a model with a
     block it cannot reproduce, or asking for HF's router logits (``output_router_logits``: the
     converted layers do not record them)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits=True: HF's router loss is not kept after conversion; set it "
-            "False and pass aux_loss_coef / z_loss_coef for the layers' own losses"
-        )
+    _check_router_logits(model)
     found = [(n, m) for n, m in model.named_modules() if n and is_hf_sparse_moe(m)]
     layers = []
     for name, block in found:
@@ -157,11 +205,111 @@ def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef:
             layers.append(moe_from_hf(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef))
         except ValueError as exc:
             raise ValueError(f"{type(model).__name__}.{name}: {exc}") from exc
-    for (name, _), layer in zip(found, layers, strict=True):
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+    _swap(model, [name for name, _ in found], layers)
     log.debug("converted %d sparse MoE blocks of %s", len(found), type(model).__name__)
     return len(found)
+
+
+def _check_router_logits(model: nn.Module) -> None:
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits=True: HF's router loss is not kept after conversion; set it "
+            "False and pass aux_loss_coef / z_loss_coef for the layers' own losses"
+        )
+
+
+def _swap(model: nn.Module, names: list[str], layers: list[MoE]) -> None:
+    for name, layer in zip(names, layers, strict=True):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+
+
+def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None) -> Conversion:
+    """What ``boost()`` does with ``model``'s HF sparse MoE blocks: each replaced, in place, by
+    its `moe_from_hf` layer (no router losses of its own, as HF trains without
+    ``output_router_logits``), and the `Conversion` that keeps transformers' names: ``exported``
+    maps each new parameter to the HF tensor it is part of (`_exported`; a score-correction
+    bias, a buffer, to its HF name) and ``groups`` each new trained parameter to the optimizer
+    group of that HF tensor (by ``groups``, the current names'). Refuses (ValueError naming the
+    block), changing nothing, what `convert_hf_moe` refuses, a block carrying PEFT adapters
+    (`convert_hf_moe` converts those, by hand, before ``boost()``), and, on a deferred model, a
+    block whose score-correction bias is a parameter without storage (the converted router
+    holds a buffer, which deferred initialization does not make)."""
+    _check_router_logits(model)
+    saved = SAVED_LAYOUTS.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+    conversion = Conversion()
+    layers = []
+    for name, block in [(n, m) for n, m in model.named_modules() if n and is_hf_sparse_moe(m)]:
+        where = f"{type(model).__name__}.{name}"
+        if any(is_wrapper(m) for m in block.modules()):
+            raise ValueError(
+                f"{where} ({type(block).__name__}) carries PEFT adapters, which boost() does not convert "
+                "with transformers' names: call convert_hf_moe(model) before boost()"
+            )
+        try:
+            layer, layout = _read(block, 0.0, 0.0)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        if layout.score_bias is not None and _tensor(block, layout.score_bias).is_meta:
+            raise ValueError(
+                f"{where}.{layout.score_bias} is a parameter without storage (a deferred model): the "
+                "converted router holds it as a buffer, which deferred initialization does not make; "
+                "build the model with its weights"
+            )
+        exported = _exported(name, layout, saved)
+        assert {f"{name}.{n}" for n, _ in layer.named_parameters()} <= set(exported)
+        conversion.exported.update(exported)
+        if groups is not None:
+            trained = (f"{name}.{n}" for n, p in layer.named_parameters() if p.requires_grad)
+            conversion.groups.update(
+                {n: groups[exported[n][0].name] for n in trained if exported[n][0].name in groups}
+            )
+        conversion.blocks.append(name)
+        layers.append(layer)
+    _swap(model, conversion.blocks, layers)
+    if layers:
+        log.info("converted %d HF sparse MoE blocks to tessera.moe.MoE: %s", len(layers), conversion.blocks)
+    return conversion
+
+
+def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[str, tuple[ExportPart, ...]]:
+    """The converted layer's tensors (by their names in the model; ``name`` the block's) as
+    parts of the block's: ``w1`` / ``w3`` the gate / up rows of ``experts.gate_up_proj``
+    transposed, ``w2`` ``experts.down_proj`` transposed, the shared expert's one-expert banks its
+    ``nn.Linear`` weights transposed, the router's weight, score bias and the shared gate as
+    they are; as ``legacy`` parts, where ``saved`` says so, the names ``save_pretrained``
+    writes: one tensor per expert, the block renamed."""
+    old = name
+    if saved is not None and saved.block is not None and name.rpartition(".")[2] == saved.block[0]:
+        parent = name.rpartition(".")[0]
+        old = f"{parent}.{saved.block[1]}" if parent else saved.block[1]
+
+    def part(rel: str, index: int | None = None, transpose: bool = False) -> tuple[ExportPart, ...]:
+        legacy = (ExportPart(f"{old}.{rel}", index, transpose),) if old != name else ()
+        return (ExportPart(f"{name}.{rel}", index, transpose, legacy=legacy),)
+
+    def bank(fused: str, rows: tuple[int, int] | None, per_expert: str | None) -> tuple[ExportPart, ...]:
+        legacy = tuple(
+            ExportPart(f"{old}.experts.{e}.{per_expert}.weight", index=e, transpose=True)
+            for e in range(layout.experts if per_expert is not None else 0)
+        )
+        return (ExportPart(f"{name}.experts.{fused}", transpose=True, rows=rows, legacy=legacy),)
+
+    h = layout.hidden
+    out = {
+        f"{name}.router.weight": part(layout.router_weight),
+        f"{name}.experts.w1": bank("gate_up_proj", (0, h), None if saved is None else saved.gate),
+        f"{name}.experts.w3": bank("gate_up_proj", (h, 2 * h), None if saved is None else saved.up),
+        f"{name}.experts.w2": bank("down_proj", None, None if saved is None else saved.down),
+    }
+    if layout.score_bias is not None:
+        out[f"{name}.router.score_bias"] = part(layout.score_bias)
+    if layout.shared is not None:
+        for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}.weight", index=0, transpose=True)
+    if layout.shared_gate is not None:
+        out[f"{name}.shared_gate"] = part(f"{layout.shared_gate}.weight")
+    return out
 
 
 _MIXTRAL_NAMES = ("gate.weight", "gate.e_score_correction_bias", "shared_expert", "shared_expert_gate")

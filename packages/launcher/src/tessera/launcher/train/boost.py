@@ -43,6 +43,7 @@ from tessera.launcher.config import BoostConfig
 from tessera.launcher.config.world import fit_world
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.families.adapters import peft_config_of, unwrap_peft
+from tessera.launcher.families.hf_moe import hf_moe_conversion
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
 from tessera.launcher.families.spec import (
     ModelSpec,
@@ -238,21 +239,28 @@ def _checked(
 
 
 def _own_experts(model: nn.Module, group_of: dict[str, int], ep: int) -> tuple[dict[str, int], Conversion]:
-    """Step 1's first change: a user's own mixture-of-experts blocks become ``tessera.moe.MoE``
-    layers (`tessera.launcher.families.own_moe`), which ``parallel.ep`` can split, at every ep
-    so that the trained names do not depend on it; a block that does not convert is refused at
-    ep > 1 and left as it is at ep = 1 (it trains as the user wrote it). Returns the optimizer
-    groups by the names trained from now on, and the conversion (the user's names for export)."""
-    try:
-        conversion = convert_own_moe(model, group_of)
-    except ValueError as e:
-        if ep > 1:
-            raise
-        log.info("mixture-of-experts blocks left as written (ep = 1): %s", e)
-        return group_of, Conversion()
-    converted = tuple(f"{block}." for block in conversion.blocks)
-    kept = {n: g for n, g in group_of.items() if not n.startswith(converted)}
-    return {**kept, **conversion.groups}, conversion
+    """Step 1's first change: the model's Hugging Face sparse MoE blocks
+    (`tessera.launcher.families.hf_moe`), then a user's own mixture-of-experts blocks
+    (`tessera.launcher.families.own_moe`), become ``tessera.moe.MoE`` layers, which
+    ``parallel.ep`` can split, at every ep so that the trained names do not depend on it; blocks
+    that do not convert are refused at ep > 1 and left as they are at ep = 1 (they train as
+    written; each kind converts all its blocks or none). Returns the optimizer groups by the
+    names trained from now on, and the conversion (the HF or user's names for export)."""
+    conversion = Conversion()
+    for convert in (hf_moe_conversion, convert_own_moe):
+        try:
+            done = convert(model, group_of)
+        except ValueError as e:
+            if ep > 1:
+                raise
+            log.info("mixture-of-experts blocks left as written (ep = 1): %s", e)
+            continue
+        converted = tuple(f"{block}." for block in done.blocks)
+        group_of = {**{n: g for n, g in group_of.items() if not n.startswith(converted)}, **done.groups}
+        conversion.exported.update(done.exported)
+        conversion.groups.update(done.groups)
+        conversion.blocks += done.blocks
+    return group_of, conversion
 
 
 def _mesh(job: _Job) -> Mesh:

@@ -134,10 +134,13 @@ class DeferredValues:
     tensor-parallel mode: 1D slices, the 2D / 2.5D / 3D grids' blocks) for tensor-parallel
     rank ``tp_rank`` of ``tp``, after taking the experts ``(start, stop)`` of an expert bank
     this rank holds (``experts``: by parameter name, ``expert_slices``); a parameter neither
-    names is whole. A parameter boost() trains under a name of its own (a user's mixture
-    converted to ``tessera.moe.MoE``: ``exported``) is assembled from the serial model's
+    names is whole. A parameter boost() trains under a name of its own (a user's or an HF
+    mixture converted to ``tessera.moe.MoE``: ``exported``) is assembled from the serial model's
     parameters it exports as (`tessera.launcher.checkpoint.exported.assemble`), each made as
-    for any other parameter. A module's values are
+    for any other parameter: an HF bank's ``w1`` / ``w3`` are the gate / up rows of the
+    ``experts.gate_up_proj`` that the model's ``_init_weights`` draws for its experts module
+    (normal, ``initializer_range``), transposed, so they equal an eager build's converted
+    values element for element. A module's values are
     made once for all its parameters (kept until another module's are asked for).
     ``made``: the number of elements given so far."""
 

@@ -1,0 +1,305 @@
+"""Hugging Face MoE models through ``boost()`` without converting them by hand: ``boost()``
+converts their sparse MoE blocks itself (``hf_moe.hf_moe_conversion``) and keeps
+transformers' names in exports, ``consolidate`` and ``import_weights`` (built from tiny configs,
+nothing downloaded).
+
+Tier 0: for Mixtral (its block saved as ``block_sparse_moe``), Qwen2-MoE (a gated shared
+expert) and DeepSeek-V3 (a score-correction bias, a dense layer): the conversion's export
+parts, streamed through ``Joiner``, give transformers' state dict exactly (names, shapes,
+values), and its persistent buffer under HF's name; the way back (``assemble``) gives every
+converted tensor exactly from the state dict's fused tensors and from the per-expert tensors
+``save_pretrained`` writes (the parts' ``legacy`` names), also for some experts only (what an
+ep rank reads). ``SAVED_LAYOUTS`` follow the pinned transformers' conversion mapping. Bounds:
+``torch.equal``: every step is a copy, slice or transpose, no arithmetic.
+
+Tier 2 (the worker pool): an unconverted ``MixtralForCausalLM`` boosted at dp=2 x ep=2 imports
+a folder written by ``save_pretrained`` (per-expert tensors; each ep rank reads its experts'
+only) or a state dict's safetensors file (fused ``gate_up_proj``; each rank reads its experts'
+gate or up rows; ZeRO-3), and at tp=2 the folder; a DeepSeek-V3 at dp=2 x ep=2 the folder (its
+score-correction bias, a buffer, under HF's name). Each holds exactly the weights transformers'
+own ``from_pretrained`` reads, converted (``torch.equal``); its first loss is transformers'
+model's (rel 1e-5: fp32, the same products summed in another order); trained 3 SGD steps it
+equals the serial run of the converted model (losses rel 1e-5), and its consolidated file loads
+strictly into a fresh model of the family, and with ``from_pretrained`` beside its config, both
+with the serially trained model's logits (rtol and atol 1e-5, logits of order 1). Blocks that
+cannot convert are refused at ep=2 naming the class and left as written at ep=1.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import ParallelConfig, boost
+from tessera.launcher.checkpoint.exported import (
+    Joiner,
+    assemble,
+    export_shapes,
+    found_parts,
+    parts_of,
+    sliced,
+)
+from tessera.launcher.checkpoint.placement import persistent_buffers
+from tessera.launcher.families.hf_moe import (
+    SAVED_LAYOUTS,
+    convert_hf_moe,
+    hf_moe_conversion,
+    is_hf_sparse_moe,
+)
+from tessera.launcher.testing import RandomTokens, oracle_config, serial_run, sgd
+from tessera.moe import MoE
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
+
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 4, 3, 0.2
+BASE = {
+    "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 32,
+}  # fmt: skip
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("MixtralConfig", {"intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {
+        "intermediate_size": 20, "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "mlp_only_layers": [1],
+    }),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+        "num_key_value_heads": 4, "intermediate_size": 20, "moe_intermediate_size": 12,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "q_lora_rank": 8,
+    }),
+}  # fmt: skip
+TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
+
+
+def _build(family: str = "mixtral", seed: int = 0, **changes: Any) -> nn.Module:
+    """The family's tiny model, every parameter and score-correction bias drawn anew from
+    ``seed`` (HF's own init leaves the biases at zero)."""
+    cls, sizes = CONFIGS[family]
+    model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(
+        getattr(transformers, cls)(**{**BASE, **sizes, **changes})
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------- tier 0
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_export_parts_are_transformers_tensors_both_ways(family: str, tmp_path: Path) -> None:
+    model = _build(family)
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path)
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    converted = copy.deepcopy(model)
+    conversion = hf_moe_conversion(converted, {n: 0 for n, _ in model.named_parameters()})
+    assert conversion.blocks and not any(is_hf_sparse_moe(m) for m in converted.modules())
+    params = {n: p.detach() for n, p in converted.named_parameters()}
+    assert set(conversion.groups) == {n for n in params if n.startswith(tuple(conversion.blocks))}
+    # out: streamed as consolidate streams them, laid out beforehand
+    shapes = export_shapes({n: tuple(p.shape) for n, p in params.items()}, conversion.exported)
+    joiner, out = Joiner(conversion.exported, list(params)), {}
+    for name, value in params.items():
+        for part in parts_of(name, conversion.exported):
+            tensor = joiner.add(part, part.take(value))
+            if tensor is not None:
+                out[part.name] = tensor
+    want = {n for n, _ in model.named_parameters()}
+    assert list(out) == list(shapes) and set(out) == want, sorted(set(out) ^ want)
+    wrong = [n for n in out if tuple(out[n].shape) != shapes[n] or not torch.equal(out[n], hf[n])]
+    assert not wrong, wrong
+    for name, buffer in persistent_buffers(converted).items():  # a score-correction bias
+        assert torch.equal(buffer, hf[parts_of(name, conversion.exported)[0].name]), name
+    # back: from the state dict's fused tensors and from save_pretrained's per-expert ones
+    for source, layout in ((hf, "fused"), (saved, "per-expert")):
+        for name, value in params.items():
+            parts = found_parts(parts_of(name, conversion.exported), source.__contains__)
+            assert parts is not None, f"{layout}: {name}"
+            assert torch.equal(assemble(parts, [source[p.name] for p in parts]), value), f"{layout}: {name}"
+            if name.endswith(("experts.w1", "experts.w3", "experts.w2")):  # an ep rank's experts
+                assert ("experts.0." in parts[0].name) == (layout == "per-expert"), parts[0].name
+                mine, by_rows = sliced(parts, 1, 3)
+                values = [source[p.name][1:3] if by_rows else source[p.name] for p in mine]
+                assert torch.equal(assemble(mine, values), value[1:3]), f"{layout}: {name}"
+
+
+def test_saved_layouts_follow_transformers_conversion_mapping() -> None:
+    """Each family's per-expert names (and Mixtral's block rename) are what the pinned
+    transformers merges on load and writes on save, and nothing else of its block is renamed."""
+    from transformers.conversion_mapping import (
+        _MODEL_TO_CONVERSION_PATTERN,
+        get_checkpoint_conversion_mapping,
+    )
+
+    def tail(pattern: str) -> str:  # from "experts." on: the part relative to the block
+        return pattern[pattern.find("experts.") :] if "experts." in pattern else pattern
+
+    for model_type, layout in SAVED_LAYOUTS.items():
+        like = _MODEL_TO_CONVERSION_PATTERN.get(model_type, model_type)
+        assert like == layout.like, model_type
+        rules = [
+            ([tail(p) for p in r.source_patterns], [tail(p) for p in r.target_patterns])
+            for r in get_checkpoint_conversion_mapping(like)
+        ]
+        want = [([f".{layout.block[1]}."], [f".{layout.block[0]}."])] if layout.block else []
+        want += [
+            ([f"experts.*.{layout.gate}.weight", f"experts.*.{layout.up}.weight"], ["experts.gate_up_proj"]),
+            ([f"experts.*.{layout.down}.weight"], ["experts.down_proj"]),
+        ]
+        assert rules == want, model_type
+
+
+def test_what_cannot_convert_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        hf_moe_conversion(_build(output_router_logits=True))
+    phimoe = transformers.PhimoeForCausalLM(
+        transformers.PhimoeConfig(**BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2)
+    )
+    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not"):
+        hf_moe_conversion(phimoe)
+    assert sum(is_hf_sparse_moe(m) for m in phimoe.modules()) == 2  # nothing swapped
+
+
+# ---------------------------------------------------------------------------- tier 2
+def _import_and_train(
+    rank: int, config: Any, family: str, source: str, out: str
+) -> tuple[dict[str, Tensor], float, list[float]]:
+    model = _build(family, seed=1)  # weights of its own, all replaced by the import
+    engine = boost(model, sgd(LR)(model), config)
+    try:
+        engine.import_weights(source)
+        imported = engine.full_state_dict()
+        first = engine.eval_loss(*TOKENS.at(0))
+        losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
+        engine.consolidate(out)
+    finally:
+        engine.close()
+    return imported, first, losses
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "parallel", "zero"),
+    [
+        ("mixtral", "save_pretrained", ParallelConfig(dp=2, ep=2, microbatches=1), 1),
+        ("mixtral", "state_dict", ParallelConfig(dp=2, ep=2, microbatches=1), 3),
+        ("mixtral", "save_pretrained", ParallelConfig(tp=2, microbatches=1), 1),  # the mixture whole
+        ("deepseek_v3", "save_pretrained", ParallelConfig(dp=2, ep=2, microbatches=1), 1),  # its bias
+    ],
+    ids=["mixtral-save_pretrained-dp2-ep2", "mixtral-state_dict-dp2-ep2-zero3", "mixtral-save_pretrained-tp2",
+         "deepseek_v3-save_pretrained-dp2-ep2"],
+)  # fmt: skip
+def test_an_hf_checkpoint_imports_trains_and_consolidates_under_hf_names(
+    worker_pools: PoolFactory, tmp_path: Path, family: str, layout: str, parallel: ParallelConfig, zero: int
+) -> None:
+    pretrained = _build(family, seed=7)
+    pretrained.save_pretrained(tmp_path / "hf")
+    source = tmp_path / "hf"
+    if layout == "state_dict":  # fused gate_up_proj, as the model names it
+        source = tmp_path / "state.safetensors"
+        safetensors.torch.save_file({k: v.contiguous() for k, v in pretrained.state_dict().items()}, source)
+    cls = type(pretrained)
+    loaded = cls.from_pretrained(tmp_path / "hf")  # transformers' own read
+    config = oracle_config(parallel, zero, batch_size=BATCH)
+    out = tmp_path / "consolidated" / "model.safetensors"
+    out.parent.mkdir()
+    results = worker_pools(config.world_size).run(
+        _import_and_train, config, family, str(source), str(out), timeout=180
+    )
+    serial = copy.deepcopy(loaded)
+    convert_hf_moe(serial)
+    before = {n: p.detach().clone() for n, p in serial.named_parameters()}
+    ids, targets = TOKENS.at(0)
+    with torch.no_grad():
+        hf_loss = float(F.cross_entropy(loaded(ids).logits.flatten(0, 1), targets.flatten()))
+    losses, _ = serial_run(serial, TOKENS.first(STEPS), sgd(LR))  # trains ``serial`` in place
+    for imported, first, curve in results:
+        assert imported.keys() == before.keys()
+        differ = [n for n in imported if not torch.equal(imported[n], before[n])]
+        assert not differ, differ
+        assert first == pytest.approx(hf_loss, rel=1e-5)
+        assert curve == pytest.approx(losses, rel=1e-5)
+    ids = TOKENS.at(99)[0]
+    fresh = _build(family, seed=3)
+    fresh.load_state_dict(safetensors.torch.load_file(out), strict=True)  # transformers' names
+    torch.testing.assert_close(fresh(ids).logits, serial(ids).logits, rtol=1e-5, atol=1e-5)
+    pretrained.config.save_pretrained(out.parent)
+    reread = cls.from_pretrained(out.parent)
+    torch.testing.assert_close(reread(ids).logits, serial(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _boost_outcome(rank: int, config: Any, changes: dict[str, Any], phimoe: bool) -> str:
+    if phimoe:
+        model: nn.Module = transformers.PhimoeForCausalLM(
+            transformers.PhimoeConfig(
+                **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2
+            )
+        )
+    else:
+        model = _build(**changes)
+    try:
+        engine = boost(model, sgd(LR)(model), config)
+    except ValueError as exc:
+        return f"refused: {exc}"
+    kinds = sorted(
+        {type(m).__name__ for m in engine.module.modules() if is_hf_sparse_moe(m) or isinstance(m, MoE)}
+    )
+    engine.close()
+    return f"boosted: {kinds}"
+
+
+def _import_refusal(rank: int, config: Any, source: str) -> str:
+    model = _build()
+    engine = boost(model, sgd(LR)(model), config)
+    try:
+        engine.import_weights(source)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "imported"
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_its_tensors(
+    worker_pools: PoolFactory, tmp_path: Path
+) -> None:
+    _build(intermediate_size=20).save_pretrained(tmp_path / "narrow")  # experts 20 wide, not 24
+    state = {k: v for k, v in _build().state_dict().items() if "experts.down_proj" not in k}
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in state.items()}, tmp_path / "partial.safetensors"
+    )
+    config = oracle_config(ParallelConfig(dp=2, ep=2, microbatches=1), 1, batch_size=BATCH)
+    pool = worker_pools(config.world_size)
+    narrow = pool.run(_import_refusal, config, str(tmp_path / "narrow"))[0]
+    assert "tensors do not fit the model" in narrow, narrow
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight [20, 16]" in narrow, narrow
+    partial = pool.run(_import_refusal, config, str(tmp_path / "partial.safetensors"))[0]
+    assert "lacks 2 parameters of the model" in partial, partial
+    assert "model.layers.0.mlp.experts.down_proj (or model.layers.0.block_sparse_moe.experts.0.w2" in partial
+
+
+def test_blocks_that_cannot_convert_are_refused_at_ep2_and_left_at_ep1(worker_pools: PoolFactory) -> None:
+    ep2 = oracle_config(ParallelConfig(dp=2, ep=2, microbatches=1), 1, batch_size=BATCH)
+    ep1 = dataclasses.replace(ep2, parallel=ParallelConfig(dp=2, microbatches=1))
+    pool = worker_pools(ep2.world_size)
+    logits = {"output_router_logits": True}
+    assert pool.run(_boost_outcome, ep2, logits, False)[0].startswith(
+        "refused: config.output_router_logits=True"
+    )
+    assert pool.run(_boost_outcome, ep1, logits, False)[0] == "boosted: ['MixtralSparseMoeBlock']"
+    assert pool.run(_boost_outcome, ep1, {}, False)[0] == "boosted: ['MoE']"
+    refused = pool.run(_boost_outcome, ep2, {}, True)[0]
+    assert "PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not reproduced" in refused, refused
