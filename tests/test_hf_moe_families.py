@@ -19,7 +19,11 @@ same layer code, and the two families above hold both kinds of router (softmax t
 sigmoid, bias, groups, scale). DeepSeek-V2 at tp=2 has its latent attention without query
 LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads). Qwen3-MoE also with its experts
 split inside over tp (the ``moe`` style; its dense layer split as Llama's MLP) under Megatron
-SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3).
+SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3). Every other family that
+``tests/survey_hf_moe.py`` converts with the same logits (29 more: the survey's 37 less these
+six and ``test_hf_moe.py``'s Mixtral and Qwen2-MoE), built by the survey's own ``build`` (8
+experts, top-2, hidden 32; Kimi's linear attention narrowed), at dp=2 x ep=2 (ZeRO 1), one
+case each in the same two workers (about 20 s in all here).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
@@ -35,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -243,7 +248,7 @@ Run = tuple[list[float], dict[str, Tensor]]
 
 
 def _converted(family: str) -> nn.Module:
-    model = _build(family)
+    model = _build(family) if family in CONFIGS else _survey_model(family)
     convert_hf_moe(model)
     return model
 
@@ -273,6 +278,15 @@ MODES: dict[str, Callable[[], tuple[ParallelConfig, int]]] = {
         3,
     ),
 }
+
+
+def _boost_config(mode: str) -> Config:
+    """The run of ``mode`` (`MODES`) comparable with `serial_run`: fp32, no clipping."""
+    parallel, zero = MODES[mode]()
+    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
+    return dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
+
+
 # the tiny Qwen3-MoE: layer 0 a mixture, split inside over tp; layer 1 dense, split as Llama's MLP
 SPLIT = {
     **{k: v for k, v in plans.QWEN3_MOE_PLAN.as_dict().items() if k != "model.layers.*.mlp"},
@@ -297,9 +311,7 @@ CASES = [
 def test_a_converted_family_trains_through_boost_as_serially(
     worker_pools: PoolFactory, family: str, mode: str
 ) -> None:
-    parallel, zero = MODES[mode]()
-    c = Config(parallel=parallel, zero=ZeroConfig(stage=zero), train=TrainConfig(precision="fp32"))
-    config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
+    config = _boost_config(mode)
     plan = SPLIT if mode.endswith("split") else None
     results = worker_pools(config.world_size).run(_parallel, config, family, plan, timeout=180)
     losses, weights = _serial(family)
@@ -326,8 +338,7 @@ def test_a_deepseek_v3_trained_at_ep2_loads_into_transformers(
     """dp=2 x ep=2, consolidated (router weights, score-correction biases, expert banks
     gathered), mapped back to HF names, loaded strictly into a fresh ``DeepseekV3ForCausalLM``:
     its logits are the serially trained model's."""
-    c = Config(parallel=MODES["ep2"]()[0], zero=ZeroConfig(stage=1), train=TrainConfig(precision="fp32"))
-    config = dataclasses.replace(c, optim=dataclasses.replace(c.optim, clip_grad_norm=0.0))
+    config = _boost_config("ep2")
     path = str(tmp_path / "model.safetensors")
     worker_pools(config.world_size).run(_train_and_consolidate, config, "deepseek_v3", path, timeout=180)
     fresh = transformers.AutoModelForCausalLM.from_config(_config("deepseek_v3"))
@@ -335,3 +346,51 @@ def test_a_deepseek_v3_trained_at_ep2_loads_into_transformers(
     trained = _converted("deepseek_v3")
     trained.load_state_dict(_serial("deepseek_v3")[1], strict=False)  # the parameters; the biases are HF's
     torch.testing.assert_close(fresh(_ids(99)).logits, trained(_ids(99)).logits, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------- tier 2: every other family that converts
+def _load_survey() -> Any:
+    """``tests/survey_hf_moe.py``: the home of a tiny model of every MoE family (a script, not
+    a test module, so loaded by its path), with Kimi's linear attention shrunk (its default
+    32 heads of width 128 cost ten seconds of CPU per three steps here; ``MOE`` settings reach
+    only the configs that have them)."""
+    spec = importlib.util.spec_from_file_location(
+        "survey_hf_moe", Path(__file__).with_name("survey_hf_moe.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.MOE.update(linear_head_dim=8, linear_num_heads=2)
+    return module
+
+
+SURVEY = _load_survey()
+# the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' six and
+# test_hf_moe.py's Mixtral and Qwen2-MoE
+MORE = [
+    "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "hunyuan_v1_moe", "hy_v3", "jamba",
+    "kimi_linear", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
+    "param2moe", "qwen3_5_moe_text", "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
+]  # fmt: skip
+
+
+def _survey_model(family: str) -> nn.Module:
+    model: nn.Module = SURVEY.build(family)
+    model.config.use_cache = False  # a hybrid's cache (Jamba's, Granite's) sizes masks from attention layers
+    return model
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_every_other_converting_family_trains_at_ep2_as_serially(
+    worker_pools: PoolFactory, family: str
+) -> None:
+    """The survey's tiny model of ``family`` (8 experts, top-2; hidden 32), converted, trained
+    at dp=2 x ep=2 (ZeRO 1): each rank's losses and gathered weights are the serial run's."""
+    assert any(isinstance(m, MoE) for m in _converted(family).modules())  # what it claims to train
+    config = _boost_config("ep2")
+    results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
+    losses, weights = _serial(family)
+    for curve, part in results:
+        assert curve == pytest.approx(losses, rel=1e-5)
+        torch.testing.assert_close(part, weights, **TOL)

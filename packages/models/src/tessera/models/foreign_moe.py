@@ -1,4 +1,4 @@
-"""A mixture-of-experts model written the way a user writes one, in plain PyTorch.
+"""Mixture-of-experts models written the way a user writes one, in plain PyTorch.
 
 ``Mixish`` is ``Llamaish`` (``tessera.models.foreign``) with each layer's MLP replaced by a
 sparse mixture under the user's own names: ``layers.*.moe`` holds a router ``gate`` (a
@@ -12,10 +12,20 @@ Each block records its load-balancing loss in ``balance_loss`` (Switch: ``E * su
 P_e``, ``f_e`` the fraction of the ``T * k`` choices that went to expert ``e``, ``P_e`` its
 mean router probability) during its forward; the model's ``aux_loss()`` sums them, as users'
 training loops read it (``loss = entropy + coef * model.aux_loss()``).
+
+``Seekish`` is the same model with DeepSeek-V3's routing, again under the user's own names
+and in the user's own code (``layers.*.moe``: a bias-free ``router``, a buffer ``gate_bias``,
+``experts`` and a ``shared_expert``): sigmoid scores; ``gate_bias`` (auxiliary-loss-free
+balancing: moved between steps by the user's loop, never by a gradient) added to them to
+choose the experts, never to weigh them; each token keeps the ``keep_groups`` best of
+``groups`` groups of consecutive experts (a group's score: the sum of its two best biased
+scores) and chooses its ``top_k`` experts in them; the chosen scores renormalised to sum to 1
+and multiplied by ``scale``; the always-on shared expert added. It has no auxiliary loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,9 +35,9 @@ from torch import Tensor, nn
 
 from tessera.models.foreign import GQA, ForeignConfig, RMSNorm, _init
 
-__all__ = ["MIXISH_ROLES", "MixConfig", "Mixish"]
+__all__ = ["MIXISH_ROLES", "MixConfig", "Mixish", "SeekConfig", "Seekish"]
 
-# The plan of roles a user writes for Mixish: the attention split as Llamaish's, each mixture
+# The plan of roles a user writes for Mixish (and Seekish): the attention split as Llamaish's, each mixture
 # replicated (under tensor parallelism every tp rank runs the whole mixture on the same tokens).
 MIXISH_ROLES: dict[str, str] = {
     "tok_embeddings": "vocab",
@@ -101,11 +111,58 @@ class SparseMoE(nn.Module):
         return out.view(x.shape)
 
 
-class MixLayer(nn.Module):
-    def __init__(self, c: MixConfig) -> None:
+@dataclass(frozen=True, slots=True)
+class SeekConfig:
+    """``Seekish``'s sizes: ``base`` the Llamaish sizes (its ``hidden`` each expert's width),
+    ``experts`` in ``groups`` groups of which a token keeps ``keep_groups``, ``top_k``, the
+    routed weights' ``scale`` and the shared expert's width ``shared``."""
+
+    base: ForeignConfig = _BASE
+    experts: int = 8
+    top_k: int = 2
+    groups: int = 4
+    keep_groups: int = 2
+    scale: float = 2.5
+    shared: int = 16
+
+
+class BiasedMoE(nn.Module):
+    gate_bias: Tensor
+
+    def __init__(self, c: SeekConfig) -> None:
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(c.base.dim), GQA(c.base)
-        self.moe_norm, self.moe = RMSNorm(c.base.dim), SparseMoE(c)
+        d = c.base.dim
+        self.top_k, self.groups, self.keep_groups, self.scale = c.top_k, c.groups, c.keep_groups, c.scale
+        self.router = nn.Linear(d, c.experts, bias=False)
+        self.register_buffer("gate_bias", torch.zeros(c.experts))
+        self.experts = nn.ModuleList(Expert(d, c.base.hidden) for _ in range(c.experts))
+        self.shared_expert = Expert(d, c.shared)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = torch.sigmoid(self.router(tokens).float())
+        biased = (scores + self.gate_bias).view(len(tokens), self.groups, -1)  # the bias only chooses
+        group_scores = biased.topk(2, dim=-1).values.sum(dim=-1)
+        worst = group_scores.argsort(dim=-1)[:, : self.groups - self.keep_groups]
+        biased = biased.scatter(1, worst[..., None].expand(-1, -1, biased.shape[-1]), float("-inf"))
+        chosen = biased.flatten(1).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        weights = self.scale * weights / weights.sum(dim=-1, keepdim=True)
+        out: Tensor = self.shared_expert(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out = out.index_add(
+                    0, rows, expert(tokens[rows]) * weights[rows, slot, None].to(tokens.dtype)
+                )
+        return out.view(x.shape)
+
+
+class MixLayer(nn.Module):
+    def __init__(self, base: ForeignConfig, moe: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(base.dim), GQA(base)
+        self.moe_norm, self.moe = RMSNorm(base.dim), moe
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -113,30 +170,21 @@ class MixLayer(nn.Module):
         return out
 
 
-class Mixish(nn.Module):
-    """``tok_embeddings``, ``layers`` (attn_norm, attn, moe_norm, moe), ``norm``, ``output``;
-    ``aux_loss()`` the sum of the blocks' ``balance_loss`` from the last forward."""
+class _Mixture(nn.Module):
+    """``tok_embeddings``, ``layers`` (attn_norm, attn, moe_norm, moe: one of ``blocks()``),
+    ``norm``, ``output``, initialised from ``seed``."""
 
-    def __init__(self, c: MixConfig = MixConfig(), *, seed: int = 0) -> None:
+    def __init__(self, base: ForeignConfig, blocks: Callable[[], nn.Module], seed: int) -> None:
         super().__init__()
-        self.config = c
-        self.tok_embeddings = nn.Embedding(c.base.vocab, c.base.dim)
-        self.layers = nn.ModuleList(MixLayer(c) for _ in range(c.base.layers))
-        self.norm = RMSNorm(c.base.dim)
-        self.output = nn.Linear(c.base.dim, c.base.vocab, bias=False)
+        self.tok_embeddings = nn.Embedding(base.vocab, base.dim)
+        self.layers = nn.ModuleList(MixLayer(base, blocks()) for _ in range(base.layers))
+        self.norm = RMSNorm(base.dim)
+        self.output = nn.Linear(base.dim, base.vocab, bias=False)
         _init(self, seed)
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():  # routers of order 1, so no two experts' scores are near a tie
-            for layer in self.layers:
-                gate = cast(MixLayer, layer).moe.gate.weight
-                gate.copy_(torch.randn(gate.shape, generator=gen))
 
-    def aux_loss(self) -> Tensor:
-        """The blocks' load-balancing losses of the last forward, summed."""
-        total = torch.zeros(())
-        for layer in self.layers:
-            total = total + cast(MixLayer, layer).moe.balance_loss
-        return total
+    def blocks(self) -> list[nn.Module]:
+        """Each layer's mixture."""
+        return [cast(MixLayer, layer).moe for layer in self.layers]
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens)
@@ -144,3 +192,43 @@ class Mixish(nn.Module):
             h = layer(h)
         out: Tensor = self.output(self.norm(h))
         return out
+
+
+class Mixish(_Mixture):
+    """``tok_embeddings``, ``layers`` (attn_norm, attn, moe_norm, moe), ``norm``, ``output``;
+    ``aux_loss()`` the sum of the blocks' ``balance_loss`` from the last forward."""
+
+    def __init__(self, c: MixConfig = MixConfig(), *, seed: int = 0) -> None:
+        super().__init__(c.base, lambda: SparseMoE(c), seed)
+        self.config = c
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():  # routers of order 1, so no two experts' scores are near a tie
+            for block in self.blocks():
+                gate = cast(SparseMoE, block).gate.weight
+                gate.copy_(torch.randn(gate.shape, generator=gen))
+
+    def aux_loss(self) -> Tensor:
+        """The blocks' load-balancing losses of the last forward, summed."""
+        total = torch.zeros(())
+        for block in self.blocks():
+            total = total + cast(SparseMoE, block).balance_loss
+        return total
+
+
+class Seekish(_Mixture):
+    """``Mixish`` with DeepSeek-V3's routing (module docstring): ``layers.*.moe`` holds
+    ``router``, ``gate_bias``, ``experts`` and ``shared_expert``."""
+
+    def __init__(self, c: SeekConfig = SeekConfig(), *, seed: int = 0) -> None:
+        super().__init__(c.base, lambda: BiasedMoE(c), seed)
+        self.config = c
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for block in self.blocks():
+                moe = cast(BiasedMoE, block)
+                # logits of order 2, whose sigmoids spread over (0, 1); a bias of order 0.1, as a
+                # balancing run might have left it, that changes many choices
+                moe.router.weight.copy_(
+                    torch.randn(moe.router.weight.shape, generator=gen) * 2 / c.base.dim**0.5
+                )
+                moe.gate_bias.copy_(torch.randn(c.experts, generator=gen) * 0.1)

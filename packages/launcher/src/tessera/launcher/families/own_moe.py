@@ -2,21 +2,25 @@
 ``tessera.moe.MoE``, under their own names again in exports.
 
 A block is found by its roles, whatever it and its parts are called: a **router** (a child
-whose one parameter is an ``[E, d]`` matrix: an ``nn.Linear(d, E, bias=False)`` or a module
-holding one), **experts**, either an ``nn.ModuleList`` of ``E`` alike MLPs made of bias-free
-``nn.Linear`` layers only (SwiGLU with three, GELU with two) or ``E`` experts stored stacked
-(two or three ``[E, a, b]`` tensors, held by the block itself or by one child) and,
-optionally, a **shared expert** (one more such MLP, always on). ``top_k`` is read from the
+whose one trained parameter is an ``[E, d]`` matrix: an ``nn.Linear(d, E, bias=False)`` or a
+module holding one), **experts**, either an ``nn.ModuleList`` of ``E`` alike MLPs made of
+bias-free ``nn.Linear`` layers only (SwiGLU with three, GELU with two) or ``E`` experts stored
+stacked (two or three ``[E, a, b]`` tensors, held by the block itself or by one child),
+optionally a **shared expert** (one more such MLP, always on) and a **choice bias** (an
+``[E]`` buffer or frozen parameter of the block or of its router, DeepSeek-V3's
+auxiliary-loss-free balancing: `own_moe_routing.choice_biases`). ``top_k`` is read from the
 block (``top_k``, ``num_experts_per_tok``, ``topk``, ``k``). What the names cannot say is
 measured, not assumed: an MLP's gate, up and down projections by running it beside each
 candidate (`own_moe_readings.mlp_reading`); the rest (for stacked experts, every assignment
-and orientation their shapes allow; whether the router scores by softmax or by sigmoid;
-whether the top-k weights are renormalised) by building each reading as an ``MoE`` with
-copies of the block's weights and running it beside the block on
-the same random tokens: the one that gives the block's output (fp32 round-off: rtol 1e-4 of
-the output's scale) is kept, and a block none reproduces is refused, naming what was tried.
-A model built without storage (``deferred_parameters``) is probed on a copy with random
-values (a reading is a matter of function, not of values) and its layers stay on meta.
+and orientation their shapes allow; the router's scores, choice bias, group limit, scale
+and renormalisation: `own_moe_routing`) by running the block on random tokens and keeping the
+reading that gives its output (fp32 round-off: rtol 1e-4 of the output's scale); the
+converted ``MoE`` is then run beside the block on the same tokens once more. A block no
+reading reproduces is refused, naming what was tried. The choice bias keeps the block's name
+(`NamedMoE.keep_bias`): the converted model's state dict, and so its exports, hold it where
+the user's model does. A model built without storage (``deferred_parameters``) is probed on
+a copy with random values (a reading is a matter of function, not of values) and its layers
+stay on meta.
 
 The block's own loss attributes keep working: a scalar tensor the block's forward sets (a
 load-balancing loss recorded as ``self.balance_loss``, say) that equals the ``MoE``'s
@@ -37,7 +41,6 @@ carried into the converted layer (`own_moe_adapters`).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,38 +53,78 @@ from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.families.hf_moe_adapters import peeled
 from tessera.launcher.families.own_moe_adapters import carry_own
 from tessera.launcher.families.own_moe_readings import (
+    Layout,
     Reading,
-    Source,
-    linear_children,
+    bank_readings,
+    layout,
     materialized,
-    mlp_reading,
-    stacked_readings,
+    may_hold_experts,
+    mlp_outputs,
+    mlp_sources,
 )
-from tessera.moe import MoE, RouterSpec
+from tessera.launcher.families.own_moe_routing import RTOL, Prober, RoutingReading, read_routing
+from tessera.moe import MoE
 
 __all__ = ["Conversion", "NamedMoE", "convert_own_moe", "find_own_moe"]
 
 log = logging.getLogger(__name__)
 
-_TOP_K = ("top_k", "num_experts_per_tok", "topk", "k")
 _PROBE_SHAPE = (2, 16)  # the probe's tokens: batch x sequence
-_RTOL = 1e-4
-_SCORES = ("softmax", "sigmoid")  # the router scores a probe tries (tessera.moe.RouterSpec)
 
 
 class NamedMoE(MoE):
     """An `MoE` that also answers to the converted block's names for its losses (``aliases``:
-    the block's attribute -> ``aux_loss`` or ``z_loss``)."""
+    the block's attribute -> ``aux_loss`` or ``z_loss``) and holds its router's choice bias
+    under the block's name for it (`keep_bias`)."""
 
     def __init__(self, *args: Any, aliases: Mapping[str, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.aliases = dict(aliases)
+        self.bias_name: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         aliases = self.__dict__.get("aliases", {})
         if name in aliases:
             return getattr(self, aliases[name])
         return super().__getattr__(name)
+
+    def keep_bias(self, name: str, value: Tensor, *, persistent: bool = True) -> None:
+        """Hold ``value``, the router's choice bias (``router.score_bias``), as the buffer
+        ``name`` (relative to the layer, made of plain modules where the layer has none), which
+        the state dict holds in place of ``router.score_bias`` (persistent as the user's was);
+        the router reads it from there at every call. ValueError when the layer has another
+        attribute by that name."""
+        *path, leaf = name.split(".")
+        owner: nn.Module = self
+        for part in path:
+            if part not in owner._modules:
+                if hasattr(owner, part):
+                    raise ValueError(
+                        f"the converted layer cannot hold the choice bias {name}: it has its own {part}"
+                    )
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        if hasattr(owner, leaf) and leaf not in owner._buffers:
+            raise ValueError(f"the converted layer cannot hold the choice bias {name}: it has its own {leaf}")
+        owner.register_buffer(leaf, value, persistent=persistent)
+        if owner is not self.router or leaf != "score_bias":
+            self.router._non_persistent_buffers_set.add("score_bias")
+        self.bias_name = name
+        self._link_bias()
+
+    def _link_bias(self) -> None:
+        if self.bias_name is not None:
+            owner, _, leaf = self.bias_name.rpartition(".")
+            self.router._buffers["score_bias"] = self.get_submodule(owner)._buffers[leaf]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> NamedMoE:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        self._link_bias()  # both names were converted apart: the router reads the block's again
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._link_bias()  # a load with assign=True, or a user's assignment, replaces the named one
+        return super().forward(x)
 
 
 @dataclass
@@ -95,137 +138,19 @@ class Conversion:
     blocks: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class _Block:
-    """One block found: the router's weight, the experts (a ``ModuleList`` child, or the
-    stacked tensors by name), the shared expert (a child) and top-k; ``d`` the model width."""
-
-    router: str
-    experts: str | None
-    stacked: dict[str, tuple[int, ...]]
-    shared: str | None
-    top_k: int
-    count: int
-    d: int
-
-
-def _width(module: nn.Module, d: int) -> int | None:
-    """The hidden width of an MLP ``d -> h -> d`` of ``nn.Linear`` layers (None: not one)."""
-    linears = linear_children(module)
-    if linears is None:
-        return None
-    ins = {lin.out_features for lin in linears.values() if lin.in_features == d}
-    outs = {lin.in_features for lin in linears.values() if lin.out_features == d}
-    return next(iter(ins & outs)) if len(ins & outs) == 1 else None
-
-
-def _banks(module: nn.Module) -> list[tuple[str | None, dict[str, tuple[int, ...]], int]]:
-    """Candidate expert banks of ``module``: a ``ModuleList`` child of two or more modules
-    (name, {}, count), or two or three stacked ``[E, a, b]`` tensors held by the module itself
-    or by one child (``None`` or the child's name, the tensors by name relative to the block)."""
-    out: list[tuple[str | None, dict[str, tuple[int, ...]], int]] = []
-    own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
-    holders = [("", own)] + [
-        (c, {f"{c}.{n}": tuple(p.shape) for n, p in child.named_parameters()})
-        for c, child in module.named_children()
-    ]
-    for name, bank in module.named_children():
-        if isinstance(bank, nn.ModuleList) and len(bank) >= 2:
-            out.append((name, {}, len(bank)))
-    for holder, shapes in holders:
-        leading = {s[0] for s in shapes.values() if len(s) == 3}
-        if 2 <= len(shapes) <= 3 and all(len(s) == 3 for s in shapes.values()) and len(leading) == 1:
-            out.append((holder or None, shapes, leading.pop()))
-    return out
-
-
-def _router(module: nn.Module, count: int, skip: set[str]) -> tuple[str, int] | None:
-    """The one child (not in ``skip``) whose only parameter is an ``[count, d]`` matrix: its
-    parameter's name relative to the block and ``d``."""
-    found = []
-    for name, child in module.named_children():
-        params = dict(child.named_parameters())
-        if name in skip or len(params) != 1:
-            continue
-        ((pname, p),) = params.items()
-        if p.dim() == 2 and p.shape[0] == count:
-            found.append((f"{name}.{pname}", int(p.shape[1])))
-    return found[0] if len(found) == 1 else None
-
-
-def _block(module: nn.Module) -> _Block | None:
-    """Whether ``module`` is laid out as a mixture (module docstring)."""
-    if isinstance(module, MoE):
-        return None
-    for experts, stacked, count in _banks(module):
-        skip = {experts} if experts else {n.partition(".")[0] for n in stacked if "." in n}
-        router = _router(module, count, skip)
-        if router is None:
-            continue
-        weight, d = router
-        if not stacked:
-            bank: Any = getattr(module, experts or "")
-            widths = {_width(e, d) for e in bank}
-            if len(widths) != 1 or None in widths:
-                continue
-        taken = skip | {weight.partition(".")[0]}
-        rest = [n for n, c in module.named_children() if n not in taken and any(True for _ in c.parameters())]
-        shared = rest[0] if len(rest) == 1 and _width(getattr(module, rest[0]), d) is not None else None
-        if rest and shared is None:
-            raise ValueError(
-                f"{type(module).__name__} looks like a mixture of experts (router {weight!r}, {count} "
-                f"experts) but also holds {rest}: only a router, the experts and one shared expert convert"
-            )
-        top_k = next((getattr(module, a) for a in _TOP_K if isinstance(getattr(module, a, None), int)), None)
-        if top_k is None:
-            raise ValueError(
-                f"{type(module).__name__}: a mixture of {count} experts without a top-k attribute (one "
-                f"of {', '.join(_TOP_K)}): set one on the block so boost() can convert it"
-            )
-        return _Block(weight, experts if not stacked else None, stacked, shared, int(top_k), count, d)
-    return None
-
-
-def _may_hold_experts(module: nn.Module) -> bool:
-    """A cheap first look: a ``ModuleList`` child or a stacked ``[E, a, b]`` tensor."""
-    return any(isinstance(c, nn.ModuleList) for c in module.children()) or any(
-        p.dim() == 3 for p in module.parameters()
-    )
-
-
 def find_own_moe(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every block of ``model`` laid out as a mixture of experts (module docstring)."""
     found = []
     for name, module in model.named_modules():
-        if _may_hold_experts(module):
+        if may_hold_experts(module):
             with peeled(module):
-                if _block(module) is not None:
+                if layout(module) is not None:
                     found.append((name, module))
     return found
 
 
-def _mlp_sources(path: str, module: nn.Module, d: int, per_expert: list[str] | None) -> Reading | None:
-    """The reading of an MLP child at ``path`` (or of every expert ``per_expert`` paths, read
-    as the first), its ``nn.Linear`` weights transposed into the layer's layout."""
-    roles = mlp_reading(module, d)
-    if roles is None:
-        return None
-    paths = per_expert if per_expert is not None else [path]
-    sources = {t: Source(tuple(f"{p}.{c}.weight" for p in paths), True, True) for t, c in roles.items()}
-    return Reading("swiglu" if len(roles) == 3 else "gelu", sources)
-
-
-def _bank_readings(block: nn.Module, found: _Block) -> list[Reading]:
-    if found.experts is None:
-        return list(stacked_readings(found.stacked, found.d))
-    bank: Any = getattr(block, found.experts)
-    paths = [f"{found.experts}.{e}" for e in range(len(bank))]
-    reading = _mlp_sources(paths[0], bank[0], found.d, paths)
-    return [] if reading is None else [reading]
-
-
 def _layer(
-    block: nn.Module, found: _Block, bank: Reading, shared: Reading | None, renormalize: bool, score: str
+    block: nn.Module, found: Layout, bank: Reading, shared: Reading | None, routing: RoutingReading
 ) -> NamedMoE:
     tensors = {n: p.detach() for n, p in block.named_parameters()}
     router = tensors[found.router]
@@ -238,8 +163,8 @@ def _layer(
         found.count,
         found.top_k,
         activation=bank.activation,
-        renormalize=renormalize,
-        routing=RouterSpec(score=score),  # type: ignore[arg-type]  # "softmax" or "sigmoid"
+        renormalize=routing.renormalize,
+        routing=routing.spec,
         shared_hidden=None if shared is None else int(shared.sources["w1"].value(tensors).shape[-1]),
         seed=0,
         aliases={},
@@ -260,62 +185,94 @@ def _layer(
     return layer
 
 
-def _scalars(module: nn.Module) -> dict[str, Tensor]:
-    return {k: v for k, v in vars(module).items() if isinstance(v, Tensor) and v.dim() == 0}
+def _floats(module: nn.Module) -> list[float]:
+    return [v for v in vars(module).values() if isinstance(v, float)]
 
 
 def _converted(
-    name: str, block: nn.Module, found: _Block
+    name: str, block: nn.Module, found: Layout
 ) -> tuple[NamedMoE, dict[str, tuple[ExportPart, ...]]]:
     """The `NamedMoE` reproducing ``block`` (module docstring) and its parameters' parts under
     the block's names."""
     meta = any(p.is_meta for p in block.parameters())
     probe = materialized(block) if meta else block
-    router = dict(probe.named_parameters())[found.router]
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*_PROBE_SHAPE, found.d, generator=gen).to(router.device, router.dtype)
-    before = _scalars(probe)
-    with torch.no_grad():
-        want = probe(x)
-    if not isinstance(want, Tensor) or want.shape != x.shape:
-        raise ValueError(
-            f"{name} ({type(block).__name__}) returns {type(want).__name__}, not one tensor shaped like its "
-            "input: a converted tessera.moe.MoE could not stand in for it"
-        )
-    recorded = {k: v for k, v in _scalars(probe).items() if before.get(k) is not v}
+    tensors = {n: p.detach() for n, p in probe.named_parameters()}
+    prober = Prober(name, probe, tensors[found.router], found.biases)
+    router = probe.get_submodule(found.router.rpartition(".")[0])
+    scales = _floats(probe) + _floats(router)
+    x = torch.randn(*_PROBE_SHAPE, found.d, generator=torch.Generator().manual_seed(0)).to(prober.weight)
+    probes = prober.run(x)
     shared = None
     if found.shared is not None:
-        shared = _mlp_sources(found.shared, getattr(probe, found.shared), found.d, None)
+        shared = mlp_sources(found.shared, getattr(probe, found.shared), found.d, None)
         if shared is None:
             raise ValueError(
                 f"{name}.{found.shared}: no reading of the shared expert as SwiGLU or GELU gives its output"
             )
-    readings = _bank_readings(probe, found)
     tried = []
-    for bank, score, renormalize in itertools.product(readings, _SCORES, (True, False)):
-        layer = _layer(probe, found, bank, shared, renormalize, score)
-        with torch.no_grad():
-            got = layer(x)
-        scale = float(want.abs().max()) or 1.0
-        if float((got - want).abs().max()) <= _RTOL * scale:
-            aliases = _aliases(name, recorded, layer)
-            if meta:  # the same reading, with the block's own (meta) parameters
-                layer = _layer(block, found, bank, shared, renormalize, score)
-            layer.aliases = aliases
-            for key, value in vars(block).items():  # the block's plain settings
-                if (
-                    isinstance(value, int | float | bool | str)
-                    and not hasattr(layer, key)
-                    and not key.startswith("_")
-                ):
-                    setattr(layer, key, value)
-            return layer, _exported(f"{name}.", found, bank, shared)
-        tried.append(f"[{bank.describe()}] {score} renormalize={renormalize}")
-    raise ValueError(
-        f"{name} ({type(block).__name__}): no reading of its experts as tessera.moe.MoE "
-        f"(softmax or sigmoid top-{found.top_k}, every token kept) gives its output; tried "
-        f"{'; '.join(tried) or 'none'}"
-    )
+    for bank in bank_readings(probe, found):
+
+        def outputs(rows: Tensor, bank: Reading = bank) -> tuple[Tensor, Tensor | None]:
+            common = None if shared is None else mlp_outputs(shared, tensors, rows)
+            return mlp_outputs(bank, tensors, rows), common
+
+        matches = read_routing(prober, found.top_k, outputs, probes, scales)
+        if matches:
+            routing = matches[0]
+            break
+        tried.append(f"[{bank.describe()}]")
+    else:
+        bias = (
+            f"without a choice bias or with one of {list(found.biases)}" if found.biases else "no choice bias"
+        )
+        raise ValueError(
+            f"{name} ({type(block).__name__}): no reading of its experts and router as tessera.moe.MoE gives "
+            f"its output; tried experts {' '.join(tried) or 'none'}, each with softmax and sigmoid top-"
+            f"{found.top_k} scores, renormalised or not, {bias}, every group limit of {found.count} experts "
+            "and a fitted scale, every token kept"
+        )
+    if routing.bias in prober.moved:
+        raise ValueError(
+            f"{name} ({type(block).__name__}): its forward changes its choice bias {routing.bias}, which the "
+            "converted layer's router would not: move it between steps instead (MoE.stats.routed counts "
+            "each expert's assignments)"
+        )
+    if meta and routing.bias in dict(block.named_parameters()):
+        raise ValueError(
+            f"{name}: its choice bias {routing.bias} is a parameter, which a model built without storage "
+            "(deferred_parameters) leaves without values: register it as a buffer (buffers stay real)"
+        )
+    layer = _layer(probe, found, bank, shared, routing)
+    score = routing.spec.score
+    if routing.bias is not None:  # the values the probe gave the block's bias
+        layer.keep_bias(routing.bias, prober.values[score][routing.bias].clone())
+    with torch.no_grad():
+        got = layer(x)
+    want = probes[score].want
+    if float((got.reshape(want.shape).float() - want).abs().max()) > RTOL * (float(want.abs().max()) or 1.0):
+        raise ValueError(
+            f"{name}: the converted layer ({routing.describe()}) does not give the block's output"
+        )
+    aliases = _aliases(name, probes[score].recorded, layer)
+    if meta:  # the same reading, with the block's own (meta) parameters
+        layer = _layer(block, found, bank, shared, routing)
+    if routing.bias is not None:  # the block's own values, under its name, as it held them
+        owner, _, leaf = routing.bias.rpartition(".")
+        holder = block.get_submodule(owner)
+        value = holder._buffers[leaf] if leaf in holder._buffers else holder._parameters[leaf]
+        assert value is not None
+        persistent = leaf not in holder._non_persistent_buffers_set
+        layer.keep_bias(routing.bias, value.detach(), persistent=persistent)
+    layer.aliases = aliases
+    for key, value in vars(block).items():  # the block's plain settings
+        if (
+            isinstance(value, int | float | bool | str)
+            and not hasattr(layer, key)
+            and not key.startswith("_")
+        ):
+            setattr(layer, key, value)
+    log.info("%s (%s): %s, %s experts", name, type(block).__name__, routing.describe(), bank.activation)
+    return layer, _exported(f"{name}.", found, bank, shared)
 
 
 def _aliases(name: str, recorded: Mapping[str, Tensor], layer: MoE) -> dict[str, str]:
@@ -323,7 +280,7 @@ def _aliases(name: str, recorded: Mapping[str, Tensor], layer: MoE) -> dict[str,
     for attr, value in recorded.items():
         for ours in ("aux_loss", "z_loss"):
             theirs = getattr(layer, ours)
-            if abs(float(value.detach()) - float(theirs.detach())) <= _RTOL * max(abs(float(theirs)), 1e-12):
+            if abs(float(value.detach()) - float(theirs.detach())) <= RTOL * max(abs(float(theirs)), 1e-12):
                 out[attr] = ours
                 break
         else:
@@ -337,7 +294,7 @@ def _aliases(name: str, recorded: Mapping[str, Tensor], layer: MoE) -> dict[str,
 
 
 def _exported(
-    prefix: str, found: _Block, bank: Reading, shared: Reading | None
+    prefix: str, found: Layout, bank: Reading, shared: Reading | None
 ) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's parameters under the block's own names."""
     out: dict[str, tuple[ExportPart, ...]] = {f"{prefix}router.weight": (ExportPart(prefix + found.router),)}
@@ -355,10 +312,10 @@ def convert_own_moe(model: nn.Module, groups: Mapping[str, int] | None = None) -
     any block is replaced."""
     conversion = Conversion()
     layers = []
-    for name, block in [(n, m) for n, m in model.named_modules() if n and _may_hold_experts(m)]:
+    for name, block in [(n, m) for n, m in model.named_modules() if n and may_hold_experts(m)]:
         prefix = f"{name}."
         with peeled(block) as wrapped:  # PEFT's adapters: read without, then carried
-            found = _block(block)
+            found = layout(block)
             if found is None:
                 continue
             layer, exported = _converted(name, block, found)
