@@ -155,6 +155,9 @@ CASES = {
     "hf-mixtral-dp2-ep2": ("hf-mixtral", P(dp=2, ep=2), {}),
     "hf-mixtral-dp2-ep2-zero3": ("hf-mixtral", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
     "llamaish-frozen-dp2-tp2-zero3": ("llamaish-frozen", P(dp=2, tp=2), {"stage": 3}),
+    # each mixture's experts split over the whole 2D grid (its input gathered whole), and over ep
+    "moe-gpt-dp2-ep2-2d": ("moe-gpt", P(dp=2, ep=2, tp=4, tp_mode="2d", microbatches=1), {}),
+    "hf-mixtral-3d-zero3": ("hf-mixtral", P(tp=8, tp_mode="3d", microbatches=1), {"stage": 3}),
 }
 
 
