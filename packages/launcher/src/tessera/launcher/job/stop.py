@@ -1,6 +1,6 @@
-"""The main job's side of a stop on SIGINT or SIGTERM (``tessera.launcher.run.stopping``).
+"""The main job's side of a stop on SIGINT, SIGTERM or SIGUSR1 (``tessera.launcher.run.stopping``).
 
-`StopRequest` turns either signal into a request that the training loop reads at each step
+`StopRequest` turns any of them into a request that the training loop reads at each step
 boundary through one small all-reduce, so every rank stops after the same step; the job then
 saves a generation there and `StopRequest.announce` logs where and leaves the launcher its note.
 """
@@ -18,17 +18,16 @@ import torch
 import torch.distributed as dist
 
 from tessera.launcher.run import StopNote, leave_note
+from tessera.launcher.run.stopping import STOP_SIGNALS
 
 __all__ = ["StopRequest"]
 
 log = logging.getLogger("tessera.train")
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 class StopRequest:
-    """SIGINT and SIGTERM noted (the first one) instead of ending the process, while the
-    context is open (in the main thread; elsewhere signals are left as they are)."""
+    """SIGINT, SIGTERM and SIGUSR1 (`STOP_SIGNALS`) noted (the first one) instead of ending the
+    process, while the context is open (in the main thread; elsewhere signals are left as they are)."""
 
     def __init__(self) -> None:
         self.signum = 0
@@ -36,7 +35,7 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._before = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
+            self._before = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,7 +6,7 @@
 
 Exit codes: 0 success, 1 a rank failed or hung (the watchdog), 2 a configuration or usage
 mistake (found before anything spawns, and before torch is imported), 130 stopped by SIGINT
-(Ctrl-C) and 143 by SIGTERM (the main job saves a checkpoint first: ``stopping``).
+(Ctrl-C), 143 by SIGTERM and 138 by SIGUSR1 (the main job saves a checkpoint first: ``stopping``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from tessera.launcher.run.nodes import (
     is_loopback,
     parse_nnodes,
     plan_nodes,
+    slurm_restarts,
 )
 from tessera.launcher.run.plan_command import add_arguments as add_plan_arguments
 from tessera.launcher.run.plan_command import run as run_plan
 from tessera.launcher.run.preflight import preflight
-from tessera.launcher.run.runs import RunFolderError, create_run_folder
+from tessera.launcher.run.runs import RunFolderError, create_run_folder, requeued
 from tessera.launcher.run.spawn import build_torchrun_argv, spawn
 from tessera.launcher.run.stopping import exit_code
 
@@ -213,6 +214,11 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         config = fit_world(config, plan.world_size)
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
+    again = main_job and plan.source == "slurm" and slurm_restarts(os.environ) > 0
+    if again:  # SLURM started the job again (a requeue): it goes on in its run folder (`requeued`)
+        config = requeued(config)
+        start = f"resuming from {config.train.resume}" if config.train.resume else "starting from step 0"
+        _say(f"SLURM restart {slurm_restarts(os.environ)} of job {plan.rdzv_id}: {start}")
     fitted = config.validate() if main_job else config.validate_fields()
     if fitted:
         return _fail(fitted)
@@ -244,7 +250,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
     folder = None
     if main_job:
         try:
-            folder = create_run_folder(config, joining=plan.node_rank > 0)
+            folder = create_run_folder(config, joining=plan.node_rank > 0, again=again)
         except RunFolderError as exc:
             return _fail([str(exc)])
         os.environ[RUN_FOLDER_ENV] = str(folder)

@@ -4,7 +4,8 @@
 process die with the launcher (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, and a check of the
 parent pid on every beat elsewhere), writes ``rank-<R>.json`` for ``watchdog.Watchdog``, counts
 optimizer steps through torch's global optimizer step hook (no change to any training loop),
-and lets the watchdog ask for the Python stack of every thread (SIGUSR1 -> faulthandler).
+and lets the watchdog ask for the Python stack of every thread (``watchdog.STACK_SIGNAL`` ->
+faulthandler).
 
 It says which ``Phase`` the rank is in (``enter``, ``leave``). ``compiling`` is entered and left
 through torch's own compile callbacks (``torch._dynamo.callback``): they span each compile of
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tessera.launcher.run.watchdog import Beat, Phase, beat_interval, write_beat
+from tessera.launcher.run.watchdog import STACK_SIGNAL, Beat, Phase, beat_interval, write_beat
 
 if TYPE_CHECKING:
     from torch._dynamo.callback import CallbackArgs, CompilationCallbackHandler
@@ -128,7 +129,7 @@ class Heartbeat:
         register_optimizer_step_post_hook(self._stepped)
         after_import("torch._dynamo", self._watch_compiles)
         self._stack = (self.directory / f"rank-{self.rank}.stack").open("w")
-        faulthandler.register(signal.SIGUSR1, file=self._stack, all_threads=True)
+        faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
         self._beat()
         threading.Thread(target=self._loop, name="tessera-heartbeat", daemon=True).start()
 

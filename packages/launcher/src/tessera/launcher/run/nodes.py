@@ -20,6 +20,7 @@ __all__ = [
     "parse_nnodes",
     "plan_nodes",
     "read_hostfile",
+    "slurm_restarts",
 ]
 
 DEFAULT_PORT = 29500
@@ -138,6 +139,14 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     return names
 
 
+def slurm_restarts(env: Mapping[str, str]) -> int:
+    """How many times SLURM has started this batch job again (a requeue: ``scontrol requeue``,
+    preemption, a failed node): ``SLURM_RESTART_COUNT``, which SLURM sets from the first restart
+    on; 0 when it is not set or not a number."""
+    text = env.get("SLURM_RESTART_COUNT", "")
+    return int(text) if text.isdigit() else 0
+
+
 def plan_nodes(
     *,
     nproc_per_node: int | None,
@@ -151,7 +160,8 @@ def plan_nodes(
     min_nodes: int | None = None,
 ) -> NodePlan:
     """Decide the node layout: explicit flags win, then a hostfile, then SLURM, then OpenMPI,
-    else one local node whose rendezvous binds to loopback.
+    else one local node whose rendezvous binds to loopback. Under SLURM, ``--nnodes`` alone (such
+    as ``MIN:MAX``) keeps SLURM's hosts and node rank; it must match SLURM's node count.
 
     Processes per node: ``nproc_per_node``, else the hostfile's ``slots=`` (the same on every
     host), else ``world_size`` (the configuration's) over the nodes. A hostfile's node rank,
@@ -180,7 +190,7 @@ def plan_nodes(
                     f"hostfile {hostfile}: this machine is none of {', '.join(hosts)}; pass --node-rank"
                 )
             node_rank = mine[0]
-    elif nnodes is None and "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env:
+    elif (nnodes is None or node_rank is None) and "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env:
         hosts = tuple(expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]))
         node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
         source = "slurm"

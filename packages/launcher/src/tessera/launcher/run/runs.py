@@ -14,10 +14,14 @@ On several nodes each node's ``tessera train`` creates the folder for its own ra
 other than node 0 (``joining``) takes the folder of an explicit ``train.name`` as it finds it;
 node 0 takes one that holds nothing but ``logs/`` (another node of the same job made it first,
 on a shared disk). Give ``train.name`` on several nodes: a generated name is each node's own.
+
+A job its scheduler starts again (SLURM's requeue: `requeued`) goes on in the folder of its
+``train.name``, from the newest committed generation there when it holds one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -25,13 +29,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.launcher.checkpoint.generations import committed_checkpoint
 from tessera.launcher.config import Config
 from tessera.launcher.config.config_io import RUN_FOLDER_ENV
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHECKPOINT_DIR", "RunFolderError", "create_run_folder", "resumed_folder", "run_folder"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "RunFolderError",
+    "create_run_folder",
+    "requeued",
+    "resumed_folder",
+    "run_folder",
+]
 
 _NAME_BYTES = 1024
 CHECKPOINT_DIR = "checkpoint"  # where a run folder keeps its checkpoint generations
@@ -58,6 +70,18 @@ def resumed_folder(config: Config) -> Path | None:
     return path.parent if path.name == CHECKPOINT_DIR else None
 
 
+def requeued(config: Config) -> Config:
+    """``config`` for a job its scheduler started again: with a ``train.name`` whose run folder
+    holds a committed generation, ``train.resume`` becomes that folder's checkpoint (the newest
+    generation is loaded, whatever ``train.resume`` said when the job was submitted)."""
+    if not config.train.name:
+        return config
+    checkpoints = Path(config.train.run_dir) / config.train.name / CHECKPOINT_DIR
+    if committed_checkpoint(checkpoints) is None:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, resume=str(checkpoints)))
+
+
 def _made_by_another_node(folder: Path) -> bool:
     """Whether ``folder`` holds only the ``logs/`` another node of this job makes with it (the
     folder may be seen a moment before its ``logs/``)."""
@@ -69,9 +93,12 @@ def _made_by_another_node(folder: Path) -> bool:
     return False
 
 
-def create_run_folder(config: Config, *, now: float | None = None, joining: bool = False) -> Path:
+def create_run_folder(
+    config: Config, *, now: float | None = None, joining: bool = False, again: bool = False
+) -> Path:
     """Create this job's run folder and return it (RunFolderError when the name is taken);
-    ``joining``: a node other than node 0 of the job (module docstring)."""
+    ``joining``: a node other than node 0 of the job; ``again``: a job its scheduler started
+    again, which takes the folder of its ``train.name`` as it finds it (module docstring)."""
     root = Path(config.train.run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = config.train.name
@@ -84,7 +111,7 @@ def create_run_folder(config: Config, *, now: float | None = None, joining: bool
         if joining:
             (folder / "logs").mkdir(parents=True, exist_ok=True)  # what node 0 recognizes
             return folder
-        if _resumes_into(config, folder):
+        if again or _resumes_into(config, folder):
             folder.mkdir(exist_ok=True)
             return folder
         try:

@@ -10,8 +10,8 @@ generation (the job's own resume logic). Each attempt is a fresh rendezvous, wit
 one. With ``--nnodes MIN:MAX`` an attempt starts on as many nodes as come, at least MIN, and
 the workers set dp from the world they find (``elastic``). Any node may be the one lost: when
 it is the rendezvous host (node 0 at first), the lowest node left hosts the rendezvous and the
-node watch from the next attempt on, at its own address (``rehost``). SIGINT or SIGTERM: the
-ranks of the main job save and stop, and this says where (``stopping``); no restart follows.
+node watch from the next attempt on, at its own address (``rehost``). SIGINT, SIGTERM or SIGUSR1:
+the ranks of the main job save and stop, and this says where (``stopping``); no restart follows.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tessera.launcher.config.elastic import ELASTIC_ENV
 from tessera.launcher.run.liveness import NodeWatch, watch_port
 from tessera.launcher.run.nodes import NodePlan, endpoint_host, endpoint_port
 from tessera.launcher.run.rehost import Lease, next_host
-from tessera.launcher.run.stopping import exit_code, read_note, stop_line
+from tessera.launcher.run.stopping import AGENT_SIGNALS, exit_code, read_note, stop_line
 from tessera.launcher.run.watchdog import Watchdog, read_beats
 
 __all__ = ["build_torchrun_argv", "spawn"]
@@ -54,6 +54,7 @@ def build_torchrun_argv(
     ``attempt``, whose store calls give up after ``read_timeout`` seconds (torch's default, 60,
     would keep a node waiting that long on every call to a host that vanished)."""
     argv = [f"--nproc-per-node={plan.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
+    argv += [f"--signals-to-handle={AGENT_SIGNALS}"]  # passed on to the ranks (SIGUSR1 too: `stopping`)
     if plan.source == "local":
         argv += [
             "--rdzv-backend=c10d",

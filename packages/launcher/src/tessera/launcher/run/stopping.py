@@ -1,14 +1,17 @@
-"""A job stopped by SIGINT or SIGTERM: its ranks save, the launcher says where (torch-free).
+"""A job stopped by a signal: its ranks save, the launcher says where (torch-free).
 
-Ctrl-C (SIGINT) or a scheduler's preemption (SIGTERM) reaches ``tessera``; torch's elastic
-agent passes the same signal to every rank and gives the ranks ``STOP_GRACE_S`` to exit before
-it kills them. The main job (``job.stop``) takes the signal as a request: at the next step
-boundary its ranks agree on it (one all-reduce a step), save a checkpoint generation, and each
-writes a `StopNote` into the launcher's heartbeat folder and exits 0. The launcher then says in
-one line where the generation is and how to resume, and exits ``128 + the signal's number``
-(130 for SIGINT, 143 for SIGTERM): no traceback, no restart. A rank signalled alone (a
-scheduler that signals every process) stops the whole job the same way. A second Ctrl-C ends
-every rank at once (a save cut short is a torn generation: the one before it stays).
+Three signals stop a job (`STOP_SIGNALS`): SIGINT (Ctrl-C), SIGTERM (a scheduler's preemption,
+``scancel``, ``scontrol requeue``) and SIGUSR1 (the scheduler's warning before the time limit:
+SLURM's ``--signal=USR1@SECONDS``). One reaches ``tessera``; torch's elastic agent passes the same
+signal to every rank (``AGENT_SIGNALS``: torch's own list and SIGUSR1) and gives the ranks
+``STOP_GRACE_S`` to exit before it kills them. The main job (``job.stop``) takes the signal as a
+request: at the next step boundary its ranks agree on it (one all-reduce a step), save a
+checkpoint generation, and each writes a `StopNote` into the launcher's heartbeat folder and
+exits 0. The launcher then says in one line where the generation is and how to resume, and exits
+``128 + the signal's number`` (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1): no traceback,
+no restart. A rank signalled alone (a scheduler that signals every process) stops the whole job
+the same way. A second Ctrl-C ends every rank at once (a save cut short is a torn generation: the
+one before it stays).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from tessera.launcher.config.config_io import HEARTBEAT_ENV
 from tessera.launcher.run.runs import CHECKPOINT_DIR
 
 __all__ = [
+    "AGENT_SIGNALS",
     "NOTE",
     "STOP_GRACE_S",
+    "STOP_SIGNALS",
     "StopNote",
     "exit_code",
     "leave_note",
@@ -36,13 +41,19 @@ __all__ = [
 
 NOTE = "stopped.json"
 STOP_GRACE_S = 30  # torch's elastic agent: how long the ranks have after the signal
+# Ctrl-C, preemption, and the scheduler's warning before the time limit (SLURM --signal=USR1@N)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# the signals torch's elastic agent turns into a shutdown that passes them on to the ranks
+# (torchrun's --signals-to-handle): its default list, and SIGUSR1, which would otherwise end the
+# launcher at once and leave its ranks unsaved
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 @dataclass(frozen=True, slots=True)
 class StopNote:
     """What a rank says when it stopped on a signal: which, after which step, and what it saved."""
 
-    signal: str  # its name: "SIGINT", "SIGTERM"
+    signal: str  # its name: "SIGINT", "SIGTERM", "SIGUSR1"
     step: int
     generation: str  # the committed generation of ``step``
     checkpoint: str  # what ``train.resume`` names to go on from it

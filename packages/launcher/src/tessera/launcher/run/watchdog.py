@@ -21,8 +21,8 @@ a step does.
 
 It names the culprit: a frozen rank first, else the rank furthest behind, else every rank (a
 collective no one completes), and the phase it was in. A rank still running is asked for its
-Python stack (SIGUSR1 -> faulthandler, into ``rank-<R>.stack``), then every local worker is
-killed; the CLI then exits 1 with these lines. Torch-free.
+Python stack (`STACK_SIGNAL`, SIGUSR2 -> faulthandler, into ``rank-<R>.stack``), then every local
+worker is killed; the CLI then exits 1 with these lines. Torch-free.
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["Beat", "Phase", "Watchdog", "beat_interval", "read_beats", "write_beat"]
+__all__ = ["STACK_SIGNAL", "Beat", "Phase", "Watchdog", "beat_interval", "read_beats", "write_beat"]
+
+# how the watchdog asks a rank for its Python stack (faulthandler); not SIGUSR1, the scheduler's
+# warning before the time limit, which stops the main job (``stopping.STOP_SIGNALS``)
+STACK_SIGNAL = signal.SIGUSR2
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +225,7 @@ class Watchdog:
             return [f"{head}; the process is stopped (SIGSTOP?), so no Python stack can be had"]
         stack = self.directory / f"rank-{b.rank}.stack"
         try:
-            os.kill(b.pid, signal.SIGUSR1)
+            os.kill(b.pid, STACK_SIGNAL)
         except OSError:
             return [f"{head}; the process is gone"]
         deadline = time.monotonic() + 2.0
