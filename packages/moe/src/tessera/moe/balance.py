@@ -24,7 +24,7 @@ the same chunks, calling `balance_choice_biases` after its step, moves them the 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from torch.autograd.function import FunctionCtx
 
 from tessera.comm import all_reduce
 
-__all__ = ["LoadCounter", "balance_choice_biases", "count_load", "set_bias_rate"]
+__all__ = ["Balanced", "LoadCounter", "balance_choice_biases", "count_load", "set_bias_rate"]
 
 
 class LoadCounter(Protocol):
@@ -62,10 +62,23 @@ def count_load(out: Tensor, routed: Tensor, holder: LoadCounter) -> Tensor:
     return cast(Tensor, _Count.apply(out, routed.detach(), holder))  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
 
 
-def _balanced(module: nn.Module) -> list[Any]:
-    from tessera.moe.layer import MoE  # the layer imports this module
+@runtime_checkable
+class Balanced(Protocol):
+    """What `balance_choice_biases` moves (an `MoE` layer): its rate, its step's counts, its
+    expert count and its router (whose ``score_bias`` is the choice bias, or None)."""
 
-    return [m for m in module.modules() if isinstance(m, MoE) and m.bias_rate > 0]
+    bias_rate: float
+    pending_load: Tensor | None
+    num_experts: int
+    router: Any
+
+
+def _layers(module: nn.Module) -> list[Balanced]:
+    return [m for m in module.modules() if isinstance(m, Balanced)]
+
+
+def _balanced(module: nn.Module) -> list[Balanced]:
+    return [m for m in _layers(module) if m.bias_rate > 0]
 
 
 def set_bias_rate(module: nn.Module, rate: float) -> int:
@@ -74,9 +87,7 @@ def set_bias_rate(module: nn.Module, rate: float) -> int:
     values) a rate < 0 or a module without such a layer. Returns how many layers."""
     if not rate >= 0:
         raise ValueError(f"bias_rate must be >= 0, got {rate}")
-    from tessera.moe.layer import MoE
-
-    layers = [m for m in module.modules() if isinstance(m, MoE) and m.router.score_bias is not None]
+    layers = [m for m in _layers(module) if getattr(m.router, "score_bias", None) is not None]
     if not layers:
         raise ValueError(
             f"{type(module).__name__} has no MoE layer whose router holds a choice bias "
