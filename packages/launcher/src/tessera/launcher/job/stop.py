@@ -17,8 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.launcher.run import StopNote, leave_note
-from tessera.launcher.run.stopping import STOP_SIGNALS
+from tessera.launcher.run import STOP_SIGNALS, StopNote, leave_note
 
 __all__ = ["StopRequest"]
 

@@ -10,9 +10,9 @@ from tessera.comm import lazy_exports
 
 if TYPE_CHECKING:
     from tessera.launcher.run.runs import CHECKPOINT_DIR, run_folder
-    from tessera.launcher.run.stopping import StopNote, leave_note
+    from tessera.launcher.run.stopping import STOP_SIGNALS, StopNote, leave_note
 
-__all__ = ["CHECKPOINT_DIR", "StopNote", "leave_note", "run_folder"]
+__all__ = ["CHECKPOINT_DIR", "STOP_SIGNALS", "StopNote", "leave_note", "run_folder"]
 
 if not TYPE_CHECKING:  # imported on first use (PEP 562), so the package stays light to import
     __getattr__, __dir__ = lazy_exports(__name__, ("runs", "stopping"))
