@@ -2,9 +2,10 @@
 ``transformers`` against ``tessera.launcher.families.hf_moe``. Prints one table, a row per
 family: whether it builds at a tiny size, whether its sparse block has the layout
 ``moe_from_hf`` reads (a ``gate`` or ``router`` beside ``experts.gate_up_proj [E, 2h, d]`` and
-``experts.down_proj [E, d, h]``), its routing (scores; group-limited ``n_group`` /
-``topk_group``; a score-correction bias; a routed scale; ``norm_topk_prob``; shared experts,
-how many and whether gated; expert biases; the experts' activation), and the outcome:
+``experts.down_proj [E, d, h]``, or by columns ``[E, d, 2h]`` and ``[E, h, d]``), its routing
+(scores; group-limited ``n_group`` / ``topk_group``; a score-correction bias; a routed scale;
+``norm_topk_prob``; shared experts, how many and whether gated; expert biases; the experts'
+activation), and the outcome:
 ``same logits`` (converted, and the converted model's logits equal the original's to rtol and
 atol 1e-5), ``DIFFERENT`` (converted, but not equal: the worst case), or why it was refused.
 
@@ -109,8 +110,11 @@ def _layout_ok(block: nn.Module) -> str:
         names = ", ".join(n for n, _ in bank.named_parameters())
         return f"no ({names or type(bank).__name__})"
     gate_up, down = bank.gate_up_proj, bank.down_proj
-    fits = gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
-    return "yes" if fits else f"no (gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)})"
+    if gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]:
+        return "yes"
+    if gate_up.shape[2] == 2 * down.shape[1] and gate_up.shape[1] == down.shape[2]:
+        return "yes, by columns"  # gate_up [E, d, 2h], down [E, h, d]: Llama 4's, GPT-OSS's
+    return f"no (gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)})"
 
 
 def _from_layout(layout: HFLayout, config: Any) -> dict[str, str]:
@@ -182,6 +186,8 @@ def survey(kind: str) -> dict[str, str]:
     row["exp.bias"] = "yes" if any("bias" in n for n, _ in bank.named_parameters()) else "-"
     act = getattr(bank, "act_fn", None)
     row["act"] = type(act).__name__.removesuffix("Activation") if act is not None else "?"
+    if act is None and hasattr(bank, "limit") and hasattr(bank, "alpha"):  # GPT-OSS's
+        row["act"] = "clamped SwiGLU"
     try:
         row |= _from_layout(read_layout(block), getattr(model, "config", None))
     except ValueError:

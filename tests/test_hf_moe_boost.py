@@ -172,6 +172,18 @@ def test_what_cannot_convert_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not"):
         hf_moe_conversion(phimoe)
     assert sum(is_hf_sparse_moe(m) for m in phimoe.modules()) == 2  # nothing swapped
+    llama4 = transformers.Llama4ForCausalLM(
+        transformers.Llama4TextConfig(
+            **BASE, intermediate_size=12, intermediate_size_mlp=20, num_local_experts=4, head_dim=4
+        )
+    )  # converts by hand (tests/test_hf_moe_families.py), but its columns have no export part
+    gpt_oss = transformers.GptOssForCausalLM(
+        transformers.GptOssConfig(**BASE, intermediate_size=12, num_local_experts=4, head_dim=4)
+    )  # the same, its gate and up columns alternating
+    for model, block in ((llama4, "Llama4TextMoe"), (gpt_oss, "GptOssMLP")):
+        with pytest.raises(ValueError, match=rf"{block}\) holds gate and up in the columns of"):
+            hf_moe_conversion(model)
+        assert sum(is_hf_sparse_moe(m) for m in model.modules()) == 2
 
 
 # ---------------------------------------------------------------------------- tier 2

@@ -1,8 +1,11 @@
 """HF MoE families beyond Mixtral and Qwen2-MoE (built from tiny configs, random weights,
 nothing downloaded): Qwen3-MoE, OLMoE, DeepSeek-V2 (group-limited greedy softmax routing,
 two shared experts, no query LoRA), DeepSeek-V3 (sigmoid scores, score-correction bias, 4
-groups of which 2 kept, routed scale 2.5, a dense first layer, query LoRA), GraniteMoE and
-GraniteMoeShared (its shared MLP outside the block).
+groups of which 2 kept, routed scale 2.5, a dense first layer, query LoRA), GraniteMoE,
+GraniteMoeShared (its shared MLP outside the block), Llama 4 (top-1 sigmoid scores weighing
+the experts' inputs, a shared expert, experts laid out by columns, a dense second layer) and
+GPT-OSS (a router and experts with biases, a clamped SwiGLU with its limit lowered to 0.5 so
+that the clamps act, gate and up columns alternating).
 
 Tier 0: each converted block computes HF's block's outputs and gradients, each converted
 model HF's logits, and its weights load back into transformers strictly; PhiMoE is refused
@@ -13,15 +16,16 @@ Tier 2 (the worker pool): each family trained through ``boost()`` equals its ser
 SGD steps (momentum 0.9). Qwen3-MoE and DeepSeek-V3 at dp=2 x ep=2 (ZeRO 1), dp=2 x ep=2
 (ZeRO 3), tp=2 (the mixture replicated; DeepSeek's latent attention split by heads) and pp=2
 (1F1B, 2 microbatches; DeepSeek-V3's dense layer and MoE layer on different stages); the
-others at dp=2 x ep=2 (ZeRO 1), and besides GraniteMoeShared (its plan) at tp=2 and GraniteMoE
-(its multipliers in the pipeline blocks) at pp=2, to keep the file short: every mode runs the
-same layer code, and the two families above hold both kinds of router (softmax top-k;
-sigmoid, bias, groups, scale). DeepSeek-V2 at tp=2 has its latent attention without query
+others (Llama 4 and GPT-OSS included; they have no plan, so no tp) at dp=2 x ep=2 (ZeRO 1),
+and besides GraniteMoeShared (its plan) at tp=2 and GraniteMoE (its multipliers in the
+pipeline blocks) at pp=2, to keep the file short: every mode runs the same layer code, and
+the two families above hold both kinds of router (softmax top-k; sigmoid, bias, groups,
+scale). DeepSeek-V2 at tp=2 has its latent attention without query
 LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads). Qwen3-MoE also with its experts
 split inside over tp (the ``moe`` style; its dense layer split as Llama's MLP) under Megatron
 SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3). Every other family that
-``tests/survey_hf_moe.py`` converts with the same logits (29 more: the survey's 37 less these
-six and ``test_hf_moe.py``'s Mixtral and Qwen2-MoE), built by the survey's own ``build`` (8
+``tests/survey_hf_moe.py`` converts with the same logits (29 more: the survey's 39 less these
+eight and ``test_hf_moe.py``'s Mixtral and Qwen2-MoE), built by the survey's own ``build`` (8
 experts, top-2, hidden 32; Kimi's linear attention narrowed), at dp=2 x ep=2 (ZeRO 1), one
 case each in the same two workers (about 20 s in all here).
 
@@ -53,8 +57,18 @@ from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.families import hf_moe_plans as plans
 from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_state_dict, is_hf_sparse_moe, moe_from_hf
-from tessera.launcher.families.hf_moe_kinds import BLOCK_KINDS, EXPERTS, ROUTER_KINDS, SHARED_MLP, source_key
+from tessera.launcher.families.hf_moe_kinds import (
+    BLOCK_KINDS,
+    EXPERTS,
+    EXPERTS_COLUMNS,
+    EXPERTS_GPT_OSS,
+    ROUTER_KINDS,
+    SHARED_MLP,
+    SHARED_MLP_LLAMA4,
+    source_key,
+)
 from tessera.launcher.testing import RandomTokens, serial_run, sgd
+from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -90,6 +104,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "intermediate_size": 12, "num_local_experts": 4, "num_experts_per_tok": 2,
         "shared_intermediate_size": 8,
     }),
+    # top-1, as Llama 4 Scout and Maverick; layer 1 dense (moe_layers)
+    "llama4_text": ("Llama4TextConfig", {
+        "intermediate_size": 12, "intermediate_size_mlp": 20, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "head_dim": 4, "moe_layers": [0],
+    }),
+    # a small swiglu_limit, so that the clamps act on these weights
+    "gpt_oss": ("GptOssConfig", {
+        "intermediate_size": 12, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 4,
+        "sliding_window": 4, "swiglu_limit": 0.5,
+    }),
 }  # fmt: skip
 FAMILIES = list(CONFIGS)
 MOE_BLOCKS = {
@@ -99,6 +123,8 @@ MOE_BLOCKS = {
     "deepseek_v3": 1,
     "granitemoe": 2,
     "granitemoeshared": 2,
+    "llama4_text": 1,
+    "gpt_oss": 2,
 }
 
 
@@ -139,22 +165,54 @@ def test_a_converted_block_computes_what_hf_computes(family: str) -> None:
     g = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2))
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     want, got = block(x_hf), layer(x_ours)
+    if isinstance(want, tuple):  # Llama 4's block: (out [T, d], router_logits), unpacked by its layer
+        assert isinstance(got, tuple) and got[1] is None
+        want, got = want[0].view(x.shape), got[0]
     torch.testing.assert_close(got, want, **TOL)
     (want * g).sum().backward()
     (got * g).sum().backward()
     torch.testing.assert_close(x_ours.grad, x_hf.grad, **TOL)
     router = block.router if hasattr(block, "router") else block.gate
-    h = block.experts.gate_up_proj.shape[1] // 2
     gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+    if family == "llama4_text":  # gate_up [E, d, 2h] (gate columns, then up), down [E, h, d]
+        h = gate_up.shape[2] // 2
+        gate, up = gate_up[..., :h], gate_up[..., h:]
+    elif family == "gpt_oss":  # gate_up [E, d, 2h] (gate and up columns alternating), biases
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+        bias = block.experts.gate_up_proj_bias.grad
+        want = {"b1": bias[:, 0::2], "b3": bias[:, 1::2], "b2": block.experts.down_proj_bias.grad}
+        for b, grad in want.items():
+            torch.testing.assert_close(getattr(layer.experts, b).grad, grad, **TOL)
+        torch.testing.assert_close(layer.router.bias.grad, router.bias.grad, **TOL)
+    else:  # gate_up [E, 2h, d], down [E, d, h]
+        h = gate_up.shape[1] // 2
+        gate, up, down = gate_up[:, :h].transpose(1, 2), gate_up[:, h:].transpose(1, 2), down.transpose(1, 2)
     assert layer.experts.w3 is not None and layer.experts.w3.grad is not None
     torch.testing.assert_close(layer.router.weight.grad, router.weight.grad, **TOL)
-    torch.testing.assert_close(layer.experts.w1.grad, gate_up[:, :h].transpose(1, 2), **TOL)
-    torch.testing.assert_close(layer.experts.w3.grad, gate_up[:, h:].transpose(1, 2), **TOL)
-    torch.testing.assert_close(layer.experts.w2.grad, down.transpose(1, 2), **TOL)
+    torch.testing.assert_close(layer.experts.w1.grad, gate, **TOL)
+    torch.testing.assert_close(layer.experts.w3.grad, up, **TOL)
+    torch.testing.assert_close(layer.experts.w2.grad, down, **TOL)
     if layer.shared is not None:
-        torch.testing.assert_close(
-            layer.shared.w2.grad[0], block.shared_experts.down_proj.weight.grad.t(), **TOL
-        )
+        shared = block.shared_expert if family == "llama4_text" else block.shared_experts
+        torch.testing.assert_close(layer.shared.w2.grad[0], shared.down_proj.weight.grad.t(), **TOL)
+
+
+def test_the_moe_styles_shard_specs_name_the_split_of_gpt_osss_biased_experts() -> None:
+    """What ``split_hidden`` keeps of each tensor of a converted GPT-OSS block, on either tp
+    rank (``keep_hidden`` as the rank's share), is the ``moe`` style's shard of the whole
+    tensor; the router's and ``b2`` are whole (``shard_spec`` None)."""
+    whole = moe_from_hf(_blocks(_build("gpt_oss"))[0])
+    specs = {n: MOE_STYLE.shard_spec(whole, n) for n, _ in whole.named_parameters()}
+    assert {n for n, spec in specs.items() if spec is None} == {"router.weight", "router.bias", "experts.b2"}
+    for rank in (0, 1):
+        share = copy.deepcopy(whole)
+        h = share.experts.hidden // 2
+        share.experts.keep_hidden(rank * h, (rank + 1) * h)
+        assert share.experts.out_bias_share == (1.0 if rank == 0 else 0.0)
+        for name, p in whole.named_parameters():
+            spec = specs[name]
+            want = p if spec is None else p.chunk(2, dim=spec.dim)[rank]
+            torch.testing.assert_close(share.get_parameter(name), want, rtol=0, atol=0)
 
 
 def test_deepseek_v3s_bias_is_a_buffer_that_chooses() -> None:
@@ -231,7 +289,8 @@ def _transformers_class(like: str) -> type:
     return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)  # type: ignore[no-any-return]
 
 
-KEYS = [(k.like, k.key) for k in (*ROUTER_KINDS, *BLOCK_KINDS)] + [EXPERTS, SHARED_MLP]
+KEYS = [(k.like, k.key) for k in (*ROUTER_KINDS, *BLOCK_KINDS)] + [EXPERTS, EXPERTS_COLUMNS, EXPERTS_GPT_OSS]
+KEYS += [SHARED_MLP, SHARED_MLP_LLAMA4]
 
 
 @pytest.mark.parametrize(("like", "key"), KEYS, ids=[like for like, _ in KEYS])
@@ -300,7 +359,10 @@ CASES = [
     *[(f, m) for f in ("deepseek_v3", "qwen3_moe") for m in ("ep2", "ep2-zero3", "tp2", "pp2")],
     ("qwen3_moe", "tp2-sp-split"),
     ("qwen3_moe", "dp2-ep2-tp2-sp-split"),
-    *[(f, "ep2") for f in ("olmoe", "deepseek_v2", "granitemoe", "granitemoeshared")],
+    *[
+        (f, "ep2")
+        for f in ("olmoe", "deepseek_v2", "granitemoe", "granitemoeshared", "llama4_text", "gpt_oss")
+    ],
     ("deepseek_v2", "tp2"),  # a latent attention without query LoRA: q_proj split by its qk heads
     ("granitemoeshared", "tp2"),  # GRANITEMOE_SHARED_PLAN: block_sparse_moe and shared_mlp replicated
     ("granitemoe", "pp2"),  # decoder_blocks apply Granite's embedding and logits multipliers
@@ -365,7 +427,7 @@ def _load_survey() -> Any:
 
 
 SURVEY = _load_survey()
-# the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' six and
+# the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' eight and
 # test_hf_moe.py's Mixtral and Qwen2-MoE
 MORE = [
     "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",

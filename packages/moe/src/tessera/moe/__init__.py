@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from tessera.moe.adapters import ExpertAdapter, RouterAdapter
 from tessera.moe.balance import balance_choice_biases, set_bias_rate
-from tessera.moe.experts import Activation, Experts
+from tessera.moe.experts import Activation, ClampedSwiGLU, Experts
 from tessera.moe.grads import expert_parameters, reduce_gradients
-from tessera.moe.layer import Gather, MoE, MoEStats, set_aux_grad_scale, shard_experts, split_hidden
+from tessera.moe.layer import Gather, MoE, MoEStats, Weigh, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
 from tessera.moe.router import RouterSpec, Routing, TopKRouter, route
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Activation",
+    "ClampedSwiGLU",
     "DispatchPlan",
     "ExpertAdapter",
     "Experts",
@@ -36,6 +37,7 @@ __all__ = [
     "RouterSpec",
     "Routing",
     "TopKRouter",
+    "Weigh",
     "balance_choice_biases",
     "capacity",
     "expert_parameters",

@@ -1,7 +1,10 @@
 """A bank of expert MLPs stored as stacked weights, run grouped or one expert at a time.
 
 ``w1 [n, d, h]`` and ``w2 [n, h, d]`` (and ``w3 [n, d, h]`` for SwiGLU) hold ``n`` experts.
-SwiGLU computes ``(silu(x @ w1) * (x @ w3)) @ w2``, GELU ``gelu(x @ w1) @ w2``; no biases.
+SwiGLU computes ``(silu(x @ w1) * (x @ w3)) @ w2``, GELU ``gelu(x @ w1) @ w2``, and GPT-OSS's
+clamped SwiGLU (`ClampedSwiGLU`) ``((u.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)) @ w2``
+with ``g = (x @ w1).clamp(max=limit)``, ``u = x @ w3``. With ``bias=True`` each projection has a
+bias (``b1 [n, h]``, ``b3 [n, h]``, ``b2 [n, d]``, zeros at first), else none.
 The input rows arrive sorted by expert with ``counts[i]`` rows for the bank's expert ``i``.
 The grouped path scatters them into a ``[n, max(counts), d]`` batch (zero padding) and runs
 one batched matmul per weight; the loop path (the reference) runs each expert on its slice.
@@ -11,6 +14,7 @@ bank computes with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -20,38 +24,77 @@ from torch import Tensor, nn
 from tessera.moe.adapters import ExpertAdapter, deltas
 from tessera.moe.init import generator, uniform
 
-__all__ = ["ACTIVATIONS", "Activation", "Experts"]
+__all__ = ["ACTIVATIONS", "Activation", "ClampedSwiGLU", "Experts"]
 
-Activation = Literal["swiglu", "gelu"]
-ACTIVATIONS: tuple[Activation, ...] = ("swiglu", "gelu")
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """GPT-OSS's SwiGLU: ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g =
+    gate.clamp(max=limit)`` (``swiglu_alpha``, ``swiglu_limit`` of its config)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+Activation = Literal["swiglu", "gelu"] | ClampedSwiGLU
+ACTIVATIONS = ("swiglu", "gelu")  # by name; and any `ClampedSwiGLU`
+
+
+def _gated(activation: Activation) -> bool:
+    return activation != "gelu"
 
 
 def _expert_weights(d: int, h: int, activation: Activation, gen: torch.Generator) -> list[Tensor]:
     w = [uniform((d, h), d, gen), uniform((h, d), h, gen)]
-    if activation == "swiglu":
+    if _gated(activation):
         w.append(uniform((d, h), d, gen))
     return w
 
 
 class Experts(nn.Module):
-    """``n`` expert MLPs ``d -> h -> d`` with stacked weights; expert ``i`` of the bank is
-    drawn from stream ``streams[i]`` of ``seed`` (`tessera.moe.init`)."""
+    """``n`` expert MLPs ``d -> h -> d`` with stacked weights (and biases, with ``bias``);
+    expert ``i`` of the bank is drawn from stream ``streams[i]`` of ``seed`` (`tessera.moe.init`).
+
+    Split over tp (`keep_hidden`), each share adds ``out_bias_share`` of ``b2``: all of it in
+    the share holding hidden unit 0, none in the others, so the sum over the shares adds it once
+    (its gradient whole on that rank, zero on the others: summed over tp as any whole one's)."""
 
     w3: nn.Parameter | None
+    b1: nn.Parameter | None
+    b2: nn.Parameter | None
+    b3: nn.Parameter | None
 
     def __init__(
-        self, d_model: int, hidden: int, activation: Activation, *, seed: int, streams: list[int]
+        self,
+        d_model: int,
+        hidden: int,
+        activation: Activation,
+        *,
+        seed: int,
+        streams: list[int],
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if not isinstance(activation, ClampedSwiGLU) and activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {ACTIVATIONS}, got {activation!r}; or give a ClampedSwiGLU"
+            )
         if d_model < 1 or hidden < 1:
             raise ValueError(f"d_model and hidden must be >= 1, got d_model={d_model}, hidden={hidden}")
         self.activation: Activation = activation
         per_expert = [_expert_weights(d_model, hidden, activation, generator(seed, s)) for s in streams]
         self.w1 = nn.Parameter(torch.stack([w[0] for w in per_expert]))
         self.w2 = nn.Parameter(torch.stack([w[1] for w in per_expert]))
-        self.w3 = nn.Parameter(torch.stack([w[2] for w in per_expert])) if activation == "swiglu" else None
+        self.w3 = nn.Parameter(torch.stack([w[2] for w in per_expert])) if _gated(activation) else None
+        n = len(streams)
+        self.b1 = nn.Parameter(torch.zeros(n, hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(n, d_model)) if bias else None
+        self.b3 = nn.Parameter(torch.zeros(n, hidden)) if bias and self.w3 is not None else None
+        self.out_bias_share = 1.0  # `keep_hidden`: 0 in a share without hidden unit 0
         self.adapters = nn.ModuleDict()  # adapter name -> {key -> ExpertAdapter} (`add_adapter`)
 
     def add_adapter(self, name: str, adapter: ExpertAdapter, *, key: str | None = None) -> None:
@@ -100,7 +143,7 @@ class Experts(nn.Module):
     def keep(self, start: int, stop: int) -> None:
         """Keep only experts ``start:stop`` of the bank (new parameters holding copies, frozen
         where the bank's were)."""
-        for name in ("w1", "w2", "w3"):
+        for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
             w = getattr(self, name)
             if w is not None:
                 part = w.detach()[start:stop].clone()
@@ -112,8 +155,10 @@ class Experts(nn.Module):
         """Keep only hidden units ``start:stop`` of every expert (``w1`` / ``w3`` columns,
         ``w2`` rows; new parameters holding copies, frozen where the bank's were): the bank
         then computes, per expert, its share of the output, which summed over the shares is the
-        whole expert's."""
-        for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
+        whole expert's (``b2`` is kept whole, added by the share holding hidden unit 0 only)."""
+        if start > 0:
+            self.out_bias_share = 0.0
+        for name, dim in (("w1", 2), ("w2", 1), ("w3", 2), ("b1", 1), ("b3", 1)):
             w = getattr(self, name)
             if w is not None:
                 part = w.detach().narrow(dim, start, stop - start).clone()
@@ -126,17 +171,28 @@ class Experts(nn.Module):
         """The hidden width each expert holds (its share under tensor parallelism)."""
         return self.w1.shape[2]
 
-    def _mlp(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> Tensor:
-        """The MLP on ``x [..., m, d]`` with weights batched like ``x``'s leading dims."""
-        up = x @ w1
+    def _mlp(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, expert: int | None = None) -> Tensor:
+        """The MLP on ``x [..., m, d]`` with weights batched like ``x``'s leading dims: every
+        expert of the bank (``expert`` None, ``x [n, m, d]``) or expert ``expert``."""
+
+        def bias(b: Tensor | None) -> Tensor | None:
+            return None if b is None else b.unsqueeze(-2) if expert is None else b[expert]
+
+        b1, b2, b3 = bias(self.b1), bias(self.b2), bias(self.b3)
+        gate = x @ w1 if b1 is None else x @ w1 + b1
         if w3 is None:
-            return F.gelu(up) @ w2
-        return (F.silu(up) * (x @ w3)) @ w2
+            hidden = F.gelu(gate)
+        else:
+            up = x @ w3 if b3 is None else x @ w3 + b3
+            act = self.activation
+            hidden = act(gate, up) if isinstance(act, ClampedSwiGLU) else F.silu(gate) * up
+        out = hidden @ w2
+        return out if b2 is None else out + b2 * self.out_bias_share
 
     def expert(self, i: int, x: Tensor) -> Tensor:
         """Run rows ``x [m, d]`` through the bank's expert ``i``."""
         w1, w2, w3 = self.weights()
-        return self._mlp(x, w1[i], w2[i], None if w3 is None else w3[i])
+        return self._mlp(x, w1[i], w2[i], None if w3 is None else w3[i], i)
 
     def forward(self, x: Tensor, counts: Tensor, *, grouped: bool = True) -> Tensor:
         """Run rows ``x [sum(counts), d]``, sorted by expert, through their experts."""
@@ -150,7 +206,7 @@ class Experts(nn.Module):
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
         pieces = torch.split(x, counts.tolist())
         w1, w2, w3 = self.weights()
-        out = [self._mlp(p, w1[i], w2[i], None if w3 is None else w3[i]) for i, p in enumerate(pieces)]
+        out = [self._mlp(p, w1[i], w2[i], None if w3 is None else w3[i], i) for i, p in enumerate(pieces)]
         return torch.cat(out)
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:

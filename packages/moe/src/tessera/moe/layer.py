@@ -5,7 +5,10 @@ One call routes each token to its ``top_k`` experts, drops assignments beyond th
 capacity (`tessera.moe.plan`), runs the kept rows through their experts (here, or on the
 ranks that own them: `tessera.moe.exchange`), and sums each token's expert outputs weighted
 by the router, plus the shared expert if there is one. A dropped assignment contributes
-zero: the caller's residual connection carries the token on.
+zero: the caller's residual connection carries the token on. With ``weigh="input"`` (Llama 4)
+the router's weight scales each routed row before its expert instead of the expert's output
+after it; the weighted rows are what travels to the experts' ranks, so the router's gradient
+comes back through the experts (and the exchange) with them.
 
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
@@ -32,6 +35,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,7 @@ __all__ = [
     "Gather",
     "MoE",
     "MoEStats",
+    "Weigh",
     "hidden_split_problem",
     "set_aux_grad_scale",
     "shard_experts",
@@ -66,6 +71,12 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+Weigh = Literal["output", "input"]
+"""Where the router's weight of a routed row applies: to its expert's output (Mixtral, and
+most) or to its input (Llama 4: ``expert(w * x)``, which differs for any expert that is not
+linear)."""
+WEIGHS: tuple[Weigh, ...] = ("output", "input")
 
 Gather = tuple[int, Group]
 """An all-gather that enters the layer's tp region: (the dim of the activations, the group
@@ -109,7 +120,10 @@ class MoE(nn.Module):
     assignments of a call's ``T`` tokens (on this rank), the first in token order; None keeps
     all (drop-less). ``renormalize``: the ``top_k`` weights of a token sum to 1. ``routing``:
     sigmoid scores, a choice bias, group-limited choice, scaled weights (`RouterSpec`; None:
-    softmax top-k).
+    softmax top-k). ``weigh``: scale each routed row's expert ``output`` by its routing weight
+    (the default), or its ``input`` (Llama 4).
+    ``expert_bias`` / ``router_bias``: the routed experts' projections / the router's logits have
+    trained biases (zeros at first; GPT-OSS; the shared expert has none).
     ``shared_hidden``: add an always-on MLP of that width; ``shared_gate``: scale its output
     per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate [1, d_model]``, as Qwen2-MoE).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
@@ -139,8 +153,11 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         renormalize: bool = True,
         routing: RouterSpec | None = None,
+        weigh: Weigh = "output",
         shared_hidden: int | None = None,
         shared_gate: bool = False,
+        expert_bias: bool = False,
+        router_bias: bool = False,
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
@@ -154,6 +171,8 @@ class MoE(nn.Module):
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
         capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
+        if weigh not in WEIGHS:
+            raise ValueError(f"weigh must be one of {WEIGHS}, got {weigh!r}")
         if shared_gate and shared_hidden is None:
             raise ValueError("shared_gate needs a shared expert (shared_hidden)")
         if bias_rate and not (routing is not None and routing.choice_bias):
@@ -174,15 +193,23 @@ class MoE(nn.Module):
         start, stop = (0, experts) if ep_group is None else _ep_split(experts, ep_group)
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.grouped, self.ep_group = grouped, ep_group
+        self.weigh: Weigh = weigh
         self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
         self.bias_rate = bias_rate  # `tessera.moe.balance`: the choice bias moved after each step
         self.pending_load: Tensor | None = None  # this step's assignments per expert (`balance`)
         self.first_expert = start
         self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
         self.gathers: tuple[Gather, ...] = ()  # `split_hidden`: how the input enters the region
-        self.router = TopKRouter(d_model, experts, top_k, renormalize=renormalize, seed=seed, spec=routing)
+        self.router = TopKRouter(
+            d_model, experts, top_k, renormalize=renormalize, seed=seed, spec=routing, bias=router_bias
+        )
         self.experts = Experts(
-            d_model, hidden, activation, seed=seed, streams=[expert_stream(e) for e in range(start, stop)]
+            d_model,
+            hidden,
+            activation,
+            seed=seed,
+            streams=[expert_stream(e) for e in range(start, stop)],
+            bias=expert_bias,
         )
         self.shared = (
             None
@@ -216,14 +243,18 @@ class MoE(nn.Module):
         cap = capacity(tokens.shape[0], self.num_experts, self.top_k, self.capacity_factor)
         plan = plan_dispatch(routing.choices, self.num_experts, cap)
         rows = tokens.index_select(0, plan.token)
+        weights = routing.weights.reshape(-1).index_select(0, plan.assignment).to(rows.dtype)[:, None]
+        if self.weigh == "input":  # the weighted rows travel: the router's gradient comes back with them
+            rows = rows * weights
         if self.ep_group is None or group_size(self.ep_group) == 1:
             out_rows = self.experts(rows, plan.kept, grouped=self.grouped)
         else:
             ex = plan_exchange(plan.kept, self.ep_group)
             local = self.experts(dispatch(rows, ex, self.ep_group), ex.local_counts, grouped=self.grouped)
             out_rows = combine(local, ex, self.ep_group)
-        weights = routing.weights.reshape(-1).index_select(0, plan.assignment).to(out_rows.dtype)
-        out = tokens.new_zeros(tokens.shape).index_add(0, plan.token, out_rows * weights[:, None])
+        if self.weigh == "output":
+            out_rows = out_rows * weights
+        out = tokens.new_zeros(tokens.shape).index_add(0, plan.token, out_rows)
         if self.shared is not None:
             shared = self.shared.expert(0, tokens)
             if self.shared_gate is not None:

@@ -1,4 +1,4 @@
-"""The top-k router: a bias-free linear map to one logit per expert, scores, each token's top-k.
+"""The top-k router: a linear map to one logit per expert (no bias unless asked), scores, top-k.
 
 By default (Mixtral, Qwen, OLMoE) the scores are the softmax of the logits in fp32 and a
 token's ``top_k`` experts are those of highest probability, weighted by their probabilities
@@ -168,7 +168,8 @@ def route(
 
 
 class TopKRouter(nn.Module):
-    """``x [T, d] -> Routing``: logits ``x @ weight.T`` (``weight [E, d]``, no bias), routed as
+    """``x [T, d] -> Routing``: logits ``x @ weight.T`` (``weight [E, d]``; with ``bias=True`` plus
+    a trained ``bias [E]``, zeros at first, as GPT-OSS's router), routed as
     ``spec`` says (`route`); with ``spec.choice_bias`` a persistent buffer ``score_bias [E]``
     (zeros; loaded, never trained: module docstring).
 
@@ -178,6 +179,7 @@ class TopKRouter(nn.Module):
     """
 
     score_bias: Tensor | None
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class TopKRouter(nn.Module):
         renormalize: bool,
         seed: int,
         spec: RouterSpec | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= experts:
@@ -199,12 +202,14 @@ class TopKRouter(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(uniform((experts, d_model), d_model, generator(seed, ROUTER_STREAM)))
         self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
+        self.bias = nn.Parameter(torch.zeros(experts)) if bias else None
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
     def forward(self, x: Tensor) -> Routing:
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
+        logits = x @ weight.t() if self.bias is None else x @ weight.t() + self.bias
         return route(
-            x @ weight.t(),
+            logits,
             self.top_k,
             renormalize=self.renormalize,
             spec=self.spec,

@@ -1,5 +1,5 @@
 """Hugging Face sparse MoE blocks as ``tessera.moe.MoE`` layers: Mixtral, Qwen2/3-MoE, OLMoE,
-DeepSeek-V2/V3, GraniteMoE and the families that copy their blocks (``hf_moe_routing``).
+DeepSeek-V2/V3, GraniteMoE, Llama 4, GPT-OSS and the families that copy their blocks (``hf_moe_routing``).
 
 Their blocks hold a router and experts ``experts.gate_up_proj [E, 2h, d]`` (gate rows, then
 up rows) and ``experts.down_proj [E, d, h]`` computing ``down(silu(gate x) * up x)``, some a
@@ -8,7 +8,11 @@ shared SwiGLU expert (Qwen2-MoE's scaled per token by ``sigmoid(shared_expert_ga
 gate.T``, ``w3 = up.T``, ``w2 = down.T`` per expert; drop-less, as HF routes every token; the
 router as ``hf_moe_routing.read_layout`` reads it: softmax or sigmoid scores, DeepSeek-V3's
 score-correction bias as the router's ``score_bias`` buffer, group-limited choice, the routed
-scaling factor), and `convert_hf_moe` swaps every such block of a model for one, in place, so
+scaling factor; Llama 4's experts, ``gate_up_proj [E, d, 2h]`` and ``down_proj [E, h, d]``, as
+they are, weighing their inputs: ``weigh="input"``; GPT-OSS's router bias, expert biases and
+clamped SwiGLU, its gate and up columns alternating; both in a `LogitsMoE` that returns ``(out,
+None)`` where their decoder layers unpack the block's ``(out, router_logits)``), and
+`convert_hf_moe` swaps every such block of a model for one, in place, so
 that ``boost()`` trains it and ``parallel.ep`` can split its experts. A block it cannot
 reproduce is refused, naming why, before anything is swapped. Dense layers between MoE ones
 (DeepSeek's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``) are left as they are. HF's
@@ -48,6 +52,7 @@ __all__ = [
     "MIXTRAL_PLAN",
     "QWEN2_MOE_PLAN",
     "SAVED_LAYOUTS",
+    "LogitsMoE",
     "SavedLayout",
     "convert_hf_moe",
     "hf_moe_conversion",
@@ -87,6 +92,15 @@ SAVED_LAYOUTS: dict[str, SavedLayout] = {
     **dict.fromkeys(_QWEN2_MOE_LIKE, _QWEN2_MOE_SAVED),
     "jamba": SavedLayout("jamba", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+class LogitsMoE(MoE):
+    """An `MoE` in the place of an HF block that returns ``(out, router_logits)`` (Llama 4's,
+    whose decoder layer unpacks the pair): returns ``(out, None)``, as HF's router logits are not
+    kept after conversion (`convert_hf_moe` refuses ``output_router_logits``)."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return super().forward(x), None
 
 
 def is_hf_sparse_moe(module: nn.Module) -> bool:
@@ -132,16 +146,20 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
 def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[MoE, HFLayout]:
     layout = read_layout(block)
     bank: Any = block.experts
-    gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]
+    gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]; columns: [E, d, 2h], [E, h, d]
     # a block without storage (deferred) gives a layer without storage: nothing is drawn
     with torch.device("meta") if gate_up.is_meta else contextlib.nullcontext():
-        layer = MoE(
+        layer = (LogitsMoE if layout.returns_logits else MoE)(
             layout.d_model,
             layout.hidden,
             layout.experts,
             layout.top_k,
             renormalize=layout.renormalize,
             routing=layout.routing,
+            weigh=layout.weigh,
+            activation=layout.activation,
+            expert_bias=layout.bank == "interleaved",
+            router_bias=layout.router_bias is not None,
             shared_hidden=layout.shared_hidden,
             shared_gate=layout.shared_gate is not None,
             seed=0,
@@ -160,10 +178,27 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
                 layer.router.score_bias = bias.to(held.dtype).clone()
             else:
                 held.copy_(bias)
-        layer.experts.w1.copy_(gate_up[:, :h].transpose(1, 2))
         assert layer.experts.w3 is not None  # SwiGLU
-        layer.experts.w3.copy_(gate_up[:, h:].transpose(1, 2))
-        layer.experts.w2.copy_(down.transpose(1, 2))
+        if layout.router_bias is not None:
+            assert layer.router.bias is not None
+            layer.router.bias.copy_(_tensor(block, layout.router_bias))
+        if layout.bank == "interleaved":  # gate and up columns alternating, biases
+            experts = layer.experts
+            assert experts.b1 is not None and experts.b2 is not None and experts.b3 is not None
+            experts.w1.copy_(gate_up[..., 0::2])
+            layer.experts.w3.copy_(gate_up[..., 1::2])
+            experts.w2.copy_(down)
+            experts.b1.copy_(bank.gate_up_proj_bias[..., 0::2])
+            experts.b3.copy_(bank.gate_up_proj_bias[..., 1::2])
+            experts.b2.copy_(bank.down_proj_bias)
+        elif layout.columns:
+            layer.experts.w1.copy_(gate_up[:, :, :h])
+            layer.experts.w3.copy_(gate_up[:, :, h:])
+            layer.experts.w2.copy_(down)
+        else:
+            layer.experts.w1.copy_(gate_up[:, :h].transpose(1, 2))
+            layer.experts.w3.copy_(gate_up[:, h:].transpose(1, 2))
+            layer.experts.w2.copy_(down.transpose(1, 2))
         if layout.shared is not None:
             shared: Any = block.get_submodule(layout.shared)
             assert layer.shared is not None and layer.shared.w3 is not None
@@ -183,6 +218,11 @@ def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
     layer.router.weight.requires_grad_(_tensor(block, layout.router_weight).requires_grad)
     for w, source in (("w1", bank.gate_up_proj), ("w3", bank.gate_up_proj), ("w2", bank.down_proj)):
         getattr(layer.experts, w).requires_grad_(source.requires_grad)
+    if layout.bank == "interleaved":
+        for b, hf in (("b1", "gate_up_proj_bias"), ("b3", "gate_up_proj_bias"), ("b2", "down_proj_bias")):
+            getattr(layer.experts, b).requires_grad_(getattr(bank, hf).requires_grad)
+    if layout.router_bias is not None and layer.router.bias is not None:
+        layer.router.bias.requires_grad_(_tensor(block, layout.router_bias).requires_grad)
     if layout.shared is not None and layer.shared is not None:
         shared: Any = block.get_submodule(layout.shared)
         for w, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
@@ -250,6 +290,12 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
             layer, layout = _read(block, 0.0, 0.0)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        if layout.columns:
+            raise ValueError(
+                f"{where} ({type(block).__name__}) holds gate and up in the columns of "
+                "experts.gate_up_proj [E, d, 2h], which an export part (rows of an HF tensor) cannot "
+                "name: call convert_hf_moe(model) before boost(), and hf_moe_state_dict for HF's names"
+            )
         if layout.score_bias is not None and _tensor(block, layout.score_bias).is_meta:
             raise ValueError(
                 f"{where}.{layout.score_bias} is a parameter without storage (a deferred model): the "
@@ -312,6 +358,17 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
     return out
 
 
+def _gate_up(gate: Tensor, up: Tensor, bank: str) -> Tensor:
+    """HF's fused ``gate_up_proj`` (or its bias) from the bank's ``w1`` / ``w3`` (``b1`` / ``b3``)
+    as ``bank`` (`BankLayout`) lays it out: rows ``[E, 2h, d]``, columns ``[E, d, 2h]``, or
+    columns alternating gate and up (the biases ``[E, 2h]`` alternating too)."""
+    if bank == "interleaved":
+        return torch.stack([gate, up], dim=-1).flatten(-2)
+    if bank == "columns":
+        return torch.cat([gate, up], dim=-1)
+    return torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], dim=1)
+
+
 _MIXTRAL_NAMES = ("gate.weight", "gate.e_score_correction_bias", "shared_expert", "shared_expert_gate")
 
 
@@ -319,7 +376,8 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
     """A converted model's state dict (``convert_hf_moe``'s names, e.g. what ``consolidate``
     writes) under transformers' names again, so that the HF model loads it strictly: per MoE
     layer the router's weight (and score-correction bias), ``experts.gate_up_proj = [w1.T |
-    w3.T]`` and ``experts.down_proj = w2.T`` per expert, the shared expert's ``gate_proj`` /
+    w3.T]`` and ``experts.down_proj = w2.T`` per expert (Llama 4's, laid out by columns: ``[w1 |
+    w3]`` and ``w2``), the shared expert's ``gate_proj`` /
     ``up_proj`` / ``down_proj`` and its gate. The names are those of ``like``'s blocks at the
     same places (an unconverted model of the family, e.g. the one to load into; its weights are
     not read, so it may be on the meta device); without it, Mixtral's and Qwen2-MoE's
@@ -332,6 +390,8 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
     }
     names: dict[str, tuple[str, str | None, str | None, str | None]] = {}
     shapes: dict[str, torch.Size] = {}
+    banks: dict[str, str] = {}  # the layers whose experts are not laid out by rows (Llama 4, GPT-OSS)
+    router_biases: dict[str, str] = {}
     for layer in layers:
         if like is None:
             names[layer] = _MIXTRAL_NAMES
@@ -339,6 +399,10 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
         block = like.get_submodule(layer)
         layout: HFLayout = read_layout(block)
         names[layer] = (layout.router_weight, layout.score_bias, layout.shared, layout.shared_gate)
+        if layout.columns:
+            banks[layer] = layout.bank
+        if layout.router_bias is not None:
+            router_biases[layer] = layout.router_bias
         if layout.score_bias is not None:
             shapes[layer] = _tensor(block, layout.score_bias).shape
     for name, value in state.items():
@@ -352,18 +416,23 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
             out[f"{prefix}.{router}"] = value
         elif rest == "router.score_bias" and bias is not None:
             out[f"{prefix}.{bias}"] = value.reshape(shapes.get(prefix, value.shape))
-        elif rest == "experts.w1":
-            w3 = state[f"{prefix}.experts.w3"]
-            out[f"{prefix}.experts.gate_up_proj"] = torch.cat(
-                [value.transpose(1, 2), w3.transpose(1, 2)], dim=1
-            )
+        elif rest == "router.bias" and prefix in router_biases:
+            out[f"{prefix}.{router_biases[prefix]}"] = value
+        elif rest in ("experts.w1", "experts.b1"):
+            hf = "gate_up_proj" if rest == "experts.w1" else "gate_up_proj_bias"
+            up = state[f"{prefix}.experts.{rest[-2]}3"]
+            out[f"{prefix}.experts.{hf}"] = _gate_up(value, up, banks.get(prefix, "rows"))
         elif rest == "experts.w2":
-            out[f"{prefix}.experts.down_proj"] = value.transpose(1, 2).contiguous()
+            out[f"{prefix}.experts.down_proj"] = (
+                value if prefix in banks else value.transpose(1, 2)
+            ).contiguous()
+        elif rest == "experts.b2" and banks.get(prefix) == "interleaved":
+            out[f"{prefix}.experts.down_proj_bias"] = value
         elif rest.startswith("shared.w") and shared is not None:
             hf = {"shared.w1": "gate_proj", "shared.w3": "up_proj", "shared.w2": "down_proj"}[rest]
             out[f"{prefix}.{shared}.{hf}.weight"] = value[0].t().contiguous()
         elif rest == "shared_gate" and shared_gate is not None:
             out[f"{prefix}.{shared_gate}.weight"] = value
-        elif rest != "experts.w3":
+        elif rest not in ("experts.w3", "experts.b3"):
             raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
     return out

@@ -7,10 +7,15 @@ Routers: softmax top-k (Mixtral, Qwen, OLMoE, Granite's softmax over the top-k l
 DeepSeek-V3's sigmoid scores with a score-correction bias, groups and a routed scale (and the
 families generated from it: GLM-4-MoE, dots1, EXAONE-MoE, Kimi, MiniCPM5, Solar-Open, ...),
 DeepSeek-V2's softmax with group-limited greedy choice, the sigmoid-with-bias routers of
-MiniMax-M2, HunYuan-V3, AFMoE and Laguna, ERNIE's softmax with a bias. Blocks: the routed
-experts alone, or beside a shared SwiGLU expert (gated as Qwen2-MoE's, or not), with the
-choice bias on the router or on the block. A key was taken from the pinned ``transformers``;
-``tests/test_hf_moe_families.py`` checks that each still hashes to it.
+MiniMax-M2, HunYuan-V3, AFMoE and Laguna, ERNIE's softmax with a bias, Llama 4's sigmoid of
+the top-k logits, GPT-OSS's softmax of the top-k logits with a bias on the logits. Blocks:
+the routed experts alone, or beside a shared SwiGLU expert (gated as Qwen2-MoE's, or not),
+with the choice bias on the router or on the block; Llama 4's, whose
+experts (``EXPERTS_COLUMNS``: gate and up side by side in columns) take inputs scaled by the
+router's weights and which returns its router's logits beside its output; GPT-OSS's, whose
+experts (``EXPERTS_GPT_OSS``) have biases and a clamped SwiGLU. A key was taken
+from the pinned ``transformers``; ``tests/test_hf_moe_families.py`` checks that each still
+hashes to it.
 """
 
 from __future__ import annotations
@@ -22,15 +27,20 @@ import textwrap
 import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from tessera.moe import RouterSpec
+from tessera.moe import RouterSpec, Weigh
 
 __all__ = [
+    "BANKS",
     "BLOCK_KINDS",
     "EXPERTS",
+    "EXPERTS_COLUMNS",
+    "EXPERTS_GPT_OSS",
     "ROUTER_KINDS",
     "SHARED_MLP",
+    "SHARED_MLP_LLAMA4",
+    "BankLayout",
     "BlockKind",
     "RouterKind",
     "RouterReading",
@@ -52,15 +62,26 @@ def source_key(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]
 
 
+BankLayout = Literal["rows", "columns", "interleaved"]
+"""How a block's experts hold their gate and up projections: ``rows``: ``gate_up_proj [E, 2h,
+d]`` gate rows then up, ``down_proj [E, d, h]`` (`EXPERTS`); ``columns``: ``gate_up_proj [E, d,
+2h]`` gate columns then up, ``down_proj [E, h, d]`` (`EXPERTS_COLUMNS`, Llama 4);
+``interleaved``: ``gate_up_proj [E, d, 2h]`` gate and up columns alternating, ``down_proj [E, h,
+d]``, with biases ``gate_up_proj_bias [E, 2h]`` (alternating too) and ``down_proj_bias [E, d]``,
+and the clamped SwiGLU of the bank's ``alpha`` and ``limit`` (`EXPERTS_GPT_OSS`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RouterReading:
-    """A router in ``tessera.moe``'s terms; tensor names relative to the block."""
+    """A router in ``tessera.moe``'s terms; tensor names relative to the block: its weight, its
+    choice bias ``bias`` and the bias added to its logits ``logit_bias``."""
 
     top_k: int
     renormalize: bool
     routing: RouterSpec
     weight: str
     bias: str | None = None
+    logit_bias: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +104,10 @@ class BlockKind:
     its router ``router``, its shared expert ``shared`` (when the block has it) scaled per token
     by ``sigmoid(shared_gate x)`` when named, its routed output scaled by ``block.<scale>`` when
     named; ``check(block)`` says what of this instance cannot be reproduced ("" when all can);
-    ``refusal``: why no instance can."""
+    ``refusal``: why no instance can. ``weigh``: where the router's weights apply (``"input"``:
+    each routed row scaled before its expert, Llama 4); ``bank``: how its experts are laid out
+    (`BankLayout`); ``returns_logits``: the block returns ``(out, router_logits)`` (or Llama
+    4's and GPT-OSS's scores), which its decoder layer unpacks."""
 
     name: str
     like: str
@@ -94,6 +118,9 @@ class BlockKind:
     scale: str | None = None
     check: Callable[[Any], str] | None = None
     refusal: str = ""
+    weigh: Weigh = "output"
+    bank: BankLayout = "rows"
+    returns_logits: bool = False
 
 
 # ---------------------------------------------------------------------------- routers
@@ -184,6 +211,18 @@ def _cohere2(block: Any, name: str) -> RouterReading:
     raise ValueError(f"expert_selection_fn={router.expert_selection_fn!r} is not 'softmax' or 'sigmoid'")
 
 
+def _llama4(block: Any, name: str) -> RouterReading:
+    """Sigmoid of the top-k logits (sigmoid is monotone: the top-k scores), not renormalised."""
+    router = getattr(block, name)
+    return RouterReading(int(router.top_k), False, RouterSpec(score="sigmoid"), f"{name}.weight")
+
+
+def _gpt_oss(block: Any, name: str) -> RouterReading:
+    """Softmax of the top-k logits (a renormalised softmax top-k), the logits with a bias."""
+    router = getattr(block, name)
+    return RouterReading(int(router.top_k), True, RouterSpec(), f"{name}.weight", logit_bias=f"{name}.bias")
+
+
 ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind("softmax-top-k", "qwen3_moe.Qwen3MoeTopKRouter", "2a5d7542c840d638", _softmax(None)),
     RouterKind("softmax-top-k", "lara_mini.LaraMiniTopKRouter", "4d19b824fc4d1a01", _softmax(None)),
@@ -229,6 +268,10 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
     ),
     RouterKind("sigmoid + bias", "laguna.LagunaTopKRouter", "a5c7b29ef9b9cf47", _laguna),
     RouterKind("softmax + bias", "ernie4_5_moe.Ernie4_5_MoeTopKRouter", "4097eaeeeec9d3ab", _ernie),
+    RouterKind("sigmoid of the top-k logits", "llama4.Llama4Router", "6059462df44bcda0", _llama4),
+    RouterKind(
+        "softmax of the top-k biased logits", "gpt_oss.GptOssTopKRouter", "f4d868f0a4f2a58a", _gpt_oss
+    ),
     RouterKind(
         "sparsemixer",
         "phimoe.PhimoeTopKRouter",
@@ -328,16 +371,22 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         refusal="Aria stores its experts transposed ([E, d, 2h], applied with @)",
     ),
     BlockKind(
-        "input-scaled",
+        "input-weighted, shared expert",
         "llama4.Llama4TextMoe",
         "9a4399d06cacc5a1",
-        refusal="Llama 4 scales each expert's input, not its output, by sigmoid(logit)",
+        router="router",
+        shared="shared_expert",
+        weigh="input",
+        bank="columns",
+        returns_logits=True,
     ),
     BlockKind(
-        "biased",
+        "biased, clamped SwiGLU",
         "gpt_oss.GptOssMLP",
         "63c4987163e66fbf",
-        refusal="GPT-OSS's router and experts have biases, its experts a clamped SwiGLU",
+        router="router",
+        bank="interleaved",
+        returns_logits=True,
     ),
     BlockKind(
         "hash",
@@ -366,5 +415,19 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
 )
 # the experts every kind reads: gate_up [E, 2h, d], down [E, d, h], down(act(gate x) * up x) per expert
 EXPERTS = ("mixtral.MixtralExperts", "6d01f0e7fd489d85")
+# Llama 4's experts: gate_up [E, d, 2h] (gate columns, then up), down [E, h, d], every expert run
+# on every token (bmm), its input scaled by the router's weight: 0 for the unchosen, whose output
+# is then 0 (no biases)
+EXPERTS_COLUMNS = ("llama4.Llama4TextExperts", "bd2ee5a83482a75a")
+# GPT-OSS's experts: gate and up columns interleaved, biases, the clamped SwiGLU; each expert run
+# on its tokens, its output weighted by the router
+EXPERTS_GPT_OSS = ("gpt_oss.GptOssExperts", "dfcd1b73ad425a57")
+BANKS: dict[BankLayout, tuple[str, str]] = {
+    "rows": EXPERTS,
+    "columns": EXPERTS_COLUMNS,
+    "interleaved": EXPERTS_GPT_OSS,
+}
 # the shared expert: gate_proj, up_proj, down_proj (Linear), down(act(gate x) * up x)
 SHARED_MLP = ("deepseek_v3.DeepseekV3MLP", "b4823f5258a37fcc")
+# the same, its activation named ``activation_fn``
+SHARED_MLP_LLAMA4 = ("llama4.Llama4TextMLP", "37a3bb18a859d47a")

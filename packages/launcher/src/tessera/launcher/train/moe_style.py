@@ -43,7 +43,8 @@ from tessera.tensor_parallel.style import ApplyContext, BaseStyle, Role, TPStyle
 
 __all__ = ["MOE_STYLE", "MoEStyle", "check_moe_plan", "split_mixtures"]
 
-_HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}  # w1 / w3 [n, d, h], w2 [n, h, d]
+# w1 / w3 [n, d, h], w2 [n, h, d], the biases b1 / b3 [n, h]; b2 [n, d] whole (`Experts.keep_hidden`)
+_HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class MoEStyle(BaseStyle):
             return ShardSpec(_HIDDEN_DIM[weight])
         if bank.split(".")[0] in ("experts", "shared") and ".adapters." in param:
             return _adapter_spec(module, param)
-        return None  # the router and the shared gate: whole on every tp rank
+        return None  # the router, the shared gate and b2: whole on every tp rank, partial gradients
 
 
 def _adapter_spec(module: nn.Module, param: str) -> ShardSpec | None:
