@@ -44,6 +44,11 @@ def test_local_slurm_and_openmpi() -> None:
         "n1:29500",
         "42",
     )
+    # --nnodes alone (an elastic MIN:MAX) keeps SLURM's hosts and node rank
+    elastic = plan_nodes(
+        nproc_per_node=2, nnodes=4, node_rank=None, rdzv_endpoint=None, hostfile=None, env=env, min_nodes=2
+    )
+    assert (elastic.source, elastic.node_rank, elastic.rdzv_endpoint) == ("slurm", 2, "n1:29500")
     mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
     plan = plan_nodes(
         nproc_per_node=2, nnodes=None, node_rank=None, rdzv_endpoint="h:1", hostfile=None, env=mpi

@@ -14,8 +14,8 @@ import pytest
 from tessera.launcher.checkpoint import committed_checkpoint
 from tessera.launcher.checkpoint.generations import FORMAT
 from tessera.launcher.config import Config, TrainConfig
-from tessera.launcher.run.nodes import endpoint_port, is_loopback
-from tessera.launcher.run.runs import RunFolderError, create_run_folder, run_folder
+from tessera.launcher.run.nodes import endpoint_port, is_loopback, slurm_restarts
+from tessera.launcher.run.runs import RunFolderError, create_run_folder, requeued, run_folder
 from tessera.launcher.run.watchdog import Beat, Watchdog, read_beats, write_beat
 
 
@@ -46,6 +46,27 @@ def test_an_explicit_name_is_used_once_unless_resumed_into(tmp_path: Path) -> No
     again = _config(tmp_path, name="t", resume=str(tmp_path / "t" / "checkpoint"))
     assert create_run_folder(again) == tmp_path / "t"
     assert run_folder(Config(), device=None, env={"TESSERA_RUN_FOLDER": "x/y"}) == Path("x/y")  # type: ignore[arg-type]
+
+
+def test_a_requeued_job_goes_on_in_its_folder_from_its_newest_generation(tmp_path: Path) -> None:
+    """SLURM's requeue (``SLURM_RESTART_COUNT`` > 0): the folder of ``train.name`` is taken as it
+    is, and ``train.resume`` becomes its checkpoint once it holds a committed generation."""
+    assert [slurm_restarts(e) for e in ({}, {"SLURM_RESTART_COUNT": "2"}, {"SLURM_RESTART_COUNT": "x"})] == [
+        0,
+        2,
+        0,
+    ]
+    config = _config(tmp_path, name="job-7")
+    assert requeued(config) == config  # nothing saved yet: it starts again from step 0
+    assert create_run_folder(config) == tmp_path / "job-7"
+    assert create_run_folder(config, again=True) == tmp_path / "job-7"  # taken as it is
+    with pytest.raises(RunFolderError, match="already exists"):
+        create_run_folder(config)  # not a requeue: the name is taken
+    step = tmp_path / "job-7" / "checkpoint" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": 4}))
+    assert requeued(config).train.resume == str(tmp_path / "job-7" / "checkpoint")
+    assert requeued(_config(tmp_path)) == _config(tmp_path)  # no train.name: nothing to find
 
 
 def test_committed_checkpoints(tmp_path: Path) -> None:
@@ -114,4 +135,3 @@ def test_the_nodes_of_one_job_share_a_named_folder(tmp_path: Path) -> None:
     (tmp_path / "job" / "metrics.jsonl").write_text("{}")
     with pytest.raises(RunFolderError, match="already exists"):
         create_run_folder(config)
-
