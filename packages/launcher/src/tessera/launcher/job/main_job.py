@@ -14,7 +14,7 @@ the end of the run logs the parallel job's throughput as a multiple of it. With 
 every layer's MLP is a mixture of experts (``moe_model``) and each logged step also records
 each expert's share of the routed tokens and the fraction dropped for capacity.
 
-SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the job after the next step on
+SIGINT (Ctrl-C), SIGTERM (a preemption) or SIGUSR1 (a time limit near) stops the job after the next step on
 every rank: it saves a generation there, says where and ends without a traceback
 (``tessera.launcher.run.stopping``). ``train.resume`` naming that checkpoint goes on in the same
 run folder (``tessera.launcher.run.runs``), its metrics appended.
@@ -137,7 +137,7 @@ def _with_vocab(config: Config, data_vocab: int, resume: str) -> tuple[Config, i
 
 def main() -> None:
     """Train, evaluate, checkpoint, consolidate, sample and plot (collective over every rank).
-    SIGINT or SIGTERM: stop after the step every rank agrees on, save there and return
+    SIGINT, SIGTERM or SIGUSR1: stop after the step every rank agrees on, save there and return
     (``tessera.launcher.run.stopping``)."""
     with StopRequest() as stop:
         _train(stop)

@@ -12,7 +12,7 @@ destructors of torch's process groups and their background threads can abort
 script wrote before returning is already on disk, so teardown cannot turn success into a
 failure. (Threads the script left running are not joined.) A script ended by SIGINT (which
 the launcher passes on after Ctrl-C and reports) leaves with 130 and no traceback; the main job
-catches SIGINT and SIGTERM itself, to save first (``stopping``).
+catches SIGINT, SIGTERM and SIGUSR1 itself, to save first (``stopping``).
 """
 
 from __future__ import annotations
