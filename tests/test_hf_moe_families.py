@@ -443,14 +443,16 @@ def _survey_model(family: str) -> nn.Module:
     return model
 
 
+@pytest.mark.parametrize("mode", ["ep2", "ep2-zero3"])
 @pytest.mark.parametrize("family", MORE)
 def test_every_other_converting_family_trains_at_ep2_as_serially(
-    worker_pools: PoolFactory, family: str
+    worker_pools: PoolFactory, family: str, mode: str
 ) -> None:
     """The survey's tiny model of ``family`` (8 experts, top-2; hidden 32), converted, trained
-    at dp=2 x ep=2 (ZeRO 1): each rank's losses and gathered weights are the serial run's."""
+    at dp=2 x ep=2 (ZeRO 1, and ZeRO 3: each expert bank sharded over the edp group and gathered
+    for each call): each rank's losses and gathered weights are the serial run's."""
     assert any(isinstance(m, MoE) for m in _converted(family).modules())  # what it claims to train
-    config = _boost_config("ep2")
+    config = _boost_config(mode)
     results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
     losses, weights = _serial(family)
     for curve, part in results:
