@@ -4,13 +4,16 @@ transformers' names in exports, ``consolidate`` and ``import_weights`` (built fr
 nothing downloaded).
 
 Tier 0: for Mixtral (its block saved as ``block_sparse_moe``), Qwen2-MoE (a gated shared
-expert) and DeepSeek-V3 (a score-correction bias, a dense layer): the conversion's export
-parts, streamed through ``Joiner``, give transformers' state dict exactly (names, shapes,
-values), and its persistent buffer under HF's name; the way back (``assemble``) gives every
-converted tensor exactly from the state dict's fused tensors and from the per-expert tensors
-``save_pretrained`` writes (the parts' ``legacy`` names), also for some experts only (what an
-ep rank reads). ``SAVED_LAYOUTS`` follow the pinned transformers' conversion mapping. Bounds:
-``torch.equal``: every step is a copy, slice or transpose, no arithmetic.
+expert), DeepSeek-V3 (a score-correction bias, a dense layer), Llama 4 (gate and up in the
+columns of ``gate_up_proj``) and GPT-OSS (those columns alternating; biases): the conversion's
+export parts, streamed through ``Joiner``, give transformers' state dict exactly (names, shapes,
+values; a fresh model loads it strictly), and its persistent buffer under HF's name; the way
+back (``assemble``) gives every converted tensor exactly from the state dict's fused tensors and
+from the per-expert tensors ``save_pretrained`` writes (the parts' ``legacy`` names), also for
+some experts only (what an ep rank reads), and so does import's reader of a safetensors file
+(each part's band, and some experts', read by ``LazyTensors.read_part``). ``SAVED_LAYOUTS``
+follow the pinned transformers' conversion mapping. Bounds: ``torch.equal``: every step is a
+copy, slice or transpose, no arithmetic.
 
 Tier 2 (the worker pool): an unconverted ``MixtralForCausalLM`` boosted at dp=2 x ep=2 imports
 a folder written by ``save_pretrained`` (per-expert tensors; each ep rank reads its experts'
@@ -49,6 +52,8 @@ from tessera.launcher.checkpoint.exported import (
     sliced,
 )
 from tessera.launcher.checkpoint.placement import persistent_buffers
+from tessera.launcher.checkpoint.reshard import _AsParams
+from tessera.launcher.checkpoint.tensorfile import LazyTensors
 from tessera.launcher.families.hf_moe import (
     SAVED_LAYOUTS,
     convert_hf_moe,
@@ -77,7 +82,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
         "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "q_lora_rank": 8,
     }),
+    "llama4_text": ("Llama4TextConfig", {  # gate and up in the columns of gate_up_proj [E, d, 2h]
+        "intermediate_size": 12, "intermediate_size_mlp": 20, "num_local_experts": 4, "head_dim": 4,
+    }),
+    "gpt_oss": ("GptOssConfig", {  # the same, alternating, with biases
+        "intermediate_size": 12, "num_local_experts": 4, "head_dim": 4,
+    }),
 }  # fmt: skip
+MODELS = {"Llama4TextConfig": "Llama4ForCausalLM"}  # else the config's name, ForCausalLM
+BANKS = tuple(f"experts.{w}" for w in ("w1", "w3", "w2", "b1", "b3", "b2"))  # the experts' tensors
 TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
@@ -85,7 +98,7 @@ def _build(family: str = "mixtral", seed: int = 0, **changes: Any) -> nn.Module:
     """The family's tiny model, every parameter and score-correction bias drawn anew from
     ``seed`` (HF's own init leaves the biases at zero)."""
     cls, sizes = CONFIGS[family]
-    model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(
+    model = getattr(transformers, MODELS.get(cls, cls.replace("Config", "ForCausalLM")))(
         getattr(transformers, cls)(**{**BASE, **sizes, **changes})
     )
     gen = torch.Generator().manual_seed(seed)
@@ -122,19 +135,31 @@ def test_the_export_parts_are_transformers_tensors_both_ways(family: str, tmp_pa
     assert list(out) == list(shapes) and set(out) == want, sorted(set(out) ^ want)
     wrong = [n for n in out if tuple(out[n].shape) != shapes[n] or not torch.equal(out[n], hf[n])]
     assert not wrong, wrong
-    for name, buffer in persistent_buffers(converted).items():  # a score-correction bias
-        assert torch.equal(buffer, hf[parts_of(name, conversion.exported)[0].name]), name
+    buffers = {parts_of(n, conversion.exported)[0].name: b for n, b in persistent_buffers(converted).items()}
+    for name, buffer in buffers.items():  # a score-correction bias
+        assert torch.equal(buffer, hf[name]), name
+    _build(family, seed=3).load_state_dict({**out, **buffers}, strict=True)  # transformers' names
     # back: from the state dict's fused tensors and from save_pretrained's per-expert ones
     for source, layout in ((hf, "fused"), (saved, "per-expert")):
         for name, value in params.items():
             parts = found_parts(parts_of(name, conversion.exported), source.__contains__)
             assert parts is not None, f"{layout}: {name}"
             assert torch.equal(assemble(parts, [source[p.name] for p in parts]), value), f"{layout}: {name}"
-            if name.endswith(("experts.w1", "experts.w3", "experts.w2")):  # an ep rank's experts
-                assert ("experts.0." in parts[0].name) == (layout == "per-expert"), parts[0].name
+            if name.endswith(BANKS):  # an ep rank's experts
+                per_expert = layout == "per-expert" and family in SAVED_LAYOUTS  # else fused
+                assert ("experts.0." in parts[0].name) == per_expert, parts[0].name
                 mine, by_rows = sliced(parts, 1, 3)
                 values = [source[p.name][1:3] if by_rows else source[p.name] for p in mine]
                 assert torch.equal(assemble(mine, values), value[1:3]), f"{layout}: {name}"
+    # from a file, as import_weights reads it: each part's band (and an ep rank's experts) only
+    safetensors.torch.save_file({k: v.contiguous() for k, v in hf.items()}, tmp_path / "state.safetensors")
+    with LazyTensors([tmp_path / "state.safetensors"]) as weights:
+        sources = {n: parts_of(n, conversion.exported) for n in params}
+        read = _AsParams(weights, sources, {})
+        for name, value in params.items():
+            assert torch.equal(read[f"param/{name}"], value.float()), name
+            if name.endswith(BANKS):
+                assert torch.equal(read.rows(f"param/{name}", 1, 3), value[1:3].float()), name
 
 
 def test_saved_layouts_follow_transformers_conversion_mapping() -> None:
@@ -172,18 +197,6 @@ def test_what_cannot_convert_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not"):
         hf_moe_conversion(phimoe)
     assert sum(is_hf_sparse_moe(m) for m in phimoe.modules()) == 2  # nothing swapped
-    llama4 = transformers.Llama4ForCausalLM(
-        transformers.Llama4TextConfig(
-            **BASE, intermediate_size=12, intermediate_size_mlp=20, num_local_experts=4, head_dim=4
-        )
-    )  # converts by hand (tests/test_hf_moe_families.py), but its columns have no export part
-    gpt_oss = transformers.GptOssForCausalLM(
-        transformers.GptOssConfig(**BASE, intermediate_size=12, num_local_experts=4, head_dim=4)
-    )  # the same, its gate and up columns alternating
-    for model, block in ((llama4, "Llama4TextMoe"), (gpt_oss, "GptOssMLP")):
-        with pytest.raises(ValueError, match=rf"{block}\) holds gate and up in the columns of"):
-            hf_moe_conversion(model)
-        assert sum(is_hf_sparse_moe(m) for m in model.modules()) == 2
 
 
 # ---------------------------------------------------------------------------- tier 2

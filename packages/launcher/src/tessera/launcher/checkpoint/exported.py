@@ -4,11 +4,13 @@
 converted to ``tessera.moe.MoE`` trains each bank of experts as one stacked tensor
 (``experts.w1 [E, d, h]``) where the user's model holds one ``nn.Linear`` per expert
 (``experts.<e>.gate_proj.weight [h, d]``) and a Hugging Face one two fused banks
-(``experts.gate_up_proj [E, 2h, d]``: gate rows, then up rows). An `ExportPart` names one
-exported tensor and how it is taken from the trained parameter's full value: the slice
-``index`` along the first dimension (None: the whole tensor), transposed or not, and, with
-``rows``, as the rows ``start:stop`` (second-to-last dimension) of an exported tensor that
-other parameters' parts with the same name complete (``w1`` and ``w3`` make ``gate_up_proj``).
+(``experts.gate_up_proj [E, 2h, d]``: gate rows, then up rows; Llama 4's ``[E, d, 2h]``: gate
+columns, then up columns; GPT-OSS's the same with gate and up columns alternating). An
+`ExportPart` names one exported tensor and how it is taken from the trained parameter's full
+value: the slice ``index`` along the first dimension (None: the whole tensor), transposed or
+not, and, with ``band``, as a `Band` of an exported tensor that other parameters' parts with
+the same name complete (``w1`` and ``w3`` make ``gate_up_proj``): rows or columns
+``start:stop:step``.
 ``legacy`` is the same piece as checkpoints of an older layout hold it (transformers'
 one-tensor-per-expert layout, which ``save_pretrained`` still writes): an import reads it where
 a file lacks ``name``. A persistent buffer may be renamed the same way (one whole part).
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "Band",
     "ExportPart",
     "ExportView",
     "Joiner",
@@ -44,15 +47,41 @@ Exported = Mapping[str, tuple["ExportPart", ...]]
 
 
 @dataclass(frozen=True, slots=True)
+class Band:
+    """The indices ``start:stop:step`` of dimension ``dim`` (-2: rows, -1: columns) of an
+    exported tensor that one part holds, the other parts of that tensor holding the rest."""
+
+    dim: int
+    start: int
+    stop: int
+    step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim not in (-2, -1) or not 0 <= self.start < self.stop or self.step < 1:
+            raise ValueError(f"{self} is not a band of rows (dim -2) or columns (dim -1)")
+
+    @property
+    def size(self) -> int:
+        """How many indices the band holds."""
+        return len(range(self.start, self.stop, self.step))
+
+    def cut(self, value: Tensor) -> Tensor:
+        """The band of ``value`` (a view)."""
+        if self.step == 1:
+            return value.narrow(self.dim, self.start, self.size)
+        return value.movedim(self.dim, 0)[self.start : self.stop : self.step].movedim(0, self.dim)
+
+
+@dataclass(frozen=True, slots=True)
 class ExportPart:
-    """One exported tensor ``name`` (or its rows ``rows`` of the second-to-last dimension),
-    taken as ``full[index]`` (or ``full``), its last two dimensions swapped when ``transpose``;
-    ``legacy``: the same piece in a checkpoint of an older layout."""
+    """One exported tensor ``name`` (or its `Band` ``band``), taken as ``full[index]`` (or
+    ``full``), its last two dimensions swapped when ``transpose``; ``legacy``: the same piece in
+    a checkpoint of an older layout."""
 
     name: str
     index: int | None = None
     transpose: bool = False
-    rows: tuple[int, int] | None = None
+    band: Band | None = None
     legacy: tuple[ExportPart, ...] = ()
 
     def shape(self, full: Sequence[int]) -> tuple[int, ...]:
@@ -67,22 +96,21 @@ class ExportPart:
 
     def fits(self, full: Sequence[int], saved: Sequence[int]) -> bool:
         """Whether a saved tensor shaped ``saved`` holds this piece of a parameter shaped ``full``."""
-        want, saved = self.shape(full), tuple(saved)
-        if self.rows is None:
+        want, saved = list(self.shape(full)), list(saved)
+        band = self.band
+        if band is None:
             return saved == want
-        start, stop = self.rows
-        return (
-            len(saved) == len(want)
-            and want[-2] == stop - start
-            and saved[-2] >= stop
-            and (saved[:-2], saved[-1]) == (want[:-2], want[-1])
-        )
+        if len(saved) != len(want) or len(want) < -band.dim or want[band.dim] != band.size:
+            return False
+        held = saved[band.dim]
+        want[band.dim] = saved[band.dim] = 0
+        return held >= band.stop and saved == want
 
     def piece(self, value: Tensor) -> Tensor:
         """`take` undone but for ``index``: the trained layout of this piece of the exported
         tensor's ``value``."""
-        if self.rows is not None:
-            value = value.narrow(-2, self.rows[0], self.rows[1] - self.rows[0])
+        if self.band is not None:
+            value = self.band.cut(value)
         return value.transpose(-2, -1) if self.transpose else value
 
 
@@ -109,20 +137,20 @@ def export_names(names: Sequence[str], exported: Exported) -> list[str]:
 
 
 def _pieces(parts: Sequence[ExportPart]) -> Counter[str]:
-    """How many row pieces make each joined tensor."""
-    return Counter(p.name for p in parts if p.rows is not None)
+    """How many band pieces make each joined tensor."""
+    return Counter(p.name for p in parts if p.band is not None)
 
 
 def export_shapes(shapes: Mapping[str, Sequence[int]], exported: Exported) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor the parameters ``shapes`` (name -> full shape, in streaming
     order) export as, in the order a `Joiner` gives them (a joined one where its last piece
-    comes); ValueError naming a joined tensor whose pieces do not tile its rows."""
+    comes); ValueError naming a joined tensor whose pieces' bands do not tile it."""
     out: dict[str, tuple[int, ...]] = {}
     pieces = _pieces([p for name in shapes for p in parts_of(name, exported)])
     held: dict[str, list[tuple[ExportPart, tuple[int, ...]]]] = {}
     for name, full in shapes.items():
         for part in parts_of(name, exported):
-            if part.rows is None:
+            if part.band is None:
                 out[part.name] = part.shape(full)
                 continue
             got = held.setdefault(part.name, [])
@@ -133,34 +161,41 @@ def export_shapes(shapes: Mapping[str, Sequence[int]], exported: Exported) -> di
 
 
 def _joined_shape(name: str, got: list[tuple[ExportPart, tuple[int, ...]]]) -> tuple[int, ...]:
-    spans = sorted((p.rows, s[-2]) for p, s in got if p.rows is not None)
-    stop = 0
-    for (start, end), height in spans:
-        if start != stop or end - start != height:
-            raise ValueError(f"the pieces of {name} (rows {[r for r, _ in spans]}) do not tile its rows")
-        stop = end
-    first = got[0][1]
-    return (*first[:-2], stop, first[-1])
+    bands = [p.band for p, _ in got if p.band is not None]
+    dim, first = bands[0].dim, list(got[0][1])
+    indices = sorted(i for b in bands for i in range(b.start, b.stop, b.step))
+    others = {(*s[:dim], *s[dim:][1:]) for _, s in got}  # every dimension but the band's
+    fit = len(others) == 1 and all(p.band is not None and s[p.band.dim] == p.band.size for p, s in got)
+    if {b.dim for b in bands} != {dim} or indices != list(range(len(indices))) or not fit:
+        raise ValueError(f"the pieces of {name} (bands {bands}) do not tile it")
+    first[dim] = len(indices)
+    return tuple(first)
 
 
 class Joiner:
     """The exported tensors as the parameters' parts stream past (``add``): a whole one at
-    once, one joined from row pieces when its last piece comes (the others held until then)."""
+    once, one joined from band pieces when its last piece comes (the others held until then)."""
 
     def __init__(self, exported: Exported, names: Sequence[str]) -> None:
         self._pieces = _pieces([p for name in names for p in parts_of(name, exported)])
-        self._held: dict[str, list[tuple[int, Tensor]]] = {}
+        self._held: dict[str, list[tuple[Band, Tensor]]] = {}
 
     def add(self, part: ExportPart, piece: Tensor) -> Tensor | None:
         """``part``'s exported tensor when ``piece`` completes it, else None."""
-        if part.rows is None:
+        if part.band is None:
             return piece
         held = self._held.setdefault(part.name, [])
-        held.append((part.rows[0], piece))
+        held.append((part.band, piece))
         if len(held) < self._pieces[part.name]:
             return None
         del self._held[part.name]
-        return torch.cat([t for _, t in sorted(held, key=lambda item: item[0])], dim=-2)
+        dim = part.band.dim
+        shape = list(piece.shape)
+        shape[dim] = sum(band.size for band, _ in held)
+        out = piece.new_empty(shape)
+        for band, value in held:
+            band.cut(out).copy_(value)
+        return out
 
 
 def found_parts(parts: tuple[ExportPart, ...], holds: Callable[[str], bool]) -> tuple[ExportPart, ...] | None:
@@ -177,7 +212,7 @@ def found_parts(parts: tuple[ExportPart, ...], holds: Callable[[str], bool]) -> 
 def sliced(parts: tuple[ExportPart, ...], start: int, stop: int) -> tuple[tuple[ExportPart, ...], bool]:
     """What the experts ``start:stop`` (first dimension) of a parameter need of its ``parts``:
     per-expert parts, those experts' (indexed from 0), read whole (False); else the parts
-    themselves, each tensor read as its rows ``start:stop`` (True)."""
+    themselves, each tensor read as its slice ``start:stop`` of the first dimension (True)."""
     if any(p.index is not None for p in parts):
         kept = [(p, p.index) for p in parts if p.index is not None and start <= p.index < stop]
         return tuple(replace(p, index=i - start) for p, i in kept), False

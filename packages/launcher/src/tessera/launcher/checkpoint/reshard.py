@@ -253,18 +253,19 @@ class _AsParams(Mapping[str, Tensor]):
 
     def _read(self, name: str, experts: tuple[int, int] | None) -> Tensor:
         """Parameter ``name`` (its ``experts`` only, when given) from its parts, each tensor
-        read once and only as far as the part needs (its rows of a joined tensor)."""
+        read once and only as far as the part needs (`LazyTensors.read_part`: its band of a joined
+        tensor)."""
         parts, by_rows = self._sources[name], False
         if experts is not None:
             parts, by_rows = sliced(parts, *experts)
         first = experts if by_rows else None
         values = [
             self._weights[p.name]
-            if first is None and p.rows is None
-            else self._weights.read_part(p.name, first, p.rows)
+            if first is None and p.band is None
+            else self._weights.read_part(p.name, first, p.band)
             for p in parts
         ]
-        return assemble([replace(p, rows=None) for p in parts], values).float()  # the rows read already
+        return assemble([replace(p, band=None) for p in parts], values).float()  # the bands cut already
 
     def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor to find out
         name = key.removeprefix("param/") if isinstance(key, str) else None

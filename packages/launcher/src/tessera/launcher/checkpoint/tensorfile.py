@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from tessera.comm.safefile import SafeFile
+from tessera.launcher.checkpoint.exported import Band
 
 __all__ = ["INDEX", "LazyTensors", "weight_files"]
 
@@ -65,25 +66,33 @@ class LazyTensors(Mapping[str, Tensor]):
         with open(safe.path, "rb") as f:
             return safe.read(f, name)
 
-    def read_part(
-        self, name: str, first: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
-    ) -> Tensor:
-        """Tensor ``name`` (of 3 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
-        along its first dimension and to rows ``rows[0]:rows[1]`` of its second-to-last (None:
-        all), reading only those bytes: one run, or one per row block; ValueError naming the
-        tensor when the cut is not within it."""
+    def read_part(self, name: str, first: tuple[int, int] | None = None, band: Band | None = None) -> Tensor:
+        """Tensor ``name`` (of 2 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
+        along its first dimension (None: all) and to ``band`` (`Band`; None: all). Rows
+        ``start:stop`` (a band of dim -2, step 1, of a tensor of 3 or more dimensions) are read
+        alone: one run, or one per row block; any other band is cut after reading the first
+        dimension's slice whole (one run). ValueError naming the tensor when the cut is not
+        within it."""
         safe = self._where[name]
-        shape, dtype = safe.entries[name].shape, safe.entries[name].dtype
+        shape, dtype = tuple(safe.entries[name].shape), safe.entries[name].dtype
         a0, a1 = first if first is not None else (0, shape[0] if shape else 0)
-        r0, r1 = rows if rows is not None else (0, shape[-2] if len(shape) >= 2 else 0)
-        if len(shape) < 3 or not (0 <= a0 <= a1 <= shape[0] and 0 <= r0 <= r1 <= shape[-2]):
-            raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x rows {r0}:{r1}")
+        rows = band is not None and band.dim == -2 and band.step == 1 and len(shape) >= 3
+        rows = rows and band is not None and (band.start, band.stop) != (0, shape[-2])  # else one run
+        within = band is None or (len(shape) > -band.dim and band.stop <= shape[band.dim])
+        if len(shape) < 2 or not within or not 0 <= a0 <= a1 <= shape[0]:
+            raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x {band}")
+        if band is None or not rows:  # the first dimension's slice: one run
+            out = torch.empty((a1 - a0, *shape[1:]), dtype=dtype)
+            if out.numel():
+                with open(safe.path, "rb") as f:
+                    safe.read_into(f, name, out.view(1, -1)[0], a0 * math.prod(shape[1:]))
+            return out if band is None else band.cut(out).contiguous()
+        r0, r1 = band.start, band.stop
         inner, height, width = math.prod(shape[1:-2]), shape[-2], shape[-1]
         out = torch.empty((a1 - a0, *shape[1:-2], r1 - r0, width), dtype=dtype)
         if out.numel() == 0:
             return out
-        whole_rows = (r0, r1) == (0, height)  # then the part is one run
-        runs = out.view(1, -1) if whole_rows else out.view(-1, (r1 - r0) * width)
+        runs = out.view(-1, (r1 - r0) * width)  # one run per row block
         with open(safe.path, "rb") as f:
             for k in range(runs.shape[0]):
                 safe.read_into(f, name, runs[k], ((a0 * inner + k) * height + r0) * width)

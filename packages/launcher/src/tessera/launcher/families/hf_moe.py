@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.checkpoint.exported import Band, ExportPart
 from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, peeled
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
@@ -290,12 +290,6 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
             layer, layout = _read(block, 0.0, 0.0)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        if layout.columns:
-            raise ValueError(
-                f"{where} ({type(block).__name__}) holds gate and up in the columns of "
-                "experts.gate_up_proj [E, d, 2h], which an export part (rows of an HF tensor) cannot "
-                "name: call convert_hf_moe(model) before boost(), and hf_moe_state_dict for HF's names"
-            )
         if layout.score_bias is not None and _tensor(block, layout.score_bias).is_meta:
             raise ValueError(
                 f"{where}.{layout.score_bias} is a parameter without storage (a deferred model): the "
@@ -320,11 +314,13 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
 
 def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's tensors (by their names in the model; ``name`` the block's) as
-    parts of the block's: ``w1`` / ``w3`` the gate / up rows of ``experts.gate_up_proj``
-    transposed, ``w2`` ``experts.down_proj`` transposed, the shared expert's one-expert banks its
-    ``nn.Linear`` weights transposed, the router's weight, score bias and the shared gate as
-    they are; as ``legacy`` parts, where ``saved`` says so, the names ``save_pretrained``
-    writes: one tensor per expert, the block renamed."""
+    parts of the block's: ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` as
+    `_gate_up_bands` lays it out, ``w2`` ``experts.down_proj`` (transposed where gate and up are
+    rows), GPT-OSS's expert biases the same bands of ``gate_up_proj_bias`` and
+    ``down_proj_bias``, the shared expert's one-expert banks its ``nn.Linear`` weights
+    transposed, the router's weight, bias, score bias and the shared gate as they are; as
+    ``legacy`` parts, where ``saved`` says so, the names ``save_pretrained`` writes: one tensor
+    per expert, the block renamed."""
     old = name
     if saved is not None and saved.block is not None and name.rpartition(".")[2] == saved.block[0]:
         parent = name.rpartition(".")[0]
@@ -334,20 +330,28 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
         legacy = (ExportPart(f"{old}.{rel}", index, transpose),) if old != name else ()
         return (ExportPart(f"{name}.{rel}", index, transpose, legacy=legacy),)
 
-    def bank(fused: str, rows: tuple[int, int] | None, per_expert: str | None) -> tuple[ExportPart, ...]:
+    rows = not layout.columns  # Mixtral's [E, 2h, d]: nn.Linear's layout, transposed
+
+    def bank(fused: str, band: Band | None, per_expert: str | None) -> tuple[ExportPart, ...]:
         legacy = tuple(
             ExportPart(f"{old}.experts.{e}.{per_expert}.weight", index=e, transpose=True)
             for e in range(layout.experts if per_expert is not None else 0)
         )
-        return (ExportPart(f"{name}.experts.{fused}", transpose=True, rows=rows, legacy=legacy),)
+        return (ExportPart(f"{name}.experts.{fused}", transpose=rows, band=band, legacy=legacy),)
 
-    h = layout.hidden
+    gate, up = _gate_up_bands(layout.bank, layout.hidden)
     out = {
         f"{name}.router.weight": part(layout.router_weight),
-        f"{name}.experts.w1": bank("gate_up_proj", (0, h), None if saved is None else saved.gate),
-        f"{name}.experts.w3": bank("gate_up_proj", (h, 2 * h), None if saved is None else saved.up),
+        f"{name}.experts.w1": bank("gate_up_proj", gate, None if saved is None else saved.gate),
+        f"{name}.experts.w3": bank("gate_up_proj", up, None if saved is None else saved.up),
         f"{name}.experts.w2": bank("down_proj", None, None if saved is None else saved.down),
     }
+    if layout.bank == "interleaved":  # GPT-OSS's biases, laid out as its weights' columns
+        out[f"{name}.experts.b1"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=gate),)
+        out[f"{name}.experts.b3"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=up),)
+        out[f"{name}.experts.b2"] = (ExportPart(f"{name}.experts.down_proj_bias"),)
+    if layout.router_bias is not None:
+        out[f"{name}.router.bias"] = part(layout.router_bias)
     if layout.score_bias is not None:
         out[f"{name}.router.score_bias"] = part(layout.score_bias)
     if layout.shared is not None:
@@ -356,6 +360,16 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
     if layout.shared_gate is not None:
         out[f"{name}.shared_gate"] = part(f"{layout.shared_gate}.weight")
     return out
+
+
+def _gate_up_bands(bank: str, h: int) -> tuple[Band, Band]:
+    """Where gate and up sit in HF's fused ``gate_up_proj`` as ``bank`` (`BankLayout`) lays it
+    out: rows ``0:h`` and ``h:2h`` of ``[E, 2h, d]``, columns ``0:h`` and ``h:2h`` of ``[E, d,
+    2h]``, or its even and odd columns (alternating; its bias ``[E, 2h]`` alike)."""
+    if bank == "interleaved":
+        return Band(-1, 0, 2 * h, 2), Band(-1, 1, 2 * h, 2)
+    dim = -1 if bank == "columns" else -2
+    return Band(dim, 0, h), Band(dim, h, 2 * h)
 
 
 def _gate_up(gate: Tensor, up: Tensor, bank: str) -> Tensor:
