@@ -36,7 +36,7 @@ from tessera.launcher.families.hf_moe import (
     is_hf_sparse_moe,
     moe_from_hf,
 )
-from tessera.launcher.testing import RandomTokens, serial_run, sgd
+from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
 from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -252,10 +252,4 @@ def test_a_converted_model_trains_through_boost_as_serially(
     plan = SPLIT if name == "mixtral-split" else None
     name = name.removesuffix("-split")
     results = worker_pools(config.world_size).run(_parallel, config, name, plan, timeout=180)
-    losses, weights = _serial(name)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:  # each rank: its pipeline stages' weights in full
-        assert curve == pytest.approx(losses, rel=1e-5)
-        torch.testing.assert_close(part, {n: weights[n] for n in part}, **TOL)
-        merged.update(part)
-    assert merged.keys() == weights.keys()
+    assert_matches_serial(results, _serial(name))  # each rank: its pipeline stages' weights

@@ -60,7 +60,7 @@ from tessera.launcher.families.hf_moe import (
     hf_moe_conversion,
     is_hf_sparse_moe,
 )
-from tessera.launcher.testing import RandomTokens, oracle_config, serial_run, sgd
+from tessera.launcher.testing import RandomTokens, oracle_config, redrawn, serial_run, sgd
 from tessera.moe import MoE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -101,14 +101,7 @@ def _build(family: str = "mixtral", seed: int = 0, **changes: Any) -> nn.Module:
     model = getattr(transformers, MODELS.get(cls, cls.replace("Config", "ForCausalLM")))(
         getattr(transformers, cls)(**{**BASE, **sizes, **changes})
     )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model  # type: ignore[no-any-return]
+    return redrawn(model, seed)
 
 
 # ---------------------------------------------------------------------------- tier 0

@@ -67,7 +67,7 @@ from tessera.launcher.families.hf_moe_kinds import (
     SHARED_MLP_LLAMA4,
     source_key,
 )
-from tessera.launcher.testing import RandomTokens, serial_run, sgd
+from tessera.launcher.testing import RandomTokens, assert_matches_serial, redrawn, serial_run, sgd
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
 
@@ -136,15 +136,7 @@ def _config(family: str) -> Any:
 def _build(family: str) -> nn.Module:
     """The family's tiny model, every parameter and score-correction bias drawn anew from seed
     0 (HF leaves routers and biases at zero, where every expert ties)."""
-    model = transformers.AutoModelForCausalLM.from_config(_config(family))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model  # type: ignore[no-any-return]
+    return redrawn(transformers.AutoModelForCausalLM.from_config(_config(family)), 0)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -376,13 +368,7 @@ def test_a_converted_family_trains_through_boost_as_serially(
     config = _boost_config(mode)
     plan = SPLIT if mode.endswith("split") else None
     results = worker_pools(config.world_size).run(_parallel, config, family, plan, timeout=180)
-    losses, weights = _serial(family)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:  # each rank: its pipeline stages' weights in full
-        assert curve == pytest.approx(losses, rel=1e-5)
-        torch.testing.assert_close(part, {n: weights[n] for n in part}, **TOL)
-        merged.update(part)
-    assert merged.keys() == weights.keys()
+    assert_matches_serial(results, _serial(family))  # each rank: its pipeline stages' weights
 
 
 def _train_and_consolidate(rank: int, config: Config, family: str, path: str) -> None:
@@ -467,10 +453,4 @@ def test_every_other_converting_family_trains_at_ep2_as_serially(
     assert any(isinstance(m, MoE) for m in _converted(family).modules())  # what it claims to train
     config = _boost_config(mode)
     results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
-    losses, weights = _serial(family)
-    merged: dict[str, Tensor] = {}
-    for curve, part in results:  # each rank: its pipeline stages' weights in full
-        assert curve == pytest.approx(losses, rel=1e-5)
-        torch.testing.assert_close(part, {n: weights[n] for n in part}, **TOL)
-        merged.update(part)
-    assert merged.keys() == weights.keys()
+    assert_matches_serial(results, _serial(family))  # each rank: its pipeline stages' weights

@@ -50,6 +50,7 @@ __all__ = [
     "boosted_run",
     "logits_of",
     "oracle_config",
+    "redrawn",
     "serial_run",
     "sgd",
     "tiny_pretrained",
@@ -182,6 +183,20 @@ def boosted_run(
     return losses, weights
 
 
+def redrawn(model: nn.Module, seed: int) -> nn.Module:
+    """``model`` with every parameter drawn anew from ``seed`` (normal, std 0.3) in name order,
+    and every router score-correction bias (``e_score_correction_bias``, std 0.1): Hugging Face
+    leaves routers and those biases at zero, where every expert ties. Returns it."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model
+
+
 def assert_losses_close(
     curves: Iterable[Sequence[float]], want: Sequence[float], *, rel: float = 1e-5
 ) -> None:
@@ -200,8 +215,8 @@ def assert_losses_close(
 def assert_matches_serial(
     results: Iterable[Run], serial: Run, *, rel: float = 1e-5, rtol: float = 1e-5, atol: float = 1e-6
 ) -> dict[str, Tensor]:
-    """Every rank's losses against the serial run's (``rel``), then the weights of all ranks
-    merged (each pipeline rank holds its stages') against the serial weights, elementwise
+    """Every rank's losses against the serial run's (``rel``), then each rank's weights and the
+    weights of all ranks merged (each pipeline rank holds its stages') against the serial weights, elementwise
     (``atol + rtol * |serial|``, every name present on both sides); returns the merged weights.
 
     The default bounds are for a few SGD steps in fp32 (the tests take 3). A loss is a mean over the
@@ -215,7 +230,10 @@ def assert_matches_serial(
     runs = list(results)
     assert_losses_close((curve for curve, _ in runs), serial[0], rel=rel)
     merged: dict[str, Tensor] = {}
-    for _, weights in runs:
+    for rank, (_, weights) in enumerate(runs):  # each rank's own, then all of them together
+        missing = sorted(set(weights) - set(serial[1]))
+        assert not missing, f"rank {rank} holds weights the serial model lacks: {missing[:8]}"
+        torch.testing.assert_close(weights, {n: serial[1][n] for n in weights}, rtol=rtol, atol=atol)
         merged.update(weights)
     torch.testing.assert_close(merged, serial[1], rtol=rtol, atol=atol)
     return merged

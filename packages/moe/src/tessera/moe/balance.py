@@ -110,9 +110,15 @@ def balance_choice_biases(
     layers = _balanced(module)
     if not layers:
         return 0
-    counts = [m.pending_load if m.pending_load is not None else torch.zeros(m.num_experts) for m in layers]
-    device = next((c.device for c in counts if c.device.type != "cpu"), counts[0].device)
-    flat = torch.cat([c.to(device, torch.float64) for c in counts])
+    device = layers[0].router.score_bias.device  # where the collective runs, with the biases
+    flat = torch.cat(
+        [
+            (torch.zeros(m.num_experts) if m.pending_load is None else m.pending_load).to(
+                device, torch.float64
+            )
+            for m in layers
+        ]
+    )
     for m in layers:
         m.pending_load = None
     if not step:
