@@ -29,21 +29,16 @@ one sequence position of the global batch.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _common import emit, peak_rss_mb, table
 from _memory_peers import deepspeed_version
-from peers import peer_python
+from peers import peer_python, run_peer_ranks
 
 from tessera.comm import CommMeter, CommOp
 from tessera.comm.testing import WorkerPool
@@ -250,41 +245,19 @@ def _deepspeed(args: argparse.Namespace, config: str, tokens: int) -> dict[str, 
     rec["version"] = version
     if version.startswith("not available"):
         return {**rec, "step_time_s": None, "tokens_per_s": None, "status": version}
-    here = Path(__file__).resolve().parent
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(here.parent / "packages" / "models" / "src"), str(here)]),
-    }
     flags = [
         f"--{k}={v}"
         for k, v in {
-            "world": args.world, "d-model": args.d_model, "heads": args.heads, "layers": args.layers,
+            "d-model": args.d_model, "heads": args.heads, "layers": args.layers,
             "mlp-ratio": args.mlp_ratio, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
             "experts": args.experts, "top-k": args.top_k, "warmup": args.warmup, "iters": args.iters,
             "capacity-factor": args.capacity_factor, "aux-coef": MoEConfig().aux_loss_coef,
             "expert-hidden": args.expert_hidden, "shared-hidden": args.shared_hidden,
         }.items()
     ] + (["--dropless"] if args.dropless else [])  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="tessera-bench-moe-ds-") as store:
-        procs = [
-            subprocess.Popen(
-                [python, str(here / "_moe_deepspeed.py"), f"--rank={r}", f"--store={store}/store", *flags],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(args.world)
-        ]
-        outs = [p.communicate(timeout=1800) for p in procs]
-    results = []
-    for p, (out, err) in zip(procs, outs, strict=True):
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if p.returncode != 0 or not lines:
-            tail = (err.strip().splitlines() or ["(no output)"])[-1]
-            return {**rec, "step_time_s": None, "tokens_per_s": None, "status": f"failed: {tail}"}
-        results.append(json.loads(lines[-1]))
+    results = run_peer_ranks(python, "_moe_deepspeed.py", args.world, flags)
+    if isinstance(results, str):
+        return {**rec, "step_time_s": None, "tokens_per_s": None, "status": results}
     step = max(r["step_s"] for r in results)
     return {
         **rec,

@@ -12,11 +12,15 @@ another interpreter instead.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE / "out" / "peers"
@@ -52,6 +56,52 @@ def peer_python(name: str, *, make: bool = True) -> Path | str:
         lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
         return f"not available: pip install {' '.join(PACKAGES[name])} failed: {lines[-1]}"
     return python
+
+
+def run_peer_ranks(
+    python: str | Path, script: str, world: int, flags: list[str], *, timeout: float = 1800.0
+) -> list[dict[str, Any]] | str:
+    """Run ``benchmarks/<script>`` as ``world`` ranks in ``python`` (``--rank``, ``--world`` and
+    ``--store``, a FileStore in a fresh temporary folder, added to ``flags``; gloo on the CPU,
+    ``DS_ACCELERATOR=cpu``; Tessera's models and the benchmarks' helpers on ``PYTHONPATH``):
+    each rank's last JSON line, or why there is none ('failed: <its last error line>')."""
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent / "packages" / "models" / "src"), str(HERE)]),
+    }
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-peer-") as store:
+        procs = [
+            subprocess.Popen(
+                [
+                    str(python),
+                    str(HERE / script),
+                    f"--rank={r}",
+                    f"--world={world}",
+                    f"--store={store}/s",
+                    *flags,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        try:
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return f"failed: {script} ran past {timeout:g} s"
+    results = []
+    for p, (out, err) in zip(procs, outs, strict=True):
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if p.returncode != 0 or not lines:
+            tail = (err.strip().splitlines() or ["(no output)"])[-1]
+            return f"failed: {tail}"
+        results.append(json.loads(lines[-1]))
+    return results
 
 
 def main() -> None:

@@ -501,6 +501,8 @@ def main() -> None:
     parser.add_argument("--bubble-steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -512,8 +514,8 @@ def main() -> None:
     if args.part in ("all", "bubble"):
         records += bench_bubble(args.sleep_ms, args.bubble_steps, args.schedules)
     if args.part in ("all", "gpt"):
-        cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
-                        n_layers=args.layers)
+        cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+                        n_heads=args.heads, n_layers=args.layers)
         folder = breakdown_folder(args, "pipeline")
         gpt = bench_gpt(cfg, 8, args.microbatch, args.warmup, args.iters, 0.1, args.schedules, folder,
                         args.breakdown_steps)

@@ -54,13 +54,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _breakdown import Breakdown, add_breakdown_args, breakdown_folder, plot, profile_steps
 from _common import emit, malloc_for_rss, malloc_for_speed, rss_baseline, status_kb, table
+from _memory_peers import deepspeed_version
+from peers import peer_python, run_peer_ranks
 
 from tessera.comm import CommMeter, measure_memory, storage_bytes
 from tessera.comm.testing import WorkerPool
 from tessera.models import GPT, GPTConfig, make_batch
 from tessera.zero import ZeroOptimizer
 
-PAIRS = {2: "torch-ddp", 3: "torch-fsdp2"}
+PAIRS = {1: "torch-ddp", 2: "torch-ddp", 3: "torch-fsdp2"}
+DEEPSPEED = "deepspeed-zero"
 LR = 1e-4
 
 
@@ -258,13 +261,18 @@ def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=14)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[2, 3])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[1, 2, 3])
+    parser.add_argument(
+        "--deepspeed", action="store_true", help="add DeepSpeed ZeRO at each stage (its own Python)"
+    )
+    parser.add_argument("--deepspeed-python", default=None, help="an interpreter with deepspeed")
     add_breakdown_args(parser, "zero", "each system")
     parser.add_argument("--vs-stage2", action="store_true", help="add Tessera ZeRO-2 to the stage-3 pair")
     parser.add_argument("--variants", nargs="*", default=[], help="NAME:KEY=VALUE,... ZeRO-3 variants")
@@ -272,7 +280,11 @@ def main() -> None:
     variants = dict(_parse_variant(v) for v in args.variants)
     logging.basicConfig(level=logging.WARNING)
     cfg = GPTConfig(
-        vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_heads=8, n_layers=args.layers
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
     )
     world = 2
     records: list[dict[str, Any]] = []
@@ -339,14 +351,19 @@ def main() -> None:
                 rec["ratio_vs_zero2"] = round(zero2["step_time_s"] / rec["step_time_s"], 3)
         ours["memory_ratio_vs_peer"] = round(ours["model_state_bytes"] / peer["model_state_bytes"], 3)
         ours["rss_ratio_vs_peer"] = round(ours["peak_rss_mb"] / max(peer["peak_rss_mb"], 1e-9), 3)
+        if args.deepspeed:
+            pair.append(_deepspeed(args, stage, cfg, config, tokens))
+            if pair[-1]["step_time_s"]:
+                ours["ratio_vs_deepspeed"] = round(pair[-1]["step_time_s"] / ours["step_time_s"], 3)
         records += pair
     single_tps = next((r["tokens_per_s"] for r in records if r["system"] == SINGLE), None)
     for rec in records:
-        rec["scaling_vs_single"] = round(rec["tokens_per_s"] / single_tps, 3) if single_tps else None
+        tps = rec["tokens_per_s"]
+        rec["scaling_vs_single"] = round(tps / single_tps, 3) if single_tps and tps else None
         emit(rec)
     if folder is not None:
         bars = {}
-        for rec in records:
+        for rec in (r for r in records if "breakdown" in r):  # not DeepSpeed's: another process
             b = {k: v for k, v in rec["breakdown"].items() if k != "fractions"}
             bars[f"{rec['system']}\nstage {rec['config'].split()[0].split('=')[1]}"] = Breakdown(**b)
         plot(bars, f"{folder}/breakdown.png", "ZeRO on 2 ranks, one step of rank 0 (torch.profiler)")
@@ -362,8 +379,33 @@ def main() -> None:
             "comm_bytes",
             "ratio_vs_peer",
             "ratio_vs_zero2",
+            "ratio_vs_deepspeed",
         ),
     )
+
+
+def _deepspeed(
+    args: argparse.Namespace, stage: int, cfg: GPTConfig, config: str, tokens: int
+) -> dict[str, Any]:
+    """The ``deepspeed-zero`` row of ``stage``: ``_zero_deepspeed.py`` on 2 processes of
+    DeepSpeed's Python, after the pair, on the same batches; or why it did not run."""
+    rec: dict[str, Any] = {"bench": "zero", "system": DEEPSPEED, "config": config}
+    python = args.deepspeed_python or str(peer_python("deepspeed"))
+    rec["version"] = deepspeed_version(python)
+    if rec["version"].startswith("not available"):
+        return {**rec, "step_time_s": None, "tokens_per_s": None, "status": rec["version"]}
+    flags = {
+        "world": 2, "stage": stage, "d-model": cfg.d_model, "heads": cfg.n_heads, "layers": cfg.n_layers,
+        "vocab": cfg.vocab_size,
+        "seq": cfg.seq_len, "batch": args.batch, "warmup": args.warmup, "iters": args.iters, "lr": LR,
+    }  # fmt: skip
+    results = run_peer_ranks(python, "_zero_deepspeed.py", 2, [f"--{k}={v}" for k, v in flags.items()])
+    if isinstance(results, str):
+        return {**rec, "step_time_s": None, "tokens_per_s": None, "status": results}
+    step = max(r["step_s"] for r in results)
+    losses = [sum(r["losses"][-1] for r in results) / len(results)]
+    return {**rec, "step_time_s": round(step, 4), "tokens_per_s": round(tokens / step, 1),
+            "final_loss": round(losses[0], 5)}  # fmt: skip
 
 
 if __name__ == "__main__":
