@@ -7,7 +7,8 @@ embedding), a Hugging Face Llama and GPT-2 (its head tied, Conv1D layers) from c
 a user's own mixture (``Mixish``: a router and a list of experts, which ``boost`` converts to
 ``tessera.moe.MoE`` and whose stacked banks it makes from the user's per-expert layers) and a
 Hugging Face Mixtral (its sparse MoE blocks converted by ``boost``, each bank made from the
-fused ``experts.gate_up_proj`` / ``down_proj`` that HF's ``_init_weights`` draws) with
+fused ``experts.gate_up_proj`` / ``down_proj`` that HF's ``_init_weights`` draws; Llama 4's by
+columns and GPT-OSS's alternating, with biases, are read the same way) with
 every parameter on the meta device. ``boost`` materializes what the rank holds after
 tensor parallelism (1D, Megatron SP, 2D, 2.5D, 3D), expert parallelism and the pipeline
 cut. The result must equal the same model built eagerly and initialized by
@@ -75,6 +76,22 @@ def _build(kind: str, deferred: bool) -> nn.Module:
                 max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=None,
             )  # fmt: skip
             return transformers.MixtralForCausalLM(mixtral)
+        if kind == "hf-llama4":  # top-1 sigmoid, experts by columns, a shared expert
+            llama4 = transformers.Llama4TextConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=SEQ,
+                bos_token_id=0, eos_token_id=0, pad_token_id=None,
+            )  # fmt: skip
+            return transformers.Llama4ForCausalLM(llama4)
+        if kind == "hf-gpt-oss":  # gate and up alternating in the columns, biases, a router bias
+            gpt_oss = transformers.GptOssConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                num_experts_per_tok=2, max_position_embeddings=SEQ, sliding_window=4,
+                bos_token_id=0, eos_token_id=0, pad_token_id=None,
+            )  # fmt: skip
+            return transformers.GptOssForCausalLM(gpt_oss)
         if kind == "hf-gpt2":  # the head tied to the token embedding; no dropout (both runs draw alike)
             gpt2 = transformers.GPT2Config(
                 vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
@@ -158,6 +175,8 @@ CASES = {
     # each mixture's experts split over the whole 2D grid (its input gathered whole), and over ep
     "moe-gpt-dp2-ep2-2d": ("moe-gpt", P(dp=2, ep=2, tp=4, tp_mode="2d", microbatches=1), {}),
     "hf-mixtral-3d-zero3": ("hf-mixtral", P(tp=8, tp_mode="3d", microbatches=1), {"stage": 3}),
+    "hf-llama4-dp2-ep2": ("hf-llama4", P(dp=2, ep=2), {}),
+    "hf-gpt-oss-dp2-ep2-zero3": ("hf-gpt-oss", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
 }
 
 

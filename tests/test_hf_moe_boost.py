@@ -19,7 +19,9 @@ Tier 2 (the worker pool): an unconverted ``MixtralForCausalLM`` boosted at dp=2 
 a folder written by ``save_pretrained`` (per-expert tensors; each ep rank reads its experts'
 only) or a state dict's safetensors file (fused ``gate_up_proj``; each rank reads its experts'
 gate or up rows; ZeRO-3), and at tp=2 the folder; a DeepSeek-V3 at dp=2 x ep=2 the folder (its
-score-correction bias, a buffer, under HF's name). Each holds exactly the weights transformers'
+score-correction bias, a buffer, under HF's name); a Llama 4 the folder (gate and up by columns)
+and a GPT-OSS the state dict's file (gate and up alternating in the columns, expert and router
+biases; ZeRO-3), both at dp=2 x ep=2. Each holds exactly the weights transformers'
 own ``from_pretrained`` reads, converted (``torch.equal``); its first loss is transformers'
 model's (rel 1e-5: fp32, the same products summed in another order); trained 3 SGD steps it
 equals the serial run of the converted model (losses rel 1e-5), and its consolidated file loads
@@ -216,9 +218,12 @@ def _import_and_train(
         ("mixtral", "state_dict", ParallelConfig(dp=2, ep=2, microbatches=1), 3),
         ("mixtral", "save_pretrained", ParallelConfig(tp=2, microbatches=1), 1),  # the mixture whole
         ("deepseek_v3", "save_pretrained", ParallelConfig(dp=2, ep=2, microbatches=1), 1),  # its bias
+        ("llama4_text", "save_pretrained", ParallelConfig(dp=2, ep=2, microbatches=1), 1),  # by columns
+        ("gpt_oss", "state_dict", ParallelConfig(dp=2, ep=2, microbatches=1), 3),  # strided, biases
     ],
     ids=["mixtral-save_pretrained-dp2-ep2", "mixtral-state_dict-dp2-ep2-zero3", "mixtral-save_pretrained-tp2",
-         "deepseek_v3-save_pretrained-dp2-ep2"],
+         "deepseek_v3-save_pretrained-dp2-ep2", "llama4_text-save_pretrained-dp2-ep2",
+         "gpt_oss-state_dict-dp2-ep2-zero3"],
 )  # fmt: skip
 def test_an_hf_checkpoint_imports_trains_and_consolidates_under_hf_names(
     worker_pools: PoolFactory, tmp_path: Path, family: str, layout: str, parallel: ParallelConfig, zero: int
