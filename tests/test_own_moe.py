@@ -20,12 +20,14 @@ gives the same logits, and the converted block the same outputs and gradients (a
 experts stored stacked with a router nested in a module, for a sigmoid router over GELU
 experts, and for Seekish's bias as a buffer, as a frozen parameter or at zero; its bias keeps
 its name, its values and its effect when the user moves it in place; under
-``deferred_parameters()`` it stays real); what it cannot reproduce is refused, naming why.
+``deferred_parameters()`` it stays real; a block's other buffers, a load counter its forward
+moves, are kept under their names at their values, the moved one logged); what it cannot
+reproduce is refused, naming why.
 Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and ZeRO 3
 with two microbatches), tp2 (the mixture replicated) and pp2, equal to the serial run of the
 model as the user wrote it, which adds the aux loss to each (rank, microbatch) chunk's loss
 (the load-balancing loss is a per-call statistic), the stacked mixture at dp2 x ep2 and
-Seekish at dp2 x ep2 ZeRO 3; ``verify=True`` passes; each export carries the user's names
+Seekish at dp2 x ep2 ZeRO 3, the counting blocks at dp2 x ep2; ``verify=True`` passes; each export carries the user's names
 (``gate_bias`` included) and loads strictly into a fresh copy of the user's model.
 
 Bounds: logits, and the block's outputs and gradients, of the conversion fp32 rtol 1e-5 /
@@ -56,7 +58,7 @@ from tessera.launcher import BoostConfig, ModelSpec, ParallelConfig, TrainConfig
 from tessera.launcher.families.own_moe import NamedMoE, convert_own_moe, find_own_moe
 from tessera.launcher.testing import RandomTokens, serial_run, sgd
 from tessera.launcher.train.deferred import deferred_parameters
-from tessera.models.foreign_moe import MIXISH_ROLES, MixConfig, Mixish, SeekConfig, Seekish
+from tessera.models.foreign_moe import MIXISH_ROLES, MixConfig, Mixish, SeekConfig, Seekish, SparseMoE
 from tessera.moe import RouterSpec
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 64, 8, 8, 3, 0.1, 0.05
@@ -331,10 +333,56 @@ def test_a_deferred_deepseek_style_model_keeps_its_bias_real() -> None:
         convert_own_moe(frozen)
 
 
+class Counting(SparseMoE):
+    """``Mixish``'s block with a load counter its forward moves (``tokens_per_expert``,
+    persistent) and a non-persistent scratch buffer: neither is the converted layer's work."""
+
+    def __init__(self, c: MixConfig) -> None:
+        super().__init__(c)
+        self.register_buffer("tokens_per_expert", torch.arange(float(c.experts)))
+        self.register_buffer("scratch", torch.ones(3), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        self.tokens_per_expert += 1.0
+        return out
+
+
+def _counting() -> Mixish:
+    model = Mixish(MixConfig(shared=8), seed=0)
+    for layer in model.layers:
+        block = Counting(MixConfig(shared=8))
+        block.load_state_dict(layer.moe.state_dict(), strict=False)  # the same weights
+        layer.moe = block
+    return model
+
+
+def test_other_buffers_of_a_block_are_kept_under_their_names(caplog: pytest.LogCaptureFixture) -> None:
+    """A buffer the conversion does not use keeps its name, its value from before the probe
+    (the user's block is left as it was too) and its persistence; one the forward moves is
+    logged, since the converted layer no longer moves it."""
+    model = _counting()
+    converted = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="tessera.launcher.families.own_moe"):
+        convert_own_moe(converted)
+    assert "layers.0.moe.tokens_per_expert changes in Counting's forward" in caplog.text
+    names = set(converted.state_dict())
+    assert {n for n in model.state_dict() if "tokens_per_expert" in n} <= names
+    assert not any("scratch" in n for n in names)  # non-persistent, as it was
+    for layer in converted.layers:
+        assert torch.equal(layer.moe.tokens_per_expert, torch.arange(4.0))
+        assert torch.equal(layer.moe.scratch, torch.ones(3))
+    assert all(torch.equal(b.tokens_per_expert, torch.arange(4.0)) for b in model.blocks())
+    ids = TOKENS.at(0)[0]
+    torch.testing.assert_close(converted(ids), model(ids), **TOL)
+
+
 # ------------------------------------------------------------------------------------ tier 2
 def _build(kind: str = "list") -> nn.Module:
     if kind == "seek":
         return Seekish(SeekConfig(), seed=0)
+    if kind == "counting":
+        return _counting()
     return Mixish(MixConfig(shared=8), seed=0) if kind == "list" else _stacked()
 
 
@@ -382,6 +430,8 @@ CASES = [
     ("pp2", "list", ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1, 0.0, None, False),
     ("stacked-dp2-ep2", "stacked", ParallelConfig(dp=2, ep=2, microbatches=1), 1, AUX, None, True),
     ("seek-dp2-ep2-zero3", "seek", ParallelConfig(dp=2, ep=2, microbatches=1), 3, 0.0, None, True),
+    # a load counter kept (export, strict load), at its value from before the conversion
+    ("counting-dp2-ep2", "counting", ParallelConfig(dp=2, ep=2, microbatches=1), 1, AUX, None, False),
 ]
 
 
@@ -410,6 +460,8 @@ def test_a_users_moe_trains_through_boost_as_written(
     path = tmp_path / "model.safetensors"
     results = worker_pools(config.world_size).run(_parallel, config, aux, plan, str(path), kind, timeout=240)
     want_losses, want = _serial(parallel.dp * parallel.microbatches, aux, kind)
+    if kind == "counting":  # the user's forward moved its counters; the converted layers do not
+        want |= {n: torch.arange(4.0) for n in want if n.endswith("tokens_per_expert")}
     for rank, (losses, _) in enumerate(results):
         assert losses == pytest.approx(want_losses, rel=1e-5), f"rank {rank}: {losses} vs {want_losses}"
     state = safetensors.torch.load_file(path)

@@ -18,9 +18,11 @@ reading that gives its output (fp32 round-off: rtol 1e-4 of the output's scale);
 converted ``MoE`` is then run beside the block on the same tokens once more. A block no
 reading reproduces is refused, naming what was tried. The choice bias keeps the block's name
 (`NamedMoE.keep_bias`): the converted model's state dict, and so its exports, hold it where
-the user's model does. A model built without storage (``deferred_parameters``) is probed on
-a copy with random values (a reading is a matter of function, not of values) and its layers
-stay on meta.
+the user's model does. So does every other buffer of the block (a load counter, say), with the
+value it had before the conversion: the converted layer does not compute it, and one the
+block's forward changes stays at that value from then on (logged). A model built without
+storage (``deferred_parameters``) is probed on a copy with random values (a reading is a
+matter of function, not of values) and its layers stay on meta.
 
 The block's own loss attributes keep working: a scalar tensor the block's forward sets (a
 load-balancing loss recorded as ``self.balance_loss``, say) that equals the ``MoE``'s
@@ -88,26 +90,31 @@ class NamedMoE(MoE):
             return getattr(self, aliases[name])
         return super().__getattr__(name)
 
-    def keep_bias(self, name: str, value: Tensor, *, persistent: bool = True) -> None:
-        """Hold ``value``, the router's choice bias (``router.score_bias``), as the buffer
-        ``name`` (relative to the layer, made of plain modules where the layer has none), which
-        the state dict holds in place of ``router.score_bias`` (persistent as the user's was);
-        the router reads it from there at every call. ValueError when the layer has another
-        attribute by that name."""
+    def keep_buffer(self, name: str, value: Tensor, *, persistent: bool = True, what: str = "buffer") -> None:
+        """Hold ``value`` as the buffer ``name`` (relative to the layer, made of plain modules
+        where the layer has none), so that the state dict, and so exports, hold it where the
+        user's block did. ValueError when the layer has another attribute by that name."""
         *path, leaf = name.split(".")
         owner: nn.Module = self
         for part in path:
             if part not in owner._modules:
                 if hasattr(owner, part):
                     raise ValueError(
-                        f"the converted layer cannot hold the choice bias {name}: it has its own {part}"
+                        f"the converted layer cannot hold the {what} {name}: it has its own {part}"
                     )
                 owner.add_module(part, nn.Module())
             owner = owner._modules[part]  # type: ignore[assignment]
         if hasattr(owner, leaf) and leaf not in owner._buffers:
-            raise ValueError(f"the converted layer cannot hold the choice bias {name}: it has its own {leaf}")
+            raise ValueError(f"the converted layer cannot hold the {what} {name}: it has its own {leaf}")
         owner.register_buffer(leaf, value, persistent=persistent)
-        if owner is not self.router or leaf != "score_bias":
+
+    def keep_bias(self, name: str, value: Tensor, *, persistent: bool = True) -> None:
+        """Hold ``value``, the router's choice bias (``router.score_bias``), as the buffer
+        ``name`` (`keep_buffer`), which the state dict holds in place of ``router.score_bias``
+        (persistent as the user's was); the router reads it from there at every call."""
+        self.keep_buffer(name, value, persistent=persistent, what="choice bias")
+        owner, _, leaf = name.rpartition(".")
+        if self.get_submodule(owner) is not self.router or leaf != "score_bias":
             self.router._non_persistent_buffers_set.add("score_bias")
         self.bias_name = name
         self._link_bias()
@@ -195,6 +202,7 @@ def _converted(
     """The `NamedMoE` reproducing ``block`` (module docstring) and its parameters' parts under
     the block's names."""
     meta = any(p.is_meta for p in block.parameters())
+    buffers = {n: b.detach().clone() for n, b in block.named_buffers()}  # before the probe runs it
     probe = materialized(block) if meta else block
     tensors = {n: p.detach() for n, p in probe.named_parameters()}
     prober = Prober(name, probe, tensors[found.router], found.biases)
@@ -263,6 +271,7 @@ def _converted(
         assert value is not None
         persistent = leaf not in holder._non_persistent_buffers_set
         layer.keep_bias(routing.bias, value.detach(), persistent=persistent)
+    _keep_buffers(name, block, layer, buffers, skip=routing.bias, moved=prober.moved)
     layer.aliases = aliases
     for key, value in vars(block).items():  # the block's plain settings
         if (
@@ -273,6 +282,38 @@ def _converted(
             setattr(layer, key, value)
     log.info("%s (%s): %s, %s experts", name, type(block).__name__, routing.describe(), bank.activation)
     return layer, _exported(f"{name}.", found, bank, shared)
+
+
+def _keep_buffers(
+    name: str,
+    block: nn.Module,
+    layer: NamedMoE,
+    before: Mapping[str, Tensor],
+    *,
+    skip: str | None,
+    moved: set[str],
+) -> None:
+    """Every other buffer of ``block`` (a load counter, a running statistic) kept on ``layer``
+    under its name with the value it had before the conversion probed the block, persistent
+    as it was, so that exports and strict loads find it. The converted layer does not compute
+    it: one that the block's forward changed on the probe (``moved``: the ``[E]`` choice-bias
+    candidates the prober put back; or any other found changed) stays at that value from now
+    on, which is logged."""
+    for key, value in before.items():
+        if key == skip:
+            continue
+        owner, _, leaf = key.rpartition(".")
+        holder = block.get_submodule(owner)
+        layer.keep_buffer(key, value, persistent=leaf not in holder._non_persistent_buffers_set)
+        after = holder._buffers[leaf]
+        changed = after is not None and not after.is_meta and not torch.equal(after, value)
+        if key in moved or changed:
+            log.warning(
+                "%s.%s changes in %s's forward; the converted layer keeps it at its value and does not "
+                "change it (MoE.stats.routed counts each expert's assignments)",
+                name, key, type(block).__name__,
+            )  # fmt: skip
+        holder._buffers[leaf] = value.clone()  # the user's block as it was, should they keep it
 
 
 def _aliases(name: str, recorded: Mapping[str, Tensor], layer: MoE) -> dict[str, str]:
