@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 
 from tessera.comm.safefile import DTYPES, SafeFile
+from tessera.launcher.checkpoint.exported import Band
 from tessera.launcher.checkpoint.tensorfile import LazyTensors
 
 
@@ -39,3 +40,28 @@ def test_lazy_tensors_read_what_safetensors_wrote(tmp_path: Path) -> None:
     assert SafeFile(first, data).metadata == {"k": "v"}
     with pytest.raises(ValueError, match="not a safetensors file"):
         SafeFile(first, data[:20])
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "start", "stop", "step", "first"),
+    [
+        ((3, 4, 2048), -1, 0, 1024, 1, (0, 3)),  # a gate band by columns, rows of 4 KiB: one run per row
+        ((3, 4, 2048), -1, 1024, 2048, 1, (1, 3)),  # the up band of some experts
+        ((3, 4, 64), -1, 16, 48, 1, (0, 2)),  # runs under MIN_RUN_BYTES: read whole, then cut
+        ((3, 4, 2048), -1, 1, 2048, 2, (0, 3)),  # strided: read whole, then cut
+        ((2, 2048), -1, 1024, 2048, 1, (0, 2)),  # a 2-D tensor
+        ((3, 6, 8), -2, 2, 5, 1, (1, 3)),  # rows: one run per row block
+    ],
+)
+def test_read_part_cuts_what_slicing_cuts(
+    tmp_path: Path, shape: tuple[int, ...], dim: int, start: int, stop: int, step: int, first: tuple[int, int]
+) -> None:
+    """Every way ``read_part`` reads a band (runs per row, per row block, or the slice whole
+    then cut) gives exactly the tensor's slice (``torch.equal``: bytes copied, no arithmetic)."""
+    whole = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    safetensors.torch.save_file({"bank": whole}, tmp_path / "f.safetensors")
+    part = whole[first[0] : first[1]]
+    want = part[..., start:stop:step] if dim == -1 else part[..., start:stop:step, :]
+    with LazyTensors([tmp_path / "f.safetensors"]) as lazy:
+        got = lazy.read_part("bank", first, Band(dim, start, stop, step))
+    assert torch.equal(got, want), f"{shape} {dim} {start}:{stop}:{step} of {first}"

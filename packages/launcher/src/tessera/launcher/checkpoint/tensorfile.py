@@ -23,6 +23,9 @@ from tessera.launcher.checkpoint.exported import Band
 __all__ = ["INDEX", "LazyTensors", "weight_files"]
 
 INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
+# a column band is read one row at a time when a row's part is at least this long: below it,
+# reading the rows whole and cutting them costs less than one read call per row
+MIN_RUN_BYTES = 4096
 
 
 def weight_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -70,9 +73,10 @@ class LazyTensors(Mapping[str, Tensor]):
         """Tensor ``name`` (of 2 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
         along its first dimension (None: all) and to ``band`` (`Band`; None: all). Rows
         ``start:stop`` (a band of dim -2, step 1, of a tensor of 3 or more dimensions) are read
-        alone: one run, or one per row block; any other band is cut after reading the first
-        dimension's slice whole (one run). ValueError naming the tensor when the cut is not
-        within it."""
+        alone: one run, or one per row block; so are columns ``start:stop`` (dim -1, step 1)
+        when each row's run is at least `MIN_RUN_BYTES`: one run per row. Any other band is cut
+        after reading the first dimension's slice whole (one run). ValueError naming the tensor
+        when the cut is not within it."""
         safe = self._where[name]
         shape, dtype = tuple(safe.entries[name].shape), safe.entries[name].dtype
         a0, a1 = first if first is not None else (0, shape[0] if shape else 0)
@@ -81,6 +85,10 @@ class LazyTensors(Mapping[str, Tensor]):
         within = band is None or (len(shape) > -band.dim and band.stop <= shape[band.dim])
         if len(shape) < 2 or not within or not 0 <= a0 <= a1 <= shape[0]:
             raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x {band}")
+        if band is not None and band.dim == -1 and band.step == 1 and len(shape) >= 2:
+            run = (band.stop - band.start) * dtype.itemsize
+            if band.stop - band.start < shape[-1] and run >= MIN_RUN_BYTES:
+                return self._columns(safe, name, shape, dtype, (a0, a1), band)
         if band is None or not rows:  # the first dimension's slice: one run
             out = torch.empty((a1 - a0, *shape[1:]), dtype=dtype)
             if out.numel():
@@ -96,6 +104,25 @@ class LazyTensors(Mapping[str, Tensor]):
         with open(safe.path, "rb") as f:
             for k in range(runs.shape[0]):
                 safe.read_into(f, name, runs[k], ((a0 * inner + k) * height + r0) * width)
+        return out
+
+    @staticmethod
+    def _columns(
+        safe: SafeFile,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        first: tuple[int, int],
+        band: Band,
+    ) -> Tensor:
+        """Columns ``band.start:band.stop`` of rows ``first`` of the first dimension: one run per row."""
+        (a0, a1), (c0, c1) = first, (band.start, band.stop)
+        height, width = math.prod(shape[1:-1]), shape[-1]
+        out = torch.empty((a1 - a0, *shape[1:-1], c1 - c0), dtype=dtype)
+        runs = out.view(-1, c1 - c0)
+        with open(safe.path, "rb") as f:
+            for k in range(runs.shape[0]):
+                safe.read_into(f, name, runs[k], (a0 * height + k) * width + c0)
         return out
 
     def shape(self, name: str) -> tuple[int, ...]:
