@@ -8,8 +8,9 @@ schedule; the serial run is plain PEFT in this process on the same rows (``finet
 its adapters started as the job starts them (``adapter_start``), loss the mean cross-entropy over
 the response tokens. Bounds: losses rel 1e-5 and adapter weights atol 1e-6 + rtol 1e-5 (fp32,
 4 SGD steps: round-off only, as ``tests/test_lora.py``); logits of the saved adapter and the
-merged model rtol 1e-4, atol 1e-5 (a forward's round-off; the merge sums in another order). A
-resumed run (from the generation at step 2) ends with the same adapters exactly.
+merged model rtol 1e-4, atol 1e-5 (a forward's round-off; the merge sums in another order). The
+same command started again by SLURM (``SLURM_RESTART_COUNT``, a requeue) after its generation at
+step 2 goes on in its run folder from there and ends with the same adapters exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
+from tessera.launcher.checkpoint.generations import MANIFEST
 from tessera.launcher.config.config_io import resolve_config
 from tessera.launcher.data import finetune_data, load_tokenizer
 from tessera.launcher.families.adapters import PEFT_PREFIX
@@ -56,11 +58,11 @@ def _examples(path: Path) -> Path:
     return path
 
 
-def _launch(tmp: Path, name: str, *sets: str) -> tuple[list[float], Path]:
+def _launch(tmp: Path, name: str, *sets: str, env: dict[str, str] | None = None) -> tuple[list[float], Path]:
     cmd = [sys.executable, "-m", "tessera.launcher.run.cli", "finetune", "--nproc-per-node", "2"]
     for s in [*SETS, f"train.run_dir={tmp / 'runs'}", f"train.name={name}", *sets]:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp / "runs" / name
@@ -127,10 +129,13 @@ def test_finetune_equals_the_serial_peft_run_and_its_outputs_load(tmp_path: Path
     )
     assert load_tokenizer(run / "merged").encode("hello fox") == load_tokenizer(model_dir).encode("hello fox")
 
-    resumed, again = _launch(
-        tmp_path, "resumed", *sources, f"train.resume={run / 'checkpoint' / 'step-00000002'}"
-    )
-    assert resumed == losses[2:]
+    # SLURM started the job again (a requeue) after its generation at step 2: the command goes
+    # on in its run folder from there (the generation at step 4 torn: its manifest gone)
+    (run / "checkpoint" / "step-00000004" / MANIFEST).unlink()
+    requeue = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0"}
+    resumed, again = _launch(tmp_path, "tuned", *sources, env={**requeue, "SLURM_RESTART_COUNT": "1"})
+    assert again == run
+    assert resumed == losses  # steps 0-1 kept in metrics.jsonl, 2-3 trained again
     torch.testing.assert_close(
         safetensors.torch.load_file(again / "adapter" / "adapter_model.safetensors"), saved, rtol=0, atol=0
     )

@@ -177,7 +177,18 @@ def _fail(lines: Sequence[str]) -> int:
     return 2
 
 
-def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_job: bool = False) -> int:
+def _run(
+    args: argparse.Namespace,
+    target: list[str],
+    config: Config,
+    *,
+    main_job: bool = False,
+    folder: bool = False,
+) -> int:
+    """Launch ``target`` with ``config``. ``main_job``: the main job's checks and data; ``folder``
+    (the main job and ``tessera finetune``): the launcher makes the run folder, and a SLURM
+    requeue goes on in it (`requeued`)."""
+    folder = folder or main_job
     if args.ssh:
         return _fan_out(args, config)
     min_nodes = None
@@ -214,7 +225,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         config = fit_world(config, plan.world_size)
     except ValueError as exc:
         return _fail([f"--nproc-per-node {plan.nproc_per_node} x {plan.nnodes} node(s): {exc}"])
-    again = main_job and plan.source == "slurm" and slurm_restarts(os.environ) > 0
+    again = folder and plan.source == "slurm" and slurm_restarts(os.environ) > 0
     if again:  # SLURM started the job again (a requeue): it goes on in its run folder (`requeued`)
         config = requeued(config)
         start = f"resuming from {config.train.resume}" if config.train.resume else "starting from step 0"
@@ -247,14 +258,14 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
             print(f"# node {node} ({plan.hosts[node]})\n{shlex.join(cmd)}")
         print(rank_table(config, plan))
         return 0
-    folder = None
-    if main_job:
+    made = None
+    if folder:
         try:
-            folder = create_run_folder(config, joining=plan.node_rank > 0, again=again)
+            made = create_run_folder(config, joining=plan.node_rank > 0, again=again)
         except RunFolderError as exc:
             return _fail([str(exc)])
-        os.environ[RUN_FOLDER_ENV] = str(folder)
-        log_dir = args.log_dir or str(folder / "logs")
+        os.environ[RUN_FOLDER_ENV] = str(made)
+        log_dir = args.log_dir or str(made / "logs")
     loopback = plan.source == "local" and (args.rdzv_endpoint is None or is_loopback(args.rdzv_endpoint))
     return spawn(
         plan,
@@ -263,7 +274,7 @@ def _run(args: argparse.Namespace, target: list[str], config: Config, *, main_jo
         log_dir=log_dir,
         loopback_port=endpoint_port(plan.rdzv_endpoint) if loopback else None,
         say=_say,
-        run=folder,
+        run=made,
     )
 
 
@@ -351,7 +362,7 @@ def _command(argv: Sequence[str] | None) -> int:
         if problems:
             return _fail(problems)
         args.log_dir = None
-        return _run(args, ["-m", FINETUNE_JOB], config)
+        return _run(args, ["-m", FINETUNE_JOB], config, folder=True)
     if (args.module is None) == (args.script is None):
         return _fail(["tessera run needs exactly one of: a script path, or -m MODULE"])
     target = (
