@@ -142,8 +142,6 @@ TWO_D = ("qwen2", "gemma", "gpt_neox", "phi")  # 2D (SUMMA, 2 x 2) where the sha
 
 # (family, mode) -> what the refusal names; boost() refuses these before building anything
 REFUSED = {
-    ("olmo2", "tp2"): "q_norm and k_norm normalize each whole projection",
-    ("olmo2", "tp2-sp"): "q_norm and k_norm normalize each whole projection",
     ("bloom", "tp2"): "ALiBi",
     ("bloom", "tp2-sp"): "ALiBi",
     ("bloom", "pp2"): "ALiBi",
@@ -171,6 +169,7 @@ CASES = [
     for name in FAMILIES
     for mode in MODES
     if (name, mode) not in REFUSED
+    and (name, mode) != ("olmo2", "tp2-sp")  # its attention kept whole: the derived plan takes no SP
     and (mode != "dp2-tp2" or name in DP_TP)
     and (mode != "ulysses" or name in ULYSSES)
     and (mode != "2d" or name in TWO_D)
@@ -316,10 +315,14 @@ def test_derived_roles_are_logged_as_a_plan_to_copy() -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_has_its_attention_and_mlp_split(name: str) -> None:
     """The derived plan splits both halves of every layer (OPT's ``fc1`` and ``fc2`` sit on the
-    layer itself, with no module of their own to be a region)."""
+    layer itself, with no module of their own to be a region), but OLMo2's attention, whose
+    ``q_norm`` and ``k_norm`` span all heads: kept whole, so no sequence parallelism."""
     pytest.importorskip("transformers", reason="transformers is not installed: HF families NOT tested")
     from tessera.launcher.families.derived_roles import derive_roles
 
-    styles = [style.name for pattern, style in derive_roles(_build(name)).entries if ".*." in pattern]
-    assert styles.count("attention") == 1 and styles.count("region") == (name != "opt"), styles
-    assert styles.count("rowwise") == 2, styles  # the attention's output and the MLP's
+    plan = derive_roles(_build(name))
+    styles = [style.name for pattern, style in plan.entries if ".*." in pattern]
+    whole = name == "olmo2"
+    assert styles.count("attention") == (not whole) and styles.count("region") == (name != "opt"), styles
+    assert styles.count("rowwise") == 2 - whole, styles  # the attention's output and the MLP's
+    assert styles.count("replicate") == whole and plan.supports_sequence_parallel == (not whole), styles

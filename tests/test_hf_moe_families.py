@@ -16,7 +16,7 @@ Tier 2 (the worker pool): each family trained through ``boost()`` equals its ser
 SGD steps (momentum 0.9). Qwen3-MoE and DeepSeek-V3 at dp=2 x ep=2 (ZeRO 1), dp=2 x ep=2
 (ZeRO 3), tp=2 (the mixture replicated; DeepSeek's latent attention split by heads) and pp=2
 (1F1B, 2 microbatches; DeepSeek-V3's dense layer and MoE layer on different stages); the
-others (Llama 4 and GPT-OSS included; they have no plan, so no tp) at dp=2 x ep=2 (ZeRO 1),
+others (Llama 4 and GPT-OSS included) at dp=2 x ep=2 (ZeRO 1),
 and besides GraniteMoeShared (its plan) at tp=2 and GraniteMoE (its multipliers in the
 pipeline blocks) at pp=2, to keep the file short: every mode runs the same layer code, and
 the two families above hold both kinds of router (softmax top-k; sigmoid, bias, groups,
@@ -28,6 +28,14 @@ SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3). Every other family that
 eight and ``test_hf_moe.py``'s Mixtral and Qwen2-MoE), built by the survey's own ``build`` (8
 experts, top-2, hidden 32; Kimi's linear attention narrowed), at dp=2 x ep=2 (ZeRO 1), one
 case each in the same two workers (about 20 s in all here).
+
+With no plan written (``derived_roles.derive_roles``, every layer read): those 29, OLMoE (the
+derived roles keep its attention whole: its q_norm spans all heads), Llama 4 and GPT-OSS
+at tp=2, each once, with Megatron SP where its plan takes it (``SP_FAMILIES``, which a tier-0
+test holds to what the plans say); GLM-4-MoE-Lite (latent attention, a dense first layer) with
+SP, Jamba (Mamba mixers kept whole) and GPT-OSS (biases) also at dp=2 x ep=2 x tp=2 (ZeRO 3).
+Tier 0: DeepSeek-V3's derived plan names its mixture ``moe`` and its dense first layer an MLP
+region, and Jamba's keeps its mixers whole and refuses SP, naming them.
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6: the same products, with
 HF's ``F.linear`` against a transposed copy and per-expert loops against one batched matmul,
@@ -56,6 +64,7 @@ from torch import Tensor, nn
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.families import hf_moe_plans as plans
+from tessera.launcher.families.derived_roles import derive_roles
 from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_state_dict, is_hf_sparse_moe, moe_from_hf
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
@@ -70,6 +79,7 @@ from tessera.launcher.families.hf_moe_kinds import (
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, redrawn, serial_run, sgd
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
+from tessera.tensor_parallel import resolve
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
 
@@ -308,9 +318,10 @@ def _serial(family: str) -> Run:
     return serial_run(_converted(family), TOKENS.first(STEPS), sgd(LR))
 
 
-def _parallel(rank: int, config: Config, family: str, plan: Any = None) -> Run:
+def _parallel(rank: int, config: Config, family: str, plan: Any = None, spec: Any = None) -> Run:
     model = _converted(family)
-    engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config, plan=plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    engine = boost(model, optimizer, config, plan=plan, spec=spec)
     losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
     weights = engine.full_state_dict()  # at ep > 1 each expert bank gathered over the ep group
     engine.mesh.close()
@@ -328,6 +339,10 @@ MODES: dict[str, Callable[[], tuple[ParallelConfig, int]]] = {
         ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1),
         3,
     ),
+    # the derived roles (``derived_roles``): every mixture split inside over tp
+    "tp2-sp": lambda: (ParallelConfig(tp=2, sequence_parallel=True, microbatches=1), 0),
+    "dp2-ep2-tp2": lambda: (ParallelConfig(dp=2, ep=2, tp=2, microbatches=1), 3),
+    "dp2-ep2-tp2-sp": lambda: (ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1), 3),
 }
 
 
@@ -454,3 +469,80 @@ def test_every_other_converting_family_trains_at_ep2_as_serially(
     config = _boost_config(mode)
     results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
     assert_matches_serial(results, _serial(family))  # each rank: its pipeline stages' weights
+
+
+# ------------------------------------------------------- tier 2: tp=2 with the roles derived
+# the families whose derived plan splits every sublayer, so takes Megatron sequence parallelism;
+# the others keep a sublayer whole (a Mamba mixer, a linear attention, attention sinks, an
+# attention with a gated query or a norm over all its heads) and refuse it
+SP_FAMILIES = [
+    "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "hunyuan_v1_moe", "hy_v3", "laguna", "mellum", "minicpm5_moe",
+    "param2moe", "sarvam_mla", "sarvam_moe", "solar_open", "llama4_text",
+]  # fmt: skip
+DERIVED = [*MORE, "olmoe", "llama4_text", "gpt_oss"]
+# one case a family: with SP where its plan takes it (the same split, its sequence sharded)
+DERIVED_CASES = [
+    *[(f, "tp2-sp" if f in SP_FAMILIES else "tp2") for f in DERIVED],
+    ("glm4_moe_lite", "dp2-ep2-tp2-sp"),  # latent attention, a dense first layer, a shared expert
+    ("jamba", "dp2-ep2-tp2"),  # a hybrid: Mamba mixers kept whole, a dense layer and a mixture
+    ("gpt_oss", "dp2-ep2-tp2"),  # router and expert biases (b2 whole, partial over tp), sinks
+]
+
+
+def test_the_derived_plan_of_a_mixed_model_names_each_layers_kind() -> None:
+    """DeepSeek-V3 with a dense first layer: its mixture is ``moe`` and its dense MLP a region, each
+    under its own layer's name; the latent attention every layer shares is one pattern, with only
+    its per-head projections split; nothing is kept whole, so it takes SP."""
+    plan = derive_roles(_converted("deepseek_v3"))
+    roles = {pattern: style.name for pattern, style in plan.entries}
+    want = {
+        "model.layers.0.mlp": "region",
+        "model.layers.0.mlp.gate_proj": "colwise",
+        "model.layers.0.mlp.up_proj": "colwise",
+        "model.layers.0.mlp.down_proj": "rowwise",
+        "model.layers.1.mlp": "moe",
+        "model.layers.*.self_attn": "attention",
+        "model.layers.*.self_attn.q_b_proj": "colwise",
+        "model.layers.*.self_attn.kv_b_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    assert {k: roles.get(k) for k in want} == want
+    assert "model.layers.*.mlp" not in roles and "model.layers.*.self_attn.q_a_proj" not in roles
+    assert "replicate" not in roles.values() and plan.supports_sequence_parallel
+    resolve(_converted("deepseek_v3"), plan, tp=2, sequence_parallel=True)
+
+
+def test_a_hybrids_derived_plan_keeps_its_mamba_mixers_whole_and_refuses_sp() -> None:
+    """Jamba (both layers Mamba; layer 0 a dense MLP, layer 1 a mixture): the mixers hold a
+    convolution and ``A_log``, which the derived roles do not split: kept whole, so sequence
+    parallelism is refused, naming them."""
+    model = _converted("jamba")
+    plan = derive_roles(model)
+    roles = {pattern: style.name for pattern, style in plan.entries}
+    assert roles["model.layers.*.mamba"] == "replicate"
+    assert roles["model.layers.0.feed_forward"] == "region" and roles["model.layers.1.feed_forward"] == "moe"
+    assert not plan.supports_sequence_parallel
+    resolve(model, plan, tp=2)
+    with pytest.raises(ValueError, match=r"keeps model\.layers\.\*\.mamba whole .* sequence parallelism"):
+        resolve(model, plan, tp=2, sequence_parallel=True)
+
+
+def test_sp_families_lists_the_derived_plans_that_take_sequence_parallelism() -> None:
+    """``SP_FAMILIES`` is what the derived plans say, not a list kept by hand apart from them."""
+    takes = [f for f in DERIVED if derive_roles(_converted(f)).supports_sequence_parallel]
+    assert takes == [f for f in DERIVED if f in SP_FAMILIES]
+
+
+@pytest.mark.parametrize(("family", "mode"), DERIVED_CASES)
+def test_every_converting_family_trains_at_tp2_with_derived_roles_as_serially(
+    worker_pools: PoolFactory, family: str, mode: str
+) -> None:
+    """No plan written: ``derive_roles`` reads every layer of the converted model, giving each
+    mixture the ``moe`` style (its experts split inside over tp), splitting attention and dense
+    MLPs by heads and hidden units and keeping the rest whole. Trained at tp=2 (and with SP
+    where the plan takes it; a few families at dp=2 x ep=2 x tp=2, ZeRO 3), each rank's losses
+    and gathered weights are the serial run's."""
+    config = _boost_config(mode)
+    results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
+    assert_matches_serial(results, _serial(family))

@@ -4,23 +4,40 @@ Decoder-only language models share one shape: a token embedding, a stack of laye
 ``nn.ModuleList`` holding the most parameters), a final norm and an LM head. Inside each
 layer an *attention* module holds the projections that feed its attention (column-parallel)
 and the one after it (row-parallel), an *MLP* module holds two or three dense layers (the
-last row-parallel), and the norms between them stay whole. `derive_roles` finds these from
-layer 0 alone and writes them as patterns over every layer:
+last row-parallel), a converted *mixture* (``tessera.moe.MoE``) has its experts split inside,
+and the norms between them stay whole. `derive_roles` reads every layer, each child of it:
 
-- the attention module: a submodule of the layer whose class name says ``Attention`` (or
-  that says its head count: ``num_heads``, ``n_heads``, ... as ``heads.head_layout`` reads) and
-  that holds dense layers (``nn.Linear`` or HF ``Conv1D``); its output projection is the
-  dense layer whose name says so (``o_proj``, ``out_proj``, ``dense``, ``c_proj``, ``wo``);
-  every other dense layer in it feeds the attention. A single input projection producing
-  q, k and v together is ``colwise_qkv`` (sections ``[q | k | v]``) unless the model's own
-  hint (Hugging Face's ``config.base_model_tp_plan``) or its name (``query_key_value``) says
-  it is split per head (GPT-NeoX, Bloom and Falcon interleave q, k, v inside each head);
+- a norm: a leaf module whose class name says ``Norm`` (also after the stack);
+- a mixture of experts (``tessera.moe.MoE``, what ``hf_moe`` converts Hugging Face sparse
+  blocks into): the ``moe`` style (``tessera.launcher.train.moe_style``: every expert split
+  inside over tp, the router whole; it takes Megatron sequence parallelism);
+- the attention module: a submodule whose class name says ``Attention`` (or that says its
+  head count: ``num_heads``, ``n_heads``, ... as ``heads.head_layout`` reads) and that holds
+  dense layers (``nn.Linear`` or HF ``Conv1D``); its output projection is the dense layer
+  whose name says so (``o_proj``, ``out_proj``, ``dense``, ``c_proj``, ``wo``); every other
+  dense layer in it feeds the attention. A single input projection producing q, k and v
+  together is ``colwise_qkv`` (sections ``[q | k | v]``) unless the model's own hint (Hugging
+  Face's ``config.base_model_tp_plan``) or its name (``query_key_value``) says it is split per
+  head (GPT-NeoX, Bloom and Falcon interleave q, k, v inside each head). A latent attention
+  (DeepSeek's: ``kv_a_proj_with_mqa`` and ``kv_b_proj``) splits only its per-head
+  projections (``q_proj`` or ``q_b_proj``, ``kv_b_proj``) and ``o_proj``'s input; the low-rank
+  projections in front of them, their norms and a sparse-attention indexer stay whole inside;
 - the MLP: another submodule holding two or more dense layers; its output layer is the one
   whose input width is not the block's (it takes the hidden width the others produce; a
   fused ``gate | up`` producing twice that width is split in two sections);
-- norms: leaf modules whose class name says ``Norm`` in the layer and after the stack;
+- kept whole (``replicate``; each rank runs it on the whole sequence, its gradients complete):
+  a sublayer this reading cannot split. A module holding parameters outside dense layers and
+  norms (a Mamba mixer, a gated-delta-net linear attention, attention sinks), an attention
+  whose heads cannot be read (Qwen3-Next's gated query projection, twice the heads' width) or
+  whose norms span a whole projection (OLMo2's ``q_norm``), and any other sublayer holding
+  parameters. A plan with such a module refuses sequence parallelism
+  (``supports_sequence_parallel=False``: the module would see one rank's slice of the sequence);
 - the token embedding (``vocab_whole``), learned position embeddings (``embedding_whole``),
   layer 0 (``sequence_start``) and the LM head (``head``).
+
+An entry that every layer shares is written once over the stack (``model.layers.*.mlp``);
+one that only some layers have (a dense first layer before mixtures, a hybrid's Mamba layers
+between attention layers) is written per layer (``model.layers.0.mlp``).
 
 Nothing here trusts itself: ``parallelize`` probes every attention module and every replaced
 module on a random input before training, and the coverage proof accounts for every
@@ -36,12 +53,14 @@ from typing import Any
 
 from torch import nn
 
+from tessera.launcher.train.moe_style import MOE_STYLE
+from tessera.moe import MoE
 from tessera.tensor_parallel import Plan, Style
 from tessera.tensor_parallel.adapted import dense_core, has_adapters
+from tessera.tensor_parallel.heads import HeadLayout, head_layout
 from tessera.tensor_parallel.layers import dense_weights, is_dense
 from tessera.tensor_parallel.roles import Roles
-from tessera.tensor_parallel.style import TPStyle
-from tessera.tensor_parallel.styles import attention_heads
+from tessera.tensor_parallel.style import Role, TPStyle
 from tessera.zero.units import largest_module_list
 
 __all__ = ["derive_roles", "describe"]
@@ -85,12 +104,45 @@ def _hint(model: nn.Module) -> dict[str, str]:
     return {prefix + k: str(v) for k, v in plan.items()}
 
 
+def _layout(module: nn.Module) -> HeadLayout | None:
+    """The module's heads (``heads.head_layout``); None when it does not say them, or says them
+    inconsistently with its projections' widths (a gated query projection, twice as wide)."""
+    try:
+        return head_layout(module)
+    except ValueError:
+        return None
+
+
+def _holds_more(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters outside dense layers and norms (a convolution, a
+    state-space ``A_log``, attention sinks): a sublayer the derived roles cannot split."""
+    covered: set[int] = set()
+    for sub in module.modules():
+        if has_adapters(sub) or is_dense(dense_core(sub)) or _is_norm(sub):
+            covered.update(id(p) for p in sub.parameters())
+    return any(id(p) not in covered for p in module.parameters())
+
+
 def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> dict[str, TPStyle]:
+    """An attention module's roles; ``{path: replicate}`` when its heads cannot be split as it is
+    written (unreadable heads, a norm over a whole projection); empty when it is no attention."""
     dense = list(_dense(module, path))
     outputs = [n for n, _ in dense if n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
     if len(outputs) != 1 or len(dense) < 2:
         return {}
+    layout = _layout(module)
+    if layout is None:
+        return {path: Roles.REPLICATE}
     roles: dict[str, TPStyle] = {path: Style.ATTENTION, outputs[0]: Style.ROWWISE}
+    children = dict(module.named_children())
+    if "kv_a_proj_with_mqa" in children and "kv_b_proj" in children:  # latent attention
+        for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+            if name in children:
+                roles[f"{path}.{name}"] = Style.COLWISE
+        return roles
+    norms = [getattr(m, "weight", None) for m in module.modules() if _is_norm(m)]
+    if any(w is not None and w.numel() != layout.head_dim for w in norms):
+        return {path: Roles.REPLICATE}  # a norm over several heads at once
     inputs = [n for n, _ in dense if n != outputs[0]]
     for name in inputs:
         default = "colwise" if name.endswith(_INTERLEAVED) else "colwise_gather_output"
@@ -131,38 +183,73 @@ def _mlp_roles(path: str, module: nn.Module, *, direct: bool = False) -> dict[st
     return roles
 
 
+def _layer_roles(path: str, layer: nn.Module, hint: Mapping[str, str]) -> dict[str, TPStyle]:
+    """The roles inside one layer of the stack (see the module docstring), by full name."""
+    found: dict[str, TPStyle] = {}
+    for rel, sub in layer.named_children():
+        name = f"{path}.{rel}"
+        roles: dict[str, TPStyle] = {}
+        if _is_norm(sub):
+            roles = {name: Roles.NORM}
+        elif isinstance(sub, MoE):
+            roles = {name: MOE_STYLE}
+        elif is_dense(dense_core(sub)) or has_adapters(sub) or not list(sub.parameters()):
+            continue  # a dense layer on the layer itself: the direct MLP below
+        elif _holds_more(sub):
+            roles = {name: Roles.REPLICATE}
+        elif "attention" in type(sub).__name__.lower() or _layout(sub) is not None:
+            roles = _attention_roles(name, sub, hint)  # (an MLP holding the config says heads too)
+        if not roles:
+            roles = _mlp_roles(name, sub) or {name: Roles.REPLICATE}
+        found.update(roles)
+    if not any(style is Style.REGION for style in found.values()):
+        found.update(_mlp_roles(path, layer, direct=True))
+    return found
+
+
+def _over_layers(stack: str, layers: list[dict[str, TPStyle]]) -> dict[str, TPStyle]:
+    """The layers' roles as plan entries: an entry every layer has once as ``<stack>.*.<name>``,
+    any other one per layer (``<stack>.<i>.<name>``), in the order the layers name them."""
+    relative = [{k[len(f"{stack}.{i}.") :]: v for k, v in roles.items()} for i, roles in enumerate(layers)]
+    entries: dict[str, TPStyle] = {}
+    for i, roles in enumerate(relative):
+        for rel, style in roles.items():
+            if all(other.get(rel) is style for other in relative):
+                entries[f"{stack}.*.{rel}"] = style
+            else:
+                entries[f"{stack}.{i}.{rel}"] = style
+    return entries
+
+
 def derive_roles(model: nn.Module) -> Plan:
     """A plan of roles for ``model`` read from its module tree (see the module docstring);
-    ValueError when it has no layer stack or no layer with an attention module."""
+    ValueError when it has no layer stack, or no layer holding anything to split."""
     stack = largest_module_list(model)
     if stack is None:
         raise ValueError(
             f"cannot derive tensor-parallel roles for {type(model).__name__}: no nn.ModuleList of layers"
         )
     layers: Any = model.get_submodule(stack)
-    layer0 = f"{stack}.0"
-    hint = {k.replace(f"{stack}.*.", f"{layer0}."): v for k, v in _hint(model).items()}
-    found: dict[str, TPStyle] = {layer0: Style.SEQUENCE_START}
-    for rel, sub in layers[0].named_children():
-        path = f"{layer0}.{rel}"
-        roles: dict[str, TPStyle] = {}
-        if _is_norm(sub):
-            roles = {path: Roles.NORM}
-        elif "attention" in type(sub).__name__.lower() or attention_heads(sub) is not None:
-            roles = _attention_roles(path, sub, hint)  # (an MLP holding the config says heads too)
-        if not roles:
-            roles = _mlp_roles(path, sub)
-        found.update(roles)
-    if not any(style is Style.REGION for style in found.values()):
-        found.update(_mlp_roles(layer0, layers[0], direct=True))
-    if not any(style is Style.ATTENTION for style in found.values()):
+    hint = {k.removeprefix(f"{stack}.*."): v for k, v in _hint(model).items()}
+    found = [
+        _layer_roles(f"{stack}.{i}", layer, {f"{stack}.{i}.{k}": v for k, v in hint.items()})
+        for i, layer in enumerate(layers)
+    ]
+    if not any(s is MOE_STYLE or s.role is Role.EXIT for roles in found for s in roles.values()):
         raise ValueError(
-            f"cannot derive tensor-parallel roles for {type(model).__name__}: layer {layer0} has no "
-            "attention module holding its projections; pass ModelSpec(roles=...)"
+            f"cannot derive tensor-parallel roles for {type(model).__name__}: no layer of {stack} has an "
+            "attention module, an MLP or a mixture of experts that splits; pass ModelSpec(roles=...)"
         )
-    entries = {k.replace(f"{layer0}.", f"{stack}.*.", 1) if k != layer0 else k: v for k, v in found.items()}
+    entries: dict[str, TPStyle] = {f"{stack}.0": Style.SEQUENCE_START, **_over_layers(stack, found)}
     entries.update(_outer_roles(model, stack))
-    plan = Plan.of(entries, name=f"derived-{type(model).__name__}")
+    whole = [k for k, v in entries.items() if v is Roles.REPLICATE]
+    name = f"derived-{type(model).__name__}"
+    if whole:  # named in the plan's name, which a refusal of sequence parallelism quotes
+        more = f" and {len(whole) - 4} more" if len(whole) > 4 else ""
+        name += (
+            f" (keeps {', '.join(whole[:4])}{more} whole on every tp rank, each seeing the whole sequence)"
+        )
+    plan = Plan.of(entries, name=name, supports_sequence_parallel=not whole)
     log.info("tensor-parallel roles derived for %s:\n%s", type(model).__name__, describe(plan))
     return plan
 

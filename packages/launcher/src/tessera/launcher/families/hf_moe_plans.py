@@ -6,7 +6,8 @@ the whole mixture on the same tokens, so no expert is cut. A dense layer between
 is replicated too. The plans refuse sequence parallelism (a replicated mixture would see each
 rank's slice of the sequence). A converted model whose plan gives its mixtures the ``moe``
 style (`tessera.moe.split_hidden`) has every expert split over tp instead, and takes sequence
-parallelism.
+parallelism: so do the roles derived for a converted family with no plan here
+(``derived_roles.derive_roles``).
 
 - `MIXTRAL_PLAN`, `QWEN2_MOE_PLAN`, `QWEN3_MOE_PLAN`: ``LLAMA_PLAN``'s layout (Qwen3-MoE's
   per-head ``q_norm`` / ``k_norm`` stay whole inside the attention, their gradients summed

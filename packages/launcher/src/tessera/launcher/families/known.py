@@ -51,10 +51,6 @@ _ALIBI = (
 )
 
 
-_WHOLE_QK_NORM = (
-    "its q_norm and k_norm normalize each whole projection (all heads together), which a split of the "
-    "heads over tp cannot compute"
-)
 
 
 # model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
@@ -82,8 +78,10 @@ FAMILIES: dict[str, ModelSpec] = {
     "deepseek_v3": ModelSpec(roles=DEEPSEEK_PLAN, blocks=decoder_blocks),
     "granitemoe": ModelSpec(roles=GRANITEMOE_PLAN, blocks=decoder_blocks),
     "granitemoeshared": ModelSpec(roles=GRANITEMOE_SHARED_PLAN, blocks=decoder_blocks),
-    "olmoe": ModelSpec(blocks=decoder_blocks, refuses={"tp": _WHOLE_QK_NORM}),
-    "olmo2": ModelSpec(blocks=decoder_blocks, refuses={"tp": _WHOLE_QK_NORM}),
+    # their q_norm and k_norm normalize each whole projection (all heads together): the derived
+    # roles keep the attention whole on every tp rank (and refuse sequence parallelism)
+    "olmoe": ModelSpec(blocks=decoder_blocks),
+    "olmo2": ModelSpec(blocks=decoder_blocks),
 }
 
 # any other HF family: the rotary decoder's blocks, which boost() checks against the model's
