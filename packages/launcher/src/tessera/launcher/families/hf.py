@@ -10,20 +10,27 @@ states, so each block here recomputes what its layer needs from the sequence it 
 (positions ``0..seq-1``: training from the start of each sequence, no cache) and applies
 what the model's forward applies around its children:
 
-- masks: each layer's own kind, as the model builds it: ``config.layer_types[i]``
-  (``sliding_attention`` or ``full_attention``), else a sliding window wherever
-  ``config.sliding_window`` is set (Mistral, Phi3, StarCoder2); built by ``transformers``'
-  own ``create_causal_mask`` / ``create_sliding_window_causal_mask``, so a window is kept;
+- masks: each layer's own kind, as the model builds it: ``config.layer_types[i]``, else a
+  sliding window wherever ``config.sliding_window`` is set (Mistral, Phi3, StarCoder2); built
+  by the function ``transformers`` keeps for that kind (``masking_utils``' table of layer
+  kinds): a causal or sliding-window mask, so a window is kept; the padding mask of a Mamba
+  or linear-attention layer (None: no padding); the whole causal mask of an indexed (DSA)
+  layer, whose indexer reads it;
 - rotary embeddings: the model's ``rotary_emb`` called as its forward calls it (with the
-  layer type where it takes one: Gemma3's local and global rotaries);
+  layer type where it takes one: Gemma3's local and global rotaries), or the layer's own
+  where the model keeps one per base frequency (GraniteMoE-SWA's ``rotary_embs``);
 - computed in a pre-hook of the layer's attention module from the hidden states it is
   called with, which under sequence parallelism are the whole sequence (the layer's input,
-  a stage's activation, holds this rank's slice of it).
+  a stage's activation, holds this rank's slice of it); a layer without an attention module
+  (a hybrid's Mamba or gated delta net layer) is given the mask of its kind by its block, from
+  its input (its recurrent mixer reads no positions).
 
 The blocks hold the model's own submodules, so parameter names and values stay the model's.
 ``boost()`` checks that the blocks reproduce the model's logits before partitioning (with
-the user's example batch, else random token ids). Importing this module does not import
-transformers; building the blocks of a rotary family does.
+the user's example batch, else random token ids); the hooks stand aside while the model's own
+forward runs, so that check holds the blocks to what ``transformers`` computes. A family whose
+layers take more than one activation (Zamba's embeddings' output) is refused. Importing this
+module does not import transformers; building the blocks of a rotary family does.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ __all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks", "opt_blocks"]
 
 
 _HOOK = "_tessera_positions_hook"
+_GUARD = "_tessera_own_forward_hooks"
+_MADE = ("attention_mask", "position_ids", "position_embeddings")  # what a block makes for a layer
 
 
 def _positions(h: Tensor) -> Tensor:
@@ -122,19 +131,83 @@ def _layer_type(config: Any, index: int) -> str:
     return "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
 
 
-def _attention_of(layer: nn.Module) -> nn.Module:
+def _mask_function(kind: str) -> Any:
+    """What the model builds the mask of a layer of ``kind`` with: ``transformers``' own table of
+    layer kinds (a recurrent layer's padding mask, None unpadded; the DSA indexer's causal mask
+    made whole, not left to SDPA's ``is_causal``), else a sliding window or causal mask."""
+    masks = importlib.import_module("transformers.masking_utils")  # optional: reached untyped
+    made = getattr(masks, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {}).get(kind)
+    if callable(made):
+        return made
+    if kind == "sliding_attention":
+        return masks.create_sliding_window_causal_mask
+    return masks.create_causal_mask
+
+
+def _attention_of(layer: nn.Module) -> nn.Module | None:
+    """The layer's attention module (a child whose class name says Attention), None for a layer
+    whose mixer is another (Mamba, gated delta net, short convolution)."""
     for _, sub in layer.named_children():
         if "attention" in type(sub).__name__.lower():
             return sub
-    raise ValueError(
-        f"{type(layer).__name__} has no attention module (a child whose class name says Attention)"
+    return None
+
+
+def _rotary_of(base: nn.Module, config: Any, index: int) -> nn.Module | None:
+    """The rotary module of layer ``index``: the base model's ``rotary_emb``, or where it keeps one
+    per base frequency (GraniteMoE-SWA's ``rotary_embs``, chosen by ``config.layer_rope_theta``;
+    0: no rotary), the one of the layer's frequency."""
+    thetas = getattr(config, "layer_rope_theta", None)
+    rotaries = getattr(base, "rotary_embs", None)
+    if thetas is None or not isinstance(rotaries, nn.ModuleList):
+        rotary = getattr(base, "rotary_emb", None)
+        return rotary if isinstance(rotary, nn.Module) else None
+    theta = thetas[index]
+    if not theta:
+        return None
+    for rotary in rotaries:
+        parameters = getattr(getattr(rotary, "config", None), "rope_parameters", None) or {}
+        if parameters.get("rope_theta") == theta:
+            return rotary
+    raise ValueError(f"{type(base).__name__} has no rotary module of base {theta} for layer {index}")
+
+
+class _OwnForward:
+    """How many calls of the model's own forward are running: the blocks' attention hooks
+    stand aside in them, so ``model(ids)`` computes what ``transformers`` computes (what
+    ``boost()`` checks the blocks against), not what the blocks compute."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.depth += 1
+
+    def leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.depth -= 1
+
+
+def _guarded(model: nn.Module, layers: list[_DecoderLayer]) -> list[_DecoderLayer]:
+    """``layers``, whose hooks stand aside while ``model``'s own forward runs (`_OwnForward`);
+    the hooks of blocks built before are removed."""
+    for old in getattr(model, _GUARD, ()):
+        old.remove()
+    own = _OwnForward()
+    handles = (
+        model.register_forward_pre_hook(own.enter),
+        model.register_forward_hook(own.leave, always_call=True),
     )
+    setattr(model, _GUARD, handles)
+    for layer in layers:
+        layer.own = own
+    return layers
 
 
 class _DecoderLayer(nn.Module):
-    """A rotary family's decoder layer called on hidden states alone: its attention's mask,
-    position ids and rotary embeddings made in a pre-hook of the attention module from the
-    hidden states it sees (see the module docstring)."""
+    """A decoder layer called on hidden states alone: its attention's mask, position ids and
+    rotary embeddings made in a pre-hook of the attention module from the hidden states it
+    sees; a layer of another mixer (Mamba, gated delta net) given the mask of its kind, made
+    from its input (see the module docstring)."""
 
     def __init__(self, layer: nn.Module, index: int, rotary: nn.Module | None, config: Any) -> None:
         super().__init__()
@@ -143,46 +216,60 @@ class _DecoderLayer(nn.Module):
         self.rotary = [rotary]  # in a list: a shared module, not a child of every layer
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
-        attention = _attention_of(layer)
-        self.signature = inspect.signature(attention.forward)
-        params = list(inspect.signature(layer.forward).parameters.values())[1:]
+        signature = inspect.signature(layer.forward)
+        if "original_hidden_states" in signature.parameters:
+            family = getattr(config, "model_type", None) or type(layer).__name__
+            raise ValueError(
+                f"{family} cannot be cut into pipeline stages: its layers ({type(layer).__name__}) take "
+                "the embeddings' output (original_hidden_states) beside the hidden states, and a stage "
+                "receives the hidden states alone"
+            )
+        params = list(signature.parameters.values())[1:]
         # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
         self.required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+        attention = _attention_of(layer)
+        self.direct: tuple[str, ...] = ()  # the arguments made for the layer itself (no attention)
+        self.own: _OwnForward | None = None  # set by `_guarded`
+        if attention is None:  # a recurrent mixer reads its kind's mask (None: nothing padded), no positions
+            self.direct = ("attention_mask",) if "attention_mask" in signature.parameters else ()
+            return
+        self.signature = inspect.signature(attention.forward)
         old = getattr(attention, _HOOK, None)
         if old is not None:  # blocks built again (after tensor parallelism): this hook runs last
             old.remove()
         hook = attention.register_forward_pre_hook(self._arguments_of_attention, with_kwargs=True)
         setattr(attention, _HOOK, hook)
 
-    def _mask(self, h: Tensor, pos: Tensor) -> Any:
-        masks = importlib.import_module("transformers.masking_utils")  # optional: reached untyped
-        make = (
-            masks.create_sliding_window_causal_mask
-            if self.kind == "sliding_attention"
-            else masks.create_causal_mask
-        )
-        return make(self.config, h, None, None, position_ids=pos)
+    def _made(self, h: Tensor, names: tuple[str, ...]) -> dict[str, Any]:
+        """Those of `_MADE` in ``names``, for hidden states ``h`` (the whole sequence)."""
+        pos = _positions(h)
+        made: dict[str, Any] = {}
+        if "attention_mask" in names:
+            made["attention_mask"] = _mask_function(self.kind)(self.config, h, None, None, position_ids=pos)
+        if "position_ids" in names:
+            made["position_ids"] = pos
+        rotary = self.rotary[0]
+        if rotary is not None and "position_embeddings" in names:
+            made["position_embeddings"] = (
+                rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
+            )
+        return made
 
     def _arguments_of_attention(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.own is not None and self.own.depth:  # the model's own forward: its arguments stand
+            return None
         bound = self.signature.bind_partial(*args, **kwargs).arguments
         first = next(iter(self.signature.parameters))
         h = bound[first]
-        pos = _positions(h)
-        extra: dict[str, Any] = {"attention_mask": self._mask(h, pos)}
-        if "position_ids" in self.signature.parameters or "kwargs" in self.signature.parameters:
-            extra["position_ids"] = pos
-        rotary = self.rotary[0]
-        if rotary is not None:
-            extra["position_embeddings"] = (
-                rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
-            )
+        takes_ids = "position_ids" in self.signature.parameters or "kwargs" in self.signature.parameters
+        extra = self._made(h, _MADE if takes_ids else ("attention_mask", "position_embeddings"))
         rest = {k: v for k, v in bound.items() if k != first}
         return (h,), {**rest, **extra}
 
     def forward(self, h: Tensor) -> Tensor:
-        out = self.layer(h, **dict.fromkeys(self.required))
+        out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct)})
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
         return hidden
 
@@ -191,6 +278,13 @@ def _base(model: nn.Module) -> nn.Module:
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     return base if isinstance(base, nn.Module) else model
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    """A rotary module, or a list of them (GraniteMoE-SWA's ``rotary_embs``, one per base frequency)."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) > 0 and all(_is_rotary(m) for m in module)
+    return "rotary" in type(module).__name__.lower()
 
 
 def _order(base: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -205,11 +299,7 @@ def _order(base: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module
     at = names.index(stack)
 
     def modules(part: list[str]) -> list[nn.Module]:
-        return [
-            base.get_submodule(n)
-            for n in part
-            if "rotary" not in type(base.get_submodule(n)).__name__.lower()
-        ]
+        return [base.get_submodule(n) for n in part if not _is_rotary(base.get_submodule(n))]
 
     return modules(names[:at]), modules(names[at + 1 :])
 
@@ -219,7 +309,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     model hands rotary embeddings and masks to its layers (see the module docstring)."""
     base = _base(model)
     config: Any = getattr(model, "config", None)
-    layers = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList)]
+    layers = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and not _is_rotary(m)]
     if len(layers) != 1:
         raise ValueError(f"{type(model).__name__}: expected one nn.ModuleList of layers, found {layers}")
     before, after = _order(base, layers[0])
@@ -228,10 +318,10 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__}: expected modules before its layers and one norm after them; pass "
             "ModelSpec(blocks=fn)"
         )
-    rotary = getattr(base, "rotary_emb", None)
     stack: Any = base.get_submodule(layers[0])
     blocks: list[nn.Module] = [_Embedding(before, getattr(config, "embedding_multiplier", None))]
-    blocks += [_DecoderLayer(layer, i, rotary, config) for i, layer in enumerate(stack)]
+    decoders = [_DecoderLayer(layer, i, _rotary_of(base, config, i), config) for i, layer in enumerate(stack)]
+    blocks += _guarded(model, decoders)
     get_head: Any = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
@@ -263,7 +353,9 @@ def opt_blocks(model: nn.Module) -> list[nn.Module]:
     ``OPTForCausalLM``; each layer's causal mask made in its attention's pre-hook."""
     decoder: Any = model.get_submodule("model.decoder")
     config: Any = getattr(model, "config", None)
-    layers = [_DecoderLayer(layer, i, None, config) for i, layer in enumerate(decoder.layers)]
+    layers = _guarded(
+        model, [_DecoderLayer(layer, i, None, config) for i, layer in enumerate(decoder.layers)]
+    )
     after = [m for m in (decoder.final_layer_norm, decoder.project_out) if m is not None]
     norm = after[0] if len(after) == 1 else nn.Sequential(*after)
     return [_OPTEmbedding(decoder), *layers, _Head(norm, model.get_submodule("lm_head"), config)]

@@ -53,6 +53,12 @@ _ALIBI = (
 
 
 
+_EMBEDDINGS_BESIDE = (
+    "its hybrid layers take the embeddings' output (original_hidden_states) beside the hidden states, "
+    "and a pipeline stage receives the hidden states alone"
+)
+
+
 # model_type -> spec: the decoder-only causal-LM families of the pinned transformers whose
 # layout the derived roles and ``decoder_blocks`` serve (tests/test_hf_families.py holds each to
 # its serial run), and those refused an axis, with the reason.
@@ -80,6 +86,8 @@ FAMILIES: dict[str, ModelSpec] = {
     "granitemoeshared": ModelSpec(roles=GRANITEMOE_SHARED_PLAN, blocks=decoder_blocks),
     # their q_norm and k_norm normalize each whole projection (all heads together): the derived
     # roles keep the attention whole on every tp rank (and refuse sequence parallelism)
+    "zamba": ModelSpec(blocks=decoder_blocks, refuses={"pp": _EMBEDDINGS_BESIDE}),
+    "zamba2": ModelSpec(blocks=decoder_blocks, refuses={"pp": _EMBEDDINGS_BESIDE}),
     "olmoe": ModelSpec(blocks=decoder_blocks),
     "olmo2": ModelSpec(blocks=decoder_blocks),
 }
