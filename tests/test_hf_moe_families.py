@@ -118,6 +118,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama4_text": ("Llama4TextConfig", {
         "intermediate_size": 12, "intermediate_size_mlp": 20, "num_local_experts": 4,
         "num_experts_per_tok": 1, "head_dim": 4, "moe_layers": [0],
+        "attention_chunk_size": 4, "no_rope_layers": [1, 0],  # layer 0 chunked with rope, 1 full without
     }),
     # a small swiglu_limit, so that the clamps act on these weights
     "gpt_oss": ("GptOssConfig", {
@@ -375,6 +376,7 @@ CASES = [
     ("deepseek_v2", "tp2"),  # a latent attention without query LoRA: q_proj split by its qk heads
     ("granitemoeshared", "tp2"),  # GRANITEMOE_SHARED_PLAN: block_sparse_moe and shared_mlp replicated
     ("granitemoe", "pp2"),  # decoder_blocks apply Granite's embedding and logits multipliers
+    ("llama4_text", "pp2"),  # its base under ``model`` (not its base_model_prefix); chunked attention
 ]
 
 

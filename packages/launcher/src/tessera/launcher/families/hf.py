@@ -275,9 +275,14 @@ class _DecoderLayer(nn.Module):
 
 
 def _base(model: nn.Module) -> nn.Module:
+    """The base model under the head: the child ``base_model_prefix`` names, else ``model`` (Llama
+    4's text model names its prefix ``language_model`` and keeps its base as ``model``)."""
     prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    return base if isinstance(base, nn.Module) else model
+    for name in (prefix, "model"):
+        base = getattr(model, name, None) if name else None
+        if isinstance(base, nn.Module):
+            return base
+    return model
 
 
 def _is_rotary(module: nn.Module) -> bool:
