@@ -27,8 +27,9 @@ Tier 2: ``boost()`` converts it itself and trains it at dp2 x ep2 (ZeRO 1, and Z
 with two microbatches), tp2 (the mixture replicated) and pp2, equal to the serial run of the
 model as the user wrote it, which adds the aux loss to each (rank, microbatch) chunk's loss
 (the load-balancing loss is a per-call statistic), the stacked mixture at dp2 x ep2 and
-Seekish at dp2 x ep2 ZeRO 3, the counting blocks at dp2 x ep2; ``verify=True`` passes; each export carries the user's names
-(``gate_bias`` included) and loads strictly into a fresh copy of the user's model.
+Seekish at dp2 x ep2 ZeRO 3, the counting blocks at dp2 x ep2; ``verify=True`` passes; each
+export carries the user's names (``gate_bias`` included) and loads strictly into a fresh copy of
+the user's model.
 
 Bounds: logits, and the block's outputs and gradients, of the conversion fp32 rtol 1e-5 /
 atol 1e-6 (the same products, a per-expert loop against one batched matmul: summation order
