@@ -2,7 +2,8 @@
 ``transformers`` against ``tessera.launcher.families.hf_moe``. Prints one table, a row per
 family: whether it builds at a tiny size, whether its sparse block has the layout
 ``moe_from_hf`` reads (a ``gate`` or ``router`` beside ``experts.gate_up_proj [E, 2h, d]`` and
-``experts.down_proj [E, d, h]``, or by columns ``[E, d, 2h]`` and ``[E, h, d]``), its routing
+``experts.down_proj [E, d, h]``, or by columns ``[E, d, 2h]`` and ``[E, h, d]``, or not gated
+``up_proj`` / ``down_proj``, or DBRX's flat ``mlp.w1`` / ``v1`` / ``w2``), its routing
 (scores; group-limited ``n_group`` / ``topk_group``; a score-correction bias; a routed scale;
 ``norm_topk_prob``; shared experts, how many and whether gated; expert biases; the experts'
 activation), and the outcome:
@@ -51,10 +52,12 @@ FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs 
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
     "kolibri1_1": {"head_dim": 16},
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "longcat_flash": {"zero_expert_num": 4},  # its default 256 identity experts beside 8 real ones
     "zaya": {"num_experts_per_tok": 1},
     "dbrx": {
         "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
-        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+        # clip_qkv: HF's attention clamps by it, and fails with None
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 16},
     },
 }  # fmt: skip
@@ -109,6 +112,8 @@ def _layout_ok(block: nn.Module) -> str:
     if not is_hf_sparse_moe(block):
         names = ", ".join(n for n, _ in bank.named_parameters())
         return f"no ({names or type(bank).__name__})"
+    if not hasattr(bank, "gate_up_proj"):  # Nemotron-H's non-gated up_proj, DBRX's mlp.w1 / v1 / w2
+        return "yes, not gated" if hasattr(bank, "up_proj") else "yes, flat (mlp.w1, v1, w2)"
     gate_up, down = bank.gate_up_proj, bank.down_proj
     if gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]:
         return "yes"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tessera.moe.adapters import ExpertAdapter, RouterAdapter
 from tessera.moe.balance import balance_choice_biases, set_bias_rate
-from tessera.moe.experts import Activation, ClampedSwiGLU, Experts
+from tessera.moe.experts import Activation, ClampedSwiGLU, Experts, SwiGLUVariant
 from tessera.moe.grads import expert_parameters, reduce_gradients
 from tessera.moe.layer import Gather, MoE, MoEStats, Weigh, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
@@ -36,6 +36,7 @@ __all__ = [
     "RouterAdapter",
     "RouterSpec",
     "Routing",
+    "SwiGLUVariant",
     "TopKRouter",
     "Weigh",
     "balance_choice_biases",

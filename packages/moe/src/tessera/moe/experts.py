@@ -1,9 +1,9 @@
 """A bank of expert MLPs stored as stacked weights, run grouped or one expert at a time.
 
-``w1 [n, d, h]`` and ``w2 [n, h, d]`` (and ``w3 [n, d, h]`` for SwiGLU) hold ``n`` experts.
-SwiGLU computes ``(silu(x @ w1) * (x @ w3)) @ w2``, GELU ``gelu(x @ w1) @ w2``, and GPT-OSS's
-clamped SwiGLU (`ClampedSwiGLU`) ``((u.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)) @ w2``
-with ``g = (x @ w1).clamp(max=limit)``, ``u = x @ w3``. With ``bias=True`` each projection has a
+``w1 [n, d, h]`` and ``w2 [n, h, d]`` (and ``w3 [n, d, h]`` for a gated activation) hold ``n``
+experts. A gated one computes ``act(x @ w1, x @ w3) @ w2`` (SwiGLU: ``silu(g) * u``; GPT-OSS's
+`ClampedSwiGLU`, and the clamped and softcapped `SwiGLUVariant`), a non-gated one ``act(x @ w1)
+@ w2`` (GELU, ReLU², `tessera.moe.activations`). With ``bias=True`` each projection has a
 bias (``b1 [n, h]``, ``b3 [n, h]``, ``b2 [n, d]``, zeros at first), else none.
 The input rows arrive sorted by expert with ``counts[i]`` rows for the bank's expert ``i``.
 The grouped path scatters them into a ``[n, max(counts), d]`` batch (zero padding) and runs
@@ -14,43 +14,27 @@ bank computes with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.moe.activations import (
+    ACTIVATIONS,
+    Activation,
+    ClampedSwiGLU,
+    SwiGLUVariant,
+    activate,
+    check_activation,
+    is_gated,
+)
 from tessera.moe.adapters import ExpertAdapter, deltas
 from tessera.moe.init import generator, uniform
 
-__all__ = ["ACTIVATIONS", "Activation", "ClampedSwiGLU", "Experts"]
-
-
-@dataclass(frozen=True, slots=True)
-class ClampedSwiGLU:
-    """GPT-OSS's SwiGLU: ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g =
-    gate.clamp(max=limit)`` (``swiglu_alpha``, ``swiglu_limit`` of its config)."""
-
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
-        gate = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-
-Activation = Literal["swiglu", "gelu"] | ClampedSwiGLU
-ACTIVATIONS = ("swiglu", "gelu")  # by name; and any `ClampedSwiGLU`
-
-
-def _gated(activation: Activation) -> bool:
-    return activation != "gelu"
+__all__ = ["ACTIVATIONS", "Activation", "ClampedSwiGLU", "Experts", "SwiGLUVariant"]
 
 
 def _expert_weights(d: int, h: int, activation: Activation, gen: torch.Generator) -> list[Tensor]:
     w = [uniform((d, h), d, gen), uniform((h, d), h, gen)]
-    if _gated(activation):
+    if is_gated(activation):
         w.append(uniform((d, h), d, gen))
     return w
 
@@ -79,17 +63,14 @@ class Experts(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(activation, ClampedSwiGLU) and activation not in ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {ACTIVATIONS}, got {activation!r}; or give a ClampedSwiGLU"
-            )
+        check_activation(activation)
         if d_model < 1 or hidden < 1:
             raise ValueError(f"d_model and hidden must be >= 1, got d_model={d_model}, hidden={hidden}")
         self.activation: Activation = activation
         per_expert = [_expert_weights(d_model, hidden, activation, generator(seed, s)) for s in streams]
         self.w1 = nn.Parameter(torch.stack([w[0] for w in per_expert]))
         self.w2 = nn.Parameter(torch.stack([w[1] for w in per_expert]))
-        self.w3 = nn.Parameter(torch.stack([w[2] for w in per_expert])) if _gated(activation) else None
+        self.w3 = nn.Parameter(torch.stack([w[2] for w in per_expert])) if is_gated(activation) else None
         n = len(streams)
         self.b1 = nn.Parameter(torch.zeros(n, hidden)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(n, d_model)) if bias else None
@@ -180,13 +161,8 @@ class Experts(nn.Module):
 
         b1, b2, b3 = bias(self.b1), bias(self.b2), bias(self.b3)
         gate = x @ w1 if b1 is None else x @ w1 + b1
-        if w3 is None:
-            hidden = F.gelu(gate)
-        else:
-            up = x @ w3 if b3 is None else x @ w3 + b3
-            act = self.activation
-            hidden = act(gate, up) if isinstance(act, ClampedSwiGLU) else F.silu(gate) * up
-        out = hidden @ w2
+        up = None if w3 is None else x @ w3 if b3 is None else x @ w3 + b3
+        out = activate(self.activation, gate, up) @ w2
         return out if b2 is None else out + b2 * self.out_bias_share
 
     def expert(self, i: int, x: Tensor) -> Tensor:

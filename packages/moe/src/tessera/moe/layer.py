@@ -10,6 +10,19 @@ the router's weight scales each routed row before its expert instead of the expe
 after it; the weighted rows are what travels to the experts' ranks, so the router's gradient
 comes back through the experts (and the exchange) with them.
 
+Identity experts (``identity_experts=Z``, LongCat-Flash's "zero experts") are ``Z`` further
+choices of the router, numbered after the ``E`` real ones, whose output is the token itself:
+a token choosing one adds ``weight * x``. They hold no weights, cost no compute beyond that
+product, and their rows never travel: each rank adds them from its own tokens, before the
+real experts' rows leave for their owners (under tp, on the group's first rank only, so the
+sum over the group counts them once). They are never dropped (a capacity is refused with
+them); the losses and the load the choice bias balances count all ``E + Z`` choices, the
+statistics (`MoEStats`) the real experts only.
+
+A post-norm (``post_norm_eps``, AXK1's ``post_mlp_layernorm``) is an RMS norm with a trained
+weight ``post_norm [d]`` (ones at first) applied to the layer's output: the sum of the
+experts' and the shared expert's outputs, per token.
+
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
 The capacity, the losses and the statistics are those of the rank's own tokens, so each
@@ -27,6 +40,10 @@ in the reverse order) leaves the region. The router and the shared
 gate are whole on every tp rank and their gradients are partial sums to be summed over tp
 (as any whole parameter inside a tp region); the losses, which every tp rank computes whole,
 weigh ``1 / tp`` on each in the backward so that sum counts them once (`aux.scale_grad`).
+A post-norm applies after the region, to whole tokens: with sequence parallelism to each
+rank's slice (its weight's gradient a partial sum over the slices), else to the same whole
+output on every rank (its gradient weighing ``1 / tp`` on each, so the sum counts it once);
+2D, 2.5D and 3D tensor parallelism, which leave each rank a block of the hidden, refuse it.
 """
 
 from __future__ import annotations
@@ -124,6 +141,10 @@ class MoE(nn.Module):
     (the default), or its ``input`` (Llama 4).
     ``expert_bias`` / ``router_bias``: the routed experts' projections / the router's logits have
     trained biases (zeros at first; GPT-OSS; the shared expert has none).
+    ``identity_experts``: the router chooses among ``experts + identity_experts``, the further
+    ones giving the token itself (module docstring; drop-less only).
+    ``post_norm_eps``: RMS-normalise the output with this epsilon and a trained weight
+    ``post_norm [d_model]`` (module docstring; None: no norm).
     ``shared_hidden``: add an always-on MLP of that width; ``shared_gate``: scale its output
     per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate [1, d_model]``, as Qwen2-MoE).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
@@ -154,6 +175,8 @@ class MoE(nn.Module):
         renormalize: bool = True,
         routing: RouterSpec | None = None,
         weigh: Weigh = "output",
+        identity_experts: int = 0,
+        post_norm_eps: float | None = None,
         shared_hidden: int | None = None,
         shared_gate: bool = False,
         expert_bias: bool = False,
@@ -168,11 +191,23 @@ class MoE(nn.Module):
         super().__init__()
         if experts < 1:
             raise ValueError(f"experts must be >= 1, got {experts}")
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
+        if not 1 <= top_k <= experts + max(identity_experts, 0):
+            raise ValueError(
+                f"top_k ({top_k}) must be between 1 and experts ({experts}) + identity experts "
+                f"({identity_experts})"
+            )
         capacity(1, experts, top_k, capacity_factor)  # refuses a factor <= 0
         if weigh not in WEIGHS:
             raise ValueError(f"weigh must be one of {WEIGHS}, got {weigh!r}")
+        if identity_experts < 0:
+            raise ValueError(f"identity_experts must be >= 0, got {identity_experts}")
+        if identity_experts and capacity_factor is not None:
+            raise ValueError(
+                f"identity_experts ({identity_experts}) are drop-less: capacity_factor must be None, "
+                f"got {capacity_factor}"
+            )
+        if post_norm_eps is not None and not (math.isfinite(post_norm_eps) and post_norm_eps > 0):
+            raise ValueError(f"post_norm_eps must be finite and > 0 (or None), got {post_norm_eps}")
         if shared_gate and shared_hidden is None:
             raise ValueError("shared_gate needs a shared expert (shared_hidden)")
         if bias_rate and not (routing is not None and routing.choice_bias):
@@ -192,6 +227,7 @@ class MoE(nn.Module):
             seed = int(torch.randint(0, 2**62, ()).item())
         start, stop = (0, experts) if ep_group is None else _ep_split(experts, ep_group)
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.identity_experts = identity_experts
         self.grouped, self.ep_group = grouped, ep_group
         self.weigh: Weigh = weigh
         self.aux_loss_coef, self.z_loss_coef, self.aux_grad_scale = aux_loss_coef, z_loss_coef, 1.0
@@ -201,7 +237,13 @@ class MoE(nn.Module):
         self.tp_group: dist.ProcessGroup | None = None  # `split_hidden`
         self.gathers: tuple[Gather, ...] = ()  # `split_hidden`: how the input enters the region
         self.router = TopKRouter(
-            d_model, experts, top_k, renormalize=renormalize, seed=seed, spec=routing, bias=router_bias
+            d_model,
+            experts + identity_experts,
+            top_k,
+            renormalize=renormalize,
+            seed=seed,
+            spec=routing,
+            bias=router_bias,
         )
         self.experts = Experts(
             d_model,
@@ -221,6 +263,8 @@ class MoE(nn.Module):
             if shared_gate
             else None
         )
+        self.post_norm_eps = post_norm_eps
+        self.post_norm = None if post_norm_eps is None else nn.Parameter(torch.ones(d_model))
         self.aux_loss: Tensor = torch.zeros(())
         self.z_loss: Tensor = torch.zeros(())
         self.stats = MoEStats(torch.zeros(experts, dtype=torch.long), torch.zeros(experts, dtype=torch.long))
@@ -240,21 +284,28 @@ class MoE(nn.Module):
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
         routing = self.router(tokens)
-        cap = capacity(tokens.shape[0], self.num_experts, self.top_k, self.capacity_factor)
-        plan = plan_dispatch(routing.choices, self.num_experts, cap)
-        rows = tokens.index_select(0, plan.token)
-        weights = routing.weights.reshape(-1).index_select(0, plan.assignment).to(rows.dtype)[:, None]
+        experts = self.num_experts
+        cap = capacity(tokens.shape[0], experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(routing.choices, experts + self.identity_experts, cap)
+        # sorted by expert: the real experts' assignments first, then the identity experts'
+        real = int(plan.kept[:experts].sum()) if self.identity_experts else plan.token.numel()
+        token, assignment = plan.token[:real], plan.assignment[:real]
+        rows = tokens.index_select(0, token)
+        weights = routing.weights.reshape(-1).index_select(0, assignment).to(rows.dtype)[:, None]
         if self.weigh == "input":  # the weighted rows travel: the router's gradient comes back with them
             rows = rows * weights
+        kept = plan.kept[:experts]
         if self.ep_group is None or group_size(self.ep_group) == 1:
-            out_rows = self.experts(rows, plan.kept, grouped=self.grouped)
+            out_rows = self.experts(rows, kept, grouped=self.grouped)
         else:
-            ex = plan_exchange(plan.kept, self.ep_group)
+            ex = plan_exchange(kept, self.ep_group)
             local = self.experts(dispatch(rows, ex, self.ep_group), ex.local_counts, grouped=self.grouped)
             out_rows = combine(local, ex, self.ep_group)
         if self.weigh == "output":
             out_rows = out_rows * weights
-        out = tokens.new_zeros(tokens.shape).index_add(0, plan.token, out_rows)
+        out = tokens.new_zeros(tokens.shape).index_add(0, token, out_rows)
+        if real < plan.token.numel() and (tp == 1 or group_rank(self.tp_group) == 0):
+            out = out + self._identity(tokens, routing.weights, plan.token[real:], plan.assignment[real:])
         if self.shared is not None:
             shared = self.shared.expert(0, tokens)
             if self.shared_gate is not None:
@@ -264,19 +315,37 @@ class MoE(nn.Module):
         self.z_loss = z_loss(routing.logits)
         if tp > 1:  # computed whole on every tp rank, whose router gradients are summed over tp
             self.aux_loss, self.z_loss = scale_grad(self.aux_loss, 1 / tp), scale_grad(self.z_loss, 1 / tp)
-        self.stats = MoEStats(routed=plan.routed, kept=plan.kept)
+        self.stats = MoEStats(routed=plan.routed[:experts], kept=kept)
         out = out.view(x.shape)
         if tp > 1:  # leave the region: the shares of every expert's output summed
             for dim, group in reversed(self.gathers):
                 out = reduce_scatter_along(out, dim, group)
             if not self.gathers:
                 out = reduce_from_region(out, self.tp_group)
+        if self.post_norm is not None:
+            out = self._post_normed(out, tp)
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
             out = attach_aux(out, weighted, self)
         if self.bias_rate and torch.is_grad_enabled():
             out = count_load(out, plan.routed, self)
         return out
+
+    def _post_normed(self, out: Tensor, tp: int) -> Tensor:
+        """``out`` RMS-normalised over its last dim (in fp32) and scaled by ``post_norm``; the
+        weight's gradient weighs ``1 / tp`` where every tp rank holds the same whole output."""
+        assert self.post_norm is not None and self.post_norm_eps is not None
+        weight = scale_grad(self.post_norm, 1 / tp) if tp > 1 and not self.gathers else self.post_norm
+        x = out.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.post_norm_eps)
+        return weight * normed.to(out.dtype)
+
+    @staticmethod
+    def _identity(tokens: Tensor, weights: Tensor, token: Tensor, assignment: Tensor) -> Tensor:
+        """The identity experts' share of the output: ``weight * x`` for each of their
+        assignments (``token`` and ``assignment`` as `plan_dispatch` numbers them), summed per token."""
+        w = weights.reshape(-1).index_select(0, assignment).to(tokens.dtype)[:, None]
+        return tokens.new_zeros(tokens.shape).index_add(0, token, tokens.index_select(0, token) * w)
 
 
 def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
@@ -325,6 +394,11 @@ def split_hidden(
     problem = hidden_split_problem(layer, tp)
     if problem:
         raise ValueError(problem)
+    if layer.post_norm is not None and len(gathers) > 1:
+        raise ValueError(
+            f"a post-norm needs each token's whole hidden after the layer, but {len(gathers)} gathers "
+            "(2D, 2.5D or 3D tensor parallelism) leave each rank a block of it"
+        )
     spans = math.prod(group_size(g) for _, g in gathers)
     if gathers and spans != tp:
         raise ValueError(f"the gathers span {spans} ranks, but the tp group has {tp}")

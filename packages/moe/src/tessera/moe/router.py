@@ -23,9 +23,18 @@ DeepSeek-V3 and the families that copy them, in four independent parts:
 - ``scale``: the weights, after renormalisation, multiplied by ``scale`` (DeepSeek's
   ``routed_scaling_factor``).
 
+Three details some families change: ``choose_by="logits"`` chooses by the logits (plus the
+choice bias) instead of the scores, still weighing by the chosen experts' scores (Kolibri:
+``topk(logits + bias)``, weights ``sigmoid(logit)``; without a bias the same choice as by
+the scores, as both score functions are monotone in the logits); ``group_fill``: the value
+the experts outside the kept groups take for the choice, ``-inf`` (DeepSeek-V3) or ``0.0``
+(AXK2: with a negative bias such an expert may still be chosen); ``renorm_eps``: the guard of
+the renormalisation, ``sum + renorm_eps``.
+
 Outside the default, renormalisation divides by ``sum + 1e-20`` as DeepSeek-V3 does (no
-difference unless the chosen scores sum below about ``1e-13``). The default spec takes the
-original code path, so a default router routes bit for bit as before `RouterSpec` existed.
+difference unless the chosen scores sum below about ``1e-13``; LFM2 adds ``1e-6``). The
+default spec takes the original code path, so a default router routes bit for bit as before
+`RouterSpec` existed.
 """
 
 from __future__ import annotations
@@ -40,10 +49,20 @@ from torch import Tensor, nn
 from tessera.moe.adapters import deltas
 from tessera.moe.init import ROUTER_STREAM, generator, uniform
 
-__all__ = ["GroupScore", "RouterSpec", "Routing", "ScoreFunction", "TopKRouter", "limit_to_groups", "route"]
+__all__ = [
+    "ChooseBy",
+    "GroupScore",
+    "RouterSpec",
+    "Routing",
+    "ScoreFunction",
+    "TopKRouter",
+    "limit_to_groups",
+    "route",
+]
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2"]
+ChooseBy = Literal["scores", "logits"]
 _EPS = 1e-20  # DeepSeek-V3's renormalisation guard
 
 
@@ -58,6 +77,9 @@ class RouterSpec:
     top_groups: int = 1
     group_score: GroupScore = "max"
     scale: float = 1.0
+    choose_by: ChooseBy = "scores"
+    group_fill: float = float("-inf")
+    renorm_eps: float = _EPS
 
     @property
     def is_default(self) -> bool:
@@ -72,6 +94,12 @@ class RouterSpec:
             return f"group_score must be 'max' or 'top2', got {self.group_score!r}"
         if not (math.isfinite(self.scale) and self.scale > 0):
             return f"scale must be finite and > 0, got {self.scale}"
+        if self.choose_by not in ("scores", "logits"):
+            return f"choose_by must be 'scores' or 'logits', got {self.choose_by!r}"
+        if not (self.group_fill == float("-inf") or math.isfinite(self.group_fill)):
+            return f"group_fill must be -inf or finite, got {self.group_fill}"
+        if not (math.isfinite(self.renorm_eps) and self.renorm_eps >= 0):
+            return f"renorm_eps must be finite and >= 0, got {self.renorm_eps}"
         if self.groups < 1 or experts % self.groups:
             return f"groups ({self.groups}) must be >= 1 and divide experts ({experts})"
         if not 1 <= self.top_groups <= self.groups:
@@ -105,9 +133,11 @@ class Routing:
     weights: Tensor
 
 
-def limit_to_groups(choice: Tensor, groups: int, top_groups: int, group_score: GroupScore) -> Tensor:
+def limit_to_groups(
+    choice: Tensor, groups: int, top_groups: int, group_score: GroupScore, fill: float = float("-inf")
+) -> Tensor:
     """``choice [T, E]`` with every expert outside each token's ``top_groups`` best groups of
-    ``E / groups`` consecutive experts set to ``-inf`` (group score: the best expert's, or the
+    ``E / groups`` consecutive experts set to ``fill`` (group score: the best expert's, or the
     sum of the best two)."""
     tokens, experts = choice.shape
     per_group = choice.view(tokens, groups, experts // groups)
@@ -117,7 +147,7 @@ def limit_to_groups(choice: Tensor, groups: int, top_groups: int, group_score: G
         group = per_group.topk(2, dim=-1).values.sum(dim=-1)
     kept = torch.zeros_like(group, dtype=torch.bool)
     kept.scatter_(1, torch.topk(group, top_groups, dim=-1).indices, True)
-    return choice.masked_fill(~kept.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    return choice.masked_fill(~kept.repeat_interleave(experts // groups, dim=1), fill)
 
 
 def route(
@@ -130,7 +160,7 @@ def route(
 ) -> Routing:
     """Each token's ``top_k`` experts and weights from ``logits [T, E]`` (in fp32): softmax
     top-k by default, else as ``spec`` says, choosing by the scores plus ``bias [E]`` (given
-    exactly when ``spec.choice_bias``)."""
+    exactly when ``spec.choice_bias``; by the logits plus ``bias`` with ``spec.choose_by="logits"``)."""
     experts = logits.shape[-1]
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
@@ -154,13 +184,14 @@ def route(
     scores = (
         torch.softmax(logits.float(), dim=-1) if spec.score == "softmax" else torch.sigmoid(logits.float())
     )
-    choice = scores.detach() if bias is None else scores.detach() + bias.float()
+    choice = (scores if spec.choose_by == "scores" else logits.float()).detach()
+    choice = choice if bias is None else choice + bias.float()
     if spec.groups > 1:
-        choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score)
+        choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score, spec.group_fill)
     choices = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, choices)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + _EPS)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renorm_eps)
     if spec.scale != 1.0:
         weights = weights * spec.scale
     probs = scores if spec.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)

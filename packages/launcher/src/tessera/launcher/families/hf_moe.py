@@ -1,5 +1,8 @@
 """Hugging Face sparse MoE blocks as ``tessera.moe.MoE`` layers: Mixtral, Qwen2/3-MoE, OLMoE,
-DeepSeek-V2/V3, GraniteMoE, Llama 4, GPT-OSS and the families that copy their blocks (``hf_moe_routing``).
+DeepSeek-V2/V3, GraniteMoE, Llama 4, GPT-OSS and the families that copy their blocks (``hf_moe_routing``),
+and those whose experts hold or compute otherwise (``hf_moe_banks``: Nemotron-H's non-gated ReLU²
+experts, DBRX's ``mlp.w1`` / ``v1`` / ``w2``, Aria's columns, clamped and softcapped SwiGLUs),
+their tensors read, exported and written back through the `ExportPart` s that name them.
 
 Their blocks hold a router and experts ``experts.gate_up_proj [E, 2h, d]`` (gate rows, then
 up rows) and ``experts.down_proj [E, d, h]`` computing ``down(silu(gate x) * up x)``, some a
@@ -35,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,10 +46,19 @@ from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart
 from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, peeled
+from tessera.launcher.families.hf_moe_banks import (
+    PART_LAYOUTS,
+    SWIGLU_SHARED,
+    bank_parts,
+    bank_state,
+    holds_bank,
+    read_parts,
+)
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
+from tessera.moe.activations import is_gated
 
 __all__ = [
     "MIXTRAL_PLAN",
@@ -105,17 +117,14 @@ class LogitsMoE(MoE):
 
 def is_hf_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` is laid out as an HF sparse MoE block (by its attributes, whatever
-    its class is called): experts ``experts.gate_up_proj`` and ``experts.down_proj`` beside a
-    router submodule ``gate`` or ``router``. Whether it can be reproduced is `moe_from_hf`'s
-    to say."""
+    its class is called): experts holding their tensors as a ``hf_moe_banks`` layout does
+    (``experts.gate_up_proj`` and ``experts.down_proj``, or ``up_proj`` and ``down_proj``, or
+    ``mlp.w1`` / ``v1`` / ``w2``) beside a router submodule ``gate`` or ``router``. Whether it
+    can be reproduced is `moe_from_hf`'s to say."""
     experts = getattr(module, "experts", None)
     experts = peel(experts) if isinstance(experts, nn.Module) else experts  # PEFT's wrappers
     routers = (getattr(module, "gate", None), getattr(module, "router", None))
-    return (
-        any(isinstance(router, nn.Module) for router in routers)
-        and isinstance(getattr(experts, "gate_up_proj", None), Tensor)
-        and isinstance(getattr(experts, "down_proj", None), Tensor)
-    )
+    return any(isinstance(router, nn.Module) for router in routers) and holds_bank(experts)
 
 
 def _tensor(module: nn.Module, dotted: str) -> Tensor:
@@ -146,9 +155,9 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
 def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[MoE, HFLayout]:
     layout = read_layout(block)
     bank: Any = block.experts
-    gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]; columns: [E, d, 2h], [E, h, d]
+    ref: Tensor = next(bank.parameters())  # where and in what dtype the bank is held
     # a block without storage (deferred) gives a layer without storage: nothing is drawn
-    with torch.device("meta") if gate_up.is_meta else contextlib.nullcontext():
+    with torch.device("meta") if ref.is_meta else contextlib.nullcontext():
         layer = (LogitsMoE if layout.returns_logits else MoE)(
             layout.d_model,
             layout.hidden,
@@ -157,6 +166,8 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
             renormalize=layout.renormalize,
             routing=layout.routing,
             weigh=layout.weigh,
+            identity_experts=layout.identity_experts,
+            post_norm_eps=layout.post_norm_eps,
             activation=layout.activation,
             expert_bias=layout.bank == "interleaved",
             router_bias=layout.router_bias is not None,
@@ -166,7 +177,14 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
             aux_loss_coef=aux_loss_coef,
             z_loss_coef=z_loss_coef,
         )
-    layer = layer.to(device=gate_up.device, dtype=gate_up.dtype)
+    layer = layer.to(device=ref.device, dtype=ref.dtype)
+    if layer.shared is not None:  # its own activation (HunYuan-V4's shared expert is not clamped)
+        if is_gated(layout.shared_activation) != is_gated(layout.activation):
+            raise ValueError(
+                f"its shared expert's activation {layout.shared_activation!r} is gated and the experts' "
+                f"{layout.activation!r} is not, or the other way round; tessera.moe's banks match"
+            )
+        layer.shared.activation = layout.shared_activation
     h = layout.hidden
     with torch.no_grad():
         layer.router.weight.copy_(_tensor(block, layout.router_weight))
@@ -178,36 +196,48 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
                 layer.router.score_bias = bias.to(held.dtype).clone()
             else:
                 held.copy_(bias)
-        assert layer.experts.w3 is not None  # SwiGLU
         if layout.router_bias is not None:
             assert layer.router.bias is not None
             layer.router.bias.copy_(_tensor(block, layout.router_bias))
-        if layout.bank == "interleaved":  # gate and up columns alternating, biases
+        if layout.bank in PART_LAYOUTS:  # read through the parts that export them
+            for w, parts in bank_parts(layout.bank, layout.experts, h).items():
+                layer.get_parameter(w).copy_(read_parts(block, parts))
+        elif layout.bank == "interleaved":  # gate and up columns alternating, biases
+            gate_up, down = bank.gate_up_proj, bank.down_proj
             experts = layer.experts
+            assert experts.w3 is not None  # SwiGLU
             assert experts.b1 is not None and experts.b2 is not None and experts.b3 is not None
             experts.w1.copy_(gate_up[..., 0::2])
-            layer.experts.w3.copy_(gate_up[..., 1::2])
+            experts.w3.copy_(gate_up[..., 1::2])
             experts.w2.copy_(down)
             experts.b1.copy_(bank.gate_up_proj_bias[..., 0::2])
             experts.b3.copy_(bank.gate_up_proj_bias[..., 1::2])
             experts.b2.copy_(bank.down_proj_bias)
         elif layout.columns:
+            gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, d, 2h], [E, h, d]
+            assert layer.experts.w3 is not None  # SwiGLU
             layer.experts.w1.copy_(gate_up[:, :, :h])
             layer.experts.w3.copy_(gate_up[:, :, h:])
             layer.experts.w2.copy_(down)
         else:
+            gate_up, down = bank.gate_up_proj, bank.down_proj  # [E, 2h, d], [E, d, h]
+            assert layer.experts.w3 is not None  # SwiGLU
             layer.experts.w1.copy_(gate_up[:, :h].transpose(1, 2))
             layer.experts.w3.copy_(gate_up[:, h:].transpose(1, 2))
             layer.experts.w2.copy_(down.transpose(1, 2))
         if layout.shared is not None:
             shared: Any = block.get_submodule(layout.shared)
-            assert layer.shared is not None and layer.shared.w3 is not None
-            layer.shared.w1.copy_(shared.gate_proj.weight.t().unsqueeze(0))
-            layer.shared.w3.copy_(shared.up_proj.weight.t().unsqueeze(0))
-            layer.shared.w2.copy_(shared.down_proj.weight.t().unsqueeze(0))
+            assert layer.shared is not None
+            for w, proj, band in layout.shared_projections:
+                weight = getattr(shared, proj).weight
+                weight = weight if band is None else band.cut(weight)  # MiniMax-M3's gate | up rows
+                getattr(layer.shared, w).copy_(weight.t().unsqueeze(0))
         if layout.shared_gate is not None:
             assert layer.shared_gate is not None
             layer.shared_gate.copy_(_tensor(block, f"{layout.shared_gate}.weight"))
+        if layout.post_norm is not None:
+            assert layer.post_norm is not None
+            layer.post_norm.copy_(_tensor(block, f"{layout.post_norm}.weight"))
     _keep_frozen(layer, block, layout)
     return layer, layout
 
@@ -216,8 +246,12 @@ def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
     """The converted weights trained or frozen as the block's were (a PEFT model freezes them)."""
     bank: Any = block.experts
     layer.router.weight.requires_grad_(_tensor(block, layout.router_weight).requires_grad)
-    for w, source in (("w1", bank.gate_up_proj), ("w3", bank.gate_up_proj), ("w2", bank.down_proj)):
-        getattr(layer.experts, w).requires_grad_(source.requires_grad)
+    if layout.bank in PART_LAYOUTS:
+        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden).items():
+            layer.get_parameter(w).requires_grad_(block.get_parameter(parts[0].name).requires_grad)
+    else:
+        for w, source in (("w1", bank.gate_up_proj), ("w3", bank.gate_up_proj), ("w2", bank.down_proj)):
+            getattr(layer.experts, w).requires_grad_(source.requires_grad)
     if layout.bank == "interleaved":
         for b, hf in (("b1", "gate_up_proj_bias"), ("b3", "gate_up_proj_bias"), ("b2", "down_proj_bias")):
             getattr(layer.experts, b).requires_grad_(getattr(bank, hf).requires_grad)
@@ -225,10 +259,12 @@ def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
         layer.router.bias.requires_grad_(_tensor(block, layout.router_bias).requires_grad)
     if layout.shared is not None and layer.shared is not None:
         shared: Any = block.get_submodule(layout.shared)
-        for w, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        for w, hf, _ in layout.shared_projections:
             getattr(layer.shared, w).requires_grad_(getattr(shared, hf).weight.requires_grad)
     if layout.shared_gate is not None and layer.shared_gate is not None:
         layer.shared_gate.requires_grad_(_tensor(block, f"{layout.shared_gate}.weight").requires_grad)
+    if layout.post_norm is not None and layer.post_norm is not None:
+        layer.post_norm.requires_grad_(_tensor(block, f"{layout.post_norm}.weight").requires_grad)
 
 
 def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> int:
@@ -326,9 +362,11 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
         parent = name.rpartition(".")[0]
         old = f"{parent}.{saved.block[1]}" if parent else saved.block[1]
 
-    def part(rel: str, index: int | None = None, transpose: bool = False) -> tuple[ExportPart, ...]:
-        legacy = (ExportPart(f"{old}.{rel}", index, transpose),) if old != name else ()
-        return (ExportPart(f"{name}.{rel}", index, transpose, legacy=legacy),)
+    def part(
+        rel: str, index: int | None = None, transpose: bool = False, band: Band | None = None
+    ) -> tuple[ExportPart, ...]:
+        legacy = (ExportPart(f"{old}.{rel}", index, transpose, band),) if old != name else ()
+        return (ExportPart(f"{name}.{rel}", index, transpose, band, legacy=legacy),)
 
     rows = not layout.columns  # Mixtral's [E, 2h, d]: nn.Linear's layout, transposed
 
@@ -339,13 +377,15 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
         )
         return (ExportPart(f"{name}.experts.{fused}", transpose=rows, band=band, legacy=legacy),)
 
-    gate, up = _gate_up_bands(layout.bank, layout.hidden)
-    out = {
-        f"{name}.router.weight": part(layout.router_weight),
-        f"{name}.experts.w1": bank("gate_up_proj", gate, None if saved is None else saved.gate),
-        f"{name}.experts.w3": bank("gate_up_proj", up, None if saved is None else saved.up),
-        f"{name}.experts.w2": bank("down_proj", None, None if saved is None else saved.down),
-    }
+    out = {f"{name}.router.weight": part(layout.router_weight)}
+    if layout.bank in PART_LAYOUTS:  # Nemotron-H's, DBRX's: as `bank_parts` lays them out
+        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden).items():
+            out[f"{name}.{w}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
+    else:
+        gate, up = _gate_up_bands(layout.bank, layout.hidden)
+        out[f"{name}.experts.w1"] = bank("gate_up_proj", gate, None if saved is None else saved.gate)
+        out[f"{name}.experts.w3"] = bank("gate_up_proj", up, None if saved is None else saved.up)
+        out[f"{name}.experts.w2"] = bank("down_proj", None, None if saved is None else saved.down)
     if layout.bank == "interleaved":  # GPT-OSS's biases, laid out as its weights' columns
         out[f"{name}.experts.b1"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=gate),)
         out[f"{name}.experts.b3"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=up),)
@@ -355,10 +395,12 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
     if layout.score_bias is not None:
         out[f"{name}.router.score_bias"] = part(layout.score_bias)
     if layout.shared is not None:
-        for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-            out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}.weight", index=0, transpose=True)
+        for w, proj, band in layout.shared_projections:
+            out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}.weight", 0, True, band)
     if layout.shared_gate is not None:
         out[f"{name}.shared_gate"] = part(f"{layout.shared_gate}.weight")
+    if layout.post_norm is not None:
+        out[f"{name}.post_norm"] = part(f"{layout.post_norm}.weight")
     return out
 
 
@@ -383,6 +425,7 @@ def _gate_up(gate: Tensor, up: Tensor, bank: str) -> Tensor:
     return torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], dim=1)
 
 
+_SWIGLU_NAMES = {f"shared.{w}": (proj, band) for w, proj, band in SWIGLU_SHARED}
 _MIXTRAL_NAMES = ("gate.weight", "gate.e_score_correction_bias", "shared_expert", "shared_expert_gate")
 
 
@@ -406,6 +449,10 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
     shapes: dict[str, torch.Size] = {}
     banks: dict[str, str] = {}  # the layers whose experts are not laid out by rows (Llama 4, GPT-OSS)
     router_biases: dict[str, str] = {}
+    post_norms: dict[str, str] = {}  # the layers whose blocks normalise their output (AXK1)
+    projections: dict[str, dict[str, tuple[str, Band | None]]] = {}  # shared.w1 -> gate_proj, ...
+    halves: dict[str, dict[int, Tensor]] = {}  # a fused shared projection's bands as they come
+    joined: dict[str, dict[str, Tensor]] = {}  # the `PART_LAYOUTS` banks, joined from their parts
     for layer in layers:
         if like is None:
             names[layer] = _MIXTRAL_NAMES
@@ -413,10 +460,15 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
         block = like.get_submodule(layer)
         layout: HFLayout = read_layout(block)
         names[layer] = (layout.router_weight, layout.score_bias, layout.shared, layout.shared_gate)
-        if layout.columns:
+        projections[layer] = {f"shared.{w}": (hf, band) for w, hf, band in layout.shared_projections}
+        if layout.bank in PART_LAYOUTS:
+            joined[layer] = bank_state(layer, state, bank_parts(layout.bank, layout.experts, layout.hidden))
+        elif layout.columns:
             banks[layer] = layout.bank
         if layout.router_bias is not None:
             router_biases[layer] = layout.router_bias
+        if layout.post_norm is not None:
+            post_norms[layer] = layout.post_norm
         if layout.score_bias is not None:
             shapes[layer] = _tensor(block, layout.score_bias).shape
     for name, value in state.items():
@@ -426,7 +478,10 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
             continue
         router, bias, shared, shared_gate = names[prefix]
         rest = name[len(prefix) + 1 :]
-        if rest == "router.weight":
+        if prefix in joined and rest in ("experts.w1", "experts.w3", "experts.w2"):
+            if rest == "experts.w1":
+                out.update(joined[prefix])
+        elif rest == "router.weight":
             out[f"{prefix}.{router}"] = value
         elif rest == "router.score_bias" and bias is not None:
             out[f"{prefix}.{bias}"] = value.reshape(shapes.get(prefix, value.shape))
@@ -443,10 +498,19 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
         elif rest == "experts.b2" and banks.get(prefix) == "interleaved":
             out[f"{prefix}.experts.down_proj_bias"] = value
         elif rest.startswith("shared.w") and shared is not None:
-            hf = {"shared.w1": "gate_proj", "shared.w3": "up_proj", "shared.w2": "down_proj"}[rest]
-            out[f"{prefix}.{shared}.{hf}.weight"] = value[0].t().contiguous()
+            proj, band = projections.get(prefix, _SWIGLU_NAMES)[rest]
+            hf_name = f"{prefix}.{shared}.{proj}.weight"
+            if band is None:
+                out[hf_name] = value[0].t().contiguous()
+            else:  # MiniMax-M3's gate_up_proj: gate rows, then up rows
+                held = halves.setdefault(hf_name, {})
+                held[band.start] = value[0].t()
+                if len(held) == 2:
+                    out[hf_name] = torch.cat([held[start] for start in sorted(held)]).contiguous()
         elif rest == "shared_gate" and shared_gate is not None:
             out[f"{prefix}.{shared_gate}.weight"] = value
+        elif rest == "post_norm" and prefix in post_norms:
+            out[f"{prefix}.{post_norms[prefix]}.weight"] = value
         elif rest not in ("experts.w3", "experts.b3"):
             raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
     return out

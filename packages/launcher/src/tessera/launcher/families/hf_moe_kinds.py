@@ -13,9 +13,13 @@ the routed experts alone, or beside a shared SwiGLU expert (gated as Qwen2-MoE's
 with the choice bias on the router or on the block; Llama 4's, whose
 experts (``EXPERTS_COLUMNS``: gate and up side by side in columns) take inputs scaled by the
 router's weights and which returns its router's logits beside its output; GPT-OSS's, whose
-experts (``EXPERTS_GPT_OSS``) have biases and a clamped SwiGLU. A key was taken
-from the pinned ``transformers``; ``tests/test_hf_moe_families.py`` checks that each still
-hashes to it.
+experts (``EXPERTS_GPT_OSS``) have biases and a clamped SwiGLU; Aria's (its experts by columns,
+weighing their outputs, Aria's router a softmax of the top-k logits), Nemotron-H's (non-gated
+experts and shared expert), DBRX's (its softmax top-k and its p-norm in the block, its experts'
+flat ``mlp.w1`` / ``v1`` / ``w2``), beside the sigmoid-with-bias routers of Inkling 2 and
+MiniMax-M3. The expert banks and shared experts each kind of block holds are ``hf_moe_banks``'.
+A key was taken from the pinned ``transformers``; ``tests/test_hf_moe_families.py`` checks that
+each still hashes to it.
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ from typing import Any, Literal
 from tessera.moe import RouterSpec, Weigh
 
 __all__ = [
-    "BANKS",
     "BLOCK_KINDS",
     "EXPERTS",
     "EXPERTS_COLUMNS",
     "EXPERTS_GPT_OSS",
+    "RMS_NORM",
     "ROUTER_KINDS",
     "SHARED_MLP",
     "SHARED_MLP_LLAMA4",
@@ -62,13 +66,16 @@ def source_key(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]
 
 
-BankLayout = Literal["rows", "columns", "interleaved"]
+BankLayout = Literal["rows", "columns", "interleaved", "up_rows", "flat_rows"]
 """How a block's experts hold their gate and up projections: ``rows``: ``gate_up_proj [E, 2h,
 d]`` gate rows then up, ``down_proj [E, d, h]`` (`EXPERTS`); ``columns``: ``gate_up_proj [E, d,
 2h]`` gate columns then up, ``down_proj [E, h, d]`` (`EXPERTS_COLUMNS`, Llama 4);
 ``interleaved``: ``gate_up_proj [E, d, 2h]`` gate and up columns alternating, ``down_proj [E, h,
 d]``, with biases ``gate_up_proj_bias [E, 2h]`` (alternating too) and ``down_proj_bias [E, d]``,
-and the clamped SwiGLU of the bank's ``alpha`` and ``limit`` (`EXPERTS_GPT_OSS`)."""
+and the clamped SwiGLU of the bank's ``alpha`` and ``limit`` (`EXPERTS_GPT_OSS`); ``up_rows``: not
+gated, ``up_proj [E, h, d]``, ``down_proj [E, d, h]`` (Nemotron-H); ``flat_rows``: ``mlp.w1``,
+``mlp.v1`` (gate, up) and ``mlp.w2`` (down, applied as it is), each ``[E*h, d]`` (DBRX). Which
+experts modules each layout reads, and their activations: ``hf_moe_banks``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +114,10 @@ class BlockKind:
     ``refusal``: why no instance can. ``weigh``: where the router's weights apply (``"input"``:
     each routed row scaled before its expert, Llama 4); ``bank``: how its experts are laid out
     (`BankLayout`); ``returns_logits``: the block returns ``(out, router_logits)`` (or Llama
-    4's and GPT-OSS's scores), which its decoder layer unpacks."""
+    4's and GPT-OSS's scores), which its decoder layer unpacks; ``identity``: the block's
+    attribute counting its identity experts (LongCat-Flash's zero experts: ``tessera.moe.MoE``'s
+    ``identity_experts``); ``post_norm``: the RMS norm (`RMS_NORM`) the block applies to its
+    output (AXK1's ``post_mlp_layernorm``)."""
 
     name: str
     like: str
@@ -121,6 +131,8 @@ class BlockKind:
     weigh: Weigh = "output"
     bank: BankLayout = "rows"
     returns_logits: bool = False
+    identity: str | None = None
+    post_norm: str | None = None
 
 
 # ---------------------------------------------------------------------------- routers
@@ -136,7 +148,7 @@ def _softmax(renormalize: bool | None, weight: str = "weight") -> Callable[[Any,
     return read
 
 
-def _deepseek_v3(block: Any, name: str) -> RouterReading:
+def _deepseek_v3(block: Any, name: str, fill: float = float("-inf")) -> RouterReading:
     router = getattr(block, name)
     spec = RouterSpec(
         score="sigmoid",
@@ -145,6 +157,7 @@ def _deepseek_v3(block: Any, name: str) -> RouterReading:
         top_groups=int(router.topk_group or 1),
         group_score="top2",
         scale=float(router.routed_scaling_factor),
+        group_fill=fill,
     )
     return RouterReading(
         int(router.top_k),
@@ -153,6 +166,46 @@ def _deepseek_v3(block: Any, name: str) -> RouterReading:
         f"{name}.weight",
         f"{name}.e_score_correction_bias",
     )
+
+
+def _axk2(block: Any, name: str) -> RouterReading:
+    """DeepSeek-V3's router, the experts outside the kept groups set to 0.0 for the choice."""
+    return _deepseek_v3(block, name, fill=0.0)
+
+
+def _kolibri(block: Any, name: str) -> RouterReading:
+    """Chosen by the logits plus the bias, weighed by the chosen experts' sigmoid scores."""
+    router = getattr(block, name)
+    spec = RouterSpec(score="sigmoid", choice_bias=True, choose_by="logits")
+    bias = f"{name}.e_score_correction_bias"
+    return RouterReading(int(router.top_k), bool(router.norm_topk_prob), spec, f"{name}.weight", bias)
+
+
+def _lfm2(block: Any, name: str) -> RouterReading:
+    """Sigmoid scores, chosen by score + the block's ``expert_bias`` when ``use_expert_bias``,
+    renormalised by ``sum + 1e-6`` when ``norm_topk_prob``, scaled by ``routed_scaling_factor``."""
+    router = getattr(block, name)
+    biased = bool(router.use_expert_bias)
+    if biased != bool(block.use_expert_bias):
+        raise ValueError(
+            f"the router's use_expert_bias ({router.use_expert_bias}) is not the block's "
+            f"({block.use_expert_bias})"
+        )
+    scale = float(router.routed_scaling_factor)
+    spec = RouterSpec(score="sigmoid", choice_bias=biased, scale=scale, renorm_eps=1e-6)
+    bias = "expert_bias" if biased else None
+    return RouterReading(int(router.top_k), bool(router.norm_topk_prob), spec, f"{name}.weight", bias)
+
+
+def _longcat(block: Any, name: str) -> RouterReading:
+    """Softmax over the real and the zero experts, chosen by score + bias, not renormalised,
+    scaled; a bias of the classifier, which its forward does not add, refused."""
+    router = getattr(block, name)
+    if router.classifier.bias is not None:
+        raise ValueError("its router's classifier has a bias, which LongCat-Flash's forward leaves out")
+    spec = RouterSpec(choice_bias=True, scale=float(router.routed_scaling_factor))
+    weight, bias = f"{name}.classifier.weight", f"{name}.e_score_correction_bias"
+    return RouterReading(int(router.top_k), False, spec, weight, bias)
 
 
 def _deepseek_v2(block: Any, name: str) -> RouterReading:
@@ -217,6 +270,32 @@ def _llama4(block: Any, name: str) -> RouterReading:
     return RouterReading(int(router.top_k), False, RouterSpec(score="sigmoid"), f"{name}.weight")
 
 
+def _dbrx(block: Any, name: str) -> RouterReading:
+    """DBRX's router holds the logits' ``nn.Linear``; its block takes a softmax top-k, divided by
+    its ``moe_normalize_expert_weights``-norm (1: renormalised; None: not)."""
+    router = getattr(block, name)
+    jitter = router.moe_jitter_eps
+    if jitter:
+        raise ValueError(
+            f"moe_jitter_eps={jitter} (noise on the router's input in training) is not reproduced"
+        )
+    p = block.moe_normalize_expert_weights
+    if p is not None and float(p) != 1.0:
+        raise ValueError(
+            f"moe_normalize_expert_weights={p}: only the 1-norm (renormalised) or None is reproduced"
+        )
+    return RouterReading(int(block.top_k), p is not None, RouterSpec(), f"{name}.layer.weight")
+
+
+def _inkling2(block: Any, name: str) -> RouterReading:
+    """Inkling 2's router: ``scoring_func`` scores (sigmoid reproduced), chosen by score + bias,
+    renormalised (``sum + 1e-20``), scaled by ``routed_scaling_factor``."""
+    router = getattr(block, name)
+    if type(router.score_fn).__name__ != "Sigmoid":
+        raise ValueError(f"its scoring function {type(router.score_fn).__name__} is not the sigmoid")
+    return _sigmoid(bias="{r}.e_score_correction_bias", scale="routed_scaling_factor")(block, name)
+
+
 def _gpt_oss(block: Any, name: str) -> RouterReading:
     """Softmax of the top-k logits (a renormalised softmax top-k), the logits with a bias."""
     router = getattr(block, name)
@@ -269,6 +348,15 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind("sigmoid + bias", "laguna.LagunaTopKRouter", "a5c7b29ef9b9cf47", _laguna),
     RouterKind("softmax + bias", "ernie4_5_moe.Ernie4_5_MoeTopKRouter", "4097eaeeeec9d3ab", _ernie),
     RouterKind("sigmoid of the top-k logits", "llama4.Llama4Router", "6059462df44bcda0", _llama4),
+    RouterKind("softmax of the top-k logits", "aria.AriaTextTopKRouter", "db4ba175e9d6f201", _softmax(True)),
+    RouterKind("softmax top-k, p-norm in the block", "dbrx.DbrxRouter", "54b5752f119b7342", _dbrx),
+    RouterKind("sigmoid + bias, scaled", "inkling2.Inkling2TopKRouter", "31734db132527195", _inkling2),
+    RouterKind(
+        "sigmoid + bias",
+        "minimax_m3_vl.MiniMaxM3VLTopKRouter",
+        "6073d636981d43a1",
+        _sigmoid(bias="{r}.e_score_correction_bias"),
+    ),
     RouterKind(
         "softmax of the top-k biased logits", "gpt_oss.GptOssTopKRouter", "f4d868f0a4f2a58a", _gpt_oss
     ),
@@ -281,19 +369,14 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         "over that masked set with a Heun third-order gradient estimator; tessera.moe's routers choose the "
         "top-k deterministically and differentiate their weights exactly",
     ),
+    RouterKind("sigmoid, by logits + bias", "kolibri1.Kolibri1TopKRouter", "a031a3a1ec09f295", _kolibri),
+    RouterKind("deepseek-v3, groups masked to 0.0", "axk2.AXK2TopkRouter", "7189c64fb391e00a", _axk2),
+    RouterKind("sigmoid + block's bias, scaled", "lfm2_moe.Lfm2MoeTopKRouter", "986975a29bb20107", _lfm2),
     RouterKind(
-        "bias on the logits",
-        "kolibri1.Kolibri1TopKRouter",
-        "a031a3a1ec09f295",
-        refusal="Kolibri's router chooses by logits + bias and weighs by sigmoid(logit); tessera.moe adds "
-        "the choice bias to the scores",
-    ),
-    RouterKind(
-        "group mask 0.0",
-        "axk2.AXK2TopkRouter",
-        "7189c64fb391e00a",
-        refusal="AXK2's router sets the experts outside the chosen groups to 0.0, not -inf: with a negative "
-        "score-correction bias such an expert can still be chosen",
+        "softmax + bias, zero experts too",
+        "longcat_flash.LongcatFlashTopkRouter",
+        "e719a3b78df5fbe9",
+        _longcat,
     ),
 )
 
@@ -302,6 +385,14 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
 def _no_jitter(block: Any) -> str:
     noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
     return f"router_jitter_noise={noise} is not reproduced; use 0" if noise > 0 else ""
+
+
+def _no_latent(block: Any) -> str:
+    names = ("fc1_latent_proj", "fc2_latent_proj")
+    latent = [n for n in names if type(getattr(block, n)).__name__ != "Identity"]
+    if not latent:
+        return ""
+    return f"{', '.join(latent)}: the experts' latent projections (moe_latent_size) are not reproduced"
 
 
 def _cohere2_shared(block: Any) -> str:
@@ -359,17 +450,29 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
     ),
     BlockKind("routed", "phimoe.PhimoeSparseMoeBlock", "ed9f2a1a1f64bc16", router="router"),
     BlockKind(
-        "post-norm",
+        "shared experts, post-norm",
         "axk1.AXK1MoE",
         "b502c139b705dbdd",
-        refusal="AXK1 normalises the mixture's output inside its block (post_mlp_layernorm)",
+        shared="shared_experts",
+        post_norm="post_mlp_layernorm",
     ),
     BlockKind(
-        "transposed",
+        "shared experts",
         "aria.AriaTextMoELayer",
         "cd445890d17a1847",
-        refusal="Aria stores its experts transposed ([E, d, 2h], applied with @)",
+        router="router",
+        shared="shared_experts",
+        bank="columns",
     ),
+    BlockKind(
+        "shared experts, not gated",
+        "nemotron_h.NemotronHMoE",
+        "cfbc66b1a57d1318",
+        shared="shared_experts",
+        bank="up_rows",
+        check=_no_latent,
+    ),
+    BlockKind("routed, flat banks", "dbrx.DbrxFFN", "442fbc6c10018858", router="router", bank="flat_rows"),
     BlockKind(
         "input-weighted, shared expert",
         "llama4.Llama4TextMoe",
@@ -392,25 +495,35 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         "hash",
         "deepseek_v4.DeepseekV4SparseMoeBlock",
         "2cdca842054e5399",
-        refusal="DeepSeek-V4 routes by token id (hash routing) and clamps its SwiGLU",
+        refusal="DeepSeek-V4's block takes the token ids: its first 'hash_moe' layers (mlp_layer_types) "
+        "choose experts by a fixed table (tid2eid[input_ids]), which tessera.moe.MoE, called with the hidden "
+        "states alone, cannot see; its experts clamp gate (max) and up (both sides) before silu(gate) * up "
+        "(swiglu_limit), and its decoder layers mix hc_mult residual streams",
     ),
     BlockKind(
         "zero experts",
         "longcat_flash.LongcatFlashMoE",
         "ab398d8b6acc22fd",
-        refusal="LongCat-Flash routes to identity ('zero') experts beyond the real ones",
+        router="router",
+        identity="zero_expert_num",
     ),
+    BlockKind("routed, bias on the block", "lfm2_moe.Lfm2MoeSparseMoeBlock", "4362f1019711ae79"),
     BlockKind(
         "shared gammas",
         "inkling.InklingMoE",
         "630e596f640eedef",
-        refusal="Inkling's router weighs its shared experts too (shared gammas)",
+        refusal="Inkling's router weighs its shared experts too: it holds a logit per shared expert beside "
+        "the routed ones, normalises sigmoid(logit) over the chosen and the shared experts together, "
+        "scales by a trained global_scale, and weighs each shared expert by its own share (shared gammas); "
+        "tessera.moe's shared expert is one ungated or sigmoid-gated MLP",
     ),
     BlockKind(
         "router state",
         "zaya.ZayaSparseMoeBlock",
         "fd7051b4af6a7de1",
-        refusal="ZAYA's router reads a state carried from the previous layer's router",
+        refusal="ZAYA's router is an MLP (down_proj, an RMS norm, two GELU layers) that adds a state carried "
+        "from the previous layer's router (router_states_scale) and may choose a skip expert that "
+        "contributes nothing; tessera.moe's router is one linear map of this layer's input",
     ),
 )
 # the experts every kind reads: gate_up [E, 2h, d], down [E, d, h], down(act(gate x) * up x) per expert
@@ -422,11 +535,8 @@ EXPERTS_COLUMNS = ("llama4.Llama4TextExperts", "bd2ee5a83482a75a")
 # GPT-OSS's experts: gate and up columns interleaved, biases, the clamped SwiGLU; each expert run
 # on its tokens, its output weighted by the router
 EXPERTS_GPT_OSS = ("gpt_oss.GptOssExperts", "dfcd1b73ad425a57")
-BANKS: dict[BankLayout, tuple[str, str]] = {
-    "rows": EXPERTS,
-    "columns": EXPERTS_COLUMNS,
-    "interleaved": EXPERTS_GPT_OSS,
-}
+# a block's post-norm: weight * x / sqrt(mean(x^2) + variance_epsilon), in fp32, cast back
+RMS_NORM = ("axk1.AXK1RMSNorm", "fc88e83cea061d00")
 # the shared expert: gate_proj, up_proj, down_proj (Linear), down(act(gate x) * up x)
 SHARED_MLP = ("deepseek_v3.DeepseekV3MLP", "b4823f5258a37fcc")
 # the same, its activation named ``activation_fn``

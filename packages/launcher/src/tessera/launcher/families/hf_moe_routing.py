@@ -10,7 +10,14 @@ SwiGLU expert (``gate_proj`` / ``up_proj`` / ``down_proj``), gated or not. What 
 router (softmax or sigmoid scores, a choice bias, groups, renormalisation, a scale) and the
 block (where the router and the shared expert sit, where the choice bias is kept). Llama 4's
 and GPT-OSS's experts hold gate and up in the columns of ``gate_up_proj [E, d, 2h]`` (side by
-side; alternating, with biases and a clamped SwiGLU), read as ``hf_moe_kinds.BankLayout`` says.
+side; alternating, with biases and a clamped SwiGLU), read as ``hf_moe_kinds.BankLayout`` says;
+which experts modules and shared experts each layout reads, and what they compute (ReLU², clamped
+and softcapped SwiGLUs), is ``hf_moe_banks``'.
+Some routers choose by the logits plus a bias (Kolibri), mask the groups they drop with 0.0
+rather than ``-inf`` (AXK2) or guard their renormalisation with ``1e-6`` (LFM2), each a field
+of ``tessera.moe.RouterSpec``; LongCat-Flash's routes to identity ("zero") experts after its
+real ones, ``tessera.moe.MoE``'s ``identity_experts``; AXK1's normalises its output
+(``post_norm_eps``).
 
 A part is recognised by the *source* of its ``forward``: each kind in ``hf_moe_kinds`` was
 written for one forward (named by the ``transformers`` class it was read from) and holds the
@@ -30,21 +37,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
+from tessera.launcher.families.hf_moe_banks import SWIGLU_SHARED, SharedProjections, read_bank, read_shared
 from tessera.launcher.families.hf_moe_kinds import (
-    BANKS,
     BLOCK_KINDS,
+    RMS_NORM,
     ROUTER_KINDS,
-    SHARED_MLP,
-    SHARED_MLP_LLAMA4,
     BankLayout,
     BlockKind,
     RouterKind,
     source_key,
 )
-from tessera.moe import Activation, ClampedSwiGLU, RouterSpec, Weigh
+from tessera.moe import Activation, RouterSpec, Weigh
 
 __all__ = ["HFLayout", "read_layout"]
 
@@ -58,7 +63,12 @@ class HFLayout:
     ``gate_proj`` / ``up_proj`` / ``down_proj`` under ``shared`` and its gate ``shared_gate``;
     ``weigh``: where the router's weights apply (`tessera.moe.MoE`'s ``weigh``); ``activation``:
     the experts' (SiLU's SwiGLU, or GPT-OSS's clamped one);
-    ``returns_logits``: the block returns ``(out, router_logits)``."""
+    ``returns_logits``: the block returns ``(out, router_logits)``; ``identity_experts``: the
+    router's choices beyond ``experts`` that give the token itself (LongCat-Flash's zero experts);
+    ``post_norm``: the block's RMS norm of its output, of epsilon ``post_norm_eps``;
+    ``shared_activation``: the shared expert's (HunYuan-V4's is not clamped where its experts
+    are), ``shared_projections``: its ``w1`` / ``w3`` / ``w2`` as HF's projections (or their
+    bands of rows: `hf_moe_banks.SharedProjections`)."""
 
     block: str
     router: str
@@ -78,6 +88,11 @@ class HFLayout:
     returns_logits: bool = False
     router_bias: str | None = None
     activation: Activation = "swiglu"
+    identity_experts: int = 0
+    post_norm: str | None = None
+    post_norm_eps: float | None = None
+    shared_activation: Activation = "swiglu"
+    shared_projections: SharedProjections = SWIGLU_SHARED
 
     @property
     def columns(self) -> bool:
@@ -96,34 +111,6 @@ def _kind(kinds: tuple[Any, ...], module: nn.Module, what: str) -> Any:
     )
 
 
-def _silu(act: Any, where: str) -> None:
-    if (
-        act is not F.silu
-        and not isinstance(act, nn.SiLU)
-        and type(act).__name__ not in ("SiLUActivation", "SiLU")
-    ):
-        raise ValueError(
-            f"{where}: activation {type(act).__name__} is not SiLU; tessera.moe's SwiGLU needs SiLU"
-        )
-
-
-_SHARED_ACTIVATION = {SHARED_MLP[1]: "act_fn", SHARED_MLP_LLAMA4[1]: "activation_fn"}
-
-
-def _shared_hidden(shared: Any, where: str) -> int:
-    act = _SHARED_ACTIVATION.get(source_key(type(shared).forward))
-    if act is None:
-        raise ValueError(
-            f"{where} ({type(shared).__name__}) is not a SwiGLU MLP like {SHARED_MLP[0]} or "
-            f"{SHARED_MLP_LLAMA4[0]}"
-        )
-    _silu(getattr(shared, act), where)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        if getattr(shared, name).bias is not None:
-            raise ValueError(f"{where}.{name} has a bias; tessera.moe's shared expert has none")
-    return int(shared.gate_proj.weight.shape[0])
-
-
 def read_layout(block: nn.Module) -> HFLayout:
     """``block`` (an HF sparse MoE block) in ``tessera.moe.MoE``'s terms; ValueError naming
     the class and why when it cannot be reproduced."""
@@ -133,15 +120,7 @@ def read_layout(block: nn.Module) -> HFLayout:
         problem = kind.refusal or (kind.check(block) if kind.check else "")
         if problem:
             raise ValueError(problem)
-        bank: Any = block.experts
-        like = BANKS[kind.bank]
-        if source_key(type(bank).forward) != like[1]:
-            raise ValueError(f"its experts {type(bank).__name__} do not compute what {like[0]} computes")
-        if kind.bank == "interleaved":
-            activation: Activation = ClampedSwiGLU(float(bank.alpha), float(bank.limit))
-        else:
-            _silu(bank.act_fn, f"{name}.experts")
-            activation = "swiglu"
+        found = read_bank(block.get_submodule("experts"), kind.bank)  # its dims and activation
         rkind: RouterKind = _kind(ROUTER_KINDS, getattr(block, kind.router), "router")
         if rkind.read is None:
             raise ValueError(rkind.refusal)
@@ -149,11 +128,23 @@ def read_layout(block: nn.Module) -> HFLayout:
         owner = block.get_submodule(reading.weight.rpartition(".")[0])
         if isinstance(owner, nn.Linear) and owner.bias is not None:
             raise ValueError(f"its router's {reading.weight} has a bias; tessera.moe's router has none")
+        identity = int(getattr(block, kind.identity) or 0) if kind.identity else 0
+        choices = int(block.get_parameter(reading.weight).shape[0])
+        if choices != found.experts + identity:
+            raise ValueError(
+                f"its router chooses among {choices} experts, not its {found.experts} experts "
+                f"and {identity} identity experts"
+            )
+        norm = getattr(block, kind.post_norm) if kind.post_norm else None
+        if norm is not None and source_key(type(norm).forward) != RMS_NORM[1]:
+            raise ValueError(
+                f"its {kind.post_norm} ({type(norm).__name__}) does not compute what {RMS_NORM[0]} does"
+            )
         if kind.scale is not None:
             factor = float(getattr(block, kind.scale)) * reading.routing.scale
             reading = replace(reading, routing=replace(reading.routing, scale=factor))
         shared = getattr(block, kind.shared, None) if kind.shared else None
-        shared_hidden = None if shared is None else _shared_hidden(shared, f"{name}.{kind.shared}")
+        shared_kind = None if shared is None else read_shared(shared, f"{name}.{kind.shared}")
         gate = getattr(block, kind.shared_gate) if kind.shared_gate and shared is not None else None
         if gate is not None and getattr(gate, "bias", None) is not None:
             raise ValueError(f"{name}.{kind.shared_gate} has a bias; tessera.moe's shared gate has none")
@@ -163,25 +154,28 @@ def read_layout(block: nn.Module) -> HFLayout:
         ) from exc
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
-    gate_up: Tensor = bank.gate_up_proj  # [E, 2h, d], or with columns [E, d, 2h]
-    d_dim, h_dim = (2, 1) if kind.bank == "rows" else (1, 2)
     return HFLayout(
         block=f"{kind.name} ({kind.like})",
         router=f"{rkind.name} ({rkind.like})",
-        experts=int(gate_up.shape[0]),
-        d_model=int(gate_up.shape[d_dim]),
-        hidden=int(gate_up.shape[h_dim]) // 2,
+        experts=found.experts,
+        d_model=found.d_model,
+        hidden=found.hidden,
         top_k=reading.top_k,
         renormalize=reading.renormalize,
         routing=reading.routing,
         router_weight=reading.weight,
         score_bias=reading.bias,
         shared=None if shared is None else kind.shared,
-        shared_hidden=shared_hidden,
+        shared_hidden=None if shared_kind is None else shared_kind[1],
         shared_gate=None if gate is None else kind.shared_gate,
         weigh=kind.weigh,
         bank=kind.bank,
         returns_logits=kind.returns_logits,
         router_bias=reading.logit_bias,
-        activation=activation,
+        activation=found.activation,
+        identity_experts=identity,
+        post_norm=None if norm is None else kind.post_norm,
+        post_norm_eps=None if norm is None else float(norm.variance_epsilon),
+        shared_activation="swiglu" if shared_kind is None else shared_kind[2],
+        shared_projections=SWIGLU_SHARED if shared_kind is None else shared_kind[0],
     )

@@ -1,0 +1,365 @@
+"""The expert banks and shared experts of ``transformers``' sparse MoE blocks: each kind read
+once from one class and recognised by the source of its ``forward`` (and of the ``_apply_gate``
+it calls, which families override while keeping the forward), with what it computes as a
+``tessera.moe`` activation and where its tensors sit as `ExportPart` s of the bank's ``w1`` /
+``w3`` / ``w2``.
+
+Banks (`BankLayout`, ``hf_moe_kinds``): Mixtral's fused ``gate_up_proj [E, 2h, d]`` by rows (and
+the families that keep its layout but change the activation: HunYuan-V4's clamped SwiGLU,
+MiniMax-M3's GPT-OSS-style clamped SwiGLU, Ling's SwiGLU clipped after the activation, Inkling
+2's softcapped one); Llama 4's and Aria's by columns ``[E, d, 2h]``; GPT-OSS's alternating
+columns with biases; Nemotron-H's non-gated ``up_proj [E, h, d]`` / ``down_proj [E, d, h]``
+with ReLU² (``up_rows``); DBRX's ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``, each ``[E*h, d]``, one
+``nn.Linear``-shaped gate and up and one ``[h, d]`` down per expert (``flat_rows``). Shared
+experts: a SwiGLU MLP (``gate_proj`` / ``up_proj`` / ``down_proj``), Ling's clipped one, and
+Nemotron-H's non-gated ReLU² one (``up_proj`` / ``down_proj``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, assemble
+from tessera.launcher.families.hf_moe_kinds import (
+    EXPERTS,
+    EXPERTS_COLUMNS,
+    EXPERTS_GPT_OSS,
+    SHARED_MLP,
+    SHARED_MLP_LLAMA4,
+    BankLayout,
+    source_key,
+)
+from tessera.moe import Activation, ClampedSwiGLU, SwiGLUVariant
+
+__all__ = [
+    "BANK_KINDS",
+    "PART_LAYOUTS",
+    "SHARED_KINDS",
+    "SWIGLU_PROJECTIONS",
+    "SWIGLU_SHARED",
+    "BankKind",
+    "BankReading",
+    "SharedKind",
+    "SharedProjections",
+    "bank_key",
+    "bank_parts",
+    "bank_state",
+    "holds_bank",
+    "read_bank",
+    "read_parts",
+    "read_shared",
+]
+
+
+def bank_key(cls: type) -> str:
+    """`source_key` of ``cls.forward``, and of its ``_apply_gate`` after a ``+`` where it has one."""
+    gate = getattr(cls, "_apply_gate", None)
+    key = source_key(getattr(cls, "forward"))  # noqa: B009
+    return key if gate is None else f"{key}+{source_key(gate)}"
+
+
+def _is_silu(act: Any) -> bool:
+    return act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _silu_of(act: Any) -> Activation:
+    if not _is_silu(act):
+        raise ValueError(f"activation {type(act).__name__} is not SiLU; tessera.moe's SwiGLU needs SiLU")
+    return "swiglu"
+
+
+def _silu(bank: Any) -> Activation:
+    return _silu_of(getattr(bank, "act_fn", None))
+
+
+def _relu2(bank: Any) -> Activation:
+    if type(bank.act_fn).__name__ != "ReLUSquaredActivation":
+        raise ValueError(f"activation {type(bank.act_fn).__name__} is not ReLU² (ReLUSquaredActivation)")
+    return "relu2"
+
+
+def _hy_v4(bank: Any) -> Activation:  # gate.clamp(max=L), up.clamp(-L, L), silu(gate) * up
+    limit = float(bank.swiglu_limit)
+    return SwiGLUVariant(gate_limit=limit, up_limit=limit)
+
+
+def _minimax_m3(bank: Any) -> Activation:  # GPT-OSS's, gate and up not interleaved
+    return ClampedSwiGLU(float(bank.swiglu_alpha), float(bank.swiglu_limit))
+
+
+def _bailing(bank: Any) -> Activation:  # silu(gate).clamp(max=L) * up.clamp(-L, L); no limit: SwiGLU
+    _silu(bank)
+    limit = bank.limit
+    return "swiglu" if limit is None else SwiGLUVariant(act_limit=float(limit), up_limit=float(limit))
+
+
+_INKLING2_ACT = "60678ebb95bf49d7"  # Inkling2SoftcappedSwiGLU.forward
+
+
+def _inkling2(bank: Any) -> Activation:  # softcap(gate) * sigmoid(gate) * softcap(up), in fp32
+    act = bank.act_fn
+    if source_key(type(act).forward) != _INKLING2_ACT:
+        raise ValueError(f"its activation {type(act).__name__} is not Inkling 2's softcapped SwiGLU")
+    gate, up = float(act.gate_softcap.softcap), float(act.up_softcap.softcap)
+    return SwiGLUVariant(gate_softcap=gate, up_softcap=up, float32=True)
+
+
+_DBRX_GLU = "974819a7f9f3680b"  # DbrxExpertGLU.forward: (act(x @ w1.T) * (x @ v1.T)) @ w2
+
+
+def _dbrx(bank: Any) -> Activation:
+    if source_key(type(bank.mlp).forward) != _DBRX_GLU:
+        raise ValueError(f"its {type(bank.mlp).__name__} does not compute DbrxExpertGLU's SwiGLU")
+    if not _is_silu(bank.mlp.activation_fn):
+        raise ValueError(f"activation {type(bank.mlp.activation_fn).__name__} is not SiLU")
+    return "swiglu"
+
+
+@dataclass(frozen=True, slots=True)
+class BankKind:
+    """An experts module read from ``transformers.models.<like>``, recognised by `bank_key` ``key``,
+    laid out as ``layout``; ``activation(bank)`` gives what it computes (ValueError naming what
+    of this instance cannot be reproduced); without it, ``refusal`` says why no instance can be."""
+
+    name: str
+    like: str
+    key: str
+    layout: BankLayout
+    activation: Callable[[Any], Activation] | None
+    refusal: str = ""
+
+
+BANK_KINDS: tuple[BankKind, ...] = (
+    BankKind("SwiGLU", EXPERTS[0], f"{EXPERTS[1]}+fe7a0279de333525", "rows", _silu),
+    BankKind("SwiGLU by columns", EXPERTS_COLUMNS[0], EXPERTS_COLUMNS[1], "columns", _silu),
+    BankKind(
+        "clamped SwiGLU, biased",
+        EXPERTS_GPT_OSS[0],
+        f"{EXPERTS_GPT_OSS[1]}+ab805140cfa99ac9",
+        "interleaved",
+        lambda bank: ClampedSwiGLU(float(bank.alpha), float(bank.limit)),
+    ),
+    BankKind("SwiGLU by columns", "aria.AriaExperts", "2bac229b72d0c9b1+fe7a0279de333525", "columns", _silu),
+    BankKind("clamped SwiGLU", "hy_v4.HYV4Experts", "51563666960dd0ee+19e627b406100f22", "rows", _hy_v4),
+    BankKind(
+        "clamped SwiGLU (GPT-OSS's)",
+        "minimax_m3_vl.MiniMaxM3VLExperts",
+        "51563666960dd0ee+c2e7357b81ee8bcf",
+        "rows",
+        _minimax_m3,
+    ),
+    BankKind(
+        "SwiGLU clipped after the activation",
+        "bailing_hybrid.BailingHybridExperts",
+        "51563666960dd0ee+e7a8e4312b0af4ca",
+        "rows",
+        _bailing,
+    ),
+    BankKind(
+        "softcapped SwiGLU",
+        "inkling2.Inkling2Experts",
+        "51ff742e12b1e71b+5b8aa87d557059e7",
+        "rows",
+        _inkling2,
+    ),
+    BankKind(
+        "ReLU², not gated",
+        "nemotron_h.NemotronHExperts",
+        "8fb65733b1818828+fe7a0279de333525",
+        "up_rows",
+        _relu2,
+    ),
+    BankKind("SwiGLU, flat", "dbrx.DbrxExperts", "96c13de2312a5fad", "flat_rows", _dbrx),
+    BankKind(
+        "ReLU², normalised per expert",
+        "ergo.ErgoExperts",
+        "9e5d95cd8c06579e+fe7a0279de333525",
+        "up_rows",
+        None,
+        refusal="Ergo normalises each expert's output by an RMSNorm of that expert's own (post_expert_norm) "
+        "before weighing it, and its shared expert's output by another; tessera.moe's experts end in their "
+        "down projection, which a split over tp sums share by share",
+    ),
+)
+
+# the layouts whose tensors `bank_parts` describes, read and written through their parts alone
+PART_LAYOUTS: tuple[BankLayout, ...] = ("up_rows", "flat_rows")
+
+
+@dataclass(frozen=True, slots=True)
+class BankReading:
+    """A bank in ``tessera.moe``'s terms: ``experts`` experts ``d_model -> hidden -> d_model``
+    computing ``activation``."""
+
+    kind: BankKind
+    experts: int
+    d_model: int
+    hidden: int
+    activation: Activation
+
+
+def _dims(bank: Any, layout: BankLayout) -> tuple[int, int, int]:
+    """``(experts, d_model, hidden)`` of ``bank`` laid out as ``layout``."""
+    if layout == "flat_rows":
+        return int(bank.num_experts), int(bank.mlp.w1.shape[1]), int(bank.ffn_hidden_size)
+    if layout == "up_rows":
+        e, h, d = bank.up_proj.shape
+        return int(e), int(d), int(h)
+    e, a, b = bank.gate_up_proj.shape
+    return (int(e), int(b), int(a) // 2) if layout == "rows" else (int(e), int(a), int(b) // 2)
+
+
+def read_bank(bank: nn.Module, layout: BankLayout) -> BankReading:
+    """``bank`` as a kind of ``layout`` reads it; ValueError naming the class when no kind of that
+    layout computes what its forward computes, or what of this instance cannot be reproduced."""
+    key = bank_key(type(bank))
+    kinds = [k for k in BANK_KINDS if k.layout == layout]
+    known = next((k for k in BANK_KINDS if k.key == key), None)
+    if known is not None and known.activation is None:
+        raise ValueError(known.refusal)
+    kind = next((k for k in kinds if k.key == key), None)
+    if kind is None or kind.activation is None:
+        likes = ", ".join(k.like for k in kinds)
+        raise ValueError(
+            f"its experts {type(bank).__name__} do not compute what {likes} computes (source key {key})"
+        )
+    activation = kind.activation(bank)
+    experts, d_model, hidden = _dims(bank, layout)
+    return BankReading(kind, experts, d_model, hidden, activation)
+
+
+def holds_bank(bank: Any) -> bool:
+    """Whether ``bank`` holds its experts' tensors as one of the `BankLayout` s does."""
+
+    def tensors(owner: Any, *names: str) -> bool:
+        return all(isinstance(getattr(owner, n, None), Tensor) for n in names)
+
+    return isinstance(bank, nn.Module) and (
+        tensors(bank, "gate_up_proj", "down_proj")
+        or tensors(bank, "up_proj", "down_proj")
+        or tensors(getattr(bank, "mlp", None), "w1", "v1", "w2")
+    )
+
+
+def bank_parts(layout: BankLayout, experts: int, hidden: int) -> dict[str, tuple[ExportPart, ...]]:
+    """The bank's tensors (``experts.w1``, ...; names relative to the block) as parts of HF's, for
+    the `PART_LAYOUTS`: Nemotron-H's ``w1 = up_proj`` and ``w2 = down_proj``, each transposed;
+    DBRX's ``w1`` / ``w3`` expert ``e`` the rows ``e*h:(e+1)*h`` of ``mlp.w1`` / ``mlp.v1``,
+    transposed, and ``w2`` those of ``mlp.w2`` as they are."""
+    if layout == "up_rows":
+        return {
+            "experts.w1": (ExportPart("experts.up_proj", transpose=True),),
+            "experts.w2": (ExportPart("experts.down_proj", transpose=True),),
+        }
+    if layout == "flat_rows":
+
+        def per_expert(name: str, transpose: bool) -> tuple[ExportPart, ...]:
+            return tuple(
+                ExportPart(name, index=e, transpose=transpose, band=Band(-2, e * hidden, (e + 1) * hidden))
+                for e in range(experts)
+            )
+
+        return {
+            "experts.w1": per_expert("experts.mlp.w1", True),
+            "experts.w3": per_expert("experts.mlp.v1", True),
+            "experts.w2": per_expert("experts.mlp.w2", False),
+        }
+    raise ValueError(f"bank layout {layout!r} is not one of {PART_LAYOUTS}")
+
+
+def read_parts(block: nn.Module, parts: tuple[ExportPart, ...]) -> Tensor:
+    """The trained tensor made of ``parts`` of ``block``'s tensors (names relative to it)."""
+    return assemble(parts, [block.get_parameter(p.name) for p in parts])
+
+
+def bank_state(
+    prefix: str, state: Mapping[str, Tensor], parts: Mapping[str, tuple[ExportPart, ...]]
+) -> dict[str, Tensor]:
+    """HF's bank tensors (named ``<prefix>.<HF name>``) from a converted layer's ``state`` entries
+    ``<prefix>.experts.w1``, ... (``parts`` relative to the block, as `bank_parts` gives)."""
+    names = [f"{prefix}.{n}" for n in parts]
+    full = {
+        f"{prefix}.{n}": tuple(ExportPart(f"{prefix}.{p.name}", p.index, p.transpose, p.band) for p in ps)
+        for n, ps in parts.items()
+    }
+    joiner, out = Joiner(full, names), {}
+    for name in names:
+        for part in full[name]:
+            done = joiner.add(part, part.take(state[name]))
+            if done is not None:
+                out[part.name] = done.contiguous()
+    return out
+
+
+# ---------------------------------------------------------------------------- shared experts
+@dataclass(frozen=True, slots=True)
+class SharedKind:
+    """A shared expert MLP read from ``transformers.models.<like>``, recognised by ``key``: its
+    projections ``w1`` / ``w3`` / ``w2`` (``nn.Linear`` s; no ``w3``: not gated; ``fused``: ``w1``
+    and ``w3`` the first and second half of the rows of one, MiniMax-M3's ``gate_up_proj``), and
+    ``activation(mlp)``."""
+
+    like: str
+    key: str
+    projections: tuple[tuple[str, str], ...]
+    activation: Callable[[Any], Activation]
+    fused: bool = False
+
+
+SWIGLU_PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+SharedProjections = tuple[tuple[str, str, Band | None], ...]
+"""A shared expert's ``(w, HF projection, its band of rows or None: the whole)`` each."""
+SWIGLU_SHARED: SharedProjections = tuple((w, proj, None) for w, proj in SWIGLU_PROJECTIONS)
+
+
+def _bailing_shared(mlp: Any) -> Activation:
+    _silu(mlp)
+    limit = mlp.limit
+    return "swiglu" if limit is None else SwiGLUVariant(act_limit=float(limit), up_limit=float(limit))
+
+
+SHARED_KINDS: tuple[SharedKind, ...] = (
+    SharedKind(SHARED_MLP[0], SHARED_MLP[1], SWIGLU_PROJECTIONS, _silu),
+    SharedKind(
+        SHARED_MLP_LLAMA4[0],
+        SHARED_MLP_LLAMA4[1],
+        SWIGLU_PROJECTIONS,
+        lambda mlp: _silu_of(mlp.activation_fn),
+    ),
+    SharedKind("bailing_hybrid.BailingHybridMLP", "a95a93cb45ff3d54", SWIGLU_PROJECTIONS, _bailing_shared),
+    SharedKind(
+        "nemotron_h.NemotronHMLP", "bd0cd4577df6ef1d", (("w1", "up_proj"), ("w2", "down_proj")), _relu2
+    ),
+    SharedKind(
+        "minimax_m3_vl.MiniMaxM3VLDenseMLP",
+        "8f8aba7f034ebf34",
+        (("w1", "gate_up_proj"), ("w3", "gate_up_proj"), ("w2", "down_proj")),
+        _minimax_m3,
+        fused=True,
+    ),
+)
+
+
+def read_shared(mlp: nn.Module, where: str) -> tuple[SharedProjections, int, Activation]:
+    """Shared expert ``mlp``'s projections (`SharedProjections`), hidden width and activation;
+    ValueError naming ``where`` when no kind reads it or it has biases."""
+    key = source_key(type(mlp).forward)
+    kind = next((k for k in SHARED_KINDS if k.key == key), None)
+    if kind is None:
+        likes = ", ".join(k.like for k in SHARED_KINDS)
+        raise ValueError(f"{where} ({type(mlp).__name__}) is not a shared MLP like {likes}")
+    try:
+        activation = kind.activation(mlp)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    for _, name in kind.projections:
+        if getattr(mlp, name).bias is not None:
+            raise ValueError(f"{where}.{name} has a bias; tessera.moe's shared expert has none")
+    hidden = int(getattr(mlp, kind.projections[-1][1]).weight.shape[1])  # down: [d, h]
+    halves = {"w1": Band(-2, 0, hidden), "w3": Band(-2, hidden, 2 * hidden)} if kind.fused else {}
+    return tuple((w, proj, halves.get(w)) for w, proj in kind.projections), hidden, activation
