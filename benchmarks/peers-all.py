@@ -22,11 +22,12 @@ another Python, DeepSpeed's, run right after their pair, on the same batches):
 A pair's ratio is the peer's step time over Tessera's in the same round: above 1, Tessera
 is faster; both count the same tokens. The table gives every round's ratio, their median and
 the goal: 1.3 where the peer is another system than DDP, 1.0 beside DDP and beside Tessera's
-own 1F1B. The run folder (``--out``, default ``benchmarks/out/peers-all-<UTC time>``,
-git-ignored) receives ``records.jsonl`` (every benchmark record, with its ``round``),
-``<bench>-round<r>.log`` (each run's stderr) and ``table.md``, which is also printed. A peer
-that cannot run (no DeepSpeed environment: ``hatch run bench peers`` makes it) gets a row
-saying why, and no ratio.
+own 1F1B (1F1B beside itself, the noise floor of such a pair, has none). The run folder
+(``--out``, default ``benchmarks/out/peers-all-<UTC time>``, git-ignored) receives
+``records.jsonl`` (every benchmark record, with its ``round``), ``<bench>-round<r>.log``
+(each run's stderr) and ``table.md``, which is also printed. A peer that cannot run (no
+DeepSpeed environment: ``hatch run bench peers`` makes it) gets a row saying why, and no
+ratio.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ class Pair:
         return round(b / a, 3) if a and b else None
 
     @property
-    def goal(self) -> float:
+    def goal(self) -> float | None:
+        """1.3 beside another system, 1.0 beside DDP and Tessera's own 1F1B; none for 1F1B beside
+        itself (the noise floor of a pair)."""
+        if self.mode.endswith("(itself)"):
+            return None
         return 1.0 if self.peer in ("torch DDP", "Tessera 1F1B") else 1.3
 
 
@@ -158,7 +163,7 @@ def _run(part: Part, args: argparse.Namespace, log: Path) -> list[Record]:
 
 
 def _table(
-    rows: dict[tuple[str, str], list[float | None]], rounds: int, goals: dict[tuple[str, str], float]
+    rows: dict[tuple[str, str], list[float | None]], rounds: int, goals: dict[tuple[str, str], float | None]
 ) -> str:
     head = ["mode", "peer", *(f"round {r + 1}" for r in range(rounds)), "median", "goal", "met"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -167,9 +172,10 @@ def _table(
         median = statistics.median(got) if got else None
         cells = [f"{r:.3f}x" if r is not None else "-" for r in ratios]
         goal = goals[(mode, peer)]
-        met = "-" if median is None else ("yes" if median >= goal else "no")
+        met = "-" if median is None or goal is None else ("yes" if median >= goal else "no")
         shown = f"**{median:.3f}x**" if median is not None else "not run"
-        lines.append("| " + " | ".join([mode, peer, *cells, shown, f"{goal:g}x", met]) + " |")
+        wanted = "-" if goal is None else f"{goal:g}x"
+        lines.append("| " + " | ".join([mode, peer, *cells, shown, wanted, met]) + " |")
     return "\n".join(lines)
 
 
@@ -196,7 +202,7 @@ def main() -> None:
     out = Path(args.out or HERE / "out" / f"peers-all-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[tuple[str, str], list[float | None]] = {}
-    goals: dict[tuple[str, str], float] = {}
+    goals: dict[tuple[str, str], float | None] = {}
     with (out / "records.jsonl").open("w") as sink:
         for r in range(args.rounds):
             for name in args.parts:

@@ -71,12 +71,21 @@ def test_pipeline_pairs_torch_schedules_and_tesseras_own_1f1b() -> None:
         ("pp=2 zb-h1+tune", "Tessera 1F1B"): 0.8,
         ("pp=2 1f1b (itself)", "Tessera 1F1B"): 1.0,
     }
-    assert [p.goal for p in pairs] == [1.3, 1.0, 1.0]
+    assert [p.goal for p in pairs] == [1.3, 1.0, None]
 
 
 def test_the_table_gives_each_round_the_median_and_whether_the_goal_is_met() -> None:
-    rows = {("tp=2 full", "DTensor"): [1.2, 1.5, 1.4], ("ZeRO-3", "DeepSpeed ZeRO"): [None, None, None]}
-    goals = {("tp=2 full", "DTensor"): 1.3, ("ZeRO-3", "DeepSpeed ZeRO"): 1.3}
+    rows = {
+        ("tp=2 full", "DTensor"): [1.2, 1.5, 1.4],
+        ("ZeRO-3", "DeepSpeed ZeRO"): [None, None, None],
+        ("pp=2 1f1b (itself)", "Tessera 1F1B"): [0.99, 1.0, 1.01],
+    }
+    goals = {
+        ("tp=2 full", "DTensor"): 1.3,
+        ("ZeRO-3", "DeepSpeed ZeRO"): 1.3,
+        ("pp=2 1f1b (itself)", "Tessera 1F1B"): None,
+    }
     lines = PA._table(rows, 3, goals).splitlines()
     assert lines[2] == "| tp=2 full | DTensor | 1.200x | 1.500x | 1.400x | **1.400x** | 1.3x | yes |"
     assert lines[3] == "| ZeRO-3 | DeepSpeed ZeRO | - | - | - | not run | 1.3x | - |"
+    assert lines[4] == "| pp=2 1f1b (itself) | Tessera 1F1B | 0.990x | 1.000x | 1.010x | **1.000x** | - | - |"
