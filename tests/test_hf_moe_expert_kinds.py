@@ -23,12 +23,15 @@ Tier 2 (the worker pool): each family, unconverted, trained through ``boost()`` 
 it) 3 SGD steps (momentum 0.9) at dp=2 x ep=2 with ZeRO-1 and ZeRO-3 equals the converted
 model's serial run; Aria also with every expert split inside over tp=2 (the ``moe`` style, in
 Mixtral's plan) and under Megatron SP at dp=2 x ep=2 x tp=2; Nemotron-H (ReLU², not gated),
-HunYuan-V4, DBRX and MiniMax-M3 at tp=2 with the plan ``boost()`` derives (every mixture ``moe``).
+HunYuan-V4, DBRX, MiniMax-M3 and Ling at tp=2 with the plan ``boost()`` derives (every mixture
+``moe``; Ling's gated latent attention split by heads); Nemotron-H, DBRX, Aria, Ling and
+MiniMax-M3 at pp=2 (1F1B, 2 microbatches).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
 per-expert loops against one batched matmul: only the summation order differs); logits rtol
 and atol 1e-5 (order 1); losses rel 1e-5 and SGD weights as ``assert_matches_serial`` bounds
-them; export and import ``torch.equal`` (copies, slices and transposes, no arithmetic).
+them (Ling at tp=2: atol 1e-5, see ``ATOL``); export and import ``torch.equal`` (copies, slices
+and transposes, no arithmetic).
 """
 
 from __future__ import annotations
@@ -285,6 +288,7 @@ MODES = {
     "ep2-zero3": (ParallelConfig(dp=2, ep=2, microbatches=1), 3),
     "tp2-split": (ParallelConfig(tp=2, microbatches=1), 1),
     "tp2-derived": (ParallelConfig(tp=2, microbatches=1), 1),
+    "pp2": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
     "dp2-ep2-tp2-sp-split": (ParallelConfig(dp=2, ep=2, tp=2, sequence_parallel=True, microbatches=1), 3),
 }
 
@@ -303,10 +307,18 @@ SPLIT["model.layers.*.mlp"] = "moe"
 CASES = [(f, m) for f in FAMILIES for m in ("ep2", "ep2-zero3")] + [
     ("aria_text", "tp2-split"),
     ("aria_text", "dp2-ep2-tp2-sp-split"),
-    # no plan: boost() derives one, each mixture's experts split inside (``moe``); Ling's gated linear
-    # attention and Inkling 2's normed embedding are not split correctly by the derived roles yet
-    *[(f, "tp2-derived") for f in ("nemotron_h", "hy_v4", "dbrx", "minimax_m3_vl_text")],
+    # no plan: boost() derives one, each mixture's experts split inside (``moe``), Ling's gated latent
+    # attention split by heads (its gate g_proj one output a head), its linear attention kept whole;
+    # Inkling 2's normed embedding is refused by the probe (it is not a plain lookup)
+    *[(f, "tp2-derived") for f in ("nemotron_h", "hy_v4", "dbrx", "minimax_m3_vl_text", "bailing_hybrid")],
+    # pp=2 (1F1B, 2 microbatches); HY-V4 (several residual streams) and Inkling 2 (its normed
+    # embedding and head) are refused there, naming the block
+    *[(f, "pp2") for f in ("nemotron_h", "dbrx", "aria_text", "bailing_hybrid", "minimax_m3_vl_text")],
 ]
+# Ling at tp2 keeps its layer-0 linear attention (a gated delta-rule recurrence) whole on both
+# ranks; its backward amplifies the round-off of the tp-summed residual gradient: measured at most
+# 7.2e-6 on weights whose updates are at least 2.3e-2 (a lost contribution is off by an update)
+ATOL = {("bailing_hybrid", "tp2-derived"): 1e-5}
 
 
 @pytest.mark.parametrize(("family", "mode"), CASES)
@@ -315,5 +327,7 @@ def test_a_family_trains_through_boost_as_serially(worker_pools: PoolFactory, fa
     plan = SPLIT if mode.endswith("split") else None
     results = worker_pools(config.world_size).run(_parallel, config, family, plan, timeout=180)
     for _, splits in results:  # boost() converted the blocks, and split their experts where asked
-        assert splits and set(splits) == {1 if mode.startswith("ep2") else config.parallel.tp}, splits
-    assert_matches_serial([run for run, _ in results], _serial(family))
+        tp = config.parallel.tp
+        assert set(splits) <= {tp} and (splits or mode == "pp2"), splits  # pp: a rank's stages only
+    atol = ATOL.get((family, mode), 1e-6)
+    assert_matches_serial([run for run, _ in results], _serial(family), atol=atol)

@@ -20,8 +20,10 @@ and the norms between them stay whole. `derive_roles` reads every layer, each ch
   Face's ``config.base_model_tp_plan``) or its name (``query_key_value``) says it is split per
   head (GPT-NeoX, Bloom and Falcon interleave q, k, v inside each head). A latent attention
   (DeepSeek's: ``kv_a_proj_with_mqa`` and ``kv_b_proj``) splits only its per-head
-  projections (``q_proj`` or ``q_b_proj``, ``kv_b_proj``) and ``o_proj``'s input; the low-rank
-  projections in front of them, their norms and a sparse-attention indexer stay whole inside;
+  projections (``q_proj`` or ``q_b_proj``, ``kv_b_proj``, a gate with one output per head as
+  Ling's ``g_proj``) and ``o_proj``'s input; the low-rank projections in front of them, their
+  norms and a sparse-attention indexer stay whole inside; a projection of its own with another
+  width keeps the whole attention whole;
 - the MLP: another submodule holding two or more dense layers; its output layer is the one
   whose input width is not the block's (it takes the hidden width the others produce; a
   fused ``gate | up`` producing twice that width is split in two sections);
@@ -67,6 +69,8 @@ __all__ = ["derive_roles", "describe"]
 
 log = logging.getLogger(__name__)
 
+# a latent attention's low-rank projections in front of its per-head ones: whole on every rank
+_LATENT_WHOLE = ("q_a_proj", "kv_a_proj_with_mqa")
 _OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "proj", "out")
 # fused q, k, v projections by this name interleave q, k and v inside each head (or KV group):
 # GPT-NeoX, Bloom, Falcon's grouped layout; split per head like any colwise layer
@@ -136,9 +140,13 @@ def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> d
     roles: dict[str, TPStyle] = {path: Style.ATTENTION, outputs[0]: Style.ROWWISE}
     children = dict(module.named_children())
     if "kv_a_proj_with_mqa" in children and "kv_b_proj" in children:  # latent attention
-        for name in ("q_proj", "q_b_proj", "kv_b_proj"):
-            if name in children:
+        for name, sub in children.items():
+            if name in ("q_proj", "q_b_proj", "kv_b_proj"):
                 roles[f"{path}.{name}"] = Style.COLWISE
+            elif is_dense(dense_core(sub)) and name not in _LATENT_WHOLE and f"{path}.{name}" not in roles:
+                if _width(sub)[0] != layout.heads:
+                    return {path: Roles.REPLICATE}  # a projection of its own that the reading cannot place
+                roles[f"{path}.{name}"] = Style.COLWISE  # one output per head (Ling's gate g_proj)
         return roles
     norms = [getattr(m, "weight", None) for m in module.modules() if _is_norm(m)]
     if any(w is not None and w.numel() != layout.head_dim for w in norms):
