@@ -18,7 +18,11 @@ in ``packages/moe/tests/test_moe_routing_options.py`` show it).
 Tier 2 (the worker pool): each family trained through ``boost()`` at dp=2 x ep=2 with ZeRO-1
 and ZeRO-3 gives the serial run's losses and weights (3 SGD steps, momentum 0.9); Kolibri,
 LongCat-Flash and AXK1 (plans of their own here) with their MoE layers split inside over tp
-(the ``moe`` style) under sequence parallelism, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO-3).
+(the ``moe`` style) under sequence parallelism, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO-3);
+every family with no plan written at tp=2 (the derived roles: AXK2's adaptive norm, dense
+layers beside a norm, kept whole; AXK1's post-norm taking its weight's gradient from each
+rank's share of the tokens) and at pp=2 (1F1B, 2 microbatches: LFM2's rotary under the name
+``pos_emb``, LongCat-Flash's two attentions per layer).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
 per-expert loops against one batched matmul: only the summation order differs); logits rtol
@@ -301,3 +305,22 @@ def test_a_converted_family_split_over_tp_trains_as_serially(
     config = _boost_config(*SPLIT_MODES[mode])
     results = worker_pools(config.world_size).run(_parallel, config, family, PLANS[family], timeout=180)
     assert_matches_serial(results, _serial(family))
+
+
+NO_PLAN_MODES = {
+    "tp2": (ParallelConfig(tp=2, microbatches=1), 1),
+    "pp2": (ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1),
+}
+
+
+@pytest.mark.parametrize("mode", list(NO_PLAN_MODES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_converted_family_trains_with_no_plan_at_tp2_and_pp2(
+    worker_pools: PoolFactory, family: str, mode: str
+) -> None:
+    """No plan written: at tp=2 the roles ``boost()`` derives (each mixture ``moe``, attention by
+    heads); at pp=2 (1F1B, 2 microbatches) the decoder blocks ``boost()`` finds."""
+    config = _boost_config(*NO_PLAN_MODES[mode])
+    results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
+    assert_matches_serial(results, _serial(family))
+

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -346,10 +346,14 @@ def _normed_tp_rank(rank: int, seed: int, x: Tensor, g: Tensor, sp: bool) -> dic
 
 @settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**31), st.booleans())
+@example(7327019, False)  # the largest round-off measured (the bound in the docstring)
 def test_a_post_norm_split_over_tp_equals_the_serial_layer(seed: int, sp: bool) -> None:
     """tp=2: with sequence parallelism each rank normalises its slice (the norm's gradient a
-    partial sum over the slices), without it every rank the whole output (its gradient weighing
-    1/2 on each); summed over the ranks, the norm's and the router's gradients are serial."""
+    partial sum over the slices), without it every rank the whole output (its gradient from its
+    own share of the tokens); summed over the ranks, the norm's and the router's gradients are
+    serial. Outputs and input gradients atol 5e-6: the norm divides by the RMS of the mixture's
+    output, which on these weights falls to about 0.1, so the round-off of the tp sum (1e-7 of
+    the mixture's scale) grows up to tenfold (measured 1.5e-6 at seed 7327019)."""
     gen = torch.Generator().manual_seed(seed)
     x, g = torch.randn(2, 4, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
     serial = _normed_layer(seed)
@@ -359,9 +363,10 @@ def test_a_post_norm_split_over_tp_equals_the_serial_layer(seed: int, sp: bool) 
     grads = torch.autograd.grad((out * g).sum(), [xs, *params.values()])
     x_grad, want = grads[0], dict(zip(params, grads[1:], strict=True))
     runs = run_threaded(2, _normed_tp_rank, seed, x, g, sp, timeout=60)
+    close_normed = partial(torch.testing.assert_close, rtol=1e-5, atol=5e-6)
     for r, run in enumerate(runs):
-        close_out(run["out"], out.detach().chunk(2, dim=-2)[r] if sp else out.detach())
-        close_out(run["x_grad"], x_grad.chunk(2, dim=-2)[r] if sp else x_grad)
+        close_normed(run["out"], out.detach().chunk(2, dim=-2)[r] if sp else out.detach())
+        close_normed(run["x_grad"], x_grad.chunk(2, dim=-2)[r] if sp else x_grad)
     for name in ("post_norm", "router.weight"):
         close_grad(torch.stack([run["grads"][name] for run in runs]).sum(0), want[name])
 

@@ -42,7 +42,8 @@ gate are whole on every tp rank and their gradients are partial sums to be summe
 weigh ``1 / tp`` on each in the backward so that sum counts them once (`aux.scale_grad`).
 A post-norm applies after the region, to whole tokens: with sequence parallelism to each
 rank's slice (its weight's gradient a partial sum over the slices), else to the same whole
-output on every rank (its gradient weighing ``1 / tp`` on each, so the sum counts it once);
+output on every rank (its weight's gradient on each taken from its own share of the tokens,
+so that the sum over tp counts each once);
 2D, 2.5D and 3D tensor parallelism, which leave each rank a block of the hidden, refuse it.
 """
 
@@ -332,13 +333,20 @@ class MoE(nn.Module):
         return out
 
     def _post_normed(self, out: Tensor, tp: int) -> Tensor:
-        """``out`` RMS-normalised over its last dim (in fp32) and scaled by ``post_norm``; the
-        weight's gradient weighs ``1 / tp`` where every tp rank holds the same whole output."""
+        """``out`` RMS-normalised over its last dim (in fp32) and scaled by ``post_norm``. Where
+        every tp rank holds the same whole output, the weight's gradient on each rank comes from
+        its own share of the tokens (every ``tp``-th row from its rank on), so that the sum over
+        tp, which the weight's partial gradient takes, counts each token once."""
         assert self.post_norm is not None and self.post_norm_eps is not None
-        weight = scale_grad(self.post_norm, 1 / tp) if tp > 1 and not self.gathers else self.post_norm
         x = out.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.post_norm_eps)
-        return weight * normed.to(out.dtype)
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.post_norm_eps)).to(out.dtype)
+        if tp == 1 or self.gathers:  # one rank, or each rank its own slice of the sequence
+            return self.post_norm * normed
+        rows = normed.reshape(-1, normed.shape[-1])
+        mine = torch.zeros(rows.shape[0], 1, dtype=torch.bool, device=rows.device)
+        mine[group_rank(self.tp_group) :: tp] = True
+        weight = torch.where(mine, self.post_norm, self.post_norm.detach())
+        return (weight * rows).view(out.shape)
 
     @staticmethod
     def _identity(tokens: Tensor, weights: Tensor, token: Tensor, assignment: Tensor) -> Tensor:

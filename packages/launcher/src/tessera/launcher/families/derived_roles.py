@@ -29,7 +29,8 @@ and the norms between them stay whole. `derive_roles` reads every layer, each ch
   fused ``gate | up`` producing twice that width is split in two sections);
 - kept whole (``replicate``; each rank runs it on the whole sequence, its gradients complete):
   a sublayer this reading cannot split. A module holding parameters outside dense layers and
-  norms (a Mamba mixer, a gated-delta-net linear attention, attention sinks), an attention
+  norms (a Mamba mixer, a gated-delta-net linear attention, attention sinks), dense layers
+  beside a norm of their own (AXK2's adaptive norm: its output is not the MLP's), an attention
   whose heads cannot be read (Qwen3-Next's gated query projection, twice the heads' width) or
   whose norms span a whole projection (OLMo2's ``q_norm``), and any other sublayer holding
   parameters. A plan with such a module refuses sequence parallelism
@@ -191,6 +192,11 @@ def _mlp_roles(path: str, module: nn.Module, *, direct: bool = False) -> dict[st
     return roles
 
 
+def _is_attention(module: nn.Module) -> bool:
+    """Its class name says Attention, or it says its head count (`_layout`)."""
+    return "attention" in type(module).__name__.lower() or _layout(module) is not None
+
+
 def _layer_roles(path: str, layer: nn.Module, hint: Mapping[str, str]) -> dict[str, TPStyle]:
     """The roles inside one layer of the stack (see the module docstring), by full name."""
     found: dict[str, TPStyle] = {}
@@ -205,7 +211,9 @@ def _layer_roles(path: str, layer: nn.Module, hint: Mapping[str, str]) -> dict[s
             continue  # a dense layer on the layer itself: the direct MLP below
         elif _holds_more(sub):
             roles = {name: Roles.REPLICATE}
-        elif "attention" in type(sub).__name__.lower() or _layout(sub) is not None:
+        elif not _is_attention(sub) and any(_is_norm(m) and list(m.parameters()) for m in sub.modules()):
+            roles = {name: Roles.REPLICATE}  # dense layers beside a norm (AXK2's adaptive norm): not an MLP
+        elif _is_attention(sub):
             roles = _attention_roles(name, sub, hint)  # (an MLP holding the config says heads too)
         if not roles:
             roles = _mlp_roles(name, sub) or {name: Roles.REPLICATE}

@@ -144,24 +144,36 @@ def _mask_function(kind: str) -> Any:
     return masks.create_causal_mask
 
 
-def _attention_of(layer: nn.Module) -> nn.Module | None:
-    """The layer's attention module (a child whose class name says Attention), None for a layer
-    whose mixer is another (Mamba, gated delta net, short convolution)."""
-    for _, sub in layer.named_children():
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _attentions_of(layer: nn.Module) -> list[nn.Module]:
+    """The layer's attention modules: a child whose class name says Attention, or the members of
+    a ModuleList child that are or that is named so (LongCat-Flash's two ``self_attn`` per
+    layer); none for a layer whose mixer is another (Mamba, gated delta net, short convolution)."""
+    for name, sub in layer.named_children():
         if "attention" in type(sub).__name__.lower():
-            return sub
-    return None
+            return [sub]
+        members = list(sub) if isinstance(sub, nn.ModuleList) else []
+        named = name in _ATTENTION_NAMES or all("attention" in type(m).__name__.lower() for m in members)
+        if members and named:
+            return members
+    return []
 
 
 def _rotary_of(base: nn.Module, config: Any, index: int) -> nn.Module | None:
-    """The rotary module of layer ``index``: the base model's ``rotary_emb``, or where it keeps one
-    per base frequency (GraniteMoE-SWA's ``rotary_embs``, chosen by ``config.layer_rope_theta``;
-    0: no rotary), the one of the layer's frequency."""
+    """The rotary module of layer ``index``: the base model's ``rotary_emb`` (or its one rotary
+    child under another name, LFM2's ``pos_emb``), or where it keeps one per base frequency
+    (GraniteMoE-SWA's ``rotary_embs``, chosen by ``config.layer_rope_theta``; 0: no rotary),
+    the one of the layer's frequency."""
     thetas = getattr(config, "layer_rope_theta", None)
     rotaries = getattr(base, "rotary_embs", None)
     if thetas is None or not isinstance(rotaries, nn.ModuleList):
         rotary = getattr(base, "rotary_emb", None)
-        return rotary if isinstance(rotary, nn.Module) else None
+        if isinstance(rotary, nn.Module):
+            return rotary
+        named = [m for m in base.children() if _is_rotary(m) and not isinstance(m, nn.ModuleList)]
+        return named[0] if len(named) == 1 else None  # under another name (LFM2's pos_emb)
     theta = thetas[index]
     if not theta:
         return None
@@ -227,18 +239,19 @@ class _DecoderLayer(nn.Module):
         params = list(signature.parameters.values())[1:]
         # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
         self.required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
-        attention = _attention_of(layer)
+        attentions = _attentions_of(layer)
         self.direct: tuple[str, ...] = ()  # the arguments made for the layer itself (no attention)
         self.own: _OwnForward | None = None  # set by `_guarded`
-        if attention is None:  # a recurrent mixer reads its kind's mask (None: nothing padded), no positions
+        if not attentions:  # a recurrent mixer reads its kind's mask (None: nothing padded), no positions
             self.direct = ("attention_mask",) if "attention_mask" in signature.parameters else ()
             return
-        self.signature = inspect.signature(attention.forward)
-        old = getattr(attention, _HOOK, None)
-        if old is not None:  # blocks built again (after tensor parallelism): this hook runs last
-            old.remove()
-        hook = attention.register_forward_pre_hook(self._arguments_of_attention, with_kwargs=True)
-        setattr(attention, _HOOK, hook)
+        self.signatures = {id(a): inspect.signature(a.forward) for a in attentions}
+        for attention in attentions:
+            old = getattr(attention, _HOOK, None)
+            if old is not None:  # blocks built again (after tensor parallelism): this hook runs last
+                old.remove()
+            hook = attention.register_forward_pre_hook(self._arguments_of_attention, with_kwargs=True)
+            setattr(attention, _HOOK, hook)
 
     def _made(self, h: Tensor, names: tuple[str, ...]) -> dict[str, Any]:
         """Those of `_MADE` in ``names``, for hidden states ``h`` (the whole sequence)."""
@@ -260,10 +273,11 @@ class _DecoderLayer(nn.Module):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.own is not None and self.own.depth:  # the model's own forward: its arguments stand
             return None
-        bound = self.signature.bind_partial(*args, **kwargs).arguments
-        first = next(iter(self.signature.parameters))
+        signature = self.signatures[id(module)]
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        first = next(iter(signature.parameters))
         h = bound[first]
-        takes_ids = "position_ids" in self.signature.parameters or "kwargs" in self.signature.parameters
+        takes_ids = "position_ids" in signature.parameters or "kwargs" in signature.parameters
         extra = self._made(h, _MADE if takes_ids else ("attention_mask", "position_embeddings"))
         rest = {k: v for k, v in bound.items() if k != first}
         return (h,), {**rest, **extra}
