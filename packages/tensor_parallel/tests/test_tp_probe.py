@@ -1,4 +1,5 @@
-"""Tier 1 (threaded ranks): an attention module whose shards would not add up is refused.
+"""Tier 1 (threaded ranks): an attention module whose shards would not add up is refused, and
+so is a region that is not an MLP (a norm and a gate beside its dense layers).
 
 ``parallelize`` divides an attention module's head-count attributes by tp. A module that
 derives its head width from that count and its input (``x.shape[-1] // self.heads``, a
@@ -103,3 +104,49 @@ def _refused_and_unchanged(rank: int, net: Net) -> bool:
 def test_the_module_is_left_unchanged_when_refused() -> None:
     net = Net(Attention(16, 4, 4, width_from_input=True, seed=2))
     assert run_threaded(2, _refused_and_unchanged, net) == [True, True]
+
+
+class GatedNorm(nn.Module):
+    """Dense layers beside a norm of its own (an adaptive norm: the MLP gates the normalised
+    input): not an MLP, whose output would be the row-parallel layer's alone."""
+
+    def __init__(self, d: int, *, gated: bool, seed: int) -> None:
+        super().__init__()
+        self.gated = gated
+        self.norm = nn.RMSNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mlp: Tensor = self.fc2(F.silu(self.fc1(x)))
+        return self.norm(x) * torch.sigmoid(mlp) if self.gated else mlp
+
+
+class MLPNet(nn.Module):
+    def __init__(self, block: GatedNorm) -> None:
+        super().__init__()
+        self.block = block
+
+
+MLP_PLAN = {"block": "region", "block.fc1": "colwise", "block.fc2": "rowwise"}
+
+
+def _parallel_mlp(rank: int, net: MLPNet, x: Tensor) -> Tensor:
+    model = parallelize(copy.deepcopy(net), plan=MLP_PLAN, mesh=Mesh(Topology(tp=2)))
+    return model.block(x)
+
+
+def test_a_region_that_is_not_an_mlp_is_refused_and_an_mlp_passes() -> None:
+    """A region whose output is more than its row-parallel layer's (a norm and a gate beside the
+    dense layers) is refused naming it; the same dense layers as a plain MLP pass and equal
+    the serial module (fp32 round-off: rtol 1e-5, atol 1e-6)."""
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    refusal = r"block \(region\): split over tp=2, the shards of GatedNorm do not add up"
+    with pytest.raises(ValueError, match=refusal):
+        run_threaded(2, _parallel_mlp, MLPNet(GatedNorm(16, gated=True, seed=4)), x)
+    net = MLPNet(GatedNorm(16, gated=False, seed=4))
+    want = net.block(x)
+    for rank, got in enumerate(run_threaded(2, _parallel_mlp, net, x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")

@@ -1,4 +1,11 @@
-"""Prove, before converting, that an attention module's tp shards add up to the module.
+"""Prove, before converting, that an attention module's tp shards add up to the module, and
+that another region's (an MLP's) do.
+
+A region (``region``) is read as "its column-parallel layers in, its row-parallel layer out":
+the sum over the ranks of what each computes with its shards is the module's output. A module
+that does more around its dense layers (a norm beside them, a gate on its input) is not, and
+splitting it trains silently wrong; the first region of each class is run per rank on one
+random input as below, and refused when the shares do not add up to it.
 
 ``parallelize`` splits an ``attention`` module's projections by heads and divides its
 head-count attributes (``num_heads``, ``heads``, ``split_size``, ...) by tp, so that code
@@ -47,12 +54,13 @@ _TOKENS = 4
 
 
 def probe_attention(model: nn.Module, assignments: list[Assignment], *, tp: int) -> None:
-    """ValueError naming the module if the first attention module of a class, split over
-    ``tp`` as the plan says, would not compute what it computes whole."""
+    """ValueError naming the module if the first attention module of a class, or the first
+    other region (an MLP), split over ``tp`` as the plan says, would not compute what it
+    computes whole."""
     if tp == 1:
         return
     inner: dict[str, dict[str, Assignment]] = {}
-    attention = [a for a in assignments if isinstance(a.style, RegionStyle) and a.style.attention]
+    attention = [a for a in assignments if isinstance(a.style, RegionStyle)]
     for a in attention:
         inner[a.name] = {b.name[len(a.name) + 1 :]: b for b in assignments if b.name.startswith(a.name + ".")}
     seen: set[type] = set()
@@ -87,7 +95,8 @@ def _as_rank(
                 attrs.append((module, attr, getattr(module, attr)))
         if hasattr(module, "config"):
             attrs.append((module, "config", module.config))  # localize may give it its own copy
-        changed = style.localize(module, name=name, tp=tp)  # reads the whole projections' widths
+        # an attention's head counts to one rank's share (it reads the whole projections' widths)
+        changed = style.localize(module, name=name, tp=tp) if style.attention else []
         for child, b in inner.items():
             sub = module.get_submodule(child)
             for pname, param in list(sub.named_parameters(recurse=False)):
@@ -184,10 +193,18 @@ def _probe(module: nn.Module, a: Assignment, inner: Mapping[str, Assignment], tp
     rtol = max(_RTOL, 8 * torch.finfo(want.dtype).eps) if half else _RTOL
     diff = float((total - want).abs().max())
     if diff > rtol * max(scale, 1e-30):
+        advice = _advice(changed) if a.style.attention else _REGION_ADVICE
         raise ValueError(
             f"{where}: split over tp={tp}, the shards of {type(module).__name__} do not add up to it "
-            f"(largest difference {diff:.3g} on outputs up to {scale:.3g}); {_advice(changed)}"
+            f"(largest difference {diff:.3g} on outputs up to {scale:.3g}); {advice}"
         )
+
+
+_REGION_ADVICE = (
+    "its output is not the sum of what its column- and row-parallel layers compute on each rank "
+    "(it does more around them: a norm, a gate or a residual of its own); keep it whole (plan entry "
+    "'replicate') or give its parts their own entries"
+)
 
 
 def _advice(changed: list[str]) -> str:

@@ -42,8 +42,10 @@ An entry that every layer shares is written once over the stack (``model.layers.
 one that only some layers have (a dense first layer before mixtures, a hybrid's Mamba layers
 between attention layers) is written per layer (``model.layers.0.mlp``).
 
-Nothing here trusts itself: ``parallelize`` probes every attention module and every replaced
-module on a random input before training, and the coverage proof accounts for every
+Nothing here trusts itself: ``parallelize`` probes the first attention module and the first
+other region of each class (its shards must add up to it: a module read as an MLP that does
+more is refused) and every replaced module on a random input before training, and the
+coverage proof accounts for every
 parameter, so a wrong guess is refused, naming the module, never trained. `describe` writes
 the plan out so that a user can copy it into ``ModelSpec(roles=...)`` and edit it.
 """
