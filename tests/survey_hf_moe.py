@@ -54,6 +54,9 @@ FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs 
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
     "longcat_flash": {"zero_expert_num": 4},  # its default 256 identity experts beside 8 real ones
     "zaya": {"num_experts_per_tok": 1},
+    # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
+    "beam": {"mlp_layer_types": ["dense", "sparse"]},
+    "flint": {"decoder_sparse_step": 1, "mlp_only_layers": []},
     "dbrx": {
         "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
         # clip_qkv: HF's attention clamps by it, and fails with None
