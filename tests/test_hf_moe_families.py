@@ -24,8 +24,9 @@ scale). DeepSeek-V2 at tp=2 has its latent attention without query
 LoRA (``q_proj`` split by its ``qk_head_dim``-wide heads). Qwen3-MoE also with its experts
 split inside over tp (the ``moe`` style; its dense layer split as Llama's MLP) under Megatron
 SP, at tp=2 and at dp=2 x ep=2 x tp=2 (ZeRO 3). Every other family that
-``tests/survey_hf_moe.py`` converts with the same logits (29 more: the survey's 39 less these
-eight and ``test_hf_moe.py``'s Mixtral and Qwen2-MoE), built by the survey's own ``build`` (8
+``tests/survey_hf_moe.py`` converts with the same logits (30 more: the survey's, less these
+eight, ``test_hf_moe.py``'s Mixtral and Qwen2-MoE and the 13 of ``test_hf_moe_expert_kinds.py``
+and ``test_hf_moe_routing_kinds.py``), built by the survey's own ``build`` (8
 experts, top-2, hidden 32; Kimi's linear attention narrowed), at dp=2 x ep=2 (ZeRO 1), one
 case each in the same two workers (about 20 s in all here).
 
@@ -435,10 +436,11 @@ SURVEY = _load_survey()
 # the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' eight and
 # test_hf_moe.py's Mixtral and Qwen2-MoE
 MORE = [
-    "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "hunyuan_v1_moe", "hy_v3", "jamba",
-    "kimi_linear", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
-    "param2moe", "qwen3_5_moe_text", "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
+    "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "hunyuan_v1_moe",
+    "hy_v3", "jamba", "kimi_linear", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minicpm5_moe",
+    "minimax", "minimax_m2", "param2moe", "qwen3_5_moe_text", "qwen3_next", "sarvam_mla", "sarvam_moe",
+    "solar_open",
 ]  # fmt: skip
 
 
@@ -459,6 +461,19 @@ NO_PP = {
 MORE_CASES = [(f, m) for f in MORE for m in ("ep2", "ep2-zero3")] + [
     (f, "pp2") for f in MORE if f not in NO_PP
 ]
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_every_other_family_converted_gives_transformers_logits(family: str) -> None:
+    """What the survey reports for each of them, held by a test: the converted model's logits are
+    the unconverted model's (in training mode, as it trains; dropouts are 0), rtol and atol 1e-5
+    (logits of order 1; per-expert loops against one batched matmul: the summation order only).
+    A score function, bias, group rule, scale or renormalisation read wrong moves them by 1e-1."""
+    model = _survey_model(family)
+    converted = copy.deepcopy(model)
+    assert convert_hf_moe(converted) >= 1
+    ids = _ids(3)
+    torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("family", "mode"), MORE_CASES)

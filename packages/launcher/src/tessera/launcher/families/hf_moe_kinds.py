@@ -237,6 +237,14 @@ def _sigmoid(
     return read
 
 
+def _flint(block: Any, name: str) -> RouterReading:
+    """Sigmoid scores without a bias (fp32 logits), renormalised as ``norm_topk_prob`` says."""
+    router = getattr(block, name)
+    return RouterReading(
+        int(router.top_k), bool(router.norm_topk_prob), RouterSpec(score="sigmoid"), f"{name}.weight"
+    )
+
+
 def _ernie(block: Any, name: str) -> RouterReading:
     router = getattr(block, name)
     spec = RouterSpec(choice_bias=True)
@@ -346,6 +354,7 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         _sigmoid(bias="expert_bias", scale="route_scale", weight="gate.weight"),
     ),
     RouterKind("sigmoid + bias", "laguna.LagunaTopKRouter", "a5c7b29ef9b9cf47", _laguna),
+    RouterKind("sigmoid top-k", "flint.FlintTopKRouter", "c263946af55a5133", _flint),
     RouterKind("softmax + bias", "ernie4_5_moe.Ernie4_5_MoeTopKRouter", "4097eaeeeec9d3ab", _ernie),
     RouterKind("sigmoid of the top-k logits", "llama4.Llama4Router", "6059462df44bcda0", _llama4),
     RouterKind("softmax of the top-k logits", "aria.AriaTextTopKRouter", "db4ba175e9d6f201", _softmax(True)),
