@@ -72,11 +72,11 @@ from tessera.launcher.families.hf_moe_kinds import (
     EXPERTS,
     EXPERTS_COLUMNS,
     EXPERTS_GPT_OSS,
-    ROUTER_KINDS,
     SHARED_MLP,
     SHARED_MLP_LLAMA4,
     source_key,
 )
+from tessera.launcher.families.hf_moe_router_kinds import ROUTER_KINDS
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, redrawn, serial_run, sgd
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE

@@ -43,12 +43,12 @@ from tessera.launcher.families.hf_moe_banks import SWIGLU_SHARED, SharedProjecti
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
     RMS_NORM,
-    ROUTER_KINDS,
     BankLayout,
     BlockKind,
     RouterKind,
     source_key,
 )
+from tessera.launcher.families.hf_moe_router_kinds import ROUTER_KINDS
 from tessera.moe import Activation, RouterSpec, Weigh
 
 __all__ = ["HFLayout", "read_layout"]
