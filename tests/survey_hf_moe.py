@@ -13,13 +13,12 @@ atol 1e-5), ``DIFFERENT`` (converted, but not equal: the worst case), or why it 
     hatch run python tests/survey_hf_moe.py [model_type ...]
 
 A family is one whose config counts experts (``num_experts``, ``num_local_experts``,
-``n_routed_experts``, ...). Each is built from its config class with 2 layers, hidden 32, 4
-heads, vocabulary 64, 8 experts of width 16, top-2, 4 groups of which 2 kept where it groups
-them, small latent-attention ranks, dropouts 0; then every parameter and score-correction bias
-is drawn from a seeded normal (HF initialises routers and biases to zero, where every expert
-ties). The routing columns come from ``hf_moe_routing.read_layout`` where it reads the block,
-else from the router's attributes and source (marked ``~``). The logits are compared in
-training mode (no dropout), as the converted model trains. A minute on a 2-core machine.
+``n_routed_experts``, ...). Each is ``tessera.launcher.testing_hf_moe``'s tiny model of it
+(2 layers, hidden 32, 8 experts of width 16, top-2, every weight and score-correction bias
+drawn from a seeded normal), the one the tests train. The routing columns come from
+``hf_moe_routing.read_layout`` where it reads the block, else from the router's attributes and
+source (marked ``~``). The logits are compared in training mode (no dropout), as the converted
+model trains. 10 s on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,36 +33,8 @@ from torch import nn
 
 from tessera.launcher.families.hf_moe import convert_hf_moe, is_hf_sparse_moe
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
+from tessera.launcher.testing_hf_moe import tiny_moe_model as build
 
-COMMON = {
-    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-}  # fmt: skip
-MOE = {
-    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8,
-    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 16,
-    "expert_interval": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
-    "topk_method": "group_limited_greedy", "n_shared_experts": 1, "shared_expert_intermediate_size": 16,
-    "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
-}  # fmt: skip
-FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs at these sizes
-    "bamba": {"mamba_n_heads": 8, "mamba_d_head": 8},
-    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
-    "kolibri1_1": {"head_dim": 16},
-    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
-    "longcat_flash": {"zero_expert_num": 4},  # its default 256 identity experts beside 8 real ones
-    "zaya": {"num_experts_per_tok": 1},
-    # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
-    "beam": {"mlp_layer_types": ["dense", "sparse"]},
-    "flint": {"decoder_sparse_step": 1, "mlp_only_layers": []},
-    "dbrx": {
-        "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
-        # clip_qkv: HF's attention clamps by it, and fails with None
-        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 16},
-    },
-}  # fmt: skip
 EXPERT_COUNTS = (
     "num_experts",
     "num_local_experts",
@@ -73,35 +44,6 @@ EXPERT_COUNTS = (
 )
 SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert")
 TOL = 1e-5
-
-
-def build(kind: str) -> nn.Module:
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    defaults = CONFIG_MAPPING[kind]()
-    wanted = {**COMMON, **MOE, **FIXES.get(kind, {})}
-    if hasattr(defaults, "kv_lora_rank"):  # latent attention: a key per query head, rotary width 4
-        wanted |= {"num_key_value_heads": COMMON["num_attention_heads"], "head_dim": MOE["qk_rope_head_dim"]}
-    types = vars(defaults).get("layer_types")
-    if isinstance(types, list) and "layer_types" not in wanted:  # the first two kinds of layer
-        kinds = list(dict.fromkeys(types))
-        wanted["layer_types"] = (kinds * 2)[:2]
-    own = FIXES.get(kind, COMMON)  # a family with a config of its own names takes only those
-    config = CONFIG_MAPPING[kind](**{k: v for k, v in wanted.items() if k in own or hasattr(defaults, k)})
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    model: nn.Module = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        for name, b in sorted(model.named_buffers()):
-            if "bias" in name and b.is_floating_point():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

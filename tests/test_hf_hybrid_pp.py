@@ -30,8 +30,6 @@ round-off). A layer given another mask, rotary or none is off at order 1e-2 or m
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +42,7 @@ from tessera.launcher.families.hf import decoder_blocks
 from tessera.launcher.families.hf_moe import convert_hf_moe
 from tessera.launcher.families.spec import check_blocks, logits_of, model_spec, refusals
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
+from tessera.launcher.testing_hf_moe import tiny_moe_model, token_ids
 from tessera.zero import Precision
 
 pytest.importorskip("transformers", reason="transformers is not installed: HF hybrids NOT tested")
@@ -52,20 +51,6 @@ VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 4, 3, 0.2
 TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
-def _load_survey() -> Any:
-    """``tests/survey_hf_moe.py`` (a script, loaded by its path), Kimi-style linear attention
-    narrowed as ``test_hf_moe_families.py`` narrows it."""
-    spec = importlib.util.spec_from_file_location(
-        "survey_hf_moe", Path(__file__).with_name("survey_hf_moe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.MOE.update(linear_head_dim=8, linear_num_heads=2)
-    return module
-
-
-SURVEY = _load_survey()
 # case -> (model_type, config changes); the families test_hf_moe_families.py lists in NO_PP first
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{
@@ -86,15 +71,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _built(family: str, changes: dict[str, Any]) -> Any:
-    """The survey's tiny model of ``family`` (every parameter drawn from seed 0), its config
-    with ``changes`` (the survey passes on the settings its config class has)."""
-    saved = dict(SURVEY.MOE)
-    SURVEY.MOE.update(changes)
-    try:
-        return SURVEY.build(family)
-    finally:
-        SURVEY.MOE.clear()
-        SURVEY.MOE.update(saved)
+    """The tiny model of ``family`` (every parameter drawn from seed 0), its config with
+    ``changes`` (passed where its config class has them)."""
+    return tiny_moe_model(family, settings=changes)
 
 
 def _model(case: str) -> Any:
@@ -105,15 +84,11 @@ def _model(case: str) -> Any:
     return model
 
 
-def _ids(seed: int) -> Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 # ---------------------------------------------------------------------------- tier 0
 @pytest.mark.parametrize("case", CASES)
 def test_the_blocks_chained_give_the_models_logits(case: str) -> None:
     model = _model(case)
-    check_blocks(model, decoder_blocks(model), _ids(1), logits_of)
+    check_blocks(model, decoder_blocks(model), token_ids(1), logits_of)
 
 
 def test_the_models_own_forward_keeps_its_arguments() -> None:
@@ -121,7 +96,7 @@ def test_the_models_own_forward_keeps_its_arguments() -> None:
     forward: its padding mask stays its own (so ``boost()`` checks the blocks against the logits
     ``transformers`` computes, not against the blocks' own arguments). Bitwise: the same calls."""
     model = _model("granitemoe_swa-thetas").eval()
-    ids, padding = _ids(1), torch.ones(2, SEQ, dtype=torch.long)
+    ids, padding = token_ids(1), torch.ones(2, SEQ, dtype=torch.long)
     padding[:, -3:] = 0  # right padding: every query still sees the first key
     want = model(ids, attention_mask=padding).logits
     decoder_blocks(model)

@@ -40,7 +40,6 @@ import copy
 import dataclasses
 import importlib
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,6 +59,7 @@ from tessera.launcher.families.hf_moe import (
 from tessera.launcher.families.hf_moe_banks import BANK_KINDS, SHARED_KINDS, bank_key
 from tessera.launcher.families.hf_moe_kinds import source_key
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
+from tessera.launcher.testing_hf_moe import FIXES, tiny_moe_model, token_ids
 from tessera.moe import ClampedSwiGLU, MoE, SwiGLUVariant
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -103,25 +103,8 @@ ACTIVATIONS: dict[str, tuple[object, object]] = {
 }
 
 
-def _load_survey() -> Any:
-    """``tests/survey_hf_moe.py`` (a script, loaded by its path): its ``build`` makes every MoE
-    family's tiny model; this copy's ``FIXES`` carry the lowered limits."""
-    spec = importlib.util.spec_from_file_location(
-        "survey_hf_moe", Path(__file__).with_name("survey_hf_moe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for family, limits in LIMITS.items():
-        module.FIXES[family] = {**module.COMMON, **module.MOE, **module.FIXES.get(family, {}), **limits}
-    return module
-
-
-SURVEY = _load_survey()
-
-
-def _build(family: str, seed: int = 0) -> nn.Module:
-    model: nn.Module = SURVEY.build(family)
+def _build(family: str, seed: int = 0, changes: dict[str, Any] | None = None) -> nn.Module:
+    model: nn.Module = tiny_moe_model(family, {**LIMITS.get(family, {}), **(changes or {})})
     if seed:  # weights of its own
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -130,10 +113,6 @@ def _build(family: str, seed: int = 0) -> nn.Module:
     # the hybrids' caches size masks from their attention layers
     model.config.use_cache = False  # type: ignore[union-attr]
     return model
-
-
-def _ids(seed: int) -> Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _first_block(model: nn.Module) -> tuple[str, nn.Module]:
@@ -174,7 +153,9 @@ def test_a_converted_model_gives_the_same_logits(family: str) -> None:
     converted = copy.deepcopy(model)
     assert convert_hf_moe(converted) >= 1
     assert not any(is_hf_sparse_moe(m) for m in converted.modules())
-    torch.testing.assert_close(converted(_ids(3)).logits, model(_ids(3)).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        converted(token_ids(3)).logits, model(token_ids(3)).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -186,7 +167,9 @@ def test_a_converted_models_weights_load_back_into_transformers(family: str) -> 
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
     fresh = _build(family, seed=5)
     fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
-    torch.testing.assert_close(fresh(_ids(4)).logits, converted(_ids(4)).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fresh(token_ids(4)).logits, converted(token_ids(4)).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -222,21 +205,16 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "ergo": ({}, r"ErgoMoE: Ergo normalises each expert's output by an RMSNorm"),
     "nemotron_h": ({"moe_latent_size": 16}, r"fc1_latent_proj, fc2_latent_proj: the experts' latent"),
     "dbrx": (
-        {"ffn_config": {**SURVEY.FIXES["dbrx"]["ffn_config"], "moe_normalize_expert_weights": 2.0}},
+        {"ffn_config": {**FIXES["dbrx"]["ffn_config"], "moe_normalize_expert_weights": 2.0}},
         r"moe_normalize_expert_weights=2.0: only the 1-norm",
     ),
 }
 
 
 @pytest.mark.parametrize("family", list(REFUSED))
-def test_what_cannot_be_reproduced_is_refused_naming_why(
-    family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_what_cannot_be_reproduced_is_refused_naming_why(family: str) -> None:
     changes, message = REFUSED[family]
-    if changes:
-        fixes = SURVEY.FIXES.get(family, {**SURVEY.COMMON, **SURVEY.MOE})
-        monkeypatch.setitem(SURVEY.FIXES, family, {**fixes, **changes})
-    model = _build(family)
+    model = _build(family, changes=changes)
     before = sum(is_hf_sparse_moe(m) for m in model.modules())
     with pytest.raises(ValueError, match=message):
         convert_hf_moe(model)

@@ -66,7 +66,7 @@ from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost, model_spec
 from tessera.launcher.families import hf_moe_plans as plans
 from tessera.launcher.families.derived_roles import derive_roles
-from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_state_dict, is_hf_sparse_moe, moe_from_hf
+from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_state_dict, moe_from_hf
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
     EXPERTS,
@@ -78,6 +78,7 @@ from tessera.launcher.families.hf_moe_kinds import (
 )
 from tessera.launcher.families.hf_moe_router_kinds import ROUTER_KINDS
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, redrawn, serial_run, sgd
+from tessera.launcher.testing_hf_moe import sparse_blocks, tiny_moe_model, token_ids
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
 from tessera.tensor_parallel import resolve
@@ -151,18 +152,10 @@ def _build(family: str) -> nn.Module:
     return redrawn(transformers.AutoModelForCausalLM.from_config(_config(family)), 0)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if is_hf_sparse_moe(m)]
-
-
-def _ids(seed: int) -> Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 # ---------------------------------------------------------------------------- tier 0
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_converted_block_computes_what_hf_computes(family: str) -> None:
-    block: Any = _blocks(_build(family))[0]
+    block: Any = sparse_blocks(_build(family))[0]
     layer = moe_from_hf(block)
     assert layer.capacity_factor is None
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
@@ -205,7 +198,7 @@ def test_the_moe_styles_shard_specs_name_the_split_of_gpt_osss_biased_experts() 
     """What ``split_hidden`` keeps of each tensor of a converted GPT-OSS block, on either tp
     rank (``keep_hidden`` as the rank's share), is the ``moe`` style's shard of the whole
     tensor; the router's and ``b2`` are whole (``shard_spec`` None)."""
-    whole = moe_from_hf(_blocks(_build("gpt_oss"))[0])
+    whole = moe_from_hf(sparse_blocks(_build("gpt_oss"))[0])
     specs = {n: MOE_STYLE.shard_spec(whole, n) for n, _ in whole.named_parameters()}
     assert {n for n, spec in specs.items() if spec is None} == {"router.weight", "router.bias", "experts.b2"}
     for rank in (0, 1):
@@ -222,7 +215,7 @@ def test_the_moe_styles_shard_specs_name_the_split_of_gpt_osss_biased_experts() 
 def test_deepseek_v3s_bias_is_a_buffer_that_chooses() -> None:
     """The score-correction bias is the router's buffer (loaded, not trained), and it matters:
     the converted block without it routes differently."""
-    block: Any = _blocks(_build("deepseek_v3"))[0]
+    block: Any = sparse_blocks(_build("deepseek_v3"))[0]
     layer = moe_from_hf(block)
     assert layer.router.score_bias is not None
     assert "router.score_bias" in dict(layer.named_buffers())
@@ -239,10 +232,12 @@ def test_a_converted_model_gives_the_same_logits(family: str) -> None:
     model = _build(family)
     converted = copy.deepcopy(model)
     assert convert_hf_moe(converted) == MOE_BLOCKS[family]
-    assert not _blocks(converted) and any(isinstance(m, MoE) for m in converted.modules())
+    assert not sparse_blocks(converted) and any(isinstance(m, MoE) for m in converted.modules())
     if family == "deepseek_v3":  # first_k_dense_replace=1: layer 0 stays dense
         assert type(converted.model.layers[0].mlp).__name__ == "DeepseekV3MLP"
-    torch.testing.assert_close(converted(_ids(3)).logits, model(_ids(3)).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        converted(token_ids(3)).logits, model(token_ids(3)).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -257,7 +252,9 @@ def test_a_converted_models_weights_load_back_into_transformers(family: str) -> 
                 b.add_(0.05)
     fresh = _build(family)
     fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
-    torch.testing.assert_close(fresh(_ids(4)).logits, converted(_ids(4)).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fresh(token_ids(4)).logits, converted(token_ids(4)).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_phimoe_is_refused_naming_its_sparsemixer_before_anything_changes() -> None:
@@ -269,7 +266,7 @@ def test_phimoe_is_refused_naming_its_sparsemixer_before_anything_changes() -> N
         ValueError, match=r"PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not reproduced"
     ):
         convert_hf_moe(model)
-    assert len(_blocks(model)) == 2  # nothing swapped
+    assert len(sparse_blocks(model)) == 2  # nothing swapped
 
 
 def test_model_spec_finds_each_familys_plan() -> None:
@@ -413,26 +410,12 @@ def test_a_deepseek_v3_trained_at_ep2_loads_into_transformers(
     fresh.load_state_dict(hf_moe_state_dict(safetensors.torch.load_file(path), like=fresh), strict=True)
     trained = _converted("deepseek_v3")
     trained.load_state_dict(_serial("deepseek_v3")[1], strict=False)  # the parameters; the biases are HF's
-    torch.testing.assert_close(fresh(_ids(99)).logits, trained(_ids(99)).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fresh(token_ids(99)).logits, trained(token_ids(99)).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 # ------------------------------------------------------- tier 2: every other family that converts
-def _load_survey() -> Any:
-    """``tests/survey_hf_moe.py``: the home of a tiny model of every MoE family (a script, not
-    a test module, so loaded by its path), with Kimi's linear attention shrunk (its default
-    32 heads of width 128 cost ten seconds of CPU per three steps here; ``MOE`` settings reach
-    only the configs that have them)."""
-    spec = importlib.util.spec_from_file_location(
-        "survey_hf_moe", Path(__file__).with_name("survey_hf_moe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.MOE.update(linear_head_dim=8, linear_num_heads=2)
-    return module
-
-
-SURVEY = _load_survey()
 # the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' eight and
 # test_hf_moe.py's Mixtral and Qwen2-MoE
 MORE = [
@@ -445,7 +428,7 @@ MORE = [
 
 
 def _survey_model(family: str) -> nn.Module:
-    model: nn.Module = SURVEY.build(family)
+    model: nn.Module = tiny_moe_model(family)
     model.config.use_cache = False  # a hybrid's cache (Jamba's, Granite's) sizes masks from attention layers
     return model
 
@@ -472,7 +455,7 @@ def test_every_other_family_converted_gives_transformers_logits(family: str) -> 
     model = _survey_model(family)
     converted = copy.deepcopy(model)
     assert convert_hf_moe(converted) >= 1
-    ids = _ids(3)
+    ids = token_ids(3)
     torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,11 +49,11 @@ from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
     hf_moe_conversion,
     hf_moe_state_dict,
-    is_hf_sparse_moe,
     moe_from_hf,
 )
 from tessera.launcher.families.hf_moe_routing import read_layout
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
+from tessera.launcher.testing_hf_moe import sparse_blocks, tiny_moe_model, token_ids
 from tessera.moe import MoE
 from tessera.zero import Precision
 
@@ -67,24 +65,10 @@ VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 4, 3, 0.2
 FAMILIES = ["kolibri1", "axk2", "lfm2_moe", "longcat_flash", "axk1"]
 
 
-def _load_survey() -> Any:
-    """``tests/survey_hf_moe.py`` (a script, loaded by its path): the tiny model of each family."""
-    spec = importlib.util.spec_from_file_location(
-        "survey_hf_moe", Path(__file__).with_name("survey_hf_moe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SURVEY = _load_survey()
-
-
 def _build(family: str) -> Any:
     """The survey's model of ``family``; LFM2's block bias drawn (std 0.1), AXK2's biases
     lowered by 0.6 (so that experts of dropped groups, at 0.0, beat some kept ones)."""
-    model: Any = SURVEY.build(family)
+    model: Any = tiny_moe_model(family)
     model.config.use_cache = False
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -96,18 +80,10 @@ def _build(family: str) -> Any:
     return model
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if is_hf_sparse_moe(m)]
-
-
-def _ids(seed: int) -> Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 # ---------------------------------------------------------------------------- tier 0
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_converted_block_computes_what_hf_computes(family: str) -> None:
-    block: Any = _blocks(_build(family))[0]
+    block: Any = sparse_blocks(_build(family))[0]
     layout = read_layout(block)
     layer = moe_from_hf(block)
     x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
@@ -138,7 +114,7 @@ def test_the_detail_decides_the_output(family: str) -> None:
     tests above could fail): Kolibri chosen by the scores, AXK2's groups masked to ``-inf``,
     LongCat-Flash's tokens that choose an identity expert, LFM2's block bias left out, AXK1's
     norm left out."""
-    block: Any = _blocks(_build(family))[0]
+    block: Any = sparse_blocks(_build(family))[0]
     layer = moe_from_hf(block)
     x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -161,7 +137,7 @@ def test_the_detail_decides_the_output(family: str) -> None:
 
 
 def test_lfm2s_guard_and_block_bias_are_read() -> None:
-    layout = read_layout(_blocks(_build("lfm2_moe"))[0])
+    layout = read_layout(sparse_blocks(_build("lfm2_moe"))[0])
     assert layout.routing.renorm_eps == 1e-6 and layout.score_bias == "expert_bias"
     assert layout.routing.score == "sigmoid" and layout.renormalize
 
@@ -171,8 +147,8 @@ def test_a_converted_model_gives_the_same_logits(family: str) -> None:
     model = _build(family)
     converted = copy.deepcopy(model)
     assert convert_hf_moe(converted) >= 1
-    assert not _blocks(converted) and any(isinstance(m, MoE) for m in converted.modules())
-    close_logits(converted(_ids(3)).logits, model(_ids(3)).logits)
+    assert not sparse_blocks(converted) and any(isinstance(m, MoE) for m in converted.modules())
+    close_logits(converted(token_ids(3)).logits, model(token_ids(3)).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -187,7 +163,7 @@ def test_a_converted_models_weights_load_back_into_transformers(family: str) -> 
                 b.add_(0.05)
     fresh = _build(family)
     fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
-    close_logits(fresh(_ids(4)).logits, converted(_ids(4)).logits)
+    close_logits(fresh(token_ids(4)).logits, converted(token_ids(4)).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -323,4 +299,3 @@ def test_a_converted_family_trains_with_no_plan_at_tp2_and_pp2(
     config = _boost_config(*NO_PLAN_MODES[mode])
     results = worker_pools(config.world_size).run(_parallel, config, family, None, timeout=180)
     assert_matches_serial(results, _serial(family))
-

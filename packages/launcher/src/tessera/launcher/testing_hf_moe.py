@@ -1,0 +1,112 @@
+"""A tiny model of every mixture-of-experts causal-LM family of the installed ``transformers``,
+for tests and the survey (``tests/survey_hf_moe.py``): the tests of the HF MoE conversion and
+of its parallel training all build their models here.
+
+`tiny_moe_model` builds a family from its config class with 2 layers, hidden 32, 4 heads,
+vocabulary 64, 8 experts of width 16, top-2, 4 groups of which 2 kept where it groups them,
+small latent-attention ranks and linear-attention heads, dropouts 0; then every parameter is
+drawn from a seeded normal (std 0.3) and every floating buffer named like a bias (a router's
+score-correction bias) from another (std 0.1): HF initialises routers and those biases to
+zero, where every expert ties. Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tessera.launcher.families.hf_moe import is_hf_sparse_moe
+
+__all__ = ["COMMON", "FIXES", "MOE", "sparse_blocks", "tiny_moe_model", "token_ids"]
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+"""Every family's sizes (a family whose config has its own names takes only `FIXES`')."""
+
+MOE: dict[str, Any] = {
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8,
+    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 16,
+    "expert_interval": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+    "topk_method": "group_limited_greedy", "n_shared_experts": 1, "shared_expert_intermediate_size": 16,
+    "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+    # Kimi's linear attention: its default 32 heads of width 128 cost seconds per step here
+    "linear_head_dim": 8, "linear_num_heads": 2,
+}  # fmt: skip
+"""The mixture's settings, each passed to the configs that have it."""
+
+FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs at these sizes
+    "bamba": {"mamba_n_heads": 8, "mamba_d_head": 8},
+    "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
+    "kolibri1_1": {"head_dim": 16},
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "longcat_flash": {"zero_expert_num": 4},  # its default 256 identity experts beside 8 real ones
+    "zaya": {"num_experts_per_tok": 1},
+    # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
+    "beam": {"mlp_layer_types": ["dense", "sparse"]},
+    "flint": {"decoder_sparse_step": 1, "mlp_only_layers": []},
+    "dbrx": {
+        "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
+        # clip_qkv: HF's attention clamps by it, and fails with None
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 16},
+    },
+}  # fmt: skip
+"""Per family, config entries passed whether or not its default config has them."""
+
+
+def tiny_moe_model(
+    kind: str,
+    changes: Mapping[str, Any] | None = None,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """The tiny causal LM of the ``transformers`` model type ``kind`` (its weights drawn from
+    ``seed``). ``changes``: config entries of this call, passed as `FIXES`' are (beside the
+    family's own); ``settings``: entries merged into `MOE`, passed where the config has them."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    defaults = CONFIG_MAPPING[kind]()
+    moe = {**MOE, **(settings or {})}
+    own = FIXES.get(kind)
+    if changes:
+        own = {**(own if own is not None else {**COMMON, **moe}), **changes}
+    wanted = {**COMMON, **moe, **(own or {})}
+    if hasattr(defaults, "kv_lora_rank"):  # latent attention: a key per query head, rotary width 4
+        wanted |= {"num_key_value_heads": COMMON["num_attention_heads"], "head_dim": moe["qk_rope_head_dim"]}
+    types = vars(defaults).get("layer_types")
+    if isinstance(types, list) and "layer_types" not in wanted:  # the first two kinds of layer
+        kinds = list(dict.fromkeys(types))
+        wanted["layer_types"] = (kinds * 2)[:2]
+    forced = own if own is not None else COMMON  # a config of its own names takes only those
+    config = CONFIG_MAPPING[kind](**{k: v for k, v in wanted.items() if k in forced or hasattr(defaults, k)})
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model: nn.Module = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for name, b in sorted(model.named_buffers()):
+            if "bias" in name and b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model
+
+
+def sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks of an HF model that ``convert_hf_moe`` would convert or refuse."""
+    return [m for m in model.modules() if is_hf_sparse_moe(m)]
+
+
+def token_ids(seed: int, *, vocab: int = COMMON["vocab_size"], batch: int = 2, seq: int = 8) -> Tensor:
+    """``batch`` rows of ``seq`` token ids drawn from ``seed``."""
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
