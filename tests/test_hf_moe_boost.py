@@ -9,10 +9,10 @@ columns of ``gate_up_proj``) and GPT-OSS (those columns alternating; biases): th
 export parts, streamed through ``Joiner``, give transformers' state dict exactly (names, shapes,
 values; a fresh model loads it strictly), and its persistent buffer under HF's name; the way
 back (``assemble``) gives every converted tensor exactly from the state dict's fused tensors and
-from the per-expert tensors ``save_pretrained`` writes (the parts' ``legacy`` names), also for
-some experts only (what an ep rank reads), and so does import's reader of a safetensors file
-(each part's band, and some experts', read by ``LazyTensors.read_part``). ``SAVED_LAYOUTS``
-follow the pinned transformers' conversion mapping. Bounds: ``torch.equal``: every step is a
+from the per-expert tensors ``save_pretrained`` writes (the parts' ``legacy`` names, read from
+the pinned transformers' conversion mapping: ``hf_names``), also for some experts only (what an
+ep rank reads), and so does import's reader of a safetensors file (each part's band, and some
+experts', read by ``LazyTensors.read_part``). Bounds: ``torch.equal``: every step is a
 copy, slice or transpose, no arithmetic.
 
 Tier 2 (the worker pool): an unconverted ``MixtralForCausalLM`` boosted at dp=2 x ep=2 imports
@@ -56,12 +56,8 @@ from tessera.launcher.checkpoint.exported import (
 from tessera.launcher.checkpoint.placement import persistent_buffers
 from tessera.launcher.checkpoint.reshard import _AsParams
 from tessera.launcher.checkpoint.tensorfile import LazyTensors
-from tessera.launcher.families.hf_moe import (
-    SAVED_LAYOUTS,
-    convert_hf_moe,
-    hf_moe_conversion,
-    is_hf_sparse_moe,
-)
+from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_conversion, is_hf_sparse_moe
+from tessera.launcher.families.hf_names import expert_merges, hf_renames
 from tessera.launcher.testing import RandomTokens, oracle_config, redrawn, serial_run, sgd
 from tessera.moe import MoE
 
@@ -112,7 +108,12 @@ def test_the_export_parts_are_transformers_tensors_both_ways(family: str, tmp_pa
     model = _build(family)
     hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.save_pretrained(tmp_path)
-    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    renames = hf_renames(model)  # read as transformers loads them: Mixtral's block_sparse_moe is mlp
+    saved = {
+        (renames(k) if renames else k): v
+        for k, v in safetensors.torch.load_file(tmp_path / "model.safetensors").items()
+    }
+    merges = expert_merges(model)
     converted = copy.deepcopy(model)
     conversion = hf_moe_conversion(converted, {n: 0 for n, _ in model.named_parameters()})
     assert conversion.blocks and not any(is_hf_sparse_moe(m) for m in converted.modules())
@@ -141,7 +142,7 @@ def test_the_export_parts_are_transformers_tensors_both_ways(family: str, tmp_pa
             assert parts is not None, f"{layout}: {name}"
             assert torch.equal(assemble(parts, [source[p.name] for p in parts]), value), f"{layout}: {name}"
             if name.endswith(BANKS):  # an ep rank's experts
-                per_expert = layout == "per-expert" and family in SAVED_LAYOUTS  # else fused
+                per_expert = layout == "per-expert" and bool(merges)  # else fused
                 assert ("experts.0." in parts[0].name) == per_expert, parts[0].name
                 mine, by_rows = sliced(parts, 1, 3)
                 values = [source[p.name][1:3] if by_rows else source[p.name] for p in mine]
@@ -157,30 +158,26 @@ def test_the_export_parts_are_transformers_tensors_both_ways(family: str, tmp_pa
                 assert torch.equal(read.rows(f"param/{name}", 1, 3), value[1:3].float()), name
 
 
-def test_saved_layouts_follow_transformers_conversion_mapping() -> None:
-    """Each family's per-expert names (and Mixtral's block rename) are what the pinned
-    transformers merges on load and writes on save, and nothing else of its block is renamed."""
-    from transformers.conversion_mapping import (
-        _MODEL_TO_CONVERSION_PATTERN,
-        get_checkpoint_conversion_mapping,
+def test_the_per_expert_tensors_are_read_from_transformers_conversion_mapping() -> None:
+    """Each family's checkpoint layout (what ``save_pretrained`` writes and transformers merges
+    on load) as `expert_merges` reads it from the pinned transformers, and the block renames
+    (Mixtral's ``block_sparse_moe`` for ``mlp``) as `hf_renames` reads them."""
+    want = {
+        "mixtral": {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
+        "qwen2_moe": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+        "deepseek_v3": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+        "llama4_text": {},  # saved as the model holds them
+        "gpt_oss": {},
+    }
+    assert {family: expert_merges(_build(family)) for family in CONFIGS} == want
+    renames = hf_renames(_build("mixtral"))
+    assert renames is not None
+    assert (
+        renames("model.layers.1.block_sparse_moe.experts.3.w1.weight")
+        == "model.layers.1.mlp.experts.3.w1.weight"
     )
-
-    def tail(pattern: str) -> str:  # from "experts." on: the part relative to the block
-        return pattern[pattern.find("experts.") :] if "experts." in pattern else pattern
-
-    for model_type, layout in SAVED_LAYOUTS.items():
-        like = _MODEL_TO_CONVERSION_PATTERN.get(model_type, model_type)
-        assert like == layout.like, model_type
-        rules = [
-            ([tail(p) for p in r.source_patterns], [tail(p) for p in r.target_patterns])
-            for r in get_checkpoint_conversion_mapping(like)
-        ]
-        want = [([f".{layout.block[1]}."], [f".{layout.block[0]}."])] if layout.block else []
-        want += [
-            ([f"experts.*.{layout.gate}.weight", f"experts.*.{layout.up}.weight"], ["experts.gate_up_proj"]),
-            ([f"experts.*.{layout.down}.weight"], ["experts.down_proj"]),
-        ]
-        assert rules == want, model_type
+    assert renames("model.layers.1.block_sparse_moe.gate.weight") == "model.layers.1.mlp.gate.weight"
+    assert renames("model.layers.1.mlp.experts.gate_up_proj") == "model.layers.1.mlp.experts.gate_up_proj"
 
 
 def test_what_cannot_convert_is_refused_naming_it() -> None:
@@ -311,7 +308,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_its_tensors(
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight [20, 16]" in narrow, narrow
     partial = pool.run(_import_refusal, config, str(tmp_path / "partial.safetensors"))[0]
     assert "lacks 2 parameters of the model" in partial, partial
-    assert "model.layers.0.mlp.experts.down_proj (or model.layers.0.block_sparse_moe.experts.0.w2" in partial
+    assert "model.layers.0.mlp.experts.down_proj (or model.layers.0.mlp.experts.0.w2" in partial
 
 
 def test_blocks_that_cannot_convert_are_refused_at_ep2_and_left_at_ep1(worker_pools: PoolFactory) -> None:

@@ -65,3 +65,32 @@ def test_read_part_cuts_what_slicing_cuts(
     with LazyTensors([tmp_path / "f.safetensors"]) as lazy:
         got = lazy.read_part("bank", first, Band(dim, start, stop, step))
     assert torch.equal(got, want), f"{shape} {dim} {start}:{stop}:{step} of {first}"
+
+
+@pytest.mark.parametrize("first", [None, (0, 6)])
+def test_a_matrix_row_band_is_read_as_its_rows(tmp_path: Path, first: tuple[int, int] | None) -> None:
+    """Rows ``2:5`` of a matrix (DBRX's flat ``mlp.w1 [E*h, d]``, one expert's rows): a row band
+    of a 2-D tensor is its first dimension's slice (``torch.equal``: bytes copied)."""
+    whole = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    safetensors.torch.save_file({"flat": whole}, tmp_path / "f.safetensors")
+    with LazyTensors([tmp_path / "f.safetensors"]) as lazy:
+        assert torch.equal(lazy.read_part("flat", first, Band(-2, 2, 5)), whole[2:5])
+        with pytest.raises(ValueError, match=r"flat \[6, 8\] has no part"):
+            lazy.read_part("flat", first, Band(-2, 4, 7))
+
+
+def test_renamed_tensors_are_read_under_their_new_names(tmp_path: Path) -> None:
+    """``rename``: each stored tensor known by the name it gives (a family's loading renames),
+    read from its file under its own; two stored tensors given one name are refused."""
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0).view(2, 2)
+    safetensors.torch.save_file({"old.a": a, "b": b}, tmp_path / "f.safetensors")
+    with LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: n.replace("old.", "new.")) as lazy:
+        assert sorted(lazy) == ["b", "new.a"] and "old.a" not in lazy
+        assert (
+            torch.equal(lazy["new.a"], a)
+            and lazy.shape("new.a") == (2, 3)
+            and lazy.stored("new.a") == "old.a"
+        )
+        assert torch.equal(lazy.read_part("new.a", (1, 2)), a[1:2]) and lazy.dtype("new.a") == torch.float32
+    with pytest.raises(ValueError, match=r"b and old\.a both read as b"):
+        LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: "b")

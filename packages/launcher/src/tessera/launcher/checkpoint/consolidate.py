@@ -183,7 +183,7 @@ def _write_shards(
     joiner = Joiner(exported, names)  # a tensor joined from several parameters: when complete
     held = dict(engine.module.named_buffers())
     buffers = sorted(
-        (part.name, held[local])
+        (part.name, held[local] if part.view is None else held[local].reshape(part.view))
         for local, serial in placement.buffers.items()
         for part in parts_of(serial, exported)[:1]
     )

@@ -80,7 +80,7 @@ def _expected(engine: Boosted) -> tuple[Shapes, Shapes, Shapes]:
     tied = {alias: tuple(placement.full_shapes[name]) for alias, name in placement.aliases.items()}
     held = dict(engine.module.named_buffers())
     buffers = {
-        part.name: tuple(held[local].shape)
+        part.name: tuple(held[local].shape) if part.view is None else part.view
         for local, serial in placement.buffers.items()
         for part in parts_of(serial, placement.exported)[:1]
     }

@@ -76,13 +76,15 @@ class Band:
 class ExportPart:
     """One exported tensor ``name`` (or its `Band` ``band``), taken as ``full[index]`` (or
     ``full``), its last two dimensions swapped when ``transpose``; ``legacy``: the same piece in
-    a checkpoint of an older layout."""
+    a checkpoint of an older layout; ``view``: the shape a buffer is exported in, where it is
+    held in another of the same size (ERNIE's score-correction bias: ``[1, E]`` for ``[E]``)."""
 
     name: str
     index: int | None = None
     transpose: bool = False
     band: Band | None = None
     legacy: tuple[ExportPart, ...] = ()
+    view: tuple[int, ...] | None = None
 
     def shape(self, full: Sequence[int]) -> tuple[int, ...]:
         """The piece's shape from the trained parameter's full shape."""

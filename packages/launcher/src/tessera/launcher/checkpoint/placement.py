@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from tessera.comm import Mesh
 from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.exported import ExportPart, found_parts, parts_of
+from tessera.launcher.checkpoint.tensorfile import Renames
 from tessera.tensor_parallel import ShardSpec
 from tessera.zero import ZeroOptimizer
 
@@ -42,7 +43,9 @@ class Placement:
     that module) to its serial name: exports and imports carry them beside the parameters (a
     router's score-correction bias is state a strict load expects). ``adapters``: the model's low-rank
     adapters and their PEFT configurations (`tessera.launcher.checkpoint.adapted`), for PEFT's
-    adapter files and a merged export.
+    adapter files and a merged export. ``renames``: how a foreign checkpoint's tensor names read as
+    the model's (a Hugging Face family's loading renames), for ``import_weights``; None: as
+    they are.
     """
 
     names: dict[nn.Parameter, str]  # serial name of each local parameter
@@ -55,6 +58,7 @@ class Placement:
     exported: dict[str, tuple[ExportPart, ...]] = field(default_factory=dict)  # name -> the user's names
     buffers: dict[str, str] = field(default_factory=dict)  # local persistent buffer -> serial name
     adapters: Adapters = field(default_factory=Adapters)  # low-rank adapters (PEFT's LoRA)
+    renames: Renames | None = None  # a foreign checkpoint's names -> the model's
 
     def part(self, full: Tensor, name: str, tp_rank: int, tp: int, shape: Sequence[int]) -> Tensor:
         """This rank's part of the serial tensor ``name`` (`local_part` under this placement)."""
@@ -74,14 +78,16 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
 def load_buffers(engine: Boosted, weights: Mapping[str, Tensor], path: Path) -> None:
     """Copy into this rank's persistent buffers (``Placement.buffers``: a router's bias) those
     that ``weights`` holds by serial name (or by the name ``Placement.exported`` gives it, or
-    that name's ``legacy`` one), as they are; local; ValueError naming a misshapen one (read
-    from ``path``)."""
+    that name's ``legacy`` one), as they are (or from the part's ``view``); local; ValueError
+    naming a misshapen one (read from ``path``)."""
     held = dict(engine.module.named_buffers())
     with torch.no_grad():
         for local, serial in engine.placement.buffers.items():
             parts = found_parts(parts_of(serial, engine.placement.exported)[:1], weights.__contains__)
             if parts:
                 value = weights[parts[0].name]
+                if parts[0].view is not None and tuple(value.shape) == parts[0].view:  # ERNIE's [1, E]
+                    value = value.reshape(held[local].shape)
                 if tuple(value.shape) != tuple(held[local].shape):
                     raise ValueError(
                         f"{path}: buffer {parts[0].name} has shape {tuple(value.shape)}, the model's "

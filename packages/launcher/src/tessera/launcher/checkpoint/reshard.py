@@ -334,15 +334,18 @@ def import_weights(engine: Boosted, path: Path, extra: Mapping[str, Tensor] | No
     misshapen parameters before anything changes."""
     extra = extra or {}
     shapes = engine.placement.full_shapes
-    with LazyTensors(weight_files(path)) as weights:
+    renames = engine.placement.renames
+    with LazyTensors(weight_files(path), rename=renames) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
         found = {n: _file_parts(engine, n, weights) for n in wanted}
         sources = {n: s for n, s in found.items() if s is not None}
         missing = sorted(_wanted_as(n, engine.placement.exported) for n in wanted - set(sources) - set(extra))
         if missing:
-            raise ValueError(f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}")
+            why = renames.unread(weights.stored(n) for n in weights) if renames is not None else ""
+            lacks = f"{path} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}"
+            raise ValueError(lacks + (f"; {why}" if why else ""))
         misshapen = sorted(
-            f"{p.name} {list(weights.shape(p.name))} (for {n} {list(shapes[n])})"
+            f"{weights.stored(p.name)} {list(weights.shape(p.name))} (for {n} {list(shapes[n])})"
             for n, parts in sources.items()
             for p in parts
             if not p.fits(shapes[n], weights.shape(p.name))

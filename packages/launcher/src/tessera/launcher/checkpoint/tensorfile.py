@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -20,12 +21,26 @@ from torch import Tensor
 from tessera.comm.safefile import SafeFile
 from tessera.launcher.checkpoint.exported import Band
 
-__all__ = ["INDEX", "LazyTensors", "weight_files"]
+__all__ = ["INDEX", "LazyTensors", "Renames", "weight_files"]
 
 INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
 # a column band is read one row at a time when a row's part is at least this long: below it,
 # reading the rows whole and cutting them costs less than one read call per row
 MIN_RUN_BYTES = 4096
+
+
+class Renames(Protocol):
+    """How a foreign checkpoint's tensor names read as the model's (a Hugging Face family's
+    loading renames: `tessera.launcher.families.hf_names`)."""
+
+    def __call__(self, stored: str) -> str:
+        """The model's name for the checkpoint's tensor ``stored`` (itself when not renamed)."""
+        ...
+
+    def unread(self, stored: Iterable[str]) -> str:
+        """Why some of the checkpoint's tensors ``stored`` cannot be read as they are (a
+        transformation on load that import does not make), for an error; "" when none."""
+        ...
 
 
 def weight_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -54,35 +69,61 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
 
 class LazyTensors(Mapping[str, Tensor]):
     """The tensors of ``paths`` by name (a name in two files: the later file's), each read on
-    access. Close it (or use it as a context manager) to release the files."""
+    access; ``rename``: the name each stored name is known by here (a family's loading renames,
+    `tessera.launcher.families.hf_names`), ValueError naming two stored tensors it gives one
+    name. Close it (or use it as a context manager) to release the files."""
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]]) -> None:
+    def __init__(
+        self, paths: Sequence[str | os.PathLike[str]], rename: Callable[[str], str] | None = None
+    ) -> None:
         self._files = [SafeFile(Path(p)) for p in paths]
-        self._where: dict[str, SafeFile] = {name: f for f in self._files for name in f.entries}
+        self._where: dict[str, SafeFile] = {}
+        self._stored: dict[str, str] = {}  # a renamed tensor's name here -> its name in its file
+        seen: dict[str, str] = {}
+        for f in self._files:
+            for stored in f.entries:
+                name = stored if rename is None else rename(stored)
+                other = seen.setdefault(name, stored)
+                if other != stored:
+                    both = " and ".join(sorted((other, stored)))
+                    raise ValueError(f"{f.path}: {both} both read as {name}")
+                if name != stored:
+                    self._stored[name] = stored
+                self._where[name] = f
+
+    def _entry(self, name: str) -> tuple[SafeFile, str]:
+        return self._where[name], self._stored.get(name, name)
+
+    def stored(self, name: str) -> str:
+        """Tensor ``name``'s name in its file (``name`` itself when not renamed)."""
+        return self._stored.get(name, name)
 
     def metadata(self, index: int = 0) -> dict[str, str]:
         """The ``__metadata__`` of the ``index``-th file."""
         return dict(self._files[index].metadata)
 
     def __getitem__(self, name: str) -> Tensor:
-        safe = self._where[name]
+        safe, stored = self._entry(name)
         with open(safe.path, "rb") as f:
-            return safe.read(f, name)
+            return safe.read(f, stored)
 
     def read_part(self, name: str, first: tuple[int, int] | None = None, band: Band | None = None) -> Tensor:
         """Tensor ``name`` (of 2 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
         along its first dimension (None: all) and to ``band`` (`Band`; None: all). Rows
         ``start:stop`` (a band of dim -2, step 1, of a tensor of 3 or more dimensions) are read
         alone: one run, or one per row block; so are columns ``start:stop`` (dim -1, step 1)
-        when each row's run is at least `MIN_RUN_BYTES`: one run per row. Any other band is cut
-        after reading the first dimension's slice whole (one run). ValueError naming the tensor
-        when the cut is not within it."""
-        safe = self._where[name]
+        when each row's run is at least `MIN_RUN_BYTES`: one run per row; a matrix's rows are its
+        first dimension's slice (one run). Any other band is cut after reading the first
+        dimension's slice whole (one run). ValueError naming the tensor when the cut is not
+        within it."""
+        safe, name = self._entry(name)
         shape, dtype = tuple(safe.entries[name].shape), safe.entries[name].dtype
+        if first is None and band is not None and len(shape) == 2 and band.dim == -2 and band.step == 1:
+            first, band = (band.start, band.stop), None  # a matrix's rows: its first dimension's slice
         a0, a1 = first if first is not None else (0, shape[0] if shape else 0)
         rows = band is not None and band.dim == -2 and band.step == 1 and len(shape) >= 3
         rows = rows and band is not None and (band.start, band.stop) != (0, shape[-2])  # else one run
-        within = band is None or (len(shape) > -band.dim and band.stop <= shape[band.dim])
+        within = band is None or (len(shape) >= -band.dim and band.stop <= shape[band.dim])
         if len(shape) < 2 or not within or not 0 <= a0 <= a1 <= shape[0]:
             raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x {band}")
         if band is not None and band.dim == -1 and band.step == 1 and len(shape) >= 2:
@@ -127,11 +168,13 @@ class LazyTensors(Mapping[str, Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, from its file's header (nothing is read)."""
-        return tuple(self._where[name].entries[name].shape)
+        safe, stored = self._entry(name)
+        return tuple(safe.entries[stored].shape)
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype of tensor ``name``, from its file's header (nothing is read)."""
-        return self._where[name].entries[name].dtype
+        safe, stored = self._entry(name)
+        return safe.entries[stored].dtype
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
@@ -145,6 +188,7 @@ class LazyTensors(Mapping[str, Tensor]):
     def close(self) -> None:
         """Release the files."""
         self._where.clear()
+        self._stored.clear()
         self._files.clear()
 
     def __enter__(self) -> LazyTensors:

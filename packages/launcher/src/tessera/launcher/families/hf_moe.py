@@ -27,10 +27,10 @@ transformers' names. The plans of roles of these families are in ``hf_moe_plans`
 ``boost()`` converts the blocks itself (`hf_moe_conversion`, at every ep) when the user did
 not, keeping transformers' names in exports, ``consolidate`` and ``import_weights``: each
 converted tensor is a part of the HF tensor it came from (``tessera.launcher.checkpoint.
-exported``), with the per-expert names ``save_pretrained`` writes (`SAVED_LAYOUTS`, checked
-against the pinned transformers' conversion mapping by ``tests/test_hf_moe_boost.py``) as the
-older layout an import also reads; a deferred model's banks are made from the HF tensors that
-HF's own ``_init_weights`` draws (``train/deferred.py``), so they hold what an eager build holds.
+exported``), with the per-expert tensors ``save_pretrained`` writes as the older layout an
+import also reads (read from transformers' own conversion mapping: ``hf_names``); a deferred
+model's banks are made from the HF tensors that HF's own ``_init_weights`` draws
+(``train/deferred.py``), so they hold what an eager build holds.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from tessera.launcher.families.hf_moe_banks import (
 )
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
+from tessera.launcher.families.hf_names import expert_merges, per_expert
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 from tessera.moe.activations import is_gated
@@ -63,9 +64,7 @@ from tessera.moe.activations import is_gated
 __all__ = [
     "MIXTRAL_PLAN",
     "QWEN2_MOE_PLAN",
-    "SAVED_LAYOUTS",
     "LogitsMoE",
-    "SavedLayout",
     "convert_hf_moe",
     "hf_moe_conversion",
     "hf_moe_state_dict",
@@ -74,36 +73,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SavedLayout:
-    """How ``save_pretrained`` writes a family's MoE blocks (transformers' checkpoint conversion
-    mapping ``like``, reversed): expert ``e``'s gate, up and down projections as
-    ``experts.<e>.<gate|up|down>.weight`` (``nn.Linear``'s ``[out, in]``), the block under
-    ``block[1]`` where the model holds it under ``block[0]``; everything else as the model
-    names it."""
-
-    like: str
-    gate: str
-    up: str
-    down: str
-    block: tuple[str, str] | None = None
-
-
-_MIXTRAL_SAVED = SavedLayout("mixtral", "w1", "w3", "w2", block=("mlp", "block_sparse_moe"))
-_QWEN2_MOE_SAVED = SavedLayout("qwen2_moe", "gate_proj", "up_proj", "down_proj")
-# model_type -> layout: the families whose conversion mapping in the pinned transformers is
-# the experts' merge alone (and Mixtral's block renamed), nothing else of the block
-_QWEN2_MOE_LIKE = (
-    *("qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe"),
-    *("exaone_moe", "solar_open", "hunyuan_v1_moe", "cohere2_moe", "afmoe", "ernie4_5_moe"),
-)
-SAVED_LAYOUTS: dict[str, SavedLayout] = {
-    **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL_SAVED),
-    **dict.fromkeys(_QWEN2_MOE_LIKE, _QWEN2_MOE_SAVED),
-    "jamba": SavedLayout("jamba", "gate_proj", "up_proj", "down_proj"),
-}
 
 
 class LogitsMoE(MoE):
@@ -312,7 +281,7 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
     block whose score-correction bias is a parameter without storage (the converted router
     holds a buffer, which deferred initialization does not make)."""
     _check_router_logits(model)
-    saved = SAVED_LAYOUTS.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+    merges = expert_merges(model)  # the banks its checkpoints hold per expert
     conversion = Conversion()
     layers = []
     for name, block in [(n, m) for n, m in model.named_modules() if n and is_hf_sparse_moe(m)]:
@@ -332,7 +301,11 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
                 "converted router holds it as a buffer, which deferred initialization does not make; "
                 "build the model with its weights"
             )
-        exported = _exported(name, layout, saved)
+        exported = per_expert(_exported(name, layout), merges, layout.experts)
+        if layout.score_bias is not None:  # exported as HF holds it (ERNIE's [1, E], the router's [E])
+            shape = tuple(_tensor(block, layout.score_bias).shape)
+            (bias,) = exported[f"{name}.router.score_bias"]
+            exported[f"{name}.router.score_bias"] = (replace(bias, view=shape if len(shape) > 1 else None),)
         assert {f"{name}.{n}" for n, _ in layer.named_parameters()} <= set(exported)
         conversion.exported.update(exported)
         if groups is not None:
@@ -348,34 +321,24 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
     return conversion
 
 
-def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[str, tuple[ExportPart, ...]]:
+def _exported(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's tensors (by their names in the model; ``name`` the block's) as
     parts of the block's: ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` as
     `_gate_up_bands` lays it out, ``w2`` ``experts.down_proj`` (transposed where gate and up are
     rows), GPT-OSS's expert biases the same bands of ``gate_up_proj_bias`` and
     ``down_proj_bias``, the shared expert's one-expert banks its ``nn.Linear`` weights
     transposed, the router's weight, bias, score bias and the shared gate as they are; as
-    ``legacy`` parts, where ``saved`` says so, the names ``save_pretrained`` writes: one tensor
-    per expert, the block renamed."""
-    old = name
-    if saved is not None and saved.block is not None and name.rpartition(".")[2] == saved.block[0]:
-        parent = name.rpartition(".")[0]
-        old = f"{parent}.{saved.block[1]}" if parent else saved.block[1]
+    parts the per-expert tensors of checkpoints (`hf_names.per_expert`) are added after."""
 
     def part(
         rel: str, index: int | None = None, transpose: bool = False, band: Band | None = None
     ) -> tuple[ExportPart, ...]:
-        legacy = (ExportPart(f"{old}.{rel}", index, transpose, band),) if old != name else ()
-        return (ExportPart(f"{name}.{rel}", index, transpose, band, legacy=legacy),)
+        return (ExportPart(f"{name}.{rel}", index, transpose, band),)
 
     rows = not layout.columns  # Mixtral's [E, 2h, d]: nn.Linear's layout, transposed
 
-    def bank(fused: str, band: Band | None, per_expert: str | None) -> tuple[ExportPart, ...]:
-        legacy = tuple(
-            ExportPart(f"{old}.experts.{e}.{per_expert}.weight", index=e, transpose=True)
-            for e in range(layout.experts if per_expert is not None else 0)
-        )
-        return (ExportPart(f"{name}.experts.{fused}", transpose=rows, band=band, legacy=legacy),)
+    def bank(fused: str, band: Band | None) -> tuple[ExportPart, ...]:
+        return (ExportPart(f"{name}.experts.{fused}", transpose=rows, band=band),)
 
     out = {f"{name}.router.weight": part(layout.router_weight)}
     if layout.bank in PART_LAYOUTS:  # Nemotron-H's, DBRX's: as `bank_parts` lays them out
@@ -383,9 +346,9 @@ def _exported(name: str, layout: HFLayout, saved: SavedLayout | None) -> dict[st
             out[f"{name}.{w}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
     else:
         gate, up = _gate_up_bands(layout.bank, layout.hidden)
-        out[f"{name}.experts.w1"] = bank("gate_up_proj", gate, None if saved is None else saved.gate)
-        out[f"{name}.experts.w3"] = bank("gate_up_proj", up, None if saved is None else saved.up)
-        out[f"{name}.experts.w2"] = bank("down_proj", None, None if saved is None else saved.down)
+        out[f"{name}.experts.w1"] = bank("gate_up_proj", gate)
+        out[f"{name}.experts.w3"] = bank("gate_up_proj", up)
+        out[f"{name}.experts.w2"] = bank("down_proj", None)
     if layout.bank == "interleaved":  # GPT-OSS's biases, laid out as its weights' columns
         out[f"{name}.experts.b1"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=gate),)
         out[f"{name}.experts.b3"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=up),)

@@ -39,11 +39,13 @@ from tessera.comm import Mesh, Topology
 from tessera.launcher.checkpoint.adapted import Adapters, converted_adapters, read_adapters
 from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import Placement, persistent_buffers
+from tessera.launcher.checkpoint.tensorfile import Renames
 from tessera.launcher.config import BoostConfig
 from tessera.launcher.config.world import fit_world
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.families.adapters import peft_config_of, unwrap_peft
 from tessera.launcher.families.hf_moe import hf_moe_conversion
+from tessera.launcher.families.hf_names import hf_renames
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
 from tessera.launcher.families.spec import (
     ModelSpec,
@@ -179,6 +181,7 @@ class _Job:
     deferred: nn.Module | None  # a deferred model's meta copy, as the user built it
     buffer_shapes: dict[str, tuple[int, ...]]  # serial shape of every persistent buffer
     adapters: Adapters  # low-rank adapters and their PEFT configurations
+    renames: Renames | None  # a Hugging Face checkpoint's names as the model's (read before conversion)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ def _checked(
     p = config.parallel
     topology = p.topology()
     deferred = copy.deepcopy(model) if has_deferred(model) else None  # as meta, before anything converts it
+    renames = hf_renames(model)  # transformers' own loading renames, of the model as the user built it
     group_of, conversion = _own_experts(model, groups_by_name(model, optimizer), topology.ep)
     if conversion.blocks:  # adapters carried into the converted layers: known by their new names
         adapters = dataclasses.replace(adapters, converted=converted_adapters(model))
@@ -235,6 +239,7 @@ def _checked(
         deferred=deferred,
         buffer_shapes={name: tuple(b.shape) for name, b in persistent_buffers(model).items()},
         adapters=adapters,
+        renames=renames,
     )
 
 
@@ -396,6 +401,7 @@ def _place(
         exported=job.exported,
         buffers=buffers,
         adapters=job.adapters,
+        renames=job.renames,
     )
     return module, placement, [(name, param, id(param) in local_ids) for name, param in tied]
 

@@ -1,0 +1,121 @@
+"""Hugging Face MoE checkpoints as ``save_pretrained`` writes them (and as the Hub holds them)
+import into ``boost()``'s converted model of every family that converts.
+
+transformers renames and merges a checkpoint's tensors as it loads them, by its conversion
+mapping of each family: per-expert ``experts.<e>.gate_proj.weight`` stacked into
+``experts.gate_up_proj``, ``backbone.`` read as ``model.`` (Nemotron-H), ``input_linear`` as
+``experts.gate_up_proj`` (Granite), a router's ``expert_bias`` as ``e_score_correction_bias``
+(HunYuan-V3), Mixtral's ``block_sparse_moe`` as ``mlp``, ... ``save_pretrained`` writes the
+older names back. ``import_weights`` reads them as transformers does (``families.hf_names``,
+from the pinned transformers' own mapping), each converted bank from its per-expert tensors.
+
+Tier 2 (the worker pool): each family's tiny model (``tessera.launcher.testing_hf_moe``,
+weights drawn from seed 0) written by ``save_pretrained``; a model of the same family with
+other weights (seed 5) boosted and the folder imported; ``consolidate`` then writes exactly
+the original model's state dict (every name, shape and value: ``torch.equal``, since import and
+consolidate only copy, slice, stack and transpose). One process for every family, and
+dp=2 x ep=2 under ZeRO-3 (each rank reading its own experts' tensors) for three of them.
+Families whose checkpoints transformers transforms otherwise on load (a ``query_key_value``
+split in three, three convolutions concatenated) are refused naming that transformation.
+Inkling 2's ``save_pretrained`` fails at these sizes (it pads the vocabulary to 200,000).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tessera.comm.testing.fixtures import PoolFactory
+from tessera.launcher import ParallelConfig, boost
+from tessera.launcher.testing import oracle_config
+from tessera.launcher.testing_hf_moe import tiny_moe_model
+
+pytest.importorskip("transformers", reason="transformers is not installed: HF checkpoints NOT tested")
+
+# the families tests/survey_hf_moe.py converts with transformers' logits
+READ = [
+    "afmoe", "aria_text", "axk1", "axk2", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+    "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+    "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe",
+    "hy_v3", "hy_v4", "jamba", "kolibri1", "laguna", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
+    "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h",
+    "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "solar_open",
+]  # fmt: skip
+TRANSFORMED = {  # family -> the transformation on load that import does not make
+    "bailing_hybrid": "Concatenate(dim=0)",
+    "kimi_linear": "Concatenate(dim=0)",
+    "lara_mini": "Split(dim=0)",
+    "param2moe": "Split(dim=0)",
+    "sarvam_moe": "Split(dim=0)",
+}
+
+
+def _model(family: str, seed: int) -> Any:
+    model = tiny_moe_model(family, seed=seed)
+    model.config.use_cache = False
+    return model
+
+
+def _import(rank: int, config: Any, folders: dict[str, str]) -> dict[str, Any]:
+    """Each folder imported into its family's model (other weights) boosted under ``config``:
+    what ``consolidate`` then writes (rank 0; None elsewhere), or the import's error."""
+    out: dict[str, Any] = {}
+    for family, folder in folders.items():
+        model = _model(family, seed=5)
+        engine = boost(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        try:
+            engine.import_weights(folder)
+            out[family] = engine.consolidate(Path(folder) / "consolidated.safetensors")
+        except ValueError as e:
+            out[family] = str(e)
+        finally:
+            engine.mesh.close()
+    return out
+
+
+def _saved(tmp_path: Path, families: list[str]) -> tuple[dict[str, str], dict[str, dict[str, torch.Tensor]]]:
+    folders, states = {}, {}
+    for family in families:
+        model = _model(family, seed=0)
+        model.save_pretrained(tmp_path / family)
+        folders[family] = str(tmp_path / family)
+        states[family] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return folders, states
+
+
+def _check(got: Any, want: dict[str, torch.Tensor], family: str) -> None:
+    assert isinstance(got, dict), f"{family}: {got}"
+    assert sorted(got) == sorted(want), f"{family}: {sorted(set(got) ^ set(want))}"
+    wrong = [n for n in want if got[n].shape != want[n].shape or not torch.equal(got[n], want[n])]
+    assert not wrong, f"{family}: {wrong}"
+
+
+def test_every_converting_familys_save_pretrained_checkpoint_imports_exactly(
+    worker_pools: PoolFactory, tmp_path: Path
+) -> None:
+    folders, states = _saved(tmp_path, READ + list(TRANSFORMED))
+    config = oracle_config(ParallelConfig(microbatches=1), 0, batch_size=2)
+    results = worker_pools(1).run(_import, config, folders, timeout=600)[0]
+    for family in READ:
+        _check(results[family], states[family], family)
+    for family, how in TRANSFORMED.items():
+        message = results[family]
+        assert isinstance(message, str), family
+        assert "transformers transforms these tensors as it loads them" in message, message
+        assert how in message and "safetensors.torch.save_file(model.state_dict(), path)" in message, message
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "hy_v3", "minimax"])
+def test_a_save_pretrained_checkpoint_imports_at_dp2_ep2_zero3(
+    worker_pools: PoolFactory, tmp_path: Path, family: str
+) -> None:
+    """Nemotron-H (``backbone.`` for ``model.``, its non-gated experts per expert), HunYuan-V3
+    (its router's bias and shared experts renamed), MiniMax (Mixtral's ``block_sparse_moe``):
+    each ep rank reads its own experts' tensors, ZeRO-3 shards them."""
+    folders, states = _saved(tmp_path, [family])
+    config = oracle_config(ParallelConfig(dp=2, ep=2, microbatches=1), 3, batch_size=4)
+    results = worker_pools(config.world_size).run(_import, config, folders, timeout=300)
+    _check(results[0][family], states[family], family)
