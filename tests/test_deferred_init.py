@@ -8,8 +8,11 @@ a user's own mixture (``Mixish``: a router and a list of experts, which ``boost`
 ``tessera.moe.MoE`` and whose stacked banks it makes from the user's per-expert layers) and a
 Hugging Face Mixtral (its sparse MoE blocks converted by ``boost``, each bank made from the
 fused ``experts.gate_up_proj`` / ``down_proj`` that HF's ``_init_weights`` draws; Llama 4's by
-columns and GPT-OSS's alternating, with biases, are read the same way) with
-every parameter on the meta device. ``boost`` materializes what the rank holds after
+columns and GPT-OSS's alternating, with biases, are read the same way) and
+further layouts of transformers' mixtures (Nemotron-H's experts not gated, DBRX's flat, Aria's
+by columns, LongCat-Flash's identity experts, AXK1's post-norm, Kolibri's and LFM2's router
+biases, MiniMax-M3's limited SwiGLU; built as ``tessera.launcher.testing_hf_moe`` builds them),
+with every parameter on the meta device. ``boost`` materializes what the rank holds after
 tensor parallelism (1D, Megatron SP, 2D, 2.5D, 3D), expert parallelism and the pipeline
 cut. The result must equal the same model built eagerly and initialized by
 ``init_by_name`` with the same seed, element for element (``torch.equal``: each value is
@@ -32,11 +35,28 @@ from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
 from tessera.launcher.config.main_config import MoEConfig
 from tessera.launcher.job.moe_model import MOE_GPT_PLAN, moe_gpt
+from tessera.launcher.testing_hf_moe import tiny_moe_class, tiny_moe_config
 from tessera.launcher.train.deferred import deferred_parameters, init_by_name
 from tessera.models import GPT2ISH_ROLES, LLAMAISH_ROLES, ForeignConfig, GPT2ish, GPTConfig, Llamaish
 from tessera.models.foreign_moe import MixConfig, Mixish
 
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
+# transformers' MoE families by their bank and router kinds: not gated and per expert
+# (Nemotron-H), flat (DBRX), by columns (Aria), identity experts (LongCat-Flash), a post-norm
+# (AXK1), a router bias on the block (Kolibri, LFM2), a SwiGLU with limits (MiniMax-M3); ERNIE's
+# score bias is a parameter, refused deferred (hf_moe_conversion: the router holds a buffer)
+MOE_FAMILIES = [
+    "nemotron_h", "dbrx", "aria_text", "longcat_flash", "axk1", "kolibri1", "lfm2_moe",
+    "minimax_m3_vl_text",
+]  # fmt: skip
+LIMITS = {  # widths of their own, small
+    "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "layers_block_type": ["full_attention", "moe"]},
+    "minimax_m3_vl_text": {
+        "swiglu_limit": 0.5,
+        "shared_intermediate_size": 24,
+        "dense_intermediate_size": 24,
+    },
+}
 SIZES = ForeignConfig(vocab=VOCAB, dim=64, heads=4, kv_heads=2, layers=2, hidden=96)
 ROLES = LLAMAISH_ROLES
 
@@ -69,6 +89,9 @@ def _build(kind: str, deferred: bool) -> nn.Module:
             return moe_gpt(cfg, MoEConfig(enabled=True, experts=4, top_k=2, dropless=True), seed=0)
         import transformers
 
+        if kind.startswith("hf-moe:"):  # a family of transformers' MoE families, as the tests build it
+            family = kind.removeprefix("hf-moe:")
+            return tiny_moe_class(family)(tiny_moe_config(family, LIMITS.get(family)))
         if kind == "hf-mixtral":  # boost() converts its sparse MoE blocks, their banks made by HF's init
             mixtral = transformers.MixtralConfig(
                 vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -177,6 +200,9 @@ CASES = {
     "hf-mixtral-3d-zero3": ("hf-mixtral", P(tp=8, tp_mode="3d", microbatches=1), {"stage": 3}),
     "hf-llama4-dp2-ep2": ("hf-llama4", P(dp=2, ep=2), {}),
     "hf-gpt-oss-dp2-ep2-zero3": ("hf-gpt-oss", P(dp=2, ep=2, microbatches=2), {"stage": 3}),
+    # further layouts of expert banks and routers, each made from what HF's _init_weights draws
+    **{f"hf-moe:{f}-dp2-ep2": (f"hf-moe:{f}", P(dp=2, ep=2, microbatches=1), {}) for f in MOE_FAMILIES},
+    "hf-moe:nemotron_h-dp2-ep2-zero3": ("hf-moe:nemotron_h", P(dp=2, ep=2, microbatches=1), {"stage": 3}),
 }
 
 

@@ -20,7 +20,16 @@ from torch import Tensor, nn
 
 from tessera.launcher.families.hf_moe import is_hf_sparse_moe
 
-__all__ = ["COMMON", "FIXES", "MOE", "sparse_blocks", "tiny_moe_model", "token_ids"]
+__all__ = [
+    "COMMON",
+    "FIXES",
+    "MOE",
+    "sparse_blocks",
+    "tiny_moe_class",
+    "tiny_moe_config",
+    "tiny_moe_model",
+    "token_ids",
+]
 
 COMMON: dict[str, Any] = {
     "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -60,19 +69,13 @@ FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs 
 """Per family, config entries passed whether or not its default config has them."""
 
 
-def tiny_moe_model(
-    kind: str,
-    changes: Mapping[str, Any] | None = None,
-    *,
-    settings: Mapping[str, Any] | None = None,
-    seed: int = 0,
-) -> nn.Module:
-    """The tiny causal LM of the ``transformers`` model type ``kind`` (its weights drawn from
-    ``seed``). ``changes``: config entries of this call, passed as `FIXES`' are (beside the
-    family's own); ``settings``: entries merged into `MOE`, passed where the config has them."""
-    import transformers
+def tiny_moe_config(
+    kind: str, changes: Mapping[str, Any] | None = None, *, settings: Mapping[str, Any] | None = None
+) -> Any:
+    """The tiny config of the ``transformers`` model type ``kind``, dropouts 0. ``changes``:
+    config entries of this call, passed as `FIXES`' are (beside the family's own);
+    ``settings``: entries merged into `MOE`, passed where the config has them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     defaults = CONFIG_MAPPING[kind]()
     moe = {**MOE, **(settings or {})}
@@ -91,7 +94,27 @@ def tiny_moe_model(
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
-    model: nn.Module = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)
+    return config
+
+
+def tiny_moe_class(kind: str) -> type[nn.Module]:
+    """The causal-LM class of the ``transformers`` model type ``kind``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls: type[nn.Module] = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    return cls
+
+
+def tiny_moe_model(
+    kind: str,
+    changes: Mapping[str, Any] | None = None,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """The tiny causal LM of `tiny_moe_config` (its weights drawn from ``seed``)."""
+    model: nn.Module = tiny_moe_class(kind)(tiny_moe_config(kind, changes, settings=settings))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
