@@ -47,16 +47,26 @@ TOL = 1e-5
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """Modules holding an ``experts`` bank: the sparse blocks, of any layout."""
-    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+    """The sparse blocks ``moe_from_hf`` reads, else the modules holding an ``experts`` bank
+    (JetMoE's attention holds one too, its mixture the experts' tensors itself)."""
+    read = [m for m in model.modules() if is_hf_sparse_moe(m)]
+    return read or [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+
+
+def _bank(block: nn.Module) -> Any:
+    """The module holding ``block``'s experts' tensors: its ``experts``, or itself (JetMoE's)."""
+    bank = getattr(block, "experts", None)
+    return bank if isinstance(bank, nn.Module) else block
 
 
 def _layout_ok(block: nn.Module) -> str:
     """``yes`` when ``block`` has the layout ``moe_from_hf`` reads, else ``no`` and what it has."""
-    bank: Any = getattr(block, "experts")  # noqa: B009
+    bank = _bank(block)
     if not is_hf_sparse_moe(block):
         names = ", ".join(n for n, _ in bank.named_parameters())
         return f"no ({names or type(bank).__name__})"
+    if bank is block:  # JetMoE's input_linear (gate and up rows) and output_linear
+        return "yes, parallel experts"
     if not hasattr(bank, "gate_up_proj"):  # Nemotron-H's non-gated up_proj, DBRX's mlp.w1 / v1 / w2
         return "yes, not gated" if hasattr(bank, "up_proj") else "yes, flat (mlp.w1, v1, w2)"
     gate_up, down = bank.gate_up_proj, bank.down_proj
@@ -132,7 +142,7 @@ def survey(kind: str) -> dict[str, str]:
         return {**row, "result": "no experts module found"}
     block = blocks[0]
     row["layout"] = _layout_ok(block)
-    bank: Any = getattr(block, "experts")  # noqa: B009
+    bank = _bank(block)
     row["exp.bias"] = "yes" if any("bias" in n for n, _ in bank.named_parameters()) else "-"
     act = getattr(bank, "act_fn", None)
     row["act"] = type(act).__name__.removesuffix("Activation") if act is not None else "?"
