@@ -13,11 +13,12 @@ Tier 2 (the worker pool): each family's tiny model (``tessera.launcher.testing_h
 weights drawn from seed 0) written by ``save_pretrained``; a model of the same family with
 other weights (seed 5) boosted and the folder imported; ``consolidate`` then writes exactly
 the original model's state dict (every name, shape and value: ``torch.equal``, since import and
-consolidate only copy, slice, stack and transpose). One process for every family, and
-dp=2 x ep=2 under ZeRO-3 (each rank reading its own experts' tensors) for three of them.
-Families whose checkpoints transformers transforms otherwise on load (a ``query_key_value``
-split in three, three convolutions concatenated) are refused naming that transformation.
-Inkling 2's ``save_pretrained`` fails at these sizes (it pads the vocabulary to 200,000).
+consolidate only copy, slice, stack, concatenate and transpose). One process for every family,
+and dp=2 x ep=2 under ZeRO-3 (each rank reading its own experts' tensors) for three of them.
+Tensors transformers splits on load (Ling's and Sarvam's ``query_key_value``, Lara's ``in_proj``)
+are read by bands, those it joins (Kimi-Linear's and Ling's convolutions) in order; another
+transformation (Inkling 2's interleaving) is refused naming it (tier 0). Inkling 2's
+``save_pretrained`` fails at these sizes (it pads the vocabulary to 200,000).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import ParallelConfig, boost
+from tessera.launcher.checkpoint.exported import Band, ExportPart
+from tessera.launcher.families.hf_names import HFNames, hf_renames
 from tessera.launcher.testing import oracle_config
 from tessera.launcher.testing_hf_moe import tiny_moe_model
 
@@ -43,14 +46,10 @@ READ = [
     "hy_v3", "hy_v4", "jamba", "kolibri1", "laguna", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
     "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h",
     "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "solar_open",
+    # tensors transformers splits on load (a fused query_key_value, Lara's in_proj) or joins
+    # (three convolutions)
+    "bailing_hybrid", "kimi_linear", "lara_mini", "param2moe", "sarvam_moe",
 ]  # fmt: skip
-TRANSFORMED = {  # family -> the transformation on load that import does not make
-    "bailing_hybrid": "Concatenate(dim=0)",
-    "kimi_linear": "Concatenate(dim=0)",
-    "lara_mini": "Split(dim=0)",
-    "param2moe": "Split(dim=0)",
-    "sarvam_moe": "Split(dim=0)",
-}
 
 
 def _model(family: str, seed: int) -> Any:
@@ -96,16 +95,43 @@ def _check(got: Any, want: dict[str, torch.Tensor], family: str) -> None:
 def test_every_converting_familys_save_pretrained_checkpoint_imports_exactly(
     worker_pools: PoolFactory, tmp_path: Path
 ) -> None:
-    folders, states = _saved(tmp_path, READ + list(TRANSFORMED))
+    folders, states = _saved(tmp_path, READ)
     config = oracle_config(ParallelConfig(microbatches=1), 0, batch_size=2)
     results = worker_pools(1).run(_import, config, folders, timeout=600)[0]
     for family in READ:
         _check(results[family], states[family], family)
-    for family, how in TRANSFORMED.items():
-        message = results[family]
-        assert isinstance(message, str), family
-        assert "transformers transforms these tensors as it loads them" in message, message
-        assert how in message and "safetensors.torch.save_file(model.state_dict(), path)" in message, message
+
+
+def test_a_split_tensor_is_read_by_bands_and_joined_ones_in_order() -> None:
+    """Sarvam's ``query_key_value`` (after the renames: ``.attention.`` is ``.self_attn.``) holds
+    q, k and v in rows, sized by the model's projections; Kimi-Linear's ``conv1d`` joins its
+    ``q_conv1d``, ``k_conv1d`` and ``v_conv1d``; a transformation import does not make
+    (Inkling 2's interleaving) is named for the error."""
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    model = _model("sarvam_moe", seed=0)
+    names = hf_renames(model)
+    assert names is not None
+    q, k = (model.get_parameter(f"model.layers.0.self_attn.{p}_proj.weight").shape[0] for p in "qk")
+    fused = "model.layers.0.self_attn.query_key_value.weight"
+    assert names.parts("model.layers.0.self_attn.k_proj.weight") == (
+        ExportPart(fused, band=Band(-2, q, q + k)),
+    )
+    assert names("model.layers.0.attention.query_key_value.weight") == fused
+    assert names.parts("model.layers.0.self_attn.o_proj.weight") == ()
+    kimi = hf_renames(_model("kimi_linear", seed=0))
+    assert kimi is not None
+    conv = [f"model.layers.0.self_attn.{p}_conv1d.weight" for p in "qkv"]
+    assert kimi.parts("model.layers.0.self_attn.conv1d.weight") == tuple(
+        ExportPart(n, index=i, joined=True) for i, n in enumerate(conv)
+    )
+    interleaved = WeightConverter(["experts.w13_weight"], ["experts.gate_up_proj"], [Interleave(1)])
+    odd = HFNames(
+        renamings=(), converters=(interleaved,), prefix="", shapes={"a.experts.gate_up_proj": (2, 4, 4)}
+    )
+    why = odd.unread(["a.experts.w13_weight", "a.experts.gate_up_proj"])
+    assert "a.experts.w13_weight (Interleave(dim=1) into experts.gate_up_proj)" in why, why
+    assert "safetensors.torch.save_file(model.state_dict(), path)" in why, why
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "hy_v3", "minimax"])

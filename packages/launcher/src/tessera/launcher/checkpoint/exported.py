@@ -77,7 +77,10 @@ class ExportPart:
     """One exported tensor ``name`` (or its `Band` ``band``), taken as ``full[index]`` (or
     ``full``), its last two dimensions swapped when ``transpose``; ``legacy``: the same piece in
     a checkpoint of an older layout; ``view``: the shape a buffer is exported in, where it is
-    held in another of the same size (ERNIE's score-correction bias: ``[1, E]`` for ``[E]``)."""
+    held in another of the same size (ERNIE's score-correction bias: ``[1, E]`` for ``[E]``);
+    ``joined`` (with ``index``): the ``index``-th of the tensors the parameter is concatenated
+    from along its first dimension (what transformers joins on load, read by an import only),
+    not a slice of a stacked bank."""
 
     name: str
     index: int | None = None
@@ -85,6 +88,7 @@ class ExportPart:
     band: Band | None = None
     legacy: tuple[ExportPart, ...] = ()
     view: tuple[int, ...] | None = None
+    joined: bool = False
 
     def shape(self, full: Sequence[int]) -> tuple[int, ...]:
         """The piece's shape from the trained parameter's full shape."""
@@ -98,6 +102,8 @@ class ExportPart:
 
     def fits(self, full: Sequence[int], saved: Sequence[int]) -> bool:
         """Whether a saved tensor shaped ``saved`` holds this piece of a parameter shaped ``full``."""
+        if self.joined:  # any share of the first dimension: `assemble` checks they add up
+            return len(saved) == len(full) and list(saved[1:]) == list(full[1:]) and not self.transpose
         want, saved = list(self.shape(full)), list(saved)
         band = self.band
         if band is None:
@@ -224,11 +230,12 @@ def sliced(parts: tuple[ExportPart, ...], start: int, stop: int) -> tuple[tuple[
 def assemble(parts: Sequence[ExportPart], values: Sequence[Tensor]) -> Tensor:
     """The trained parameter's full value from its parts' exported tensors ``values``
     (`ExportPart.piece` of each): one part without an index is the whole parameter; parts with
-    indices 0..n-1 are its slices."""
+    indices 0..n-1 are its slices, or, ``joined``, its pieces along its first dimension."""
     if len(parts) == 1 and parts[0].index is None:
         return parts[0].piece(values[0])
     index = [-1 if p.index is None else p.index for p in parts]
     order = sorted(range(len(parts)), key=index.__getitem__)
     if [index[i] for i in order] != list(range(len(parts))):
         raise ValueError(f"export parts {[p.name for p in parts]} are not the slices 0..{len(parts) - 1}")
-    return torch.stack([parts[i].piece(values[i]) for i in order])
+    pieces = [parts[i].piece(values[i]) for i in order]
+    return torch.cat(pieces) if all(p.joined for p in parts) else torch.stack(pieces)

@@ -302,12 +302,22 @@ def _source(name: str, weights: Mapping[str, Tensor], adapters: Adapters) -> str
 
 def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[ExportPart, ...] | None:
     """Where the file holds parameter ``name``: the parts it exports as (a converted mixture's
-    bank), or their ``legacy`` ones (transformers' per-expert layout); else `_source`."""
-    exported = engine.placement.exported
+    bank), or their ``legacy`` ones (transformers' per-expert layout); else `_source`; else its
+    band of a tensor transformers splits on load (``Placement.renames``)."""
+    placement = engine.placement
+    exported, adapters, renames = placement.exported, placement.adapters, placement.renames
     if name in exported:
         return found_parts(exported[name], weights.__contains__)
-    plain = _source(name, weights, engine.placement.adapters)
-    return None if plain is None else (ExportPart(plain),)
+    plain = _source(name, weights, adapters)
+    if plain is not None:
+        return (ExportPart(plain),)
+    if renames is None:
+        return None
+    owner = adapters.owner(name)  # an adapted layer's base: the plain model's name
+    base = f"{owner}.base_layer."
+    unadapted = f"{owner}.{name.removeprefix(base)}" if owner is not None and name.startswith(base) else name
+    split = renames.parts(unadapted)  # its band of a tensor split on load
+    return found_parts(split, weights.__contains__) if split else None
 
 
 def _wanted_as(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> str:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from tessera.comm.safefile import SafeFile
-from tessera.launcher.checkpoint.exported import Band
+from tessera.launcher.checkpoint.exported import Band, ExportPart
 
 __all__ = ["INDEX", "LazyTensors", "Renames", "weight_files"]
 
@@ -40,6 +40,12 @@ class Renames(Protocol):
     def unread(self, stored: Iterable[str]) -> str:
         """Why some of the checkpoint's tensors ``stored`` cannot be read as they are (a
         transformation on load that import does not make), for an error; "" when none."""
+        ...
+
+    def parts(self, name: str) -> tuple[ExportPart, ...]:
+        """The parts of the checkpoint's tensors (by their names as renamed) that make the model's
+        tensor ``name``, where transformers splits one on load (a fused ``query_key_value``:
+        its band of rows); () where none."""
         ...
 
 
@@ -108,7 +114,7 @@ class LazyTensors(Mapping[str, Tensor]):
             return safe.read(f, stored)
 
     def read_part(self, name: str, first: tuple[int, int] | None = None, band: Band | None = None) -> Tensor:
-        """Tensor ``name`` (of 2 or more dimensions: a stacked bank) cut to ``first[0]:first[1]``
+        """Tensor ``name`` (a stacked bank, a matrix or a vector) cut to ``first[0]:first[1]``
         along its first dimension (None: all) and to ``band`` (`Band`; None: all). Rows
         ``start:stop`` (a band of dim -2, step 1, of a tensor of 3 or more dimensions) are read
         alone: one run, or one per row block; so are columns ``start:stop`` (dim -1, step 1)
@@ -124,6 +130,9 @@ class LazyTensors(Mapping[str, Tensor]):
         rows = band is not None and band.dim == -2 and band.step == 1 and len(shape) >= 3
         rows = rows and band is not None and (band.start, band.stop) != (0, shape[-2])  # else one run
         within = band is None or (len(shape) >= -band.dim and band.stop <= shape[band.dim])
+        if len(shape) == 1 and first is None and band is not None and band.dim == -1 and within:
+            with open(safe.path, "rb") as f:  # a vector's band (a bias split on load): read whole, cut
+                return band.cut(safe.read(f, name)).contiguous()
         if len(shape) < 2 or not within or not 0 <= a0 <= a1 <= shape[0]:
             raise ValueError(f"{safe.path}: {name} {list(shape)} has no part {a0}:{a1} x {band}")
         if band is not None and band.dim == -1 and band.step == 1 and len(shape) >= 2:

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.checkpoint.exported import Band, ExportPart
 
 __all__ = ["HFNames", "expert_merges", "hf_renames", "per_expert"]
 
@@ -37,24 +37,24 @@ class HFNames:
     """A model's checkpoint renames (transformers' ``WeightRenaming`` rules, in order, then its
     base-model prefix added or dropped as ``from_pretrained`` does); ``converters``: its
     ``WeightConverter`` rules, which merge or split tensors. A stored name that is one of the
-    model's own (``names``) is read as it is."""
+    model's own (``shapes``) is read as it is."""
 
     renamings: tuple[Any, ...]
     converters: tuple[Any, ...]
     prefix: str
-    names: frozenset[str]
+    shapes: Mapping[str, tuple[int, ...]]  # the model's tensors, by name
 
     def __call__(self, stored: str) -> str:
-        if stored in self.names:
+        if stored in self.shapes:
             return stored
         from transformers.core_model_loading import apply_converters, apply_renamings
 
         renamed = apply_renamings(stored, list(self.renamings))
         final, _ = apply_converters(renamed, list(self.converters))
         lead = f"{self.prefix}."
-        if self.prefix and final.startswith(lead) and final[len(lead) :] in self.names:
+        if self.prefix and final.startswith(lead) and final[len(lead) :] in self.shapes:
             return renamed[len(lead) :] if renamed.startswith(lead) else renamed
-        if self.prefix and f"{lead}{final}" in self.names:
+        if self.prefix and f"{lead}{final}" in self.shapes:
             return f"{lead}{renamed}"
         return renamed
 
@@ -63,13 +63,17 @@ class HFNames:
 
         found: dict[str, list[str]] = {}
         for name in stored:
-            if name in self.names:
+            if name in self.shapes:
                 continue
             renamed = apply_renamings(name, list(self.renamings))
             for converter in self.converters:
                 _, pattern = converter.rename_source_key(renamed)
                 if pattern is not None:
-                    if _merge_of(converter) is None:
+                    if (
+                        _merge_of(converter) is None
+                        and _split_of(converter) is None
+                        and _joined_of(converter) is None
+                    ):
                         how = "+".join(repr(op) for op in converter.operations)
                         found.setdefault(f"{how} into {', '.join(converter.target_patterns)}", []).append(
                             name
@@ -84,6 +88,63 @@ class HFNames:
             "load the model with from_pretrained, write its state dict "
             "(safetensors.torch.save_file(model.state_dict(), path)) and import that"
         )
+
+    def parts(self, name: str) -> tuple[ExportPart, ...]:
+        """Where a checkpoint holds the model's tensor ``name`` when transformers splits one
+        tensor into it and its siblings on load (``Split(dim=0)``: Ling's and Sarvam's fused
+        ``query_key_value`` into ``q_proj``, ``k_proj``, ``v_proj``): its band of that tensor's
+        first dimension, sized by the siblings' shapes in order; or, where transformers joins
+        several into it (``Concatenate(dim=0)``: Kimi-Linear's ``q_conv1d``, ``k_conv1d``,
+        ``v_conv1d`` into ``conv1d``), each of them, ``joined`` in order; () where none."""
+        for converter in self.converters:
+            joined = _joined_of(converter)
+            if joined is not None and joined[1] in name:
+                sources, target = joined
+                return tuple(
+                    ExportPart(name.replace(target, source, 1), index=k, joined=True)
+                    for k, source in enumerate(sources)
+                )
+            split = _split_of(converter)
+            if split is None:
+                continue
+            source, targets = split
+            for target in targets:
+                if target not in name:
+                    continue
+                siblings = [name.replace(target, other, 1) for other in targets]
+                if not all(s in self.shapes for s in siblings):
+                    continue
+                sizes = [self.shapes[s][0] if self.shapes[s] else 0 for s in siblings]
+                k, dim = targets.index(target), -2 if len(self.shapes[name]) >= 2 else -1
+                start = sum(sizes[:k])
+                return (ExportPart(name.replace(target, source, 1), band=Band(dim, start, start + sizes[k])),)
+        return ()
+
+
+def _split_of(converter: Any) -> tuple[str, tuple[str, ...]] | None:
+    """A converter that splits one tensor along its first dimension into one piece per target,
+    each sized like the target (``Split(dim=0)``): its source and targets, as plain names."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    sources, targets = list(converter.source_patterns), list(converter.target_patterns)
+    plain = re.compile(r"^[\w.]+$")
+    if ops != [("Split", 0)] or len(sources) != 1 or not all(plain.match(p) for p in [*sources, *targets]):
+        return None
+    return sources[0], tuple(targets)
+
+
+def _joined_of(converter: Any) -> tuple[tuple[str, ...], str] | None:
+    """A converter that concatenates several tensors along their first dimension into one
+    (``Concatenate(dim=0)``): its sources and target, as plain names."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    sources, targets = list(converter.source_patterns), list(converter.target_patterns)
+    plain = re.compile(r"^[\w.]+$")
+    if (
+        ops != [("Concatenate", 0)]
+        or len(targets) != 1
+        or not all(plain.match(p) for p in [*sources, *targets])
+    ):
+        return None
+    return tuple(sources), targets[0]
 
 
 def _conversion_mapping(model: nn.Module) -> list[Any] | None:
@@ -119,7 +180,7 @@ def hf_renames(model: nn.Module) -> HFNames | None:
         renamings=tuple(t for t in transforms if isinstance(t, WeightRenaming)),
         converters=tuple(t for t in transforms if isinstance(t, WeightConverter)),
         prefix=str(getattr(model, "base_model_prefix", "") or ""),
-        names=frozenset(model.state_dict()),
+        shapes={name: tuple(t.shape) for name, t in model.state_dict().items()},
     )
 
 
