@@ -94,3 +94,13 @@ def test_renamed_tensors_are_read_under_their_new_names(tmp_path: Path) -> None:
         assert torch.equal(lazy.read_part("new.a", (1, 2)), a[1:2]) and lazy.dtype("new.a") == torch.float32
     with pytest.raises(ValueError, match=r"b and old\.a both read as b"):
         LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: "b")
+
+
+def test_a_vector_band_is_read(tmp_path: Path) -> None:
+    """A bias split on load (a fused ``query_key_value.bias``): its band of indices ``2:5``."""
+    whole = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    safetensors.torch.save_file({"bias": whole}, tmp_path / "f.safetensors")
+    with LazyTensors([tmp_path / "f.safetensors"]) as lazy:
+        assert torch.equal(lazy.read_part("bias", None, Band(-1, 2, 5)), whole[2:5])
+        with pytest.raises(ValueError, match=r"bias \[8\] has no part"):
+            lazy.read_part("bias", None, Band(-1, 6, 9))
