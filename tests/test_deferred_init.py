@@ -43,11 +43,12 @@ from tessera.models.foreign_moe import MixConfig, Mixish
 VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
 # transformers' MoE families by their bank and router kinds: not gated and per expert
 # (Nemotron-H), flat (DBRX), by columns (Aria), identity experts (LongCat-Flash), a post-norm
-# (AXK1), a router bias on the block (Kolibri, LFM2), a SwiGLU with limits (MiniMax-M3); ERNIE's
+# (AXK1), a router bias on the block (Kolibri, LFM2), a SwiGLU with limits (MiniMax-M3), a norm per
+# expert (Ergo), shared experts weighed by the router (Inkling); ERNIE's
 # score bias is a parameter, refused deferred (hf_moe_conversion: the router holds a buffer)
 MOE_FAMILIES = [
     "nemotron_h", "dbrx", "aria_text", "longcat_flash", "axk1", "kolibri1", "lfm2_moe",
-    "minimax_m3_vl_text",
+    "minimax_m3_vl_text", "ergo", "inkling_text",
 ]  # fmt: skip
 LIMITS = {  # widths of their own, small
     "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "layers_block_type": ["full_attention", "moe"]},

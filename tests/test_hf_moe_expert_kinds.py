@@ -15,9 +15,8 @@ parameter's gradient assembled from HF's by the conversion's own export parts); 
 model gives HF's logits; its weights load back into a fresh transformers model strictly (by
 ``hf_moe_state_dict``, and by ``boost()``'s export parts streamed as ``consolidate`` streams
 them, exactly, and back, also for an ep rank's experts only); what cannot be reproduced is
-refused naming why before anything changes (Ergo's per-expert norms, Nemotron-H's latent
-projections, DBRX's 2-norm); each bank and shared kind still hashes to
-the class it was read from.
+refused naming why before anything changes (Nemotron-H's latent projections, DBRX's 2-norm);
+each bank and shared kind still hashes to the class it was read from.
 
 Tier 2 (the worker pool): each family, unconverted, trained through ``boost()`` (which converts
 it) 3 SGD steps (momentum 0.9) at dp=2 x ep=2 with ZeRO-1 and ZeRO-3 equals the converted
@@ -202,7 +201,6 @@ def test_boosts_export_parts_are_transformers_tensors_both_ways(family: str) -> 
 
 
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "ergo": ({}, r"ErgoMoE: Ergo normalises each expert's output by an RMSNorm"),
     "nemotron_h": ({"moe_latent_size": 16}, r"fc1_latent_proj, fc2_latent_proj: the experts' latent"),
     "dbrx": (
         {"ffn_config": {**FIXES["dbrx"]["ffn_config"], "moe_normalize_expert_weights": 2.0}},

@@ -422,6 +422,7 @@ MORE = [
     "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
     "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "hunyuan_v1_moe",
     "hy_v3", "jamba", "kimi_linear", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minicpm5_moe",
+    "kolibri1_1",  # tests/test_hf_moe_reach.py holds dots3 Note (refused tp) and Qwen4-Exp (a wider atol)
     "minimax", "minimax_m2", "param2moe", "qwen3_5_moe_text", "qwen3_next", "sarvam_mla", "sarvam_moe",
     "solar_open",
 ]  # fmt: skip

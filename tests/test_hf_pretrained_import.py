@@ -16,9 +16,10 @@ the original model's state dict (every name, shape and value: ``torch.equal``, s
 consolidate only copy, slice, stack, concatenate and transpose). One process for every family,
 and dp=2 x ep=2 under ZeRO-3 (each rank reading its own experts' tensors) for three of them.
 Tensors transformers splits on load (Ling's and Sarvam's ``query_key_value``, Lara's ``in_proj``)
-are read by bands, those it joins (Kimi-Linear's and Ling's convolutions) in order; another
-transformation (Inkling 2's interleaving) is refused naming it (tier 0). Inkling 2's
-``save_pretrained`` fails at these sizes (it pads the vocabulary to 200,000).
+are read by bands, those it joins (Kimi-Linear's and Ling's convolutions) in order, those it
+transposes (Ergo's ``gate_kernel``) transposed; another transformation (Inkling 2's
+interleaving) is refused naming it (tier 0). Inkling 2's ``save_pretrained`` fails at these
+sizes (it pads the vocabulary to 200,000).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ READ = [
     # tensors transformers splits on load (a fused query_key_value, Lara's in_proj) or joins
     # (three convolutions)
     "bailing_hybrid", "kimi_linear", "lara_mini", "param2moe", "sarvam_moe",
+    # matrices it transposes (Ergo's gate_kernel and shared expert); the further families
+    "ergo", "inkling_text", "jetmoe", "beam", "kolibri1_1", "qwen4_exp_text", "dots3_note_text",
 ]  # fmt: skip
 
 

@@ -52,10 +52,48 @@ MOE: dict[str, Any] = {
 FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs at these sizes
     "bamba": {"mamba_n_heads": 8, "mamba_d_head": 8},
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
-    "kolibri1_1": {"head_dim": 16},
+    # Kolibri 1.1: head_dim a multiple of 16 (its NVFP4 rounding), at most heads / kv heads
+    # indexer heads, layer 0 dense (its default: the first two, leaving no mixture); its indexed
+    # layer's pool of 4 keys (blocks of 2) and top 2, 1 sink and 2 local keys, so that it selects
+    "kolibri1_1": {
+        "head_dim": 16, "index_num_heads": 2, "mlp_only_layers": [0], "mlp_only_intermediate_size": 64,
+        "index_pool_size": 4, "index_compression": 2, "index_topk": 2, "index_num_sink_tokens": 1,
+        "index_num_local_tokens": 2,
+    },
+    # Qwen4-Exp: the token indexer of its indexed attention (which needs all five sizes; a budget
+    # of 4 of 8 tokens, so that it selects) and small linear-attention heads
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+        "indexer_compress_ratio": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "hc_lowrank": 8,
+    },
+    # dots3 Note: its sliding layers' own latent-attention sizes (swa_*, per layer) and its DSA
+    # indexer's, a top-4 of 8 tokens so that it selects
+    "dots3_note_text": {
+        "shared_experts_intermediate_size": 16, "index_head_dim": 8, "index_n_heads": 2, "index_topk": 4,
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 8,
+        "swa_kv_lora_rank": 8, "swa_head_dim": 8, "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 4,
+        "sliding_window": 4,
+    },
+    # Gemma 4's mixture is off unless enable_moe_block; its full-attention layers' head_dim
+    # (global_head_dim, default 512) and its per-layer embeddings (default 262144 x 256) made small
+    "gemma4_text": {
+        "enable_moe_block": True, "top_k_experts": 2, "head_dim": 8, "global_head_dim": 8,
+        "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 4,
+    },
+    # Doge's product-key mixture is off unless is_moe; 16 experts: a square, 4 x 4 product keys
+    "doge": {"is_moe": True, "num_experts": 16},
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
     "longcat_flash": {"zero_expert_num": 4},  # its default 256 identity experts beside 8 real ones
     "zaya": {"num_experts_per_tok": 1},
+    # Ergo: its shared expert's and its dense first layer's own widths (defaults 8192 and 32768)
+    "ergo": {"shared_intermediate_size": 16, "first_dense_intermediate_size": 64},
+    # Inkling: its sliding layers' own heads (default 64 of width 128), a short relative-logit
+    # window, and two shared experts (its default), each weighed by the router
+    "inkling_text": {
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8, "rel_extent": 16,
+        "n_shared_experts": 2,
+    },
     # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
     "beam": {"mlp_layer_types": ["dense", "sparse"]},
     "flint": {"decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -83,18 +121,26 @@ def tiny_moe_config(
     if changes:
         own = {**(own if own is not None else {**COMMON, **moe}), **changes}
     wanted = {**COMMON, **moe, **(own or {})}
-    if hasattr(defaults, "kv_lora_rank"):  # latent attention: a key per query head, rotary width 4
+    if _has(defaults, "kv_lora_rank"):  # latent attention: a key per query head, rotary width 4
         wanted |= {"num_key_value_heads": COMMON["num_attention_heads"], "head_dim": moe["qk_rope_head_dim"]}
     types = vars(defaults).get("layer_types")
     if isinstance(types, list) and "layer_types" not in wanted:  # the first two kinds of layer
         kinds = list(dict.fromkeys(types))
         wanted["layer_types"] = (kinds * 2)[:2]
     forced = own if own is not None else COMMON  # a config of its own names takes only those
-    config = CONFIG_MAPPING[kind](**{k: v for k, v in wanted.items() if k in forced or hasattr(defaults, k)})
+    config = CONFIG_MAPPING[kind](**{k: v for k, v in wanted.items() if k in forced or _has(defaults, k)})
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
+
+
+def _has(config: Any, name: str) -> bool:
+    """Whether ``config`` has ``name``; one kept per layer (dots3 Note's ``kv_lora_rank``) counts."""
+    try:
+        return hasattr(config, name)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return name in vars(config)
 
 
 def tiny_moe_class(kind: str) -> type[nn.Module]:

@@ -2,13 +2,14 @@
 
 `MoE` routes tokens to their top-k experts (stacked expert weights run as one batched
 matmul), with capacity and drop-less modes, load-balancing and z auxiliary losses and
-shared experts, and routers of DeepSeek's kinds (`RouterSpec`: sigmoid scores, a choice bias,
-group-limited top-k, a routed scale, the bias moved by the experts' load after each step:
-`balance_choice_biases`), low-rank adapters on the experts and the router
-(`ExpertAdapter`, `RouterAdapter`); with an ``ep_group`` (or `shard_experts`) its experts are split over the
-group's ranks and tokens travel to them by uneven all-to-all; with `split_hidden` every
-expert's hidden units are split over a tensor-parallel group. Depends on torch and
-``tessera.comm`` only.
+shared experts (weighed by the router, Inkling's "shared gammas": `tessera.moe.shared`),
+per-expert output norms (Ergo's: `tessera.moe.norms`), and routers of DeepSeek's kinds
+(`RouterSpec`: sigmoid scores, a choice bias, group-limited top-k, a routed scale, the bias
+moved by the experts' load after each step: `balance_choice_biases`), low-rank adapters on
+the experts and the router (`ExpertAdapter`, `RouterAdapter`); with an ``ep_group`` (or
+`shard_experts`) its experts are split over the group's ranks and tokens travel to them by
+uneven all-to-all; with `split_hidden` every expert's hidden units are split over a
+tensor-parallel group. Depends on torch and ``tessera.comm`` only.
 """
 
 from __future__ import annotations

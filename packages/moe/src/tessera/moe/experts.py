@@ -4,7 +4,9 @@
 experts. A gated one computes ``act(x @ w1, x @ w3) @ w2`` (SwiGLU: ``silu(g) * u``; GPT-OSS's
 `ClampedSwiGLU`, and the clamped and softcapped `SwiGLUVariant`), a non-gated one ``act(x @ w1)
 @ w2`` (GELU, ReLU², `tessera.moe.activations`). With ``bias=True`` each projection has a
-bias (``b1 [n, h]``, ``b3 [n, h]``, ``b2 [n, d]``, zeros at first), else none.
+bias (``b1 [n, h]``, ``b3 [n, h]``, ``b2 [n, d]``, zeros at first), else none. With
+``norm_eps`` each expert's output rows are RMS-normalised with that expert's own weight
+``norm [n, d]`` (ones at first; `tessera.moe.norms`), which a split over tp refuses.
 The input rows arrive sorted by expert with ``counts[i]`` rows for the bank's expert ``i``.
 The grouped path scatters them into a ``[n, max(counts), d]`` batch (zero padding) and runs
 one batched matmul per weight; the loop path (the reference) runs each expert on its slice.
@@ -13,6 +15,8 @@ bank computes with.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +32,7 @@ from tessera.moe.activations import (
 )
 from tessera.moe.adapters import ExpertAdapter, deltas
 from tessera.moe.init import generator, uniform
+from tessera.moe.norms import norm_split_problem, normalised
 
 __all__ = ["ACTIVATIONS", "Activation", "ClampedSwiGLU", "Experts", "SwiGLUVariant"]
 
@@ -51,6 +56,7 @@ class Experts(nn.Module):
     b1: nn.Parameter | None
     b2: nn.Parameter | None
     b3: nn.Parameter | None
+    norm: nn.Parameter | None
 
     def __init__(
         self,
@@ -61,11 +67,14 @@ class Experts(nn.Module):
         seed: int,
         streams: list[int],
         bias: bool = False,
+        norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         check_activation(activation)
         if d_model < 1 or hidden < 1:
             raise ValueError(f"d_model and hidden must be >= 1, got d_model={d_model}, hidden={hidden}")
+        if norm_eps is not None and not (math.isfinite(norm_eps) and norm_eps > 0):
+            raise ValueError(f"an expert norm's epsilon must be finite and > 0 (or None), got {norm_eps}")
         self.activation: Activation = activation
         per_expert = [_expert_weights(d_model, hidden, activation, generator(seed, s)) for s in streams]
         self.w1 = nn.Parameter(torch.stack([w[0] for w in per_expert]))
@@ -75,6 +84,8 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(n, hidden)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(n, d_model)) if bias else None
         self.b3 = nn.Parameter(torch.zeros(n, hidden)) if bias and self.w3 is not None else None
+        self.norm_eps = norm_eps
+        self.norm = None if norm_eps is None else nn.Parameter(torch.ones(n, d_model))
         self.out_bias_share = 1.0  # `keep_hidden`: 0 in a share without hidden unit 0
         self.adapters = nn.ModuleDict()  # adapter name -> {key -> ExpertAdapter} (`add_adapter`)
 
@@ -124,7 +135,7 @@ class Experts(nn.Module):
     def keep(self, start: int, stop: int) -> None:
         """Keep only experts ``start:stop`` of the bank (new parameters holding copies, frozen
         where the bank's were)."""
-        for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
+        for name in ("w1", "w2", "w3", "b1", "b2", "b3", "norm"):
             w = getattr(self, name)
             if w is not None:
                 part = w.detach()[start:stop].clone()
@@ -136,7 +147,11 @@ class Experts(nn.Module):
         """Keep only hidden units ``start:stop`` of every expert (``w1`` / ``w3`` columns,
         ``w2`` rows; new parameters holding copies, frozen where the bank's were): the bank
         then computes, per expert, its share of the output, which summed over the shares is the
-        whole expert's (``b2`` is kept whole, added by the share holding hidden unit 0 only)."""
+        whole expert's (``b2`` is kept whole, added by the share holding hidden unit 0 only).
+        Refuses a bank that normalises its experts' outputs (a norm of a partial sum is not the
+        norm of the sum)."""
+        if self.norm is not None:
+            raise ValueError(norm_split_problem({"expert": True}))
         if start > 0:
             self.out_bias_share = 0.0
         for name, dim in (("w1", 2), ("w2", 1), ("w3", 2), ("b1", 1), ("b3", 1)):
@@ -163,7 +178,11 @@ class Experts(nn.Module):
         gate = x @ w1 if b1 is None else x @ w1 + b1
         up = None if w3 is None else x @ w3 if b3 is None else x @ w3 + b3
         out = activate(self.activation, gate, up) @ w2
-        return out if b2 is None else out + b2 * self.out_bias_share
+        out = out if b2 is None else out + b2 * self.out_bias_share
+        if self.norm is None or self.norm_eps is None:
+            return out
+        norm = self.norm.unsqueeze(-2) if expert is None else self.norm[expert]
+        return norm * normalised(out, self.norm_eps)
 
     def expert(self, i: int, x: Tensor) -> Tensor:
         """Run rows ``x [m, d]`` through the bank's expert ``i``."""

@@ -1,10 +1,10 @@
 """Seeded initialisation that never touches the global RNG.
 
 Every parameter tensor of a layer is drawn from its own generator, one *stream* of the
-layer's seed: the router is stream 0, the shared expert stream 1, expert ``e`` stream
-``2 + e``, the shared expert's gate stream -1. So a rank that holds only some experts
-draws exactly the weights the serial layer has for them, without drawing the others, and
-threads acting as ranks never race on torch's default generator.
+layer's seed: the router is stream 0, the shared expert stream 1 (further shared experts
+``s >= 1`` stream ``-1 - s``), expert ``e`` stream ``2 + e``, the shared expert's gate stream
+-1. So a rank that holds only some experts draws exactly the weights the serial layer has for
+them, without drawing the others, and threads acting as ranks never race on torch's default generator.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["ROUTER_STREAM", "SHARED_GATE_STREAM", "SHARED_STREAM", "expert_stream", "generator", "uniform"]
+__all__ = [
+    "ROUTER_STREAM",
+    "SHARED_GATE_STREAM",
+    "SHARED_STREAM",
+    "expert_stream",
+    "generator",
+    "shared_stream",
+    "uniform",
+]
 
 ROUTER_STREAM = 0
 SHARED_STREAM = 1
@@ -25,6 +33,11 @@ _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, stream) pairs 
 def expert_stream(expert: int) -> int:
     """The stream of the (global) expert index ``expert``."""
     return 2 + expert
+
+
+def shared_stream(shared: int) -> int:
+    """The stream of shared expert ``shared`` (0: `SHARED_STREAM`, as a layer with one has)."""
+    return SHARED_STREAM if shared == 0 else -1 - shared
 
 
 def generator(seed: int, stream: int) -> torch.Generator:

@@ -21,7 +21,10 @@ statistics (`MoEStats`) the real experts only.
 
 A post-norm (``post_norm_eps``, AXK1's ``post_mlp_layernorm``) is an RMS norm with a trained
 weight ``post_norm [d]`` (ones at first) applied to the layer's output: the sum of the
-experts' and the shared expert's outputs, per token.
+experts' and the shared expert's outputs, per token. Per-expert norms (``expert_norm_eps``,
+``shared_norm_eps``: Ergo) normalise each expert's own output before it is weighed
+(`tessera.moe.norms`); the shared experts, and the router's weights for them
+(``shared_scores``: Inkling), are `tessera.moe.shared`'s.
 
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
@@ -51,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,7 +62,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.comm import (
-    Group,
     all_gather_along,
     copy_to_region,
     group_rank,
@@ -72,10 +73,13 @@ from tessera.moe.aux import attach_aux, scale_grad
 from tessera.moe.balance import count_load
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
-from tessera.moe.init import SHARED_GATE_STREAM, SHARED_STREAM, expert_stream, generator, uniform
+from tessera.moe.init import SHARED_GATE_STREAM, expert_stream, generator, shared_stream, uniform
 from tessera.moe.losses import load_balancing_loss, z_loss
+from tessera.moe.norms import post_normed
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import RouterSpec, TopKRouter
+from tessera.moe.shared import shared_output
+from tessera.moe.splits import Gather, ep_split, hidden_split_problem, shard_experts, split_hidden
 
 __all__ = [
     "Gather",
@@ -95,10 +99,6 @@ Weigh = Literal["output", "input"]
 most) or to its input (Llama 4: ``expert(w * x)``, which differs for any expert that is not
 linear)."""
 WEIGHS: tuple[Weigh, ...] = ("output", "input")
-
-Gather = tuple[int, Group]
-"""An all-gather that enters the layer's tp region: (the dim of the activations, the group
-whose ranks hold its blocks, in group-rank order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +121,6 @@ class MoEStats:
         return (total - int(self.kept.sum())) / total if total else 0.0
 
 
-def _ep_split(experts: int, group: dist.ProcessGroup) -> tuple[int, int]:
-    """This rank's experts ``start, stop`` in ``group``; refuses an uneven split."""
-    ep = group_size(group)
-    if experts % ep:
-        raise ValueError(f"experts ({experts}) must be divisible by the ep group's size ({ep})")
-    local = experts // ep
-    start = group_rank(group) * local
-    return start, start + local
-
-
 class MoE(nn.Module):
     """Top-k mixture of ``experts`` MLPs ``d_model -> hidden -> d_model`` over ``x [..., d_model]``.
 
@@ -146,8 +136,15 @@ class MoE(nn.Module):
     ones giving the token itself (module docstring; drop-less only).
     ``post_norm_eps``: RMS-normalise the output with this epsilon and a trained weight
     ``post_norm [d_model]`` (module docstring; None: no norm).
-    ``shared_hidden``: add an always-on MLP of that width; ``shared_gate``: scale its output
-    per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate [1, d_model]``, as Qwen2-MoE).
+    ``expert_norm_eps``: RMS-normalise each routed expert's output with its own trained weight
+    (``experts.norm [E, d_model]``) before it is weighed (`tessera.moe.norms`; Ergo).
+    ``shared_hidden``: add an always-on MLP of that width (``shared_experts`` of them, summed);
+    ``shared_gate``: scale its output per token by ``sigmoid(x @ shared_gate.T)`` (``shared_gate
+    [1, d_model]``, as Qwen2-MoE); ``shared_scores``: weigh each shared expert by the router, which
+    holds a logit per shared expert and renormalises over the chosen and the shared experts
+    (`tessera.moe.shared`; sigmoid scores; Inkling); ``shared_norm_eps``: normalise each shared
+    expert's output as ``expert_norm_eps`` does (``shared.norm [S, d_model]``).
+    ``router_scale``: the router's weights times a trained scalar ``router.scale`` (Inkling).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
     ``seed``: the initialisation (`tessera.moe.init`; None draws one from torch's global
     generator). ``ep_group``: hold only this rank's ``experts / ep`` experts and exchange
@@ -178,10 +175,15 @@ class MoE(nn.Module):
         weigh: Weigh = "output",
         identity_experts: int = 0,
         post_norm_eps: float | None = None,
+        expert_norm_eps: float | None = None,
         shared_hidden: int | None = None,
+        shared_experts: int = 1,
         shared_gate: bool = False,
+        shared_scores: bool = False,
+        shared_norm_eps: float | None = None,
         expert_bias: bool = False,
         router_bias: bool = False,
+        router_scale: bool = False,
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
@@ -209,8 +211,21 @@ class MoE(nn.Module):
             )
         if post_norm_eps is not None and not (math.isfinite(post_norm_eps) and post_norm_eps > 0):
             raise ValueError(f"post_norm_eps must be finite and > 0 (or None), got {post_norm_eps}")
-        if shared_gate and shared_hidden is None:
-            raise ValueError("shared_gate needs a shared expert (shared_hidden)")
+        asked = {
+            "shared_gate": shared_gate,
+            "shared_scores": shared_scores,
+            f"shared_norm_eps={shared_norm_eps}": shared_norm_eps is not None,
+            f"shared_experts={shared_experts}": shared_experts != 1,
+        }
+        if shared_hidden is None and any(asked.values()):
+            raise ValueError(
+                f"{', '.join(k for k, v in asked.items() if v)} needs a shared expert (shared_hidden)"
+            )
+        if shared_experts < 1 or (shared_gate and shared_scores):
+            raise ValueError(
+                f"shared_experts must be >= 1 (got {shared_experts}), and a shared expert is gated "
+                f"(shared_gate) or weighed by the router (shared_scores), not both"
+            )
         if bias_rate and not (routing is not None and routing.choice_bias):
             raise ValueError(
                 f"bias_rate={bias_rate} needs a router with a choice bias (RouterSpec(choice_bias=True))"
@@ -226,7 +241,7 @@ class MoE(nn.Module):
             raise ValueError("an ep_group needs an explicit seed: every ep rank must build the same router")
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        start, stop = (0, experts) if ep_group is None else _ep_split(experts, ep_group)
+        start, stop = (0, experts) if ep_group is None else ep_split(experts, ep_group)
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.identity_experts = identity_experts
         self.grouped, self.ep_group = grouped, ep_group
@@ -245,6 +260,8 @@ class MoE(nn.Module):
             seed=seed,
             spec=routing,
             bias=router_bias,
+            shared=shared_experts if shared_scores else 0,
+            scale=router_scale,
         )
         self.experts = Experts(
             d_model,
@@ -253,11 +270,19 @@ class MoE(nn.Module):
             seed=seed,
             streams=[expert_stream(e) for e in range(start, stop)],
             bias=expert_bias,
+            norm_eps=expert_norm_eps,
         )
         self.shared = (
             None
             if shared_hidden is None
-            else Experts(d_model, shared_hidden, activation, seed=seed, streams=[SHARED_STREAM])
+            else Experts(
+                d_model,
+                shared_hidden,
+                activation,
+                seed=seed,
+                streams=[shared_stream(s) for s in range(shared_experts)],
+                norm_eps=shared_norm_eps,
+            )
         )
         self.shared_gate = (
             nn.Parameter(uniform((1, d_model), d_model, generator(seed, SHARED_GATE_STREAM)))
@@ -308,10 +333,7 @@ class MoE(nn.Module):
         if real < plan.token.numel() and (tp == 1 or group_rank(self.tp_group) == 0):
             out = out + self._identity(tokens, routing.weights, plan.token[real:], plan.assignment[real:])
         if self.shared is not None:
-            shared = self.shared.expert(0, tokens)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(tokens @ self.shared_gate.t()) * shared
-            out = out + shared
+            out = out + shared_output(self.shared, tokens, self.shared_gate, routing.shared_weights)
         self.aux_loss = load_balancing_loss(routing.probs, plan.routed)
         self.z_loss = z_loss(routing.logits)
         if tp > 1:  # computed whole on every tp rank, whose router gradients are summed over tp
@@ -323,8 +345,9 @@ class MoE(nn.Module):
                 out = reduce_scatter_along(out, dim, group)
             if not self.gathers:
                 out = reduce_from_region(out, self.tp_group)
-        if self.post_norm is not None:
-            out = self._post_normed(out, tp)
+        if self.post_norm is not None and self.post_norm_eps is not None:
+            whole = not self.gathers  # every tp rank holds the same whole output, else its own slice
+            out = post_normed(out, self.post_norm, self.post_norm_eps, self.tp_group, whole, tp)
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             weighted = self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
             out = attach_aux(out, weighted, self)
@@ -332,93 +355,12 @@ class MoE(nn.Module):
             out = count_load(out, plan.routed, self)
         return out
 
-    def _post_normed(self, out: Tensor, tp: int) -> Tensor:
-        """``out`` RMS-normalised over its last dim (in fp32) and scaled by ``post_norm``. Where
-        every tp rank holds the same whole output, the weight's gradient on each rank comes from
-        its own share of the tokens (every ``tp``-th row from its rank on), so that the sum over
-        tp, which the weight's partial gradient takes, counts each token once."""
-        assert self.post_norm is not None and self.post_norm_eps is not None
-        x = out.float()
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.post_norm_eps)).to(out.dtype)
-        if tp == 1 or self.gathers:  # one rank, or each rank its own slice of the sequence
-            return self.post_norm * normed
-        rows = normed.reshape(-1, normed.shape[-1])
-        mine = torch.zeros(rows.shape[0], 1, dtype=torch.bool, device=rows.device)
-        mine[group_rank(self.tp_group) :: tp] = True
-        weight = torch.where(mine, self.post_norm, self.post_norm.detach())
-        return (weight * rows).view(out.shape)
-
     @staticmethod
     def _identity(tokens: Tensor, weights: Tensor, token: Tensor, assignment: Tensor) -> Tensor:
         """The identity experts' share of the output: ``weight * x`` for each of their
         assignments (``token`` and ``assignment`` as `plan_dispatch` numbers them), summed per token."""
         w = weights.reshape(-1).index_select(0, assignment).to(tokens.dtype)[:, None]
         return tokens.new_zeros(tokens.shape).index_add(0, token, tokens.index_select(0, token) * w)
-
-
-def shard_experts(layer: MoE, group: dist.ProcessGroup) -> MoE:
-    """Make a serial ``layer`` expert-parallel over ``group`` in place: keep this rank's
-    ``experts / ep`` experts (copies of the serial layer's) and exchange tokens over the group.
-    Every rank must hold the same serial layer. Returns the layer."""
-    if layer.ep_group is not None:
-        raise ValueError("the layer is already expert-parallel")
-    start, stop = _ep_split(layer.num_experts, group)
-    layer.experts.keep(start, stop)
-    layer.first_expert, layer.ep_group = start, group
-    _log.debug("experts %d..%d of %d on this rank", start, stop - 1, layer.num_experts)
-    return layer
-
-
-def hidden_split_problem(layer: MoE, tp: int) -> str:
-    """Why ``split_hidden`` cannot split ``layer`` over ``tp`` ranks ("" when it can): a
-    hidden width of the experts or the shared expert that ``tp`` does not divide."""
-    banks = [("experts", layer.experts)] + ([("shared", layer.shared)] if layer.shared is not None else [])
-    uneven = [f"{name} hidden {bank.hidden}" for name, bank in banks if bank.hidden % tp]
-    return f"tp={tp} must divide the hidden width of every expert: {', '.join(uneven)}" if uneven else ""
-
-
-def split_hidden(
-    layer: MoE,
-    group: dist.ProcessGroup,
-    *,
-    sequence_parallel: bool = False,
-    seq_dim: int = -2,
-    gathers: Sequence[Gather] = (),
-) -> MoE:
-    """Make ``layer`` tensor-parallel inside its experts over ``group`` in place (module
-    docstring): keep this rank's ``hidden / tp`` hidden units of every expert and of the
-    shared expert. Every rank of ``group`` must see the same whole tokens inside the layer:
-    its input is whole on every rank (the default), or ``sequence_parallel`` (the input and
-    output hold this rank's slice of dim ``seq_dim``, gathered over ``group``), or
-    ``gathers`` (all-gathers along dims over groups, in order, whose ranks multiply to
-    ``group``'s: a 2D grid's hidden over its row, then its batch over its column). Every rank
-    must hold the same serial layer; refuses (ValueError naming the widths, nothing changed) a
-    hidden width ``tp`` does not divide. Returns the layer."""
-    if layer.tp_group is not None:
-        raise ValueError("the layer's experts are already split over a tp group")
-    if sequence_parallel and gathers:
-        raise ValueError("give sequence_parallel or gathers, not both (sequence parallelism is one gather)")
-    tp, rank = group_size(group), group_rank(group)
-    problem = hidden_split_problem(layer, tp)
-    if problem:
-        raise ValueError(problem)
-    if layer.post_norm is not None and len(gathers) > 1:
-        raise ValueError(
-            f"a post-norm needs each token's whole hidden after the layer, but {len(gathers)} gathers "
-            "(2D, 2.5D or 3D tensor parallelism) leave each rank a block of it"
-        )
-    spans = math.prod(group_size(g) for _, g in gathers)
-    if gathers and spans != tp:
-        raise ValueError(f"the gathers span {spans} ranks, but the tp group has {tp}")
-    for bank in (layer.experts, layer.shared):
-        if bank is None:
-            continue
-        share = bank.hidden // tp
-        bank.keep_hidden(rank * share, (rank + 1) * share)
-    layer.tp_group = group
-    layer.gathers = ((seq_dim, group),) if sequence_parallel else tuple(gathers)
-    _log.debug("expert hidden units split over tp=%d (rank %d)", tp, rank)
-    return layer
 
 
 def set_aux_grad_scale(module: nn.Module, scale: float) -> int:

@@ -31,6 +31,15 @@ the experts outside the kept groups take for the choice, ``-inf`` (DeepSeek-V3) 
 (AXK2: with a negative bias such an expert may still be chosen); ``renorm_eps``: the guard of
 the renormalisation, ``sum + renorm_eps``.
 
+Shared experts scored by the router (``shared=S`` in `route`, Inkling's "shared gammas"): the
+router holds ``S`` further logits after the choosable ones, one per shared expert of the layer.
+They are never chosen; their sigmoid scores join the chosen experts' in the renormalisation
+(``sum over the chosen and the shared + renorm_eps``) and are scaled alike, and each shared
+expert's output is weighed by its own (`Routing.shared_weights`). Only sigmoid scores (each on
+its own) are defined for them. A router built with ``scale=True`` (`TopKRouter`) holds a trained
+scalar ``scale [1]`` (ones at first; Inkling's ``global_scale``) multiplying every weight, the
+shared ones too, after the spec's ``scale``.
+
 Outside the default, renormalisation divides by ``sum + 1e-20`` as DeepSeek-V3 does (no
 difference unless the chosen scores sum below about ``1e-13``; LFM2 adds ``1e-6``). The
 default spec takes the original code path, so a default router routes bit for bit as before
@@ -40,7 +49,7 @@ default spec takes the original code path, so a default router routes bit for bi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -124,13 +133,16 @@ class Routing:
     normalised to sum to 1 per token (as DeepSeek-V3's sequence-wise balance loss does);
     ``choices``: ``[T, k]`` expert indices, highest (biased) score first; ``weights``: ``[T, k]``
     their combine weights (the unbiased scores, renormalised to sum to 1 per token when asked,
-    times the spec's scale).
+    times the spec's scale); ``shared_weights``: ``[T, S]`` the shared experts' weights where the
+    router scores them (module docstring), else None. ``logits`` and ``probs`` cover the
+    choosable experts only.
     """
 
     logits: Tensor
     probs: Tensor
     choices: Tensor
     weights: Tensor
+    shared_weights: Tensor | None = None
 
 
 def limit_to_groups(
@@ -157,14 +169,24 @@ def route(
     renormalize: bool,
     spec: RouterSpec | None = None,
     bias: Tensor | None = None,
+    shared: int = 0,
 ) -> Routing:
     """Each token's ``top_k`` experts and weights from ``logits [T, E]`` (in fp32): softmax
     top-k by default, else as ``spec`` says, choosing by the scores plus ``bias [E]`` (given
-    exactly when ``spec.choice_bias``; by the logits plus ``bias`` with ``spec.choose_by="logits"``)."""
-    experts = logits.shape[-1]
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+    exactly when ``spec.choice_bias``; by the logits plus ``bias`` with ``spec.choose_by="logits"``).
+    ``shared``: the last ``shared`` of the logits score the shared experts (module docstring;
+    sigmoid scores only), ``bias`` and the choice covering the ``E - shared`` others."""
+    experts = logits.shape[-1] - shared
+    if shared < 0 or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"top_k must be in [1, experts={experts}] and shared ({shared}) >= 0, got top_k={top_k}"
+        )
     spec = spec or RouterSpec()
+    if shared and spec.score != "sigmoid":
+        raise ValueError(
+            f"a router scoring {shared} shared experts needs sigmoid scores (RouterSpec(score='sigmoid')), "
+            f"got {spec.score!r}: a softmax would make them compete with the routed experts for the choice"
+        )
     if spec.is_default:
         if bias is not None:
             raise ValueError("a choice bias needs RouterSpec(choice_bias=True)")
@@ -181,21 +203,29 @@ def route(
         raise ValueError(
             f"choice_bias={spec.choice_bias} needs a bias of shape ({experts},) exactly then, got {shape}"
         )
-    scores = (
+    everyone = (
         torch.softmax(logits.float(), dim=-1) if spec.score == "softmax" else torch.sigmoid(logits.float())
     )
+    shared_weights = everyone[:, experts:] if shared else None
+    scores, logits = (everyone[:, :experts], logits[:, :experts]) if shared else (everyone, logits)
     choice = (scores if spec.choose_by == "scores" else logits.float()).detach()
     choice = choice if bias is None else choice + bias.float()
     if spec.groups > 1:
         choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score, spec.group_fill)
     choices = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, choices)
-    if renormalize:
+    if renormalize and shared_weights is not None:  # over the chosen and the shared experts together
+        total = weights.sum(dim=-1, keepdim=True) + shared_weights.sum(dim=-1, keepdim=True) + spec.renorm_eps
+        weights, shared_weights = weights / total, shared_weights / total
+    elif renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renorm_eps)
     if spec.scale != 1.0:
         weights = weights * spec.scale
+        shared_weights = None if shared_weights is None else shared_weights * spec.scale
     probs = scores if spec.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    return Routing(logits=logits, probs=probs, choices=choices, weights=weights)
+    return Routing(
+        logits=logits, probs=probs, choices=choices, weights=weights, shared_weights=shared_weights
+    )
 
 
 class TopKRouter(nn.Module):
@@ -204,6 +234,10 @@ class TopKRouter(nn.Module):
     ``spec`` says (`route`); with ``spec.choice_bias`` a persistent buffer ``score_bias [E]``
     (zeros; loaded, never trained: module docstring).
 
+    ``shared``: ``weight`` holds that many further rows scoring the layer's shared experts
+    (`route`'s ``shared``); ``scale=True``: a trained ``scale [1]`` (ones) multiplies every weight
+    (module docstring).
+
     Initialised uniformly in ``±1/sqrt(d)`` from stream 0 of ``seed`` (`tessera.moe.init`). Under expert
     parallelism every rank holds the same router (a data-parallel parameter). Low-rank
     adapters in ``adapters`` (`tessera.moe.adapters.RouterAdapter`) add their deltas to ``weight``.
@@ -211,6 +245,7 @@ class TopKRouter(nn.Module):
 
     score_bias: Tensor | None
     bias: nn.Parameter | None
+    scale: nn.Parameter | None
 
     def __init__(
         self,
@@ -222,27 +257,45 @@ class TopKRouter(nn.Module):
         seed: int,
         spec: RouterSpec | None = None,
         bias: bool = False,
+        shared: int = 0,
+        scale: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
         self.spec = spec or RouterSpec()
         problem = self.spec.problem(experts, top_k)
+        if shared and self.spec.score != "sigmoid":
+            problem = (
+                f"a router scoring {shared} shared experts needs sigmoid scores, got {self.spec.score!r}"
+            )
         if problem:
             raise ValueError(problem)
-        self.top_k, self.renormalize = top_k, renormalize
-        self.weight = nn.Parameter(uniform((experts, d_model), d_model, generator(seed, ROUTER_STREAM)))
+        self.top_k, self.renormalize, self.shared = top_k, renormalize, shared
+        self.weight = nn.Parameter(
+            uniform((experts + shared, d_model), d_model, generator(seed, ROUTER_STREAM))
+        )
         self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
-        self.bias = nn.Parameter(torch.zeros(experts)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(experts + shared)) if bias else None
+        self.scale = nn.Parameter(torch.ones(1)) if scale else None
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
     def forward(self, x: Tensor) -> Routing:
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
         logits = x @ weight.t() if self.bias is None else x @ weight.t() + self.bias
-        return route(
+        routing = route(
             logits,
             self.top_k,
             renormalize=self.renormalize,
             spec=self.spec,
             bias=self.score_bias,
+            shared=self.shared,
+        )
+        if self.scale is None:
+            return routing
+        shared = routing.shared_weights
+        return replace(
+            routing,
+            weights=routing.weights * self.scale,
+            shared_weights=None if shared is None else shared * self.scale,
         )

@@ -246,7 +246,10 @@ class HeadLayout:
 
 def _int_attr(obj: object, names: Sequence[str]) -> int | None:
     for attr in names:
-        value = getattr(obj, attr, None)
+        try:
+            value = getattr(obj, attr, None)
+        except RuntimeError:  # a config's size that varies per layer (dots3 Note's): not one value
+            value = None
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None

@@ -34,7 +34,7 @@ from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.consolidate import full_tensor
 from tessera.launcher.checkpoint.exported import ExportPart, assemble, found_parts, parts_of, sliced
 from tessera.launcher.checkpoint.placement import Boosted, load_buffers, local_part
-from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
+from tessera.launcher.checkpoint.tensorfile import LazyTensors, Renames, weight_files
 
 __all__ = [
     "PORTABLE",
@@ -307,10 +307,11 @@ def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[Expor
     placement = engine.placement
     exported, adapters, renames = placement.exported, placement.adapters, placement.renames
     if name in exported:
-        return found_parts(exported[name], weights.__contains__)
+        parts = found_parts(exported[name], weights.__contains__)
+        return None if parts is None else tuple(_as_stored(p, weights, renames) for p in parts)
     plain = _source(name, weights, adapters)
     if plain is not None:
-        return (ExportPart(plain),)
+        return (_as_stored(ExportPart(plain), weights, renames),)
     if renames is None:
         return None
     owner = adapters.owner(name)  # an adapted layer's base: the plain model's name
@@ -318,6 +319,14 @@ def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[Expor
     unadapted = f"{owner}.{name.removeprefix(base)}" if owner is not None and name.startswith(base) else name
     split = renames.parts(unadapted)  # its band of a tensor split on load
     return found_parts(split, weights.__contains__) if split else None
+
+
+def _as_stored(part: ExportPart, weights: LazyTensors, renames: Renames | None) -> ExportPart:
+    """``part`` as the file holds it: transposed where transformers transposes the stored tensor
+    on load (Ergo's ``gate_kernel``)."""
+    if renames is None or not renames.transposed(weights.stored(part.name)):
+        return part
+    return replace(part, transpose=not part.transpose)
 
 
 def _wanted_as(name: str, exported: Mapping[str, tuple[ExportPart, ...]]) -> str:

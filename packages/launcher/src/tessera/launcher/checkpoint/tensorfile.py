@@ -42,6 +42,11 @@ class Renames(Protocol):
         transformation on load that import does not make), for an error; "" when none."""
         ...
 
+    def transposed(self, stored: str) -> bool:
+        """Whether the checkpoint's tensor ``stored`` holds the model's transposed (a matrix that
+        transformers transposes on load)."""
+        ...
+
     def parts(self, name: str) -> tuple[ExportPart, ...]:
         """The parts of the checkpoint's tensors (by their names as renamed) that make the model's
         tensor ``name``, where transformers splits one on load (a fused ``query_key_value``:

@@ -10,7 +10,8 @@ and the norms between them stay whole. `derive_roles` reads every layer, each ch
 - a norm: a leaf module whose class name says ``Norm`` (also after the stack);
 - a mixture of experts (``tessera.moe.MoE``, what ``hf_moe`` converts Hugging Face sparse
   blocks into): the ``moe`` style (``tessera.launcher.train.moe_style``: every expert split
-  inside over tp, the router whole; it takes Megatron sequence parallelism);
+  inside over tp, the router whole; it takes Megatron sequence parallelism), or kept whole
+  where its experts cannot be split at any tp (each expert's output normalised: Ergo's);
 - the attention module: a submodule whose class name says ``Attention`` (or that says its
   head count: ``num_heads``, ``n_heads``, ... as ``heads.head_layout`` reads) and that holds
   dense layers (``nn.Linear`` or HF ``Conv1D``); its output projection is the dense layer
@@ -31,8 +32,9 @@ and the norms between them stay whole. `derive_roles` reads every layer, each ch
   a sublayer this reading cannot split. A module holding parameters outside dense layers and
   norms (a Mamba mixer, a gated-delta-net linear attention, attention sinks), dense layers
   beside a norm of their own (AXK2's adaptive norm: its output is not the MLP's), an attention
-  whose heads cannot be read (Qwen3-Next's gated query projection, twice the heads' width) or
-  whose norms span a whole projection (OLMo2's ``q_norm``), and any other sublayer holding
+  whose heads cannot be read (Qwen3-Next's gated query projection, twice the heads' width),
+  whose norms span a whole projection (OLMo2's ``q_norm``) or whose indexer chooses keys from
+  its own heads (Kolibri 1.1's, which has no weights), and any other sublayer holding
   parameters. A plan with such a module refuses sequence parallelism
   (``supports_sequence_parallel=False``: the module would see one rank's slice of the sequence);
 - the token embedding (``vocab_whole``), learned position embeddings (``embedding_whole``),
@@ -60,6 +62,7 @@ from torch import nn
 
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
+from tessera.moe.layer import hidden_split_problem
 from tessera.tensor_parallel import Plan, Style
 from tessera.tensor_parallel.adapted import dense_core, has_adapters
 from tessera.tensor_parallel.heads import HeadLayout, head_layout
@@ -130,6 +133,13 @@ def _holds_more(module: nn.Module) -> bool:
     return any(id(p) not in covered for p in module.parameters())
 
 
+def _reads_own_heads(module: nn.Module) -> bool:
+    """Whether the attention holds a sparse-attention indexer with no weights of its own, which
+    chooses keys from the attention's own heads (Kolibri 1.1's: its first query heads against key
+    head 0): every rank must see every head to choose the same keys."""
+    return any("indexer" in type(m).__name__.lower() and not list(m.parameters()) for m in module.modules())
+
+
 def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> dict[str, TPStyle]:
     """An attention module's roles; ``{path: replicate}`` when its heads cannot be split as it is
     written (unreadable heads, a norm over a whole projection); empty when it is no attention."""
@@ -138,7 +148,7 @@ def _attention_roles(path: str, module: nn.Module, hint: Mapping[str, str]) -> d
     if len(outputs) != 1 or len(dense) < 2:
         return {}
     layout = _layout(module)
-    if layout is None:
+    if layout is None or _reads_own_heads(module):
         return {path: Roles.REPLICATE}
     roles: dict[str, TPStyle] = {path: Style.ATTENTION, outputs[0]: Style.ROWWISE}
     children = dict(module.named_children())
@@ -207,8 +217,8 @@ def _layer_roles(path: str, layer: nn.Module, hint: Mapping[str, str]) -> dict[s
         roles: dict[str, TPStyle] = {}
         if _is_norm(sub):
             roles = {name: Roles.NORM}
-        elif isinstance(sub, MoE):
-            roles = {name: MOE_STYLE}
+        elif isinstance(sub, MoE):  # kept whole where no tp splits it (per-expert norms: Ergo's)
+            roles = {name: Roles.REPLICATE if hidden_split_problem(sub, 1) else MOE_STYLE}
         elif is_dense(dense_core(sub)) or has_adapters(sub) or not list(sub.parameters()):
             continue  # a dense layer on the layer itself: the direct MLP below
         elif _holds_more(sub):

@@ -18,7 +18,13 @@ what the model's forward applies around its children:
   layer, whose indexer reads it;
 - rotary embeddings: the model's ``rotary_emb`` called as its forward calls it (with the
   layer type where it takes one: Gemma3's local and global rotaries), or the layer's own
-  where the model keeps one per base frequency (GraniteMoE-SWA's ``rotary_embs``);
+  where the model keeps one per base frequency (GraniteMoE-SWA's ``rotary_embs``); none for
+  a layer type whose ``config.rope_parameters`` entry is None (Beam's full-attention layers,
+  NoPE), whose attention then takes its family's position-dependent query scale
+  (``attention_scaling``, made by its modeling module's ``compute_attention_scaling``);
+- positions: a row per sequence (Qwen4-Exp's indexer reads each row's rotary embeddings);
+- hyper-connections: the embedding's output copied into ``config.hc_count`` residual streams
+  side by side (Qwen4-Exp's), which the module after the layers mixes back into one;
 - computed in a pre-hook of the layer's attention module from the hidden states it is
   called with, which under sequence parallelism are the whole sequence (the layer's input,
   a stage's activation, holds this rank's slice of it); a layer without an attention module
@@ -48,6 +54,7 @@ __all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks", "opt_blocks"]
 _HOOK = "_tessera_positions_hook"
 _GUARD = "_tessera_own_forward_hooks"
 _MADE = ("attention_mask", "position_ids", "position_embeddings")  # what a block makes for a layer
+_NOPE_SCALE = "compute_attention_scaling"  # Beam's query scale of its NoPE layers, from the positions
 
 
 def _positions(h: Tensor) -> Tensor:
@@ -107,12 +114,17 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _Embedding(nn.Module):
-    """The modules a model runs before its layers, chained, times its ``embedding_multiplier``."""
+    """The modules a model runs before its layers, chained, times its ``embedding_multiplier``;
+    copied into ``streams`` residual streams side by side where the model's layers take that many
+    (Qwen4-Exp's hyper-connections, ``config.hc_count``: ``h.repeat(1, 1, hc_count)``)."""
 
-    def __init__(self, modules: list[nn.Module], multiplier: float | None) -> None:
+    def __init__(
+        self, modules: list[nn.Module], multiplier: float | None, streams: int | None = None
+    ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(modules)
         self.multiplier = multiplier
+        self.streams = streams
 
     def forward(self, ids: Tensor) -> Tensor:
         h: Tensor = self.parts[0](ids)
@@ -120,6 +132,8 @@ class _Embedding(nn.Module):
             h = h * self.multiplier
         for part in self.parts[1:]:
             h = part(h)
+        if self.streams is not None:
+            h = h.repeat(1, 1, self.streams)
         return h
 
 
@@ -225,7 +239,8 @@ class _DecoderLayer(nn.Module):
         super().__init__()
         self.layer, self.config = layer, config
         self.kind = _layer_type(config, index)
-        self.rotary = [rotary]  # in a list: a shared module, not a child of every layer
+        self.nope_scale = _nope_scale(layer, config, self.kind)
+        self.rotary = [None if self.nope_scale is not None else rotary]  # a shared module, not a child
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
         signature = inspect.signature(layer.forward)
@@ -263,9 +278,12 @@ class _DecoderLayer(nn.Module):
             made["position_ids"] = pos
         rotary = self.rotary[0]
         if rotary is not None and "position_embeddings" in names:
+            rows = pos.expand(h.shape[0], -1)  # a row per sequence (Qwen4-Exp's indexer reads each row's)
             made["position_embeddings"] = (
-                rotary(h, pos, self.kind) if self.rotary_takes_type else rotary(h, pos)
+                rotary(h, rows, self.kind) if self.rotary_takes_type else rotary(h, rows)
             )
+        if self.nope_scale is not None and "position_embeddings" in names:  # NoPE: a query scale
+            made["position_embeddings"], made["attention_scaling"] = None, self.nope_scale(pos)
         return made
 
     def _arguments_of_attention(
@@ -286,6 +304,24 @@ class _DecoderLayer(nn.Module):
         out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct)})
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+def _nope_scale(layer: nn.Module, config: Any, kind: str) -> Any:
+    """The query scale of a layer without rotary embeddings (``config.rope_parameters[kind]`` is
+    None: Beam's full-attention layers): its modeling module's ``compute_attention_scaling``
+    (positions -> scale), which its attention takes as ``attention_scaling``; None for a layer
+    with rotary embeddings. A NoPE layer whose family has no such function is refused."""
+    per_type = getattr(config, "rope_parameters", None)
+    if not isinstance(per_type, dict) or kind not in per_type or per_type[kind] is not None:
+        return None
+    scale = getattr(importlib.import_module(type(layer).__module__), _NOPE_SCALE, None)
+    if not callable(scale):
+        raise ValueError(
+            f"{type(layer).__name__} ({kind}) has no rotary embeddings (rope_parameters[{kind!r}] is None) "
+            f"and its modeling module has no {_NOPE_SCALE}: what its forward gives such a layer is not known "
+            "here; pass ModelSpec(blocks=fn)"
+        )
+    return scale
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -338,7 +374,9 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
             "ModelSpec(blocks=fn)"
         )
     stack: Any = base.get_submodule(layers[0])
-    blocks: list[nn.Module] = [_Embedding(before, getattr(config, "embedding_multiplier", None))]
+    streams = getattr(config, "hc_count", None)  # hyper-connected residual streams, mixed into one after
+    embedding = _Embedding(before, getattr(config, "embedding_multiplier", None), streams)
+    blocks: list[nn.Module] = [embedding]
     decoders = [_DecoderLayer(layer, i, _rotary_of(base, config, i), config) for i, layer in enumerate(stack)]
     blocks += _guarded(model, decoders)
     get_head: Any = getattr(model, "get_output_embeddings", None)

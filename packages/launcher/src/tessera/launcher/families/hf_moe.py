@@ -1,8 +1,10 @@
 """Hugging Face sparse MoE blocks as ``tessera.moe.MoE`` layers: Mixtral, Qwen2/3-MoE, OLMoE,
 DeepSeek-V2/V3, GraniteMoE, Llama 4, GPT-OSS and the families that copy their blocks (``hf_moe_routing``),
 and those whose experts hold or compute otherwise (``hf_moe_banks``: Nemotron-H's non-gated ReLU²
-experts, DBRX's ``mlp.w1`` / ``v1`` / ``w2``, Aria's columns, clamped and softcapped SwiGLUs),
-their tensors read, exported and written back through the `ExportPart` s that name them.
+experts, DBRX's ``mlp.w1`` / ``v1`` / ``w2``, Aria's columns, clamped and softcapped SwiGLUs,
+JetMoE's ``input_linear`` / ``output_linear`` on the block, whose output bias makes the layer an
+``tessera.moe.output_bias.OutputBiasMoE``), their tensors read, exported and written back
+through the `ExportPart` s that name them.
 
 Their blocks hold a router and experts ``experts.gate_up_proj [E, 2h, d]`` (gate rows, then
 up rows) and ``experts.down_proj [E, d, h]`` computing ``down(silu(gate x) * up x)``, some a
@@ -49,9 +51,11 @@ from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, p
 from tessera.launcher.families.hf_moe_banks import (
     PART_LAYOUTS,
     SWIGLU_SHARED,
+    bank_module,
     bank_parts,
     bank_state,
     holds_bank,
+    holds_parallel_experts,
     read_parts,
 )
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
@@ -60,6 +64,7 @@ from tessera.launcher.families.hf_names import expert_merges, per_expert
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 from tessera.moe.activations import is_gated
+from tessera.moe.output_bias import OutputBiasMoE
 
 __all__ = [
     "MIXTRAL_PLAN",
@@ -88,12 +93,14 @@ def is_hf_sparse_moe(module: nn.Module) -> bool:
     """Whether ``module`` is laid out as an HF sparse MoE block (by its attributes, whatever
     its class is called): experts holding their tensors as a ``hf_moe_banks`` layout does
     (``experts.gate_up_proj`` and ``experts.down_proj``, or ``up_proj`` and ``down_proj``, or
-    ``mlp.w1`` / ``v1`` / ``w2``) beside a router submodule ``gate`` or ``router``. Whether it
-    can be reproduced is `moe_from_hf`'s to say."""
+    ``mlp.w1`` / ``v1`` / ``w2``), or holding JetMoE's gated ``input_linear`` / ``output_linear``
+    itself (`holds_parallel_experts`: not JetMoE's mixture of attention heads), beside a router
+    submodule ``gate`` or ``router``. Whether it can be reproduced is `moe_from_hf`'s to say."""
     experts = getattr(module, "experts", None)
     experts = peel(experts) if isinstance(experts, nn.Module) else experts  # PEFT's wrappers
     routers = (getattr(module, "gate", None), getattr(module, "router", None))
-    return any(isinstance(router, nn.Module) for router in routers) and holds_bank(experts)
+    held = holds_bank(experts) or holds_parallel_experts(module)
+    return any(isinstance(router, nn.Module) for router in routers) and held
 
 
 def _tensor(module: nn.Module, dotted: str) -> Tensor:
@@ -123,11 +130,14 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
 
 def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[MoE, HFLayout]:
     layout = read_layout(block)
-    bank: Any = block.experts
+    bank: Any = bank_module(block, layout.bank)
     ref: Tensor = next(bank.parameters())  # where and in what dtype the bank is held
+    if layout.out_bias is not None and layout.returns_logits:
+        raise ValueError("a block with an output bias that returns its router's logits is not reproduced")
+    cls = OutputBiasMoE if layout.out_bias is not None else LogitsMoE if layout.returns_logits else MoE
     # a block without storage (deferred) gives a layer without storage: nothing is drawn
     with torch.device("meta") if ref.is_meta else contextlib.nullcontext():
-        layer = (LogitsMoE if layout.returns_logits else MoE)(
+        layer = cls(
             layout.d_model,
             layout.hidden,
             layout.experts,
@@ -142,6 +152,11 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
             router_bias=layout.router_bias is not None,
             shared_hidden=layout.shared_hidden,
             shared_gate=layout.shared_gate is not None,
+            expert_norm_eps=layout.expert_norm_eps,
+            shared_experts=layout.shared_experts,
+            shared_scores=layout.shared_scores,
+            shared_norm_eps=layout.shared_norm_eps,
+            router_scale=layout.router_scale is not None,
             seed=0,
             aux_loss_coef=aux_loss_coef,
             z_loss_coef=z_loss_coef,
@@ -169,7 +184,7 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
             assert layer.router.bias is not None
             layer.router.bias.copy_(_tensor(block, layout.router_bias))
         if layout.bank in PART_LAYOUTS:  # read through the parts that export them
-            for w, parts in bank_parts(layout.bank, layout.experts, h).items():
+            for w, parts in bank_parts(layout.bank, layout.experts, h, layout.expert_norm).items():
                 layer.get_parameter(w).copy_(read_parts(block, parts))
         elif layout.bank == "interleaved":  # gate and up columns alternating, biases
             gate_up, down = bank.gate_up_proj, bank.down_proj
@@ -197,26 +212,33 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
         if layout.shared is not None:
             shared: Any = block.get_submodule(layout.shared)
             assert layer.shared is not None
-            for w, proj, band in layout.shared_projections:
-                weight = getattr(shared, proj).weight
+            for w, proj, band in layout.shared_projections:  # nn.Linear s, or stacked [S, out, in]
+                held = getattr(shared, proj)
+                weight = held if layout.shared_stacked else held.weight[None]
                 weight = weight if band is None else band.cut(weight)  # MiniMax-M3's gate | up rows
-                getattr(layer.shared, w).copy_(weight.t().unsqueeze(0))
+                getattr(layer.shared, w).copy_(weight.transpose(-2, -1))
+        for ours, theirs, index in _renamed(layout):  # Ergo's shared norm, Inkling's global scale
+            value = _tensor(block, theirs)
+            layer.get_parameter(ours).copy_(value if index is None else value[None])
         if layout.shared_gate is not None:
             assert layer.shared_gate is not None
             layer.shared_gate.copy_(_tensor(block, f"{layout.shared_gate}.weight"))
         if layout.post_norm is not None:
             assert layer.post_norm is not None
             layer.post_norm.copy_(_tensor(block, f"{layout.post_norm}.weight"))
+        if layout.out_bias is not None:
+            assert isinstance(layer, OutputBiasMoE)
+            layer.bias.copy_(_tensor(block, layout.out_bias))
     _keep_frozen(layer, block, layout)
     return layer, layout
 
 
 def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
     """The converted weights trained or frozen as the block's were (a PEFT model freezes them)."""
-    bank: Any = block.experts
+    bank: Any = bank_module(block, layout.bank)
     layer.router.weight.requires_grad_(_tensor(block, layout.router_weight).requires_grad)
     if layout.bank in PART_LAYOUTS:
-        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden).items():
+        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm).items():
             layer.get_parameter(w).requires_grad_(block.get_parameter(parts[0].name).requires_grad)
     else:
         for w, source in (("w1", bank.gate_up_proj), ("w3", bank.gate_up_proj), ("w2", bank.down_proj)):
@@ -229,11 +251,16 @@ def _keep_frozen(layer: MoE, block: nn.Module, layout: HFLayout) -> None:
     if layout.shared is not None and layer.shared is not None:
         shared: Any = block.get_submodule(layout.shared)
         for w, hf, _ in layout.shared_projections:
-            getattr(layer.shared, w).requires_grad_(getattr(shared, hf).weight.requires_grad)
+            source = getattr(shared, hf) if layout.shared_stacked else getattr(shared, hf).weight
+            getattr(layer.shared, w).requires_grad_(source.requires_grad)
+    for ours, theirs, _ in _renamed(layout):
+        layer.get_parameter(ours).requires_grad_(_tensor(block, theirs).requires_grad)
     if layout.shared_gate is not None and layer.shared_gate is not None:
         layer.shared_gate.requires_grad_(_tensor(block, f"{layout.shared_gate}.weight").requires_grad)
     if layout.post_norm is not None and layer.post_norm is not None:
         layer.post_norm.requires_grad_(_tensor(block, f"{layout.post_norm}.weight").requires_grad)
+    if layout.out_bias is not None and isinstance(layer, OutputBiasMoE):
+        layer.bias.requires_grad_(_tensor(block, layout.out_bias).requires_grad)
 
 
 def convert_hf_moe(model: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> int:
@@ -342,7 +369,7 @@ def _exported(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, ...]]:
 
     out = {f"{name}.router.weight": part(layout.router_weight)}
     if layout.bank in PART_LAYOUTS:  # Nemotron-H's, DBRX's: as `bank_parts` lays them out
-        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden).items():
+        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm).items():
             out[f"{name}.{w}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
     else:
         gate, up = _gate_up_bands(layout.bank, layout.hidden)
@@ -359,11 +386,30 @@ def _exported(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, ...]]:
         out[f"{name}.router.score_bias"] = part(layout.score_bias)
     if layout.shared is not None:
         for w, proj, band in layout.shared_projections:
-            out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}.weight", 0, True, band)
+            if layout.shared_stacked:  # Inkling's [S, out, in]: all S experts of the bank
+                out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}", None, True, band)
+            else:
+                out[f"{name}.shared.{w}"] = part(f"{layout.shared}.{proj}.weight", 0, True, band)
+    for ours, theirs, index in _renamed(layout):
+        out[f"{name}.{ours}"] = part(theirs, index)
     if layout.shared_gate is not None:
         out[f"{name}.shared_gate"] = part(f"{layout.shared_gate}.weight")
     if layout.post_norm is not None:
         out[f"{name}.post_norm"] = part(f"{layout.post_norm}.weight")
+    if layout.out_bias is not None:  # JetMoE's output bias (`OutputBiasMoE.bias`)
+        out[f"{name}.bias"] = part(layout.out_bias)
+    return out
+
+
+def _renamed(layout: HFLayout) -> list[tuple[str, str, int | None]]:
+    """The converted layer's further tensors that are one HF tensor each, relative to the block:
+    ``(ours, HF's, index)``, ours the HF one (``index`` None) or with a first dim of 1 (``0``):
+    Ergo's shared norm ``shared.norm [1, d]``, Inkling's ``router.scale`` (its ``global_scale``)."""
+    out: list[tuple[str, str, int | None]] = []
+    if layout.shared is not None and layout.shared_norm is not None:
+        out.append(("shared.norm", f"{layout.shared}.{layout.shared_norm}", 0))
+    if layout.router_scale is not None:
+        out.append(("router.scale", layout.router_scale, None))
     return out
 
 
@@ -413,9 +459,12 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
     banks: dict[str, str] = {}  # the layers whose experts are not laid out by rows (Llama 4, GPT-OSS)
     router_biases: dict[str, str] = {}
     post_norms: dict[str, str] = {}  # the layers whose blocks normalise their output (AXK1)
+    out_biases: dict[str, str] = {}  # the layers whose blocks add a bias to their output (JetMoE)
     projections: dict[str, dict[str, tuple[str, Band | None]]] = {}  # shared.w1 -> gate_proj, ...
     halves: dict[str, dict[int, Tensor]] = {}  # a fused shared projection's bands as they come
     joined: dict[str, dict[str, Tensor]] = {}  # the `PART_LAYOUTS` banks, joined from their parts
+    renamed: dict[str, dict[str, tuple[str, int | None]]] = {}  # `_renamed`, by layer
+    stacked: set[str] = set()  # the layers whose shared experts are stacked [S, out, in] (Inkling)
     for layer in layers:
         if like is None:
             names[layer] = _MIXTRAL_NAMES
@@ -424,14 +473,20 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
         layout: HFLayout = read_layout(block)
         names[layer] = (layout.router_weight, layout.score_bias, layout.shared, layout.shared_gate)
         projections[layer] = {f"shared.{w}": (hf, band) for w, hf, band in layout.shared_projections}
+        renamed[layer] = {ours: (theirs, index) for ours, theirs, index in _renamed(layout)}
+        if layout.shared_stacked:
+            stacked.add(layer)
         if layout.bank in PART_LAYOUTS:
-            joined[layer] = bank_state(layer, state, bank_parts(layout.bank, layout.experts, layout.hidden))
+            parts = bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm)
+            joined[layer] = bank_state(layer, state, parts)
         elif layout.columns:
             banks[layer] = layout.bank
         if layout.router_bias is not None:
             router_biases[layer] = layout.router_bias
         if layout.post_norm is not None:
             post_norms[layer] = layout.post_norm
+        if layout.out_bias is not None:
+            out_biases[layer] = layout.out_bias
         if layout.score_bias is not None:
             shapes[layer] = _tensor(block, layout.score_bias).shape
     for name, value in state.items():
@@ -441,11 +496,14 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
             continue
         router, bias, shared, shared_gate = names[prefix]
         rest = name[len(prefix) + 1 :]
-        if prefix in joined and rest in ("experts.w1", "experts.w3", "experts.w2"):
+        if prefix in joined and rest in ("experts.w1", "experts.w3", "experts.w2", "experts.norm"):
             if rest == "experts.w1":
                 out.update(joined[prefix])
         elif rest == "router.weight":
             out[f"{prefix}.{router}"] = value
+        elif rest in renamed.get(prefix, {}):
+            theirs, index = renamed[prefix][rest]
+            out[f"{prefix}.{theirs}"] = value if index is None else value[index]
         elif rest == "router.score_bias" and bias is not None:
             out[f"{prefix}.{bias}"] = value.reshape(shapes.get(prefix, value.shape))
         elif rest == "router.bias" and prefix in router_biases:
@@ -462,8 +520,10 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
             out[f"{prefix}.experts.down_proj_bias"] = value
         elif rest.startswith("shared.w") and shared is not None:
             proj, band = projections.get(prefix, _SWIGLU_NAMES)[rest]
-            hf_name = f"{prefix}.{shared}.{proj}.weight"
-            if band is None:
+            hf_name = f"{prefix}.{shared}.{proj}" + ("" if prefix in stacked else ".weight")
+            if prefix in stacked:  # Inkling's [S, out, in]
+                out[hf_name] = value.transpose(1, 2).contiguous()
+            elif band is None:
                 out[hf_name] = value[0].t().contiguous()
             else:  # MiniMax-M3's gate_up_proj: gate rows, then up rows
                 held = halves.setdefault(hf_name, {})
@@ -474,6 +534,8 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None
             out[f"{prefix}.{shared_gate}.weight"] = value
         elif rest == "post_norm" and prefix in post_norms:
             out[f"{prefix}.{post_norms[prefix]}.weight"] = value
+        elif rest == "bias":  # `OutputBiasMoE`'s output bias: the block's (JetMoE's ``bias``)
+            out[f"{prefix}.{out_biases.get(prefix, 'bias')}"] = value
         elif rest not in ("experts.w3", "experts.b3"):
             raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
     return out

@@ -10,9 +10,14 @@ MiniMax-M3's GPT-OSS-style clamped SwiGLU, Ling's SwiGLU clipped after the activ
 2's softcapped one); Llama 4's and Aria's by columns ``[E, d, 2h]``; GPT-OSS's alternating
 columns with biases; Nemotron-H's non-gated ``up_proj [E, h, d]`` / ``down_proj [E, d, h]``
 with ReLU² (``up_rows``); DBRX's ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``, each ``[E*h, d]``, one
-``nn.Linear``-shaped gate and up and one ``[h, d]`` down per expert (``flat_rows``). Shared
-experts: a SwiGLU MLP (``gate_proj`` / ``up_proj`` / ``down_proj``), Ling's clipped one, and
-Nemotron-H's non-gated ReLU² one (``up_proj`` / ``down_proj``).
+``nn.Linear``-shaped gate and up and one ``[h, d]`` down per expert (``flat_rows``); Beam's
+rows with its SwiGLU in fp32; JetMoE's ``input_linear`` / ``output_linear`` on the block itself
+(``parallel_experts``: `bank_module`, `holds_parallel_experts`); Ergo's non-gated ``up_proj [E,
+d, h]`` / ``down_proj [E, h, d]`` with ReLU² and a per-expert RMS norm (``up_columns``, the bank's
+layout in DeepSeek-V3's block: `bank_layout`). Shared experts: a SwiGLU MLP (``gate_proj`` /
+``up_proj`` / ``down_proj``), Ling's clipped one, Nemotron-H's non-gated ReLU² one (``up_proj`` /
+``down_proj``), Ergo's ReLU² one ending in an RMS norm, and Inkling's ``S`` SwiGLU experts stacked
+(``gate_proj`` / ``up_proj [S, h, d]``, ``down_proj [S, d, h]``: `shared_form`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, assemble
+from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, SHARED_NORM, read_norm
 from tessera.launcher.families.hf_moe_kinds import (
     EXPERTS,
     EXPERTS_COLUMNS,
@@ -47,12 +53,16 @@ __all__ = [
     "SharedKind",
     "SharedProjections",
     "bank_key",
+    "bank_layout",
+    "bank_module",
     "bank_parts",
     "bank_state",
     "holds_bank",
+    "holds_parallel_experts",
     "read_bank",
     "read_parts",
     "read_shared",
+    "shared_form",
 ]
 
 
@@ -120,11 +130,33 @@ def _dbrx(bank: Any) -> Activation:
     return "swiglu"
 
 
+def _fp32_swiglu(bank: Any) -> Activation:  # Beam's: (act(gate.float()) * up.float()).to(gate.dtype)
+    _silu(bank)
+    return SwiGLUVariant(float32=True)
+
+
+_PARALLEL_EXPERTS = "dff7f5884f1faf5d"  # JetMoeParallelExperts.forward: F.linear per expert, stacked
+
+
+def _jetmoe(block: Any) -> Activation:  # the block's experts: down(act(gate x) * up x), gate rows first
+    for name in ("input_linear", "output_linear"):
+        key = source_key(type(getattr(block, name)).forward)
+        if key != _PARALLEL_EXPERTS:
+            raise ValueError(
+                f"its {name} ({type(getattr(block, name)).__name__}) does not compute what "
+                f"JetMoeParallelExperts does (source key {key})"
+            )
+    return _silu_of(block.activation)
+
+
 @dataclass(frozen=True, slots=True)
 class BankKind:
     """An experts module read from ``transformers.models.<like>``, recognised by `bank_key` ``key``,
     laid out as ``layout``; ``activation(bank)`` gives what it computes (ValueError naming what
-    of this instance cannot be reproduced); without it, ``refusal`` says why no instance can be."""
+    of this instance cannot be reproduced); without it, ``refusal`` says why no instance can be.
+    ``norm``: the bank's per-expert RMS norm of its experts' outputs (``hf_moe_expert_norms``);
+    ``own_layout``: the bank keeps ``layout`` in any block that runs it on the routed rows and
+    weighs its output (Ergo's, in DeepSeek-V3's block), whatever layout the block kind names."""
 
     name: str
     like: str
@@ -132,6 +164,8 @@ class BankKind:
     layout: BankLayout
     activation: Callable[[Any], Activation] | None
     refusal: str = ""
+    norm: str | None = None
+    own_layout: bool = False
 
 
 BANK_KINDS: tuple[BankKind, ...] = (
@@ -175,32 +209,37 @@ BANK_KINDS: tuple[BankKind, ...] = (
         _relu2,
     ),
     BankKind("SwiGLU, flat", "dbrx.DbrxExperts", "96c13de2312a5fad", "flat_rows", _dbrx),
-    BankKind(
+    BankKind(  # up_proj [E, d, h] @ relu2 @ down_proj [E, h, d], then each expert's own RMS norm
         "ReLU², normalised per expert",
         "ergo.ErgoExperts",
         "9e5d95cd8c06579e+fe7a0279de333525",
-        "up_rows",
-        None,
-        refusal="Ergo normalises each expert's output by an RMSNorm of that expert's own (post_expert_norm) "
-        "before weighing it, and its shared expert's output by another; tessera.moe's experts end in their "
-        "down projection, which a split over tp sums share by share",
+        "up_columns",
+        _relu2,
+        norm="post_expert_norm",
+        own_layout=True,
     ),
+    BankKind("SwiGLU in fp32", "beam.BeamExperts", "51563666960dd0ee+749303c3628399ed", "rows", _fp32_swiglu),
+    # JetMoE's experts sit on the block (`bank_module`), read by its forward, which runs them
+    BankKind("SwiGLU, parallel experts", "jetmoe.JetMoeMoE", "6f3612ddbc63a69e", "parallel_experts", _jetmoe),
 )
 
 # the layouts whose tensors `bank_parts` describes, read and written through their parts alone
-PART_LAYOUTS: tuple[BankLayout, ...] = ("up_rows", "flat_rows")
+PART_LAYOUTS: tuple[BankLayout, ...] = ("up_rows", "flat_rows", "parallel_experts", "up_columns")
 
 
 @dataclass(frozen=True, slots=True)
 class BankReading:
     """A bank in ``tessera.moe``'s terms: ``experts`` experts ``d_model -> hidden -> d_model``
-    computing ``activation``."""
+    computing ``activation``; ``norm``: its per-expert norm's weight (relative to the block) and
+    epsilon ``norm_eps``."""
 
     kind: BankKind
     experts: int
     d_model: int
     hidden: int
     activation: Activation
+    norm: str | None = None
+    norm_eps: float | None = None
 
 
 def _dims(bank: Any, layout: BankLayout) -> tuple[int, int, int]:
@@ -210,8 +249,25 @@ def _dims(bank: Any, layout: BankLayout) -> tuple[int, int, int]:
     if layout == "up_rows":
         e, h, d = bank.up_proj.shape
         return int(e), int(d), int(h)
+    if layout == "up_columns":
+        e, d, h = bank.up_proj.shape
+        return int(e), int(d), int(h)
+    if layout == "parallel_experts":
+        e, two_h, d = bank.input_linear.weight.shape
+        if tuple(bank.output_linear.weight.shape) != (e, d, two_h // 2) or two_h % 2:
+            raise ValueError(
+                f"its input_linear.weight {tuple(bank.input_linear.weight.shape)} and output_linear.weight "
+                f"{tuple(bank.output_linear.weight.shape)} are not [E, 2h, d] and [E, d, h]"
+            )
+        return int(e), int(d), int(two_h) // 2
     e, a, b = bank.gate_up_proj.shape
     return (int(e), int(b), int(a) // 2) if layout == "rows" else (int(e), int(a), int(b) // 2)
+
+
+def bank_module(block: nn.Module, layout: BankLayout) -> nn.Module:
+    """The module of ``block`` holding its experts' tensors as ``layout`` lays them out: the
+    block itself for ``parallel_experts`` (JetMoE), else its ``experts``."""
+    return block if layout == "parallel_experts" else block.get_submodule("experts")
 
 
 def read_bank(bank: nn.Module, layout: BankLayout) -> BankReading:
@@ -230,7 +286,18 @@ def read_bank(bank: nn.Module, layout: BankLayout) -> BankReading:
         )
     activation = kind.activation(bank)
     experts, d_model, hidden = _dims(bank, layout)
-    return BankReading(kind, experts, d_model, hidden, activation)
+    if kind.norm is None:
+        return BankReading(kind, experts, d_model, hidden, activation)
+    norm, eps = read_norm(bank, kind.norm, EXPERT_NORM, (experts, d_model))
+    return BankReading(kind, experts, d_model, hidden, activation, f"experts.{norm}", eps)
+
+
+def bank_layout(bank: nn.Module, layout: BankLayout) -> BankLayout:
+    """The layout to read ``bank`` by in a block whose kind names ``layout``: the bank kind's own
+    where it keeps it (`BankKind`'s ``own_layout``), else ``layout``."""
+    key = bank_key(type(bank))
+    own = next((k for k in BANK_KINDS if k.key == key and k.own_layout), None)
+    return layout if own is None else own.layout
 
 
 def holds_bank(bank: Any) -> bool:
@@ -246,15 +313,40 @@ def holds_bank(bank: Any) -> bool:
     )
 
 
-def bank_parts(layout: BankLayout, experts: int, hidden: int) -> dict[str, tuple[ExportPart, ...]]:
+def holds_parallel_experts(block: Any) -> bool:
+    """Whether ``block`` holds JetMoE's gated experts itself: ``input_linear.weight [E, 2h, d]``
+    and ``output_linear.weight [E, d, h]``. JetMoE's mixture of attention heads (``JetMoeMoA``)
+    holds the same two tensors as ``[E, a, d]`` and ``[E, d, a]`` (query projections, not
+    gated: ``a`` rows in, ``a`` columns out) and is no block (its attention calls its ``map`` and
+    ``reduce``; its forward raises): it is not one."""
+    into, out = (getattr(getattr(block, n, None), "weight", None) for n in ("input_linear", "output_linear"))
+    if not (isinstance(into, Tensor) and isinstance(out, Tensor) and into.dim() == out.dim() == 3):
+        return False
+    (e, rows, d), (e_out, d_out, h) = into.shape, out.shape
+    return bool(e == e_out and rows == 2 * h and d == d_out)
+
+
+def bank_parts(
+    layout: BankLayout, experts: int, hidden: int, norm: str | None = None
+) -> dict[str, tuple[ExportPart, ...]]:
     """The bank's tensors (``experts.w1``, ...; names relative to the block) as parts of HF's, for
     the `PART_LAYOUTS`: Nemotron-H's ``w1 = up_proj`` and ``w2 = down_proj``, each transposed;
     DBRX's ``w1`` / ``w3`` expert ``e`` the rows ``e*h:(e+1)*h`` of ``mlp.w1`` / ``mlp.v1``,
-    transposed, and ``w2`` those of ``mlp.w2`` as they are."""
+    transposed, and ``w2`` those of ``mlp.w2`` as they are; JetMoE's ``w1`` / ``w3`` the rows
+    ``0:h`` / ``h:2h`` of ``input_linear.weight``, ``w2`` ``output_linear.weight``, transposed."""
+    if norm is not None and layout != "up_columns":
+        raise ValueError(f"a per-expert norm ({norm}) is read with the up_columns layout, not {layout!r}")
+    normed = {} if norm is None else {"experts.norm": (ExportPart(norm),)}  # Ergo's, ``[E, d]`` as it is
     if layout == "up_rows":
         return {
             "experts.w1": (ExportPart("experts.up_proj", transpose=True),),
             "experts.w2": (ExportPart("experts.down_proj", transpose=True),),
+        }
+    if layout == "up_columns":  # Ergo's: as tessera.moe holds them
+        return {
+            "experts.w1": (ExportPart("experts.up_proj"),),
+            "experts.w2": (ExportPart("experts.down_proj"),),
+            **normed,
         }
     if layout == "flat_rows":
 
@@ -268,6 +360,14 @@ def bank_parts(layout: BankLayout, experts: int, hidden: int) -> dict[str, tuple
             "experts.w1": per_expert("experts.mlp.w1", True),
             "experts.w3": per_expert("experts.mlp.v1", True),
             "experts.w2": per_expert("experts.mlp.w2", False),
+        }
+    if layout == "parallel_experts":
+        return {
+            "experts.w1": (ExportPart("input_linear.weight", transpose=True, band=Band(-2, 0, hidden)),),
+            "experts.w3": (
+                ExportPart("input_linear.weight", transpose=True, band=Band(-2, hidden, 2 * hidden)),
+            ),
+            "experts.w2": (ExportPart("output_linear.weight", transpose=True),),
         }
     raise ValueError(f"bank layout {layout!r} is not one of {PART_LAYOUTS}")
 
@@ -302,13 +402,17 @@ class SharedKind:
     """A shared expert MLP read from ``transformers.models.<like>``, recognised by ``key``: its
     projections ``w1`` / ``w3`` / ``w2`` (``nn.Linear`` s; no ``w3``: not gated; ``fused``: ``w1``
     and ``w3`` the first and second half of the rows of one, MiniMax-M3's ``gate_up_proj``), and
-    ``activation(mlp)``."""
+    ``activation(mlp)``; ``stacked``: the projections are parameters ``[S, out, in]`` of ``S``
+    shared experts (Inkling's), not ``nn.Linear`` s; ``norm``: the RMS norm its output ends in
+    (Ergo's, ``hf_moe_expert_norms.SHARED_NORM``)."""
 
     like: str
     key: str
     projections: tuple[tuple[str, str], ...]
     activation: Callable[[Any], Activation]
     fused: bool = False
+    stacked: bool = False
+    norm: str | None = None
 
 
 SWIGLU_PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
@@ -342,7 +446,26 @@ SHARED_KINDS: tuple[SharedKind, ...] = (
         _minimax_m3,
         fused=True,
     ),
+    SharedKind(
+        "ergo.ErgoSharedExpert",
+        "9cac981e24ecbf9d",
+        (("w1", "up_proj"), ("w2", "down_proj")),
+        _relu2,
+        norm="norm",
+    ),
+    SharedKind("inkling.InklingSharedExperts", "32aa077f88196684", SWIGLU_PROJECTIONS, _silu, stacked=True),
 )
+
+
+def shared_form(mlp: nn.Module, d_model: int) -> tuple[int, bool, str | None, float | None]:
+    """Shared expert ``mlp``'s count of experts (``S`` of a stacked kind, else 1), whether it is
+    stacked, and its norm's weight name (relative to ``mlp``) and epsilon (None, None: none)."""
+    kind = next(k for k in SHARED_KINDS if k.key == source_key(type(mlp).forward))
+    count = int(getattr(mlp, kind.projections[0][1]).shape[0]) if kind.stacked else 1
+    if kind.norm is None:
+        return count, kind.stacked, None, None
+    norm, eps = read_norm(mlp, kind.norm, SHARED_NORM, (d_model,))
+    return count, kind.stacked, norm, eps
 
 
 def read_shared(mlp: nn.Module, where: str) -> tuple[SharedProjections, int, Activation]:
@@ -358,8 +481,9 @@ def read_shared(mlp: nn.Module, where: str) -> tuple[SharedProjections, int, Act
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
     for _, name in kind.projections:
-        if getattr(mlp, name).bias is not None:
+        if getattr(getattr(mlp, name), "bias", None) is not None:  # (a stacked parameter has none)
             raise ValueError(f"{where}.{name} has a bias; tessera.moe's shared expert has none")
-    hidden = int(getattr(mlp, kind.projections[-1][1]).weight.shape[1])  # down: [d, h]
+    down = getattr(mlp, kind.projections[-1][1])
+    hidden = int((down if kind.stacked else down.weight).shape[-1])  # down: [d, h] or [S, d, h]
     halves = {"w1": Band(-2, 0, hidden), "w3": Band(-2, hidden, 2 * hidden)} if kind.fused else {}
     return tuple((w, proj, halves.get(w)) for w, proj in kind.projections), hidden, activation

@@ -57,7 +57,9 @@ def source_key(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]
 
 
-BankLayout = Literal["rows", "columns", "interleaved", "up_rows", "flat_rows"]
+BankLayout = Literal[
+    "rows", "columns", "interleaved", "up_rows", "flat_rows", "parallel_experts", "up_columns"
+]
 """How a block's experts hold their gate and up projections: ``rows``: ``gate_up_proj [E, 2h,
 d]`` gate rows then up, ``down_proj [E, d, h]`` (`EXPERTS`); ``columns``: ``gate_up_proj [E, d,
 2h]`` gate columns then up, ``down_proj [E, h, d]`` (`EXPERTS_COLUMNS`, Llama 4);
@@ -65,14 +67,20 @@ d]`` gate rows then up, ``down_proj [E, d, h]`` (`EXPERTS`); ``columns``: ``gate
 d]``, with biases ``gate_up_proj_bias [E, 2h]`` (alternating too) and ``down_proj_bias [E, d]``,
 and the clamped SwiGLU of the bank's ``alpha`` and ``limit`` (`EXPERTS_GPT_OSS`); ``up_rows``: not
 gated, ``up_proj [E, h, d]``, ``down_proj [E, d, h]`` (Nemotron-H); ``flat_rows``: ``mlp.w1``,
-``mlp.v1`` (gate, up) and ``mlp.w2`` (down, applied as it is), each ``[E*h, d]`` (DBRX). Which
-experts modules each layout reads, and their activations: ``hf_moe_banks``."""
+``mlp.v1`` (gate, up) and ``mlp.w2`` (down, applied as it is), each ``[E*h, d]`` (DBRX);
+``parallel_experts``: on the block itself, ``input_linear.weight [E, 2h, d]`` (gate rows, then up)
+and ``output_linear.weight [E, d, h]`` (JetMoE's ``JetMoeParallelExperts``); ``up_columns``: not
+gated, ``up_proj [E, d, h]``, ``down_proj [E, h, d]``, as ``tessera.moe`` holds them (Ergo). Which experts
+modules each layout reads, and their activations: ``hf_moe_banks``."""
 
 
 @dataclass(frozen=True, slots=True)
 class RouterReading:
     """A router in ``tessera.moe``'s terms; tensor names relative to the block: its weight, its
-    choice bias ``bias`` and the bias added to its logits ``logit_bias``."""
+    choice bias ``bias`` and the bias added to its logits ``logit_bias``; ``shared``: how many
+    logits after the routed ones score the block's shared experts (Inkling's: ``tessera.moe.MoE``'s
+    ``shared_scores``), ``scale``: its trained scalar multiplying every weight (Inkling's
+    ``global_scale``: ``router_scale``)."""
 
     top_k: int
     renormalize: bool
@@ -80,6 +88,8 @@ class RouterReading:
     weight: str
     bias: str | None = None
     logit_bias: str | None = None
+    shared: int = 0
+    scale: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +118,9 @@ class BlockKind:
     4's and GPT-OSS's scores), which its decoder layer unpacks; ``identity``: the block's
     attribute counting its identity experts (LongCat-Flash's zero experts: ``tessera.moe.MoE``'s
     ``identity_experts``); ``post_norm``: the RMS norm (`RMS_NORM`) the block applies to its
-    output (AXK1's ``post_mlp_layernorm``)."""
+    output (AXK1's ``post_mlp_layernorm``); ``out_bias``: the bias ``[d]`` the block adds to its
+    output (JetMoE's ``bias``: `tessera.moe.output_bias.OutputBiasMoE`); ``shared_scores``: its shared
+    experts are weighed by the router's scores of them (Inkling's shared gammas)."""
 
     name: str
     like: str
@@ -124,6 +136,8 @@ class BlockKind:
     returns_logits: bool = False
     identity: str | None = None
     post_norm: str | None = None
+    out_bias: str | None = None
+    shared_scores: bool = False
 
 
 # ---------------------------------------------------------------------------- blocks
@@ -253,14 +267,13 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         identity="zero_expert_num",
     ),
     BlockKind("routed, bias on the block", "lfm2_moe.Lfm2MoeSparseMoeBlock", "4362f1019711ae79"),
+    # Inkling's router weighs its shared experts too (shared gammas; its router kind reads them)
     BlockKind(
         "shared gammas",
         "inkling.InklingMoE",
         "630e596f640eedef",
-        refusal="Inkling's router weighs its shared experts too: it holds a logit per shared expert beside "
-        "the routed ones, normalises sigmoid(logit) over the chosen and the shared experts together, "
-        "scales by a trained global_scale, and weighs each shared expert by its own share (shared gammas); "
-        "tessera.moe's shared expert is one ungated or sigmoid-gated MLP",
+        shared="shared_experts",
+        shared_scores=True,
     ),
     BlockKind(
         "router state",
@@ -269,6 +282,33 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         refusal="ZAYA's router is an MLP (down_proj, an RMS norm, two GELU layers) that adds a state carried "
         "from the previous layer's router (router_states_scale) and may choose a skip expert that "
         "contributes nothing; tessera.moe's router is one linear map of this layer's input",
+    ),
+    # JetMoE's MLP mixture (not its mixture of attention heads, JetMoeMoA, which its attention
+    # calls through map / reduce and which is no block): experts on the block, an output bias
+    BlockKind(
+        "routed, output bias",
+        "jetmoe.JetMoeMoE",
+        "6f3612ddbc63a69e",
+        router="router",
+        bank="parallel_experts",
+        out_bias="bias",
+    ),
+    # Beam's: DeepSeek-V3's router, the routed scale applied by the block after the sum
+    BlockKind("routed, scaled", "beam.BeamMoE", "37bd3d6b336f05fa", scale="routed_scaling_factor"),
+    # Gemma 4's (enable_moe_block): the decoder layer itself holds the router and the experts
+    BlockKind(
+        "mixture inside the decoder layer",
+        "gemma4.Gemma4TextDecoderLayer",
+        "eb7d5248b61c335c",
+        router="router",
+        refusal="Gemma 4's mixture sits inside its decoder layer (enable_moe_block) beside the dense MLP, "
+        "with no block of its own to replace; its router reads the residual through an RMS norm without "
+        "weight times a trained router.scale and hidden_size**-0.5, and multiplies the renormalised top-k "
+        "weights by a trained router.per_expert_scale; its experts read another input, "
+        "pre_feedforward_layernorm_2 of the residual, through a gated GELU (hidden_activation, "
+        "gelu_pytorch_tanh), and their sum passes post_feedforward_layernorm_2 before it is added to the "
+        "dense MLP's normed output; tessera.moe.MoE's router and experts read one input, with no input "
+        "norm, no per-expert weight scale and no gated GELU",
     ),
 )
 # the experts every kind reads: gate_up [E, 2h, d], down [E, d, h], down(act(gate x) * up x) per expert

@@ -6,7 +6,8 @@ DeepSeek-V3's sigmoid scores with a score-correction bias, groups and a routed s
 families generated from it), DeepSeek-V2's softmax with group-limited greedy choice, the
 sigmoid-with-bias routers (MiniMax-M2/M3, HunYuan-V3, AFMoE, Laguna, Inkling 2, LFM2, Kolibri),
 ERNIE's softmax with a bias, Llama 4's sigmoid of the top-k logits, GPT-OSS's softmax of the
-top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero experts; PhiMoE's
+top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero experts, Ergo's
+sigmoid-with-bias, Inkling's that scores its shared experts too; PhiMoE's
 sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'.
 """
 
@@ -190,10 +191,49 @@ def _inkling2(block: Any, name: str) -> RouterReading:
     return _sigmoid(bias="{r}.e_score_correction_bias", scale="routed_scaling_factor")(block, name)
 
 
+def _ergo(block: Any, name: str) -> RouterReading:
+    """Ergo's router: fp32 logits of ``linear``, sigmoid scores chosen by score + bias, always
+    renormalised (``sum + 1e-20``), scaled by ``routed_scaling_factor``."""
+    read = _sigmoid(bias="{r}.e_score_correction_bias", scale="routed_scaling_factor", weight="linear.weight")
+    return read(block, name)
+
+
+def _inkling(block: Any, name: str) -> RouterReading:
+    """Inkling's router: a logit per routed expert and, after them, per shared expert; sigmoid
+    scores, the routed chosen by score + bias; the chosen and the shared scores normalised
+    together (``exp(logsigmoid - logsumexp(logsigmoid))``: the same as dividing by their sum),
+    times ``route_scale`` and the trained ``global_scale``; the shared experts weighed by theirs."""
+    router = getattr(block, name)
+    shared, routed = int(router.n_shared_experts), int(router.num_experts)
+    if shared < 1 or tuple(router.weight.shape[:1]) != (routed + shared,):
+        raise ValueError(
+            f"its router's weight {tuple(router.weight.shape)} does not hold {routed} routed and {shared} "
+            "shared experts' logits"
+        )
+    spec = RouterSpec(score="sigmoid", choice_bias=True, scale=float(router.route_scale))
+    bias, scale = f"{name}.e_score_correction_bias", f"{name}.global_scale"
+    return RouterReading(int(router.top_k), True, spec, f"{name}.weight", bias, shared=shared, scale=scale)
+
+
 def _gpt_oss(block: Any, name: str) -> RouterReading:
     """Softmax of the top-k logits (a renormalised softmax top-k), the logits with a bias."""
     router = getattr(block, name)
     return RouterReading(int(router.top_k), True, RouterSpec(), f"{name}.weight", logit_bias=f"{name}.bias")
+
+
+def _beam(block: Any, name: str) -> RouterReading:
+    """DeepSeek-V3's router (sigmoid, choice bias, top-2 group scores, ``sum + 1e-20``), fp32
+    logits, without a scale of its own: Beam's block scales the sum (``BlockKind.scale``)."""
+    router = getattr(block, name)
+    spec = RouterSpec(
+        score="sigmoid",
+        choice_bias=True,
+        groups=int(router.num_group or 1),
+        top_groups=int(router.topk_group or 1),
+        group_score="top2",
+    )
+    bias = f"{name}.e_score_correction_bias"
+    return RouterReading(int(router.top_k), bool(router.norm_topk_prob), spec, f"{name}.weight", bias)
 
 
 ROUTER_KINDS: tuple[RouterKind, ...] = (
@@ -267,10 +307,21 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind("sigmoid, by logits + bias", "kolibri1.Kolibri1TopKRouter", "a031a3a1ec09f295", _kolibri),
     RouterKind("deepseek-v3, groups masked to 0.0", "axk2.AXK2TopkRouter", "7189c64fb391e00a", _axk2),
     RouterKind("sigmoid + block's bias, scaled", "lfm2_moe.Lfm2MoeTopKRouter", "986975a29bb20107", _lfm2),
+    RouterKind("sigmoid + bias, scaled", "ergo.ErgoTopkRouter", "f62a003befb657d5", _ergo),
+    RouterKind(
+        "sigmoid + bias, shared experts scored too", "inkling.InklingTopkRouter", "d60162986559217a", _inkling
+    ),
     RouterKind(
         "softmax + bias, zero experts too",
         "longcat_flash.LongcatFlashTopkRouter",
         "e719a3b78df5fbe9",
         _longcat,
     ),
+    RouterKind(
+        "softmax of the top-k logits",
+        "jetmoe.JetMoeTopKGating",
+        "f8d9cafa26f4062a",
+        _softmax(True, "layer.weight"),
+    ),
+    RouterKind("deepseek-v3, scaled on the block", "beam.BeamTopKRouter", "96ac29866ad23a29", _beam),
 )

@@ -17,7 +17,10 @@ Some routers choose by the logits plus a bias (Kolibri), mask the groups they dr
 rather than ``-inf`` (AXK2) or guard their renormalisation with ``1e-6`` (LFM2), each a field
 of ``tessera.moe.RouterSpec``; LongCat-Flash's routes to identity ("zero") experts after its
 real ones, ``tessera.moe.MoE``'s ``identity_experts``; AXK1's normalises its output
-(``post_norm_eps``).
+(``post_norm_eps``). Ergo's experts each normalise their output with a norm of their own, and
+its shared expert too (``expert_norm_eps``, ``shared_norm_eps``: ``hf_moe_expert_norms``); Inkling's
+router scores its shared experts beside the routed ones and weighs them (``shared_scores``,
+``shared_experts``, with a trained ``router_scale``).
 
 A part is recognised by the *source* of its ``forward``: each kind in ``hf_moe_kinds`` was
 written for one forward (named by the ``transformers`` class it was read from) and holds the
@@ -39,7 +42,15 @@ from typing import Any
 
 from torch import nn
 
-from tessera.launcher.families.hf_moe_banks import SWIGLU_SHARED, SharedProjections, read_bank, read_shared
+from tessera.launcher.families.hf_moe_banks import (
+    SWIGLU_SHARED,
+    SharedProjections,
+    bank_layout,
+    bank_module,
+    read_bank,
+    read_shared,
+    shared_form,
+)
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
     RMS_NORM,
@@ -68,7 +79,13 @@ class HFLayout:
     ``post_norm``: the block's RMS norm of its output, of epsilon ``post_norm_eps``;
     ``shared_activation``: the shared expert's (HunYuan-V4's is not clamped where its experts
     are), ``shared_projections``: its ``w1`` / ``w3`` / ``w2`` as HF's projections (or their
-    bands of rows: `hf_moe_banks.SharedProjections`)."""
+    bands of rows: `hf_moe_banks.SharedProjections`); ``out_bias``: the bias ``[d]`` the block
+    adds to its output (JetMoE's); ``expert_norm``: the bank's per-expert RMS norm weight ``[E, d]``
+    of epsilon ``expert_norm_eps`` (Ergo's), ``shared_norm``: the shared expert's norm weight
+    (relative to ``shared``) of epsilon ``shared_norm_eps``; ``shared_experts``: how many shared
+    experts it holds, ``shared_stacked``: as parameters ``[S, out, in]`` (Inkling's);
+    ``shared_scores``: the router weighs them (holding their logits after the routed experts');
+    ``router_scale``: the router's trained scalar multiplying its weights (Inkling's)."""
 
     block: str
     router: str
@@ -93,6 +110,15 @@ class HFLayout:
     post_norm_eps: float | None = None
     shared_activation: Activation = "swiglu"
     shared_projections: SharedProjections = SWIGLU_SHARED
+    out_bias: str | None = None
+    expert_norm: str | None = None
+    expert_norm_eps: float | None = None
+    shared_norm: str | None = None
+    shared_norm_eps: float | None = None
+    shared_experts: int = 1
+    shared_stacked: bool = False
+    shared_scores: bool = False
+    router_scale: str | None = None
 
     @property
     def columns(self) -> bool:
@@ -120,7 +146,8 @@ def read_layout(block: nn.Module) -> HFLayout:
         problem = kind.refusal or (kind.check(block) if kind.check else "")
         if problem:
             raise ValueError(problem)
-        found = read_bank(block.get_submodule("experts"), kind.bank)  # its dims and activation
+        bank = bank_layout(bank_module(block, kind.bank), kind.bank)  # Ergo's keeps its own
+        found = read_bank(bank_module(block, bank), bank)  # its dims and activation
         rkind: RouterKind = _kind(ROUTER_KINDS, getattr(block, kind.router), "router")
         if rkind.read is None:
             raise ValueError(rkind.refusal)
@@ -130,10 +157,10 @@ def read_layout(block: nn.Module) -> HFLayout:
             raise ValueError(f"its router's {reading.weight} has a bias; tessera.moe's router has none")
         identity = int(getattr(block, kind.identity) or 0) if kind.identity else 0
         choices = int(block.get_parameter(reading.weight).shape[0])
-        if choices != found.experts + identity:
+        if choices != found.experts + identity + reading.shared:
             raise ValueError(
-                f"its router chooses among {choices} experts, not its {found.experts} experts "
-                f"and {identity} identity experts"
+                f"its router scores {choices} experts, not its {found.experts} experts, {identity} identity "
+                f"experts and {reading.shared} shared experts"
             )
         norm = getattr(block, kind.post_norm) if kind.post_norm else None
         if norm is not None and source_key(type(norm).forward) != RMS_NORM[1]:
@@ -145,9 +172,18 @@ def read_layout(block: nn.Module) -> HFLayout:
             reading = replace(reading, routing=replace(reading.routing, scale=factor))
         shared = getattr(block, kind.shared, None) if kind.shared else None
         shared_kind = None if shared is None else read_shared(shared, f"{name}.{kind.shared}")
+        form = (1, False, None, None) if shared is None else shared_form(shared, found.d_model)
+        if kind.shared_scores != bool(reading.shared) or (reading.shared and reading.shared != form[0]):
+            raise ValueError(
+                f"its router scores {reading.shared} shared experts, its block holds {form[0]} and "
+                f"{'weighs them by the router' if kind.shared_scores else 'does not weigh them by it'}"
+            )
         gate = getattr(block, kind.shared_gate) if kind.shared_gate and shared is not None else None
         if gate is not None and getattr(gate, "bias", None) is not None:
             raise ValueError(f"{name}.{kind.shared_gate} has a bias; tessera.moe's shared gate has none")
+        if kind.out_bias is not None and tuple(block.get_parameter(kind.out_bias).shape) != (found.d_model,):
+            shape = tuple(block.get_parameter(kind.out_bias).shape)
+            raise ValueError(f"its output bias {kind.out_bias} is {shape}, not [{found.d_model}]")
     except (AttributeError, TypeError) as exc:
         raise ValueError(
             f"{name}: not the layout its forward's kind reads ({type(exc).__name__}: {exc})"
@@ -169,7 +205,7 @@ def read_layout(block: nn.Module) -> HFLayout:
         shared_hidden=None if shared_kind is None else shared_kind[1],
         shared_gate=None if gate is None else kind.shared_gate,
         weigh=kind.weigh,
-        bank=kind.bank,
+        bank=bank,
         returns_logits=kind.returns_logits,
         router_bias=reading.logit_bias,
         activation=found.activation,
@@ -178,4 +214,13 @@ def read_layout(block: nn.Module) -> HFLayout:
         post_norm_eps=None if norm is None else float(norm.variance_epsilon),
         shared_activation="swiglu" if shared_kind is None else shared_kind[2],
         shared_projections=SWIGLU_SHARED if shared_kind is None else shared_kind[0],
+        out_bias=kind.out_bias,
+        expert_norm=found.norm,
+        expert_norm_eps=found.norm_eps,
+        shared_norm=form[2],
+        shared_norm_eps=form[3],
+        shared_experts=form[0],
+        shared_stacked=form[1],
+        shared_scores=kind.shared_scores,
+        router_scale=reading.scale,
     )

@@ -51,6 +51,8 @@ class HFNames:
 
         renamed = apply_renamings(stored, list(self.renamings))
         final, _ = apply_converters(renamed, list(self.converters))
+        if self._transposing(renamed, final):  # a whole matrix, transposed: known by its final name
+            renamed = final
         lead = f"{self.prefix}."
         if self.prefix and final.startswith(lead) and final[len(lead) :] in self.shapes:
             return renamed[len(lead) :] if renamed.startswith(lead) else renamed
@@ -69,15 +71,10 @@ class HFNames:
             for converter in self.converters:
                 _, pattern = converter.rename_source_key(renamed)
                 if pattern is not None:
-                    if (
-                        _merge_of(converter) is None
-                        and _split_of(converter) is None
-                        and _joined_of(converter) is None
-                    ):
+                    if not _read(converter):
                         how = "+".join(repr(op) for op in converter.operations)
-                        found.setdefault(f"{how} into {', '.join(converter.target_patterns)}", []).append(
-                            name
-                        )
+                        into = ", ".join(converter.target_patterns)
+                        found.setdefault(f"{how} into {into}", []).append(name)
                     break
         if not found:
             return ""
@@ -88,6 +85,26 @@ class HFNames:
             "load the model with from_pretrained, write its state dict "
             "(safetensors.torch.save_file(model.state_dict(), path)) and import that"
         )
+
+    def _transposing(self, renamed: str, final: str) -> bool:
+        """Whether the converter matching ``renamed`` (after the renamings) transposes that whole
+        matrix into the model's ``final`` one (Ergo's ``gate_kernel``)."""
+        for converter in self.converters:
+            _, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                shape = self.shapes.get(final) or self.shapes.get(f"{self.prefix}.{final}", ())
+                return _transposes(converter) and len(shape) == 2
+        return False
+
+    def transposed(self, stored: str) -> bool:
+        """Whether transformers transposes the checkpoint's tensor ``stored`` as it loads it."""
+        if stored in self.shapes:
+            return False
+        from transformers.core_model_loading import apply_converters, apply_renamings
+
+        renamed = apply_renamings(stored, list(self.renamings))
+        final, _ = apply_converters(renamed, list(self.converters))
+        return self._transposing(renamed, final)
 
     def parts(self, name: str) -> tuple[ExportPart, ...]:
         """Where a checkpoint holds the model's tensor ``name`` when transformers splits one
@@ -119,6 +136,20 @@ class HFNames:
                 start = sum(sizes[:k])
                 return (ExportPart(name.replace(target, source, 1), band=Band(dim, start, start + sizes[k])),)
         return ()
+
+
+def _read(converter: Any) -> bool:
+    """Whether import reads what ``converter`` makes (`per_expert`, `HFNames.parts`, a transpose)."""
+    made = (_merge_of(converter), _split_of(converter), _joined_of(converter))
+    return any(m is not None for m in made) or _transposes(converter)
+
+
+def _transposes(converter: Any) -> bool:
+    """A converter that only swaps a matrix's two dimensions (``Transpose(0, 1)``), one to one."""
+    ops = converter.operations
+    dims = {getattr(ops[0], "dim0", None), getattr(ops[0], "dim1", None)} if len(ops) == 1 else set()
+    one = len(converter.source_patterns) == len(converter.target_patterns) == 1
+    return one and type(ops[0]).__name__ == "Transpose" and dims == {0, 1} and not ops[0].check_dims
 
 
 def _split_of(converter: Any) -> tuple[str, tuple[str, ...]] | None:

@@ -15,6 +15,8 @@ imported until a model of it is boosted. A family that cannot take a parallel ax
 
 from __future__ import annotations
 
+from torch import nn
+
 from tessera.launcher.families.hf import decoder_blocks, gpt2_blocks, llama_blocks, opt_blocks
 from tessera.launcher.families.hf_moe_plans import (
     DEEPSEEK_PLAN,
@@ -51,6 +53,17 @@ _ALIBI = (
 )
 
 
+def _doge_mixture(model: nn.Module) -> dict[str, str]:
+    """Doge's product-key mixture (``is_moe``) routes each token by logits of two others: its
+    router's ``view(2, tokens, -1)`` pairs rows of the whole batch, so any split of it changes
+    every choice (at dp=2 the first loss is 4e-3 off the serial step's)."""
+    if not getattr(getattr(model, "config", None), "is_moe", False):
+        return {}
+    return {
+        "batch": "its mixture (is_moe) routes each token by the logits of two other tokens of the batch "
+        "(its router's view(2, tokens, -1)), so a forward of part of the batch chooses other experts "
+        "than the whole step's: train it with dp=1, cp=1 and parallel.microbatches=1"
+    }
 
 
 _EMBEDDINGS_BESIDE = (
@@ -72,10 +85,11 @@ FAMILIES: dict[str, ModelSpec] = {
     "doge": ModelSpec(
         blocks=decoder_blocks,
         refuses={
-            "pp": "its pipeline stages do not reproduce its serial step (verify=True finds the loss 9e-4 "
-            "off at the first step, though its blocks chained in one process equal the model); not "
-            "supported until understood"
+            "pp": "its causal mask is made with allow_is_causal_skip=False, its dynamic mask added onto "
+            "it, where the pipeline's blocks make the default mask (None under SDPA): its stages do not "
+            "reproduce its serial step (verify=True finds the loss 9e-4 off at the first step)"
         },
+        refused_by=_doge_mixture,
     ),
     "opt": ModelSpec(blocks=opt_blocks),
     # MoE families (convert their blocks with hf_moe.convert_hf_moe; tests/test_hf_moe_families.py)

@@ -84,7 +84,9 @@ class ModelSpec:
     by position (learned embeddings, rotary modules; comma-separated; rotary modules are also
     found by class), see ``tessera.tensor_parallel.context_parallelize``. ``refuses``: the
     parallel axes the model cannot take (``"tp"``, ``"sequence_parallel"``, ``"pp"``,
-    ``"cp"``), each with the reason; ``boost()`` refuses them before building anything.
+    ``"cp"``, and ``"batch"``: any split of the step's batch, over dp, cp or microbatches),
+    each with the reason; ``refused_by(model)``: those of one model of the family (a setting of
+    its config); ``boost()`` refuses them before building anything.
     With neither ``plans`` nor ``roles`` for a mode, the roles are derived from the model's
     module tree (``derived_roles.derive_roles``, logged so that they can be copied).
     """
@@ -97,6 +99,7 @@ class ModelSpec:
     attention_cores: str | None = None
     positions: str | None = None
     refuses: Mapping[str, str] = field(default_factory=dict)
+    refused_by: Callable[[nn.Module], Mapping[str, str]] | None = None
 
     def plan(
         self,
@@ -157,10 +160,12 @@ def model_family(model: nn.Module) -> str | None:
 
 
 def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str]:
-    """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``cp``) that
-    ``model`` cannot take: its spec's ``refuses``, and context parallelism (``cp``) on attention
-    whose logits are soft-capped (Gemma2's ``attn_logit_softcapping``)."""
-    refused = {axis: spec.refuses[axis] for axis in axes if axis in spec.refuses}
+    """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``cp``,
+    ``batch``) that ``model`` cannot take: its spec's ``refuses`` and ``refused_by(model)``, and
+    context parallelism (``cp``) on attention whose logits are soft-capped (Gemma2's
+    ``attn_logit_softcapping``)."""
+    own = {**spec.refuses, **(spec.refused_by(model) if spec.refused_by is not None else {})}
+    refused = {axis: own[axis] for axis in axes if axis in own}
     cap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
     if "cp" in axes and cap is not None and "cp" not in refused:
         refused["cp"] = (

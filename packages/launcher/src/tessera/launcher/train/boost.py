@@ -158,7 +158,14 @@ def _verify_on_twin(model: nn.Module, config: BoostConfig, *, spec: ModelSpec, p
 
 def _check_refusals(model: nn.Module, spec: ModelSpec, p: Any) -> None:
     """ValueError naming each parallel axis in use that the model refuses (`refusals`)."""
-    used = {"tp": p.tp > 1, "sequence_parallel": p.sequence_parallel, "pp": p.pp > 1, "cp": p.cp > 1}
+    split = p.topology().dp > 1 or p.cp > 1 or p.microbatches > 1  # any rank's forward sees part of the batch
+    used = {
+        "tp": p.tp > 1,
+        "sequence_parallel": p.sequence_parallel,
+        "pp": p.pp > 1,
+        "cp": p.cp > 1,
+        "batch": split,
+    }
     refused = refusals(model, spec, [axis for axis, on in used.items() if on])
     if refused:
         kind = model_family(model) or type(model).__name__
