@@ -55,8 +55,9 @@ from tessera.launcher.families.hf_moe import (
     hf_moe_state_dict,
     is_hf_sparse_moe,
 )
-from tessera.launcher.families.hf_moe_banks import BANK_KINDS, SHARED_KINDS, bank_key
+from tessera.launcher.families.hf_moe_banks import BANK_KINDS, bank_key
 from tessera.launcher.families.hf_moe_kinds import source_key
+from tessera.launcher.families.hf_moe_shared import SHARED_KINDS
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
 from tessera.launcher.testing_hf_moe import FIXES, tiny_moe_model, token_ids
 from tessera.moe import ClampedSwiGLU, MoE, SwiGLUVariant

@@ -43,10 +43,11 @@ from tessera.launcher.checkpoint.exported import assemble, found_parts, parts_of
 from tessera.launcher.checkpoint.placement import persistent_buffers
 from tessera.launcher.families.derived_roles import derive_roles
 from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_conversion, hf_moe_state_dict, moe_from_hf
-from tessera.launcher.families.hf_moe_banks import BANK_KINDS, SHARED_KINDS, bank_key
+from tessera.launcher.families.hf_moe_banks import BANK_KINDS, bank_key
 from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, SHARED_NORM
 from tessera.launcher.families.hf_moe_kinds import source_key
 from tessera.launcher.families.hf_moe_routing import read_layout
+from tessera.launcher.families.hf_moe_shared import SHARED_KINDS
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, oracle_config, serial_run, sgd
 from tessera.launcher.testing_hf_moe import sparse_blocks, tiny_moe_model, token_ids
 from tessera.moe import MoE

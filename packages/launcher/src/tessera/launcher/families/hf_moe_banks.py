@@ -1,4 +1,4 @@
-"""The expert banks and shared experts of ``transformers``' sparse MoE blocks: each kind read
+"""The expert banks of ``transformers``' sparse MoE blocks: each kind read
 once from one class and recognised by the source of its ``forward`` (and of the ``_apply_gate``
 it calls, which families override while keeping the forward), with what it computes as a
 ``tessera.moe`` activation and where its tensors sit as `ExportPart` s of the bank's ``w1`` /
@@ -30,13 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, assemble
-from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, SHARED_NORM, read_norm
+from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, read_norm
 from tessera.launcher.families.hf_moe_kinds import (
     EXPERTS,
     EXPERTS_COLUMNS,
     EXPERTS_GPT_OSS,
-    SHARED_MLP,
-    SHARED_MLP_LLAMA4,
     BankLayout,
     source_key,
 )
@@ -45,13 +43,8 @@ from tessera.moe import Activation, ClampedSwiGLU, SwiGLUVariant
 __all__ = [
     "BANK_KINDS",
     "PART_LAYOUTS",
-    "SHARED_KINDS",
-    "SWIGLU_PROJECTIONS",
-    "SWIGLU_SHARED",
     "BankKind",
     "BankReading",
-    "SharedKind",
-    "SharedProjections",
     "bank_key",
     "bank_layout",
     "bank_module",
@@ -59,10 +52,13 @@ __all__ = [
     "bank_state",
     "holds_bank",
     "holds_parallel_experts",
+    "is_silu",
     "read_bank",
+    "read_minimax_m3",
     "read_parts",
-    "read_shared",
-    "shared_form",
+    "read_relu2",
+    "read_silu",
+    "silu_of",
 ]
 
 
@@ -73,21 +69,21 @@ def bank_key(cls: type) -> str:
     return key if gate is None else f"{key}+{source_key(gate)}"
 
 
-def _is_silu(act: Any) -> bool:
+def is_silu(act: Any) -> bool:
     return act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
-def _silu_of(act: Any) -> Activation:
-    if not _is_silu(act):
+def silu_of(act: Any) -> Activation:
+    if not is_silu(act):
         raise ValueError(f"activation {type(act).__name__} is not SiLU; tessera.moe's SwiGLU needs SiLU")
     return "swiglu"
 
 
-def _silu(bank: Any) -> Activation:
-    return _silu_of(getattr(bank, "act_fn", None))
+def read_silu(bank: Any) -> Activation:
+    return silu_of(getattr(bank, "act_fn", None))
 
 
-def _relu2(bank: Any) -> Activation:
+def read_relu2(bank: Any) -> Activation:
     if type(bank.act_fn).__name__ != "ReLUSquaredActivation":
         raise ValueError(f"activation {type(bank.act_fn).__name__} is not ReLU² (ReLUSquaredActivation)")
     return "relu2"
@@ -98,12 +94,12 @@ def _hy_v4(bank: Any) -> Activation:  # gate.clamp(max=L), up.clamp(-L, L), silu
     return SwiGLUVariant(gate_limit=limit, up_limit=limit)
 
 
-def _minimax_m3(bank: Any) -> Activation:  # GPT-OSS's, gate and up not interleaved
+def read_minimax_m3(bank: Any) -> Activation:  # GPT-OSS's, gate and up not interleaved
     return ClampedSwiGLU(float(bank.swiglu_alpha), float(bank.swiglu_limit))
 
 
 def _bailing(bank: Any) -> Activation:  # silu(gate).clamp(max=L) * up.clamp(-L, L); no limit: SwiGLU
-    _silu(bank)
+    read_silu(bank)
     limit = bank.limit
     return "swiglu" if limit is None else SwiGLUVariant(act_limit=float(limit), up_limit=float(limit))
 
@@ -125,13 +121,13 @@ _DBRX_GLU = "974819a7f9f3680b"  # DbrxExpertGLU.forward: (act(x @ w1.T) * (x @ v
 def _dbrx(bank: Any) -> Activation:
     if source_key(type(bank.mlp).forward) != _DBRX_GLU:
         raise ValueError(f"its {type(bank.mlp).__name__} does not compute DbrxExpertGLU's SwiGLU")
-    if not _is_silu(bank.mlp.activation_fn):
+    if not is_silu(bank.mlp.activation_fn):
         raise ValueError(f"activation {type(bank.mlp.activation_fn).__name__} is not SiLU")
     return "swiglu"
 
 
 def _fp32_swiglu(bank: Any) -> Activation:  # Beam's: (act(gate.float()) * up.float()).to(gate.dtype)
-    _silu(bank)
+    read_silu(bank)
     return SwiGLUVariant(float32=True)
 
 
@@ -146,7 +142,7 @@ def _jetmoe(block: Any) -> Activation:  # the block's experts: down(act(gate x) 
                 f"its {name} ({type(getattr(block, name)).__name__}) does not compute what "
                 f"JetMoeParallelExperts does (source key {key})"
             )
-    return _silu_of(block.activation)
+    return silu_of(block.activation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +165,8 @@ class BankKind:
 
 
 BANK_KINDS: tuple[BankKind, ...] = (
-    BankKind("SwiGLU", EXPERTS[0], f"{EXPERTS[1]}+fe7a0279de333525", "rows", _silu),
-    BankKind("SwiGLU by columns", EXPERTS_COLUMNS[0], EXPERTS_COLUMNS[1], "columns", _silu),
+    BankKind("SwiGLU", EXPERTS[0], f"{EXPERTS[1]}+fe7a0279de333525", "rows", read_silu),
+    BankKind("SwiGLU by columns", EXPERTS_COLUMNS[0], EXPERTS_COLUMNS[1], "columns", read_silu),
     BankKind(
         "clamped SwiGLU, biased",
         EXPERTS_GPT_OSS[0],
@@ -178,14 +174,16 @@ BANK_KINDS: tuple[BankKind, ...] = (
         "interleaved",
         lambda bank: ClampedSwiGLU(float(bank.alpha), float(bank.limit)),
     ),
-    BankKind("SwiGLU by columns", "aria.AriaExperts", "2bac229b72d0c9b1+fe7a0279de333525", "columns", _silu),
+    BankKind(
+        "SwiGLU by columns", "aria.AriaExperts", "2bac229b72d0c9b1+fe7a0279de333525", "columns", read_silu
+    ),
     BankKind("clamped SwiGLU", "hy_v4.HYV4Experts", "51563666960dd0ee+19e627b406100f22", "rows", _hy_v4),
     BankKind(
         "clamped SwiGLU (GPT-OSS's)",
         "minimax_m3_vl.MiniMaxM3VLExperts",
         "51563666960dd0ee+c2e7357b81ee8bcf",
         "rows",
-        _minimax_m3,
+        read_minimax_m3,
     ),
     BankKind(
         "SwiGLU clipped after the activation",
@@ -206,7 +204,7 @@ BANK_KINDS: tuple[BankKind, ...] = (
         "nemotron_h.NemotronHExperts",
         "8fb65733b1818828+fe7a0279de333525",
         "up_rows",
-        _relu2,
+        read_relu2,
     ),
     BankKind("SwiGLU, flat", "dbrx.DbrxExperts", "96c13de2312a5fad", "flat_rows", _dbrx),
     BankKind(  # up_proj [E, d, h] @ relu2 @ down_proj [E, h, d], then each expert's own RMS norm
@@ -214,7 +212,7 @@ BANK_KINDS: tuple[BankKind, ...] = (
         "ergo.ErgoExperts",
         "9e5d95cd8c06579e+fe7a0279de333525",
         "up_columns",
-        _relu2,
+        read_relu2,
         norm="post_expert_norm",
         own_layout=True,
     ),
@@ -394,96 +392,3 @@ def bank_state(
             if done is not None:
                 out[part.name] = done.contiguous()
     return out
-
-
-# ---------------------------------------------------------------------------- shared experts
-@dataclass(frozen=True, slots=True)
-class SharedKind:
-    """A shared expert MLP read from ``transformers.models.<like>``, recognised by ``key``: its
-    projections ``w1`` / ``w3`` / ``w2`` (``nn.Linear`` s; no ``w3``: not gated; ``fused``: ``w1``
-    and ``w3`` the first and second half of the rows of one, MiniMax-M3's ``gate_up_proj``), and
-    ``activation(mlp)``; ``stacked``: the projections are parameters ``[S, out, in]`` of ``S``
-    shared experts (Inkling's), not ``nn.Linear`` s; ``norm``: the RMS norm its output ends in
-    (Ergo's, ``hf_moe_expert_norms.SHARED_NORM``)."""
-
-    like: str
-    key: str
-    projections: tuple[tuple[str, str], ...]
-    activation: Callable[[Any], Activation]
-    fused: bool = False
-    stacked: bool = False
-    norm: str | None = None
-
-
-SWIGLU_PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-SharedProjections = tuple[tuple[str, str, Band | None], ...]
-"""A shared expert's ``(w, HF projection, its band of rows or None: the whole)`` each."""
-SWIGLU_SHARED: SharedProjections = tuple((w, proj, None) for w, proj in SWIGLU_PROJECTIONS)
-
-
-def _bailing_shared(mlp: Any) -> Activation:
-    _silu(mlp)
-    limit = mlp.limit
-    return "swiglu" if limit is None else SwiGLUVariant(act_limit=float(limit), up_limit=float(limit))
-
-
-SHARED_KINDS: tuple[SharedKind, ...] = (
-    SharedKind(SHARED_MLP[0], SHARED_MLP[1], SWIGLU_PROJECTIONS, _silu),
-    SharedKind(
-        SHARED_MLP_LLAMA4[0],
-        SHARED_MLP_LLAMA4[1],
-        SWIGLU_PROJECTIONS,
-        lambda mlp: _silu_of(mlp.activation_fn),
-    ),
-    SharedKind("bailing_hybrid.BailingHybridMLP", "a95a93cb45ff3d54", SWIGLU_PROJECTIONS, _bailing_shared),
-    SharedKind(
-        "nemotron_h.NemotronHMLP", "bd0cd4577df6ef1d", (("w1", "up_proj"), ("w2", "down_proj")), _relu2
-    ),
-    SharedKind(
-        "minimax_m3_vl.MiniMaxM3VLDenseMLP",
-        "8f8aba7f034ebf34",
-        (("w1", "gate_up_proj"), ("w3", "gate_up_proj"), ("w2", "down_proj")),
-        _minimax_m3,
-        fused=True,
-    ),
-    SharedKind(
-        "ergo.ErgoSharedExpert",
-        "9cac981e24ecbf9d",
-        (("w1", "up_proj"), ("w2", "down_proj")),
-        _relu2,
-        norm="norm",
-    ),
-    SharedKind("inkling.InklingSharedExperts", "32aa077f88196684", SWIGLU_PROJECTIONS, _silu, stacked=True),
-)
-
-
-def shared_form(mlp: nn.Module, d_model: int) -> tuple[int, bool, str | None, float | None]:
-    """Shared expert ``mlp``'s count of experts (``S`` of a stacked kind, else 1), whether it is
-    stacked, and its norm's weight name (relative to ``mlp``) and epsilon (None, None: none)."""
-    kind = next(k for k in SHARED_KINDS if k.key == source_key(type(mlp).forward))
-    count = int(getattr(mlp, kind.projections[0][1]).shape[0]) if kind.stacked else 1
-    if kind.norm is None:
-        return count, kind.stacked, None, None
-    norm, eps = read_norm(mlp, kind.norm, SHARED_NORM, (d_model,))
-    return count, kind.stacked, norm, eps
-
-
-def read_shared(mlp: nn.Module, where: str) -> tuple[SharedProjections, int, Activation]:
-    """Shared expert ``mlp``'s projections (`SharedProjections`), hidden width and activation;
-    ValueError naming ``where`` when no kind reads it or it has biases."""
-    key = source_key(type(mlp).forward)
-    kind = next((k for k in SHARED_KINDS if k.key == key), None)
-    if kind is None:
-        likes = ", ".join(k.like for k in SHARED_KINDS)
-        raise ValueError(f"{where} ({type(mlp).__name__}) is not a shared MLP like {likes}")
-    try:
-        activation = kind.activation(mlp)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from exc
-    for _, name in kind.projections:
-        if getattr(getattr(mlp, name), "bias", None) is not None:  # (a stacked parameter has none)
-            raise ValueError(f"{where}.{name} has a bias; tessera.moe's shared expert has none")
-    down = getattr(mlp, kind.projections[-1][1])
-    hidden = int((down if kind.stacked else down.weight).shape[-1])  # down: [d, h] or [S, d, h]
-    halves = {"w1": Band(-2, 0, hidden), "w3": Band(-2, hidden, 2 * hidden)} if kind.fused else {}
-    return tuple((w, proj, halves.get(w)) for w, proj in kind.projections), hidden, activation

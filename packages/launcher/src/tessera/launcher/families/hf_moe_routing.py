@@ -42,15 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from tessera.launcher.families.hf_moe_banks import (
-    SWIGLU_SHARED,
-    SharedProjections,
-    bank_layout,
-    bank_module,
-    read_bank,
-    read_shared,
-    shared_form,
-)
+from tessera.launcher.families.hf_moe_banks import bank_layout, bank_module, read_bank
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
     RMS_NORM,
@@ -60,6 +52,7 @@ from tessera.launcher.families.hf_moe_kinds import (
     source_key,
 )
 from tessera.launcher.families.hf_moe_router_kinds import ROUTER_KINDS
+from tessera.launcher.families.hf_moe_shared import SWIGLU_SHARED, SharedProjections, read_shared, shared_form
 from tessera.moe import Activation, RouterSpec, Weigh
 
 __all__ = ["HFLayout", "read_layout"]
