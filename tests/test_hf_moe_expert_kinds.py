@@ -22,8 +22,9 @@ Tier 2 (the worker pool): each family, unconverted, trained through ``boost()`` 
 it) 3 SGD steps (momentum 0.9) at dp=2 x ep=2 with ZeRO-1 and ZeRO-3 equals the converted
 model's serial run; Aria also with every expert split inside over tp=2 (the ``moe`` style, in
 Mixtral's plan) and under Megatron SP at dp=2 x ep=2 x tp=2; Nemotron-H (ReLU², not gated),
-HunYuan-V4, DBRX, MiniMax-M3 and Ling at tp=2 with the plan ``boost()`` derives (every mixture
-``moe``; Ling's gated latent attention split by heads); Nemotron-H, DBRX, Aria, Ling and
+HunYuan-V4, DBRX, MiniMax-M3, Ling and Inkling 2 at tp=2 with the plan ``boost()`` derives
+(every mixture ``moe``; Ling's gated latent attention split by heads; Inkling 2's normed
+embedding whole); Nemotron-H, DBRX, Aria, Ling and
 MiniMax-M3 at pp=2 (1F1B, 2 microbatches).
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
@@ -286,8 +287,11 @@ CASES = [(f, m) for f in FAMILIES for m in ("ep2", "ep2-zero3")] + [
     ("aria_text", "dp2-ep2-tp2-sp-split"),
     # no plan: boost() derives one, each mixture's experts split inside (``moe``), Ling's gated latent
     # attention split by heads (its gate g_proj one output a head), its linear attention kept whole;
-    # Inkling 2's normed embedding is refused by the probe (it is not a plain lookup)
-    *[(f, "tp2-derived") for f in ("nemotron_h", "hy_v4", "dbrx", "minimax_m3_vl_text", "bailing_hybrid")],
+    # Inkling 2's normed embedding kept whole
+    *[
+        (f, "tp2-derived")
+        for f in ("nemotron_h", "hy_v4", "dbrx", "minimax_m3_vl_text", "bailing_hybrid", "inkling2_text")
+    ],
     # pp=2 (1F1B, 2 microbatches); HY-V4 (several residual streams) and Inkling 2 (its normed
     # embedding and head) are refused there, naming the block
     *[(f, "pp2") for f in ("nemotron_h", "dbrx", "aria_text", "bailing_hybrid", "minimax_m3_vl_text")],

@@ -41,7 +41,6 @@ from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, boost
 from tessera.launcher.checkpoint.exported import assemble, found_parts, parts_of
 from tessera.launcher.checkpoint.placement import persistent_buffers
-from tessera.launcher.families.derived_roles import derive_roles
 from tessera.launcher.families.hf_moe import convert_hf_moe, hf_moe_conversion, hf_moe_state_dict, moe_from_hf
 from tessera.launcher.families.hf_moe_banks import BANK_KINDS, bank_key
 from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, SHARED_NORM
@@ -247,12 +246,12 @@ NO_PLAN_MODES = {
 }
 # what boost() refuses with no plan, before training, for parts of these models outside their
 # mixtures: Ergo's full-attention layers (no rotary) and Inkling's blocks (its normed embedding,
-# its logits divided by logits_mup_width_multiplier) at pp=2, Inkling's normed embedding at tp=2
+# its logits divided by logits_mup_width_multiplier) at pp=2
 REFUSED = {
     ("ergo", "pp2"): "ErgoDecoderLayer (full_attention) has no rotary embeddings",
     ("inkling_text", "pp2"): "the pipeline blocks of InklingForCausalLM do not reproduce model(example)",
-    ("inkling_text", "tp2"): "model.embed_tokens (vocab_whole): InklingNormedEmbedding",
 }
+SPLIT = {("inkling_text", "tp2"): 2}  # Inkling's mixtures split inside over tp; Ergo's kept whole
 
 
 @pytest.mark.parametrize("mode", list(NO_PLAN_MODES))
@@ -261,8 +260,11 @@ def test_a_converted_family_trains_with_no_plan_at_tp2_and_pp2(
     worker_pools: PoolFactory, family: str, mode: str
 ) -> None:
     """No plan written: at tp=2 the roles ``boost()`` derives (Ergo's mixture kept whole on
-    every tp rank: its norms need each expert's whole output); at pp=2 the decoder blocks
-    ``boost()`` finds. Where `REFUSED` says, the run is refused before training, naming why."""
+    every tp rank: its norms need each expert's whole output; Inkling's split inside, every rank
+    weighing its share of each shared expert by the whole gammas, the router's weight and global
+    scale with partial gradients summed over tp; its normed embedding kept whole); at pp=2 the
+    decoder blocks ``boost()`` finds. Where `REFUSED` says, the run is refused before training,
+    naming why."""
     config = oracle_config(NO_PLAN_MODES[mode], 1, batch_size=BATCH)
     pool = worker_pools(config.world_size)
     if (family, mode) in REFUSED:
@@ -270,24 +272,7 @@ def test_a_converted_family_trains_with_no_plan_at_tp2_and_pp2(
             assert REFUSED[family, mode] in message, message
         return
     results = pool.run(_parallel, config, family, None, timeout=180)
-    _matches_serial(results, family, 1)  # Ergo's mixture whole at tp=2 (pp=2 splits nothing)
-
-
-def _inkling_plan(rank: int, config: Config) -> tuple[Run, list[int]]:
-    """The roles ``boost()`` derives for Inkling, its normed embedding kept whole."""
-    model = _converted("inkling_text")
-    derived = {p: s.name for p, s in derive_roles(model).entries}
-    derived.pop("model.embed_tokens.embed_norm")
-    return _parallel(rank, config, "inkling_text", {**derived, "model.embed_tokens": "replicate"})
-
-
-def test_inklings_mixture_split_over_tp_trains_as_serially(worker_pools: PoolFactory) -> None:
-    """tp=2 with the derived roles but the normed embedding kept whole: each mixture split
-    inside (the ``moe`` style), every rank weighing its share of each shared expert by the whole
-    gammas, the router's weight and global scale with partial gradients summed over tp."""
-    config = oracle_config(ParallelConfig(tp=2, microbatches=1), 1, batch_size=BATCH)
-    results = worker_pools(config.world_size).run(_inkling_plan, config, timeout=180)
-    _matches_serial(results, "inkling_text", 2)
+    _matches_serial(results, family, SPLIT.get((family, mode), 1))
 
 
 def test_ergos_mixture_split_inside_over_tp_is_refused(worker_pools: PoolFactory) -> None:

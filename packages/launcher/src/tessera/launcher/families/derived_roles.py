@@ -37,8 +37,9 @@ and the norms between them stay whole. `derive_roles` reads every layer, each ch
   its own heads (Kolibri 1.1's, which has no weights), and any other sublayer holding
   parameters. A plan with such a module refuses sequence parallelism
   (``supports_sequence_parallel=False``: the module would see one rank's slice of the sequence);
-- the token embedding (``vocab_whole``), learned position embeddings (``embedding_whole``),
-  layer 0 (``sequence_start``) and the LM head (``head``).
+- the token embedding (``vocab_whole``; one that holds a module with weights of its own, such
+  as Inkling's norm after the lookup, whole: ``replicate``), learned position embeddings
+  (``embedding_whole``), layer 0 (``sequence_start``) and the LM head (``head``).
 
 An entry that every layer shares is written once over the stack (``model.layers.*.mlp``);
 one that only some layers have (a dense first layer before mixtures, a hybrid's Mamba layers
@@ -290,10 +291,15 @@ def _outer_roles(model: nn.Module, stack: str) -> dict[str, TPStyle]:
     tokens = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     roles: dict[str, TPStyle] = {}
+    whole: list[str] = []  # a token embedding that does more than a lookup, and what it holds
+    looks_up_more = tokens is not None and any(list(child.parameters()) for child in tokens.children())
     for name, sub in model.named_modules():
-        if not name or name == stack or name.startswith(stack + "."):
+        if not name or name == stack or name.startswith((f"{stack}.", *(f"{w}." for w in whole))):
             continue
-        if sub is tokens or (tokens is None and isinstance(sub, nn.Embedding) and not roles):
+        if sub is tokens and looks_up_more:  # Inkling's normed embedding: a split would norm each share
+            roles[name] = Roles.REPLICATE
+            whole.append(name)
+        elif sub is tokens or (tokens is None and isinstance(sub, nn.Embedding) and not roles):
             roles[name] = Style.VOCAB_WHOLE
         elif isinstance(sub, nn.Embedding):
             roles[name] = Style.EMBEDDING_WHOLE
