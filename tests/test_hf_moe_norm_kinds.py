@@ -245,10 +245,9 @@ NO_PLAN_MODES = {
     "pp2": ParallelConfig(pp=2, microbatches=2, schedule="1f1b"),
 }
 # what boost() refuses with no plan, before training, for parts of these models outside their
-# mixtures: Ergo's full-attention layers (no rotary) and Inkling's blocks (its normed embedding,
-# its logits divided by logits_mup_width_multiplier) at pp=2
+# mixtures: Inkling's blocks at pp=2 (its hidden states divided by logits_mup_width_multiplier
+# before its head, its layers given other masks than the blocks make)
 REFUSED = {
-    ("ergo", "pp2"): "ErgoDecoderLayer (full_attention) has no rotary embeddings",
     ("inkling_text", "pp2"): "the pipeline blocks of InklingForCausalLM do not reproduce model(example)",
 }
 SPLIT = {("inkling_text", "tp2"): 2}  # Inkling's mixtures split inside over tp; Ergo's kept whole

@@ -19,9 +19,10 @@ what the model's forward applies around its children:
 - rotary embeddings: the model's ``rotary_emb`` called as its forward calls it (with the
   layer type where it takes one: Gemma3's local and global rotaries), or the layer's own
   where the model keeps one per base frequency (GraniteMoE-SWA's ``rotary_embs``); none for
-  a layer type whose ``config.rope_parameters`` entry is None (Beam's full-attention layers,
-  NoPE), whose attention then takes its family's position-dependent query scale
-  (``attention_scaling``, made by its modeling module's ``compute_attention_scaling``);
+  a layer type whose ``config.rope_parameters`` entry is None (Beam's and Ergo's full-attention
+  layers, NoPE), whose attention then takes its family's position-dependent query scale where
+  it has one (Beam's ``attention_scaling``, made by its modeling module's
+  ``compute_attention_scaling``);
 - positions: a row per sequence (Qwen4-Exp's indexer reads each row's rotary embeddings);
 - hyper-connections: the embedding's output copied into ``config.hc_count`` residual streams
   side by side (Qwen4-Exp's), which the module after the layers mixes back into one;
@@ -239,8 +240,9 @@ class _DecoderLayer(nn.Module):
         super().__init__()
         self.layer, self.config = layer, config
         self.kind = _layer_type(config, index)
-        self.nope_scale = _nope_scale(layer, config, self.kind)
-        self.rotary = [None if self.nope_scale is not None else rotary]  # a shared module, not a child
+        self.nope = _is_nope(config, self.kind)
+        self.nope_scale = _nope_scale(layer) if self.nope else None
+        self.rotary = [None if self.nope else rotary]  # a shared module, not a child
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
         signature = inspect.signature(layer.forward)
@@ -282,8 +284,10 @@ class _DecoderLayer(nn.Module):
             made["position_embeddings"] = (
                 rotary(h, rows, self.kind) if self.rotary_takes_type else rotary(h, rows)
             )
-        if self.nope_scale is not None and "position_embeddings" in names:  # NoPE: a query scale
-            made["position_embeddings"], made["attention_scaling"] = None, self.nope_scale(pos)
+        if self.nope and "position_embeddings" in names:  # NoPE: no rotary, Beam's query scale
+            made["position_embeddings"] = None
+            if self.nope_scale is not None:
+                made["attention_scaling"] = self.nope_scale(pos)
         return made
 
     def _arguments_of_attention(
@@ -306,22 +310,20 @@ class _DecoderLayer(nn.Module):
         return hidden
 
 
-def _nope_scale(layer: nn.Module, config: Any, kind: str) -> Any:
-    """The query scale of a layer without rotary embeddings (``config.rope_parameters[kind]`` is
-    None: Beam's full-attention layers): its modeling module's ``compute_attention_scaling``
-    (positions -> scale), which its attention takes as ``attention_scaling``; None for a layer
-    with rotary embeddings. A NoPE layer whose family has no such function is refused."""
+def _is_nope(config: Any, kind: str) -> bool:
+    """Whether layers of ``kind`` take no rotary embeddings (``config.rope_parameters[kind]`` is
+    None: Beam's and Ergo's full-attention layers)."""
     per_type = getattr(config, "rope_parameters", None)
-    if not isinstance(per_type, dict) or kind not in per_type or per_type[kind] is not None:
-        return None
+    return isinstance(per_type, dict) and kind in per_type and per_type[kind] is None
+
+
+def _nope_scale(layer: nn.Module) -> Any:
+    """The query scale a NoPE layer's attention takes (``attention_scaling``), where its family's
+    modeling module has one (Beam's ``compute_attention_scaling``: positions -> scale); else
+    None: the layer is given ``position_embeddings=None`` alone, as Ergo's model gives it (a
+    family doing otherwise fails ``check_blocks`` before anything is partitioned)."""
     scale = getattr(importlib.import_module(type(layer).__module__), _NOPE_SCALE, None)
-    if not callable(scale):
-        raise ValueError(
-            f"{type(layer).__name__} ({kind}) has no rotary embeddings (rope_parameters[{kind!r}] is None) "
-            f"and its modeling module has no {_NOPE_SCALE}: what its forward gives such a layer is not known "
-            "here; pass ModelSpec(blocks=fn)"
-        )
-    return scale
+    return scale if callable(scale) else None
 
 
 def _base(model: nn.Module) -> nn.Module:
