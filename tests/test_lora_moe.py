@@ -7,7 +7,9 @@ are PEFT's own mapped to the converted layout (``hf_moe_adapters``); only adapte
 Tier 2 (the worker pool): Mixtral with adapters on its experts, router and attention, and
 Qwen2-MoE with adapters on its shared expert too, trained through ``boost()`` at dp2 x ep2
 (ZeRO 1 and 3) and with the experts split over tp under Megatron SP (the ``moe`` style) equal
-the serial run of the same converted model; the base weights come back unchanged.
+the serial run of the same converted model; the base weights come back unchanged. DeepSeek-V3
+(score-correction bias, groups, a dense first layer), LongCat-Flash (identity experts) and
+HunYuan-V3 (``tessera.launcher.testing_hf_moe``'s tiny models) at tier 0 and at dp2 x ep2.
 
 Bounds: logits rtol and atol 1e-5 (PEFT adds the delta to the weight in the same order;
 the converted bank runs one batched matmul where HF loops over experts); gradients rtol
@@ -41,6 +43,7 @@ from tessera.launcher.testing import (
     serial_run,
     sgd,
 )
+from tessera.launcher.testing_hf_moe import tiny_moe_model
 from tessera.models.foreign_moe import MixConfig, Mixish
 
 peft = pytest.importorskip("peft")
@@ -67,19 +70,33 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
          "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
     ),
 }  # fmt: skip
+# further families, as tessera.launcher.testing_hf_moe builds them (hidden 32, 8 experts): DeepSeek-V3
+# (a score-correction bias, groups, a shared expert, a dense first layer), LongCat-Flash (identity
+# experts beside the real ones), HunYuan-V3 (a renamed shared expert, a router bias)
+EXPERTS_LORA = {"target_modules": ["q_b_proj", "o_proj"], "target_parameters": ["experts.gate_up_proj",
+                "experts.down_proj", "gate.weight"]}  # fmt: skip
+SURVEYED = {
+    "deepseek_v3": EXPERTS_LORA,
+    "longcat_flash": {**EXPERTS_LORA, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+    "hy_v3": {**EXPERTS_LORA, "target_modules": ["q_proj", "o_proj"]},
+}
 
 
 def build(family: str) -> nn.Module:
     """The family's tiny PEFT model (rank 2, alpha 4), converted; every weight and ``lora_B``
     drawn (HF leaves routers at zero, PEFT its ``lora_B``)."""
-    config_cls, sizes, lora = FAMILIES[family]
-    torch.manual_seed(0)  # PEFT draws lora_A from the global generator
-    model = getattr(transformers, config_cls)(**sizes)
-    base = transformers.AutoModelForCausalLM.from_config(model)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in sorted(base.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    if family in SURVEYED:
+        base, lora = tiny_moe_model(family), SURVEYED[family]
+        torch.manual_seed(0)
+    else:
+        config_cls, sizes, lora = FAMILIES[family]
+        torch.manual_seed(0)  # PEFT draws lora_A from the global generator
+        model = getattr(transformers, config_cls)(**sizes)
+        base = transformers.AutoModelForCausalLM.from_config(model)
+        with torch.no_grad():
+            for _, p in sorted(base.named_parameters()):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, **lora))
     with torch.no_grad():
         for name, p in sorted(wrapped.named_parameters()):
@@ -98,7 +115,7 @@ def _peft_grads_in_tessera_layout(model: nn.Module) -> dict[str, Tensor]:
     """The PEFT model's expert adapter gradients as the converted layer holds them."""
     out = {}
     for name, module in model.named_modules():
-        if not name.endswith(".mlp"):
+        if not name.endswith(".mlp") or not hasattr(module, "experts"):  # a dense layer's MLP
             continue
         layer: Any = module
         wrapper = layer.experts
@@ -119,7 +136,7 @@ def _peft_grads_in_tessera_layout(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *SURVEYED])
 def test_the_converted_peft_model_computes_what_peft_computes(family: str) -> None:
     model = build(family)
     ids = TOKENS.at(0)[0]
@@ -150,6 +167,7 @@ PLANS = {
     "qwen2_moe": {**plans.QWEN2_MOE_PLAN.as_dict(), "model.layers.*.mlp": "moe"},
 }
 CASES = [("mixtral", m) for m in MODES] + [("qwen2_moe", "dp2-ep2-zero3"), ("qwen2_moe", "tp2-sp-split")]
+CASES += [("deepseek_v3", "dp2-ep2-zero3"), ("longcat_flash", "dp2-ep2"), ("hy_v3", "dp2-ep2")]
 
 
 def _parallel(rank: int, family: str, config: Config, split: bool) -> Run:
