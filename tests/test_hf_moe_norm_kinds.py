@@ -245,11 +245,10 @@ NO_PLAN_MODES = {
     "pp2": ParallelConfig(pp=2, microbatches=2, schedule="1f1b"),
 }
 # what boost() refuses with no plan, before training, for parts of these models outside their
-# mixtures: Inkling's blocks at pp=2 (its hidden states divided by logits_mup_width_multiplier
-# before its head, its layers given other masks than the blocks make)
-REFUSED = {
-    ("inkling_text", "pp2"): "the pipeline blocks of InklingForCausalLM do not reproduce model(example)",
-}
+# mixtures (none now: Ergo's NoPE layers and Inkling's blocks at pp=2 are made as their models
+# make them, Inkling's hybrid_sliding layers given a sliding window, its hidden states divided by
+# logits_mup_width_multiplier before its head, no embedding multiplier its forward does not apply)
+REFUSED: dict[tuple[str, str], str] = {}
 SPLIT = {("inkling_text", "tp2"): 2}  # Inkling's mixtures split inside over tp; Ergo's kept whole
 
 

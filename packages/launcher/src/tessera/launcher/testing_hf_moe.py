@@ -89,10 +89,11 @@ FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs 
     # Ergo: its shared expert's and its dense first layer's own widths (defaults 8192 and 32768)
     "ergo": {"shared_intermediate_size": 16, "first_dense_intermediate_size": 64},
     # Inkling: its sliding layers' own heads (default 64 of width 128), a short relative-logit
-    # window, and two shared experts (its default), each weighed by the router
+    # window, two shared experts (its default), each weighed by the router, and a window of 4
+    # tokens (its sliding layers then mask other keys than its full ones)
     "inkling_text": {
         "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8, "rel_extent": 16,
-        "n_shared_experts": 2,
+        "n_shared_experts": 2, "sliding_window": 4,
     },
     # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
     "beam": {"mlp_layer_types": ["dense", "sparse"]},

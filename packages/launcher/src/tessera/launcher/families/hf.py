@@ -87,7 +87,8 @@ class _Layer(nn.Module):
 
 class _Head(nn.Module):
     """The final norm and LM head, with the logit transforms of the model's forward (read
-    from its config: ``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``)."""
+    from its config: ``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``, and
+    Inkling's ``logits_mup_width_multiplier`` dividing the hidden states before the head)."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, config: Any = None) -> None:
         super().__init__()
@@ -95,9 +96,11 @@ class _Head(nn.Module):
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.scale = getattr(config, "logit_scale", None)
         self.divide = getattr(config, "logits_scaling", None)
+        self.width = getattr(config, "logits_mup_width_multiplier", None)
 
     def forward(self, h: Tensor) -> Tensor:
-        out: Tensor = self.lm_head(self.norm(h))
+        h = self.norm(h)
+        out: Tensor = self.lm_head(h if self.width is None else h / self.width)
         if self.scale is not None:
             out = out * self.scale
         if self.divide is not None:
@@ -154,7 +157,7 @@ def _mask_function(kind: str) -> Any:
     made = getattr(masks, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {}).get(kind)
     if callable(made):
         return made
-    if kind == "sliding_attention":
+    if "sliding" in kind:  # sliding_attention, Inkling's hybrid_sliding
         return masks.create_sliding_window_causal_mask
     return masks.create_causal_mask
 
@@ -326,6 +329,17 @@ def _nope_scale(layer: nn.Module) -> Any:
     return scale if callable(scale) else None
 
 
+def _used(base: nn.Module, config: Any, name: str) -> Any:
+    """``config.<name>`` where the base model's forward reads it (Granite's ``embedding_multiplier``),
+    else None (Inkling's config holds one that its forward does not apply)."""
+    value = getattr(config, name, None)
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return value
+    return value if name in source else None
+
+
 def _base(model: nn.Module) -> nn.Module:
     """The base model under the head: the child ``base_model_prefix`` names, else ``model`` (Llama
     4's text model names its prefix ``language_model`` and keeps its base as ``model``)."""
@@ -377,7 +391,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
         )
     stack: Any = base.get_submodule(layers[0])
     streams = getattr(config, "hc_count", None)  # hyper-connected residual streams, mixed into one after
-    embedding = _Embedding(before, getattr(config, "embedding_multiplier", None), streams)
+    embedding = _Embedding(before, _used(base, config, "embedding_multiplier"), streams)
     blocks: list[nn.Module] = [embedding]
     decoders = [_DecoderLayer(layer, i, _rotary_of(base, config, i), config) for i, layer in enumerate(stack)]
     blocks += _guarded(model, decoders)
