@@ -51,19 +51,20 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, boost
-from tessera.launcher.checkpoint.exported import assemble, found_parts, parts_of
-from tessera.launcher.checkpoint.placement import persistent_buffers
 from tessera.launcher.families.derived_roles import derive_roles
 from tessera.launcher.families.hf import decoder_blocks
 from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
-    hf_moe_conversion,
-    hf_moe_state_dict,
     is_hf_sparse_moe,
     moe_from_hf,
 )
 from tessera.launcher.families.hf_moe_routing import read_layout
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, oracle_config, serial_run, sgd
+from tessera.launcher.testing_hf_moe import (
+    assert_converts_with_the_same_logits,
+    assert_export_parts_are_transformers_tensors,
+    assert_weights_load_back,
+)
 from tessera.launcher.train.deferred import deferred_parameters, init_by_name
 from tessera.moe import MoE, SwiGLUVariant
 from tessera.moe.output_bias import OutputBiasMoE
@@ -174,46 +175,13 @@ def test_jetmoes_attention_mixture_is_no_block() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_converted_model_gives_the_same_logits(family: str) -> None:
-    model = _build(family)
-    converted = copy.deepcopy(model)
-    assert convert_hf_moe(converted) >= 1
-    assert not testing_hf_moe.sparse_blocks(converted)
-    close_logits(converted(_ids(3)).logits, model(_ids(3)).logits)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_converted_models_weights_load_back_into_transformers(family: str) -> None:
-    converted = _build(family)
-    convert_hf_moe(converted)
-    with torch.no_grad():  # weights of its own, so a load that kept the old ones would show
-        for p in converted.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
-        for name, b in converted.named_buffers():
-            if name.endswith("score_bias"):
-                b.add_(0.05)
-    fresh = _build(family)
-    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
-    close_logits(fresh(_ids(4)).logits, converted(_ids(4)).logits)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_boosts_export_parts_are_transformers_tensors(family: str) -> None:
-    """What ``boost()`` exports, consolidates and imports by (`hf_moe_conversion`'s parts): each
-    converted parameter and buffer assembled from transformers' tensors is itself, and the
-    parameters' parts name every parameter of the HF model."""
-    model = _build(family)
-    hf = {k: v.detach() for k, v in model.state_dict().items()}
-    converted = copy.deepcopy(model)
-    conversion = hf_moe_conversion(converted)
-    tensors = {**dict(converted.named_parameters()), **persistent_buffers(converted)}
-    named = set()
-    for name, value in tensors.items():
-        parts = found_parts(parts_of(name, conversion.exported), hf.__contains__)
-        assert parts is not None, name
-        assert torch.equal(assemble(parts, [hf[p.name] for p in parts]), value.detach()), name
-        named |= {p.name for p in parts}
-    assert {n for n, _ in model.named_parameters()} <= named
+def test_a_converted_model_is_transformers_model_both_ways(family: str) -> None:
+    """Converted, it gives transformers' logits; its weights mapped back load strictly into a fresh
+    model that then gives its logits; ``boost()``'s export parts are transformers' tensors
+    (``tessera.launcher.testing_hf_moe``'s checks)."""
+    assert_converts_with_the_same_logits(_build(family))
+    assert_weights_load_back(lambda: _build(family))
+    assert_export_parts_are_transformers_tensors(_build(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -32,7 +32,6 @@ and atol 1e-5 (order 1); losses rel 1e-5 and SGD weights rtol 1e-5, atol 1e-6 as
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from functools import partial
 from typing import Any
@@ -43,18 +42,19 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.checkpoint.exported import assemble, found_parts, parts_of
-from tessera.launcher.checkpoint.placement import persistent_buffers
 from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
-    hf_moe_conversion,
-    hf_moe_state_dict,
     moe_from_hf,
 )
 from tessera.launcher.families.hf_moe_routing import read_layout
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, serial_run, sgd
-from tessera.launcher.testing_hf_moe import sparse_blocks, tiny_moe_model, token_ids
-from tessera.moe import MoE
+from tessera.launcher.testing_hf_moe import (
+    assert_converts_with_the_same_logits,
+    assert_export_parts_are_transformers_tensors,
+    assert_weights_load_back,
+    sparse_blocks,
+    tiny_moe_model,
+)
 from tessera.zero import Precision
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -143,46 +143,13 @@ def test_lfm2s_guard_and_block_bias_are_read() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_converted_model_gives_the_same_logits(family: str) -> None:
-    model = _build(family)
-    converted = copy.deepcopy(model)
-    assert convert_hf_moe(converted) >= 1
-    assert not sparse_blocks(converted) and any(isinstance(m, MoE) for m in converted.modules())
-    close_logits(converted(token_ids(3)).logits, model(token_ids(3)).logits)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_converted_models_weights_load_back_into_transformers(family: str) -> None:
-    converted = _build(family)
-    convert_hf_moe(converted)
-    with torch.no_grad():  # weights of its own, so a load that kept the old ones would show
-        for p in converted.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
-        for name, b in converted.named_buffers():
-            if name.endswith("score_bias"):
-                b.add_(0.05)
-    fresh = _build(family)
-    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
-    close_logits(fresh(token_ids(4)).logits, converted(token_ids(4)).logits)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_boosts_export_parts_are_transformers_tensors(family: str) -> None:
-    """What ``boost()`` exports, consolidates and imports by (`hf_moe_conversion`'s parts):
-    each converted parameter and buffer (score bias, AXK1's norm) assembled from transformers'
-    tensors is itself, and the parameters' parts name every parameter of the HF model."""
-    model = _build(family)
-    hf = {k: v.detach() for k, v in model.state_dict().items()}
-    converted = copy.deepcopy(model)
-    conversion = hf_moe_conversion(converted)
-    tensors = {**dict(converted.named_parameters()), **persistent_buffers(converted)}
-    named = set()
-    for name, value in tensors.items():
-        parts = found_parts(parts_of(name, conversion.exported), hf.__contains__)
-        assert parts is not None, name
-        assert torch.equal(assemble(parts, [hf[p.name] for p in parts]), value.detach()), name
-        named |= {p.name for p in parts}
-    assert {n for n, _ in model.named_parameters()} <= named
+def test_a_converted_model_is_transformers_model_both_ways(family: str) -> None:
+    """Converted, it gives transformers' logits; its weights mapped back load strictly into a fresh
+    model that then gives its logits; ``boost()``'s export parts are transformers' tensors
+    (``tessera.launcher.testing_hf_moe``'s checks)."""
+    assert_converts_with_the_same_logits(_build(family))
+    assert_weights_load_back(lambda: _build(family))
+    assert_export_parts_are_transformers_tensors(_build(family))
 
 
 # ---------------------------------------------------------------------------- tier 2

@@ -7,23 +7,36 @@ vocabulary 64, 8 experts of width 16, top-2, 4 groups of which 2 kept where it g
 small latent-attention ranks and linear-attention heads, dropouts 0; then every parameter is
 drawn from a seeded normal (std 0.3) and every floating buffer named like a bias (a router's
 score-correction bias) from another (std 0.1): HF initialises routers and those biases to
-zero, where every expert ties. Nothing here imports pytest.
+zero, where every expert ties. The checks every converted family takes at tier 0 are here too
+(`assert_converts_with_the_same_logits`, `assert_weights_load_back`,
+`assert_export_parts_are_transformers_tensors`). Nothing here imports pytest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tessera.launcher.families.hf_moe import is_hf_sparse_moe
+from tessera.launcher.checkpoint.exported import assemble, found_parts, parts_of
+from tessera.launcher.checkpoint.placement import persistent_buffers
+from tessera.launcher.families.hf_moe import (
+    convert_hf_moe,
+    hf_moe_conversion,
+    hf_moe_state_dict,
+    is_hf_sparse_moe,
+)
 
 __all__ = [
     "COMMON",
     "FIXES",
     "MOE",
+    "assert_converts_with_the_same_logits",
+    "assert_export_parts_are_transformers_tensors",
+    "assert_weights_load_back",
     "sparse_blocks",
     "tiny_moe_class",
     "tiny_moe_config",
@@ -180,3 +193,53 @@ def sparse_blocks(model: nn.Module) -> list[nn.Module]:
 def token_ids(seed: int, *, vocab: int = COMMON["vocab_size"], batch: int = 2, seq: int = 8) -> Tensor:
     """``batch`` rows of ``seq`` token ids drawn from ``seed``."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_converts_with_the_same_logits(model: nn.Module) -> None:
+    """``convert_hf_moe`` on a copy of ``model`` converts its sparse blocks, every one, and the
+    converted model gives ``model``'s logits (rtol and atol 1e-5: logits of order 1, the same
+    products summed in another order)."""
+    converted = copy.deepcopy(model)
+    assert convert_hf_moe(converted) >= 1
+    assert not sparse_blocks(converted)
+    want: Any = model(token_ids(3))
+    got: Any = converted(token_ids(3))
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def assert_weights_load_back(build: Callable[[], nn.Module]) -> None:
+    """A converted model of ``build()`` given weights of its own, mapped back to transformers'
+    names (``hf_moe_state_dict``), loads strictly into a fresh ``build()``, which then gives the
+    converted model's logits (rtol and atol 1e-5)."""
+    converted = build()
+    convert_hf_moe(converted)
+    with torch.no_grad():  # weights of its own, so a load that kept the old ones would show
+        for p in converted.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+        for name, b in converted.named_buffers():
+            if name.endswith("score_bias"):
+                b.add_(0.05)
+    fresh = build()
+    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
+    want: Any = converted(token_ids(4))
+    got: Any = fresh(token_ids(4))
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def assert_export_parts_are_transformers_tensors(model: nn.Module) -> None:
+    """What ``boost()`` exports, consolidates and imports by (``hf_moe_conversion``'s parts): each
+    converted parameter and persistent buffer of ``model`` assembled from transformers' tensors is
+    itself (``torch.equal``: copies, slices, transposes), and the parameters' parts name every
+    parameter of the HF model."""
+    hf = {k: v.detach() for k, v in model.state_dict().items()}
+    converted = copy.deepcopy(model)
+    conversion = hf_moe_conversion(converted)
+    tensors = {**dict(converted.named_parameters()), **persistent_buffers(converted)}
+    named: set[str] = set()
+    for name, value in tensors.items():
+        parts = found_parts(parts_of(name, conversion.exported), hf.__contains__)
+        assert parts is not None, name
+        assert torch.equal(assemble(parts, [hf[p.name] for p in parts]), value.detach()), name
+        named |= {p.name for p in parts}
+    missing = {n for n, _ in model.named_parameters()} - named
+    assert not missing, sorted(missing)
