@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+from tessera.launcher.families.hf import decoder_blocks
 from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
     is_hf_sparse_moe,
@@ -259,3 +260,13 @@ def test_gemma4_left_as_written_at_ep1_trains_as_serially(worker_pools: PoolFact
     config = _boost_config(parallel, 1)
     results = worker_pools(config.world_size).run(_as_written, config, "gemma4_text", timeout=180)
     assert_matches_serial(results, serial_run(_build("gemma4_text"), TOKENS.first(STEPS), sgd(LR)))
+
+
+def test_gemma4_is_refused_at_pp_naming_its_per_layer_embeddings() -> None:
+    """Gemma 4's layers take per-layer embeddings of the token ids beside the hidden states (its
+    config's ``hidden_size_per_layer_input``), which a pipeline stage does not receive: the blocks
+    are refused naming them."""
+    with pytest.raises(
+        ValueError, match=r"gemma4_text cannot be cut into pipeline stages: .* \(per_layer_input\)"
+    ):
+        decoder_blocks(tiny_moe_model("gemma4_text"))

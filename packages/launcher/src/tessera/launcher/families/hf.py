@@ -249,12 +249,12 @@ class _DecoderLayer(nn.Module):
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
         signature = inspect.signature(layer.forward)
-        if "original_hidden_states" in signature.parameters:
+        carried = _carried(signature, config)
+        if carried:
             family = getattr(config, "model_type", None) or type(layer).__name__
             raise ValueError(
                 f"{family} cannot be cut into pipeline stages: its layers ({type(layer).__name__}) take "
-                "the embeddings' output (original_hidden_states) beside the hidden states, and a stage "
-                "receives the hidden states alone"
+                f"{carried} beside the hidden states, and a stage receives the hidden states alone"
             )
         params = list(signature.parameters.values())[1:]
         # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
@@ -311,6 +311,28 @@ class _DecoderLayer(nn.Module):
         out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct)})
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+# what a family's layers take beside the hidden states, made before the layers or by the layer
+# before: none of it reaches a pipeline stage
+_CARRIED = {
+    "original_hidden_states": "the embeddings' output (original_hidden_states)",
+    "per_layer_input": "per-layer embeddings of the token ids (per_layer_input)",
+    "shared_kv_states": "keys and values of earlier layers (shared_kv_states)",
+}
+# those a family's layers take only when its config switches them on (Gemma's)
+_SWITCHED = {"per_layer_input": "hidden_size_per_layer_input", "shared_kv_states": "num_kv_shared_layers"}
+
+
+def _carried(signature: inspect.Signature, config: Any) -> str:
+    """What of `_CARRIED` a layer of this signature is given by its model (Zamba's embeddings'
+    output, Gemma 4's per-layer embeddings where its config has them), as words; "" when nothing."""
+    names = [
+        n
+        for n in _CARRIED
+        if n in signature.parameters and (n not in _SWITCHED or bool(getattr(config, _SWITCHED[n], None)))
+    ]
+    return " and ".join(_CARRIED[n] for n in names)
 
 
 def _is_nope(config: Any, kind: str) -> bool:
