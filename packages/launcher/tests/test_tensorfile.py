@@ -12,7 +12,7 @@ import torch
 
 from tessera.comm.safefile import DTYPES, SafeFile
 from tessera.launcher.checkpoint.exported import Band
-from tessera.launcher.checkpoint.tensorfile import LazyTensors
+from tessera.launcher.checkpoint.tensorfile import LazyTensors, Renamed
 
 
 def test_lazy_tensors_read_what_safetensors_wrote(tmp_path: Path) -> None:
@@ -81,11 +81,14 @@ def test_a_matrix_row_band_is_read_as_its_rows(tmp_path: Path, first: tuple[int,
 
 def test_renamed_tensors_are_read_under_their_new_names(tmp_path: Path) -> None:
     """``rename``: each stored tensor known by the name it gives (a family's loading renames),
-    read from its file under its own; two stored tensors given one name are refused."""
+    read from its file under its own, and held transposed where it says so; two stored tensors
+    given one name are refused."""
     a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0).view(2, 2)
     safetensors.torch.save_file({"old.a": a, "b": b}, tmp_path / "f.safetensors")
-    with LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: n.replace("old.", "new.")) as lazy:
+    renamed = lambda n: Renamed(n.replace("old.", "new."), transposed=n == "old.a")  # noqa: E731
+    with LazyTensors([tmp_path / "f.safetensors"], rename=renamed) as lazy:
         assert sorted(lazy) == ["b", "new.a"] and "old.a" not in lazy
+        assert lazy.transposed("new.a") and not lazy.transposed("b")
         assert (
             torch.equal(lazy["new.a"], a)
             and lazy.shape("new.a") == (2, 3)
@@ -93,7 +96,7 @@ def test_renamed_tensors_are_read_under_their_new_names(tmp_path: Path) -> None:
         )
         assert torch.equal(lazy.read_part("new.a", (1, 2)), a[1:2]) and lazy.dtype("new.a") == torch.float32
     with pytest.raises(ValueError, match=r"b and old\.a both read as b"):
-        LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: "b")
+        LazyTensors([tmp_path / "f.safetensors"], rename=lambda n: Renamed("b"))
 
 
 def test_a_vector_band_is_read(tmp_path: Path) -> None:

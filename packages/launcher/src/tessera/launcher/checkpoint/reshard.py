@@ -34,7 +34,7 @@ from tessera.launcher.checkpoint.adapted import Adapters
 from tessera.launcher.checkpoint.consolidate import full_tensor
 from tessera.launcher.checkpoint.exported import ExportPart, assemble, found_parts, parts_of, sliced
 from tessera.launcher.checkpoint.placement import Boosted, load_buffers, local_part
-from tessera.launcher.checkpoint.tensorfile import LazyTensors, Renames, weight_files
+from tessera.launcher.checkpoint.tensorfile import LazyTensors, weight_files
 
 __all__ = [
     "PORTABLE",
@@ -308,10 +308,10 @@ def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[Expor
     exported, adapters, renames = placement.exported, placement.adapters, placement.renames
     if name in exported:
         parts = found_parts(exported[name], weights.__contains__)
-        return None if parts is None else tuple(_as_stored(p, weights, renames) for p in parts)
+        return None if parts is None else tuple(_as_stored(p, weights) for p in parts)
     plain = _source(name, weights, adapters)
     if plain is not None:
-        return (_as_stored(ExportPart(plain), weights, renames),)
+        return (_as_stored(ExportPart(plain), weights),)
     if renames is None:
         return None
     owner = adapters.owner(name)  # an adapted layer's base: the plain model's name
@@ -321,10 +321,10 @@ def _file_parts(engine: Boosted, name: str, weights: LazyTensors) -> tuple[Expor
     return found_parts(split, weights.__contains__) if split else None
 
 
-def _as_stored(part: ExportPart, weights: LazyTensors, renames: Renames | None) -> ExportPart:
+def _as_stored(part: ExportPart, weights: LazyTensors) -> ExportPart:
     """``part`` as the file holds it: transposed where transformers transposes the stored tensor
-    on load (Ergo's ``gate_kernel``)."""
-    if renames is None or not renames.transposed(weights.stored(part.name)):
+    on load (Ergo's ``gate_kernel``: `LazyTensors.transposed`)."""
+    if not weights.transposed(part.name):
         return part
     return replace(part, transpose=not part.transpose)
 
@@ -354,7 +354,7 @@ def import_weights(engine: Boosted, path: Path, extra: Mapping[str, Tensor] | No
     extra = extra or {}
     shapes = engine.placement.full_shapes
     renames = engine.placement.renames
-    with LazyTensors(weight_files(path), rename=renames) as weights:
+    with LazyTensors(weight_files(path), rename=None if renames is None else renames.read) as weights:
         wanted = {engine.placement.names[p] for flat in engine.zero.flats for p in flat.params}
         found = {n: _file_parts(engine, n, weights) for n in wanted}
         sources = {n: s for n, s in found.items() if s is not None}

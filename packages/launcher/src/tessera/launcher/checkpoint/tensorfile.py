@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from torch import Tensor
 from tessera.comm.safefile import SafeFile
 from tessera.launcher.checkpoint.exported import Band, ExportPart
 
-__all__ = ["INDEX", "LazyTensors", "Renames", "weight_files"]
+__all__ = ["INDEX", "LazyTensors", "Renamed", "Renames", "weight_files"]
 
 INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
 # a column band is read one row at a time when a row's part is at least this long: below it,
@@ -29,22 +29,25 @@ INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded chec
 MIN_RUN_BYTES = 4096
 
 
+class Renamed(NamedTuple):
+    """A checkpoint's tensor as the model knows it: its ``name`` there, and whether the file
+    holds it ``transposed`` (a matrix that transformers transposes as it loads it)."""
+
+    name: str
+    transposed: bool = False
+
+
 class Renames(Protocol):
     """How a foreign checkpoint's tensor names read as the model's (a Hugging Face family's
     loading renames: `tessera.launcher.families.hf_names`)."""
 
-    def __call__(self, stored: str) -> str:
-        """The model's name for the checkpoint's tensor ``stored`` (itself when not renamed)."""
+    def read(self, stored: str) -> Renamed:
+        """The checkpoint's tensor ``stored`` as the model knows it (its own name when not renamed)."""
         ...
 
     def unread(self, stored: Iterable[str]) -> str:
         """Why some of the checkpoint's tensors ``stored`` cannot be read as they are (a
         transformation on load that import does not make), for an error; "" when none."""
-        ...
-
-    def transposed(self, stored: str) -> bool:
-        """Whether the checkpoint's tensor ``stored`` holds the model's transposed (a matrix that
-        transformers transposes on load)."""
         ...
 
     def parts(self, name: str) -> tuple[ExportPart, ...]:
@@ -80,26 +83,29 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
 
 class LazyTensors(Mapping[str, Tensor]):
     """The tensors of ``paths`` by name (a name in two files: the later file's), each read on
-    access; ``rename``: the name each stored name is known by here (a family's loading renames,
-    `tessera.launcher.families.hf_names`), ValueError naming two stored tensors it gives one
-    name. Close it (or use it as a context manager) to release the files."""
+    access; ``rename``: how each stored tensor is known here (`Renamed`: a family's loading
+    renames, `tessera.launcher.families.hf_names`), ValueError naming two stored tensors it
+    gives one name. Close it (or use it as a context manager) to release the files."""
 
     def __init__(
-        self, paths: Sequence[str | os.PathLike[str]], rename: Callable[[str], str] | None = None
+        self, paths: Sequence[str | os.PathLike[str]], rename: Callable[[str], Renamed] | None = None
     ) -> None:
         self._files = [SafeFile(Path(p)) for p in paths]
         self._where: dict[str, SafeFile] = {}
         self._stored: dict[str, str] = {}  # a renamed tensor's name here -> its name in its file
+        self._transposed: set[str] = set()  # tensors the file holds transposed, by name here
         seen: dict[str, str] = {}
         for f in self._files:
             for stored in f.entries:
-                name = stored if rename is None else rename(stored)
+                name, transposed = (stored, False) if rename is None else rename(stored)
                 other = seen.setdefault(name, stored)
                 if other != stored:
                     both = " and ".join(sorted((other, stored)))
                     raise ValueError(f"{f.path}: {both} both read as {name}")
                 if name != stored:
                     self._stored[name] = stored
+                if transposed:
+                    self._transposed.add(name)
                 self._where[name] = f
 
     def _entry(self, name: str) -> tuple[SafeFile, str]:
@@ -108,6 +114,10 @@ class LazyTensors(Mapping[str, Tensor]):
     def stored(self, name: str) -> str:
         """Tensor ``name``'s name in its file (``name`` itself when not renamed)."""
         return self._stored.get(name, name)
+
+    def transposed(self, name: str) -> bool:
+        """Whether the file holds tensor ``name`` transposed (``Renamed.transposed``)."""
+        return name in self._transposed
 
     def metadata(self, index: int = 0) -> dict[str, str]:
         """The ``__metadata__`` of the ``index``-th file."""

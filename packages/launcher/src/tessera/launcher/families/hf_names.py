@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart
+from tessera.launcher.checkpoint.tensorfile import Renamed
 
 __all__ = ["HFNames", "expert_merges", "hf_renames", "per_expert"]
 
@@ -45,20 +46,27 @@ class HFNames:
     shapes: Mapping[str, tuple[int, ...]]  # the model's tensors, by name
 
     def __call__(self, stored: str) -> str:
+        """The model's name for the checkpoint's tensor ``stored`` (itself when not renamed)."""
+        return self.read(stored).name
+
+    def read(self, stored: str) -> Renamed:
+        """The checkpoint's tensor ``stored`` as the model knows it: its name, and whether
+        transformers transposes it as it loads it (a whole matrix: Ergo's ``gate_kernel``)."""
         if stored in self.shapes:
-            return stored
+            return Renamed(stored)
         from transformers.core_model_loading import apply_converters, apply_renamings
 
         renamed = apply_renamings(stored, list(self.renamings))
         final, _ = apply_converters(renamed, list(self.converters))
-        if self._transposing(renamed, final):  # a whole matrix, transposed: known by its final name
+        transposed = self._transposing(renamed, final)
+        if transposed:  # known by its final name
             renamed = final
         lead = f"{self.prefix}."
         if self.prefix and final.startswith(lead) and final[len(lead) :] in self.shapes:
-            return renamed[len(lead) :] if renamed.startswith(lead) else renamed
+            return Renamed(renamed[len(lead) :] if renamed.startswith(lead) else renamed, transposed)
         if self.prefix and f"{lead}{final}" in self.shapes:
-            return f"{lead}{renamed}"
-        return renamed
+            return Renamed(f"{lead}{renamed}", transposed)
+        return Renamed(renamed, transposed)
 
     def unread(self, stored: Iterable[str]) -> str:
         from transformers.core_model_loading import apply_renamings
@@ -95,16 +103,6 @@ class HFNames:
                 shape = self.shapes.get(final) or self.shapes.get(f"{self.prefix}.{final}", ())
                 return _transposes(converter) and len(shape) == 2
         return False
-
-    def transposed(self, stored: str) -> bool:
-        """Whether transformers transposes the checkpoint's tensor ``stored`` as it loads it."""
-        if stored in self.shapes:
-            return False
-        from transformers.core_model_loading import apply_converters, apply_renamings
-
-        renamed = apply_renamings(stored, list(self.renamings))
-        final, _ = apply_converters(renamed, list(self.converters))
-        return self._transposing(renamed, final)
 
     def parts(self, name: str) -> tuple[ExportPart, ...]:
         """Where a checkpoint holds the model's tensor ``name`` when transformers splits one
