@@ -140,7 +140,7 @@ def test_a_converted_models_weights_load_back_into_transformers(build: Any) -> N
         for p in converted.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
     fresh = build()
-    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict()), strict=True)
+    fresh.load_state_dict(hf_moe_state_dict(converted.state_dict(), like=fresh), strict=True)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(fresh(ids).logits, converted(ids).logits, **TOL)
 
@@ -221,7 +221,7 @@ def test_a_mixtral_trained_through_boost_loads_into_transformers(
     path = str(tmp_path / "model.safetensors")
     worker_pools(config.world_size).run(_train_and_consolidate, config, path, timeout=180)
     fresh = _mixtral()
-    fresh.load_state_dict(hf_moe_state_dict(safetensors.torch.load_file(path)), strict=True)
+    fresh.load_state_dict(hf_moe_state_dict(safetensors.torch.load_file(path), like=fresh), strict=True)
     _, weights = _serial()
     trained = _build()
     trained.load_state_dict(weights)

@@ -78,7 +78,7 @@ from tessera.launcher.families.hf_moe_kinds import (
 )
 from tessera.launcher.families.hf_moe_router_kinds import ROUTER_KINDS
 from tessera.launcher.testing import RandomTokens, assert_matches_serial, redrawn, serial_run, sgd
-from tessera.launcher.testing_hf_moe import sparse_blocks, tiny_moe_model, token_ids
+from tessera.launcher.testing_hf_moe import assert_weights_load_back, sparse_blocks, tiny_moe_model, token_ids
 from tessera.launcher.train.moe_style import MOE_STYLE
 from tessera.moe import MoE
 from tessera.tensor_parallel import resolve
@@ -458,6 +458,14 @@ def test_every_other_family_converted_gives_transformers_logits(family: str) -> 
     assert convert_hf_moe(converted) >= 1
     ids = token_ids(3)
     torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MORE)
+def test_every_other_familys_converted_weights_load_back_into_transformers(family: str) -> None:
+    """``hf_moe_state_dict`` joins each converted layer's tensors back into its block's (ERNIE's
+    score bias in its ``[1, E]``), which a fresh model loads strictly and then gives the converted
+    model's logits (rtol and atol 1e-5, as above)."""
+    assert_weights_load_back(lambda: _survey_model(family))
 
 
 @pytest.mark.parametrize(("family", "mode"), MORE_CASES)

@@ -96,9 +96,10 @@ class ExportPart:
         return (*shape[:-2], shape[-1], shape[-2]) if self.transpose else shape
 
     def take(self, full: Tensor) -> Tensor:
-        """The piece from the trained parameter's full value."""
+        """The piece from the trained parameter's full value (in its ``view``, where it has one)."""
         out = full[self.index] if self.index is not None else full
-        return out.transpose(-2, -1).contiguous() if self.transpose else out
+        out = out.transpose(-2, -1).contiguous() if self.transpose else out
+        return out if self.view is None else out.reshape(self.view)
 
     def fits(self, full: Sequence[int], saved: Sequence[int]) -> bool:
         """Whether a saved tensor shaped ``saved`` holds this piece of a parameter shaped ``full``."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,14 +55,14 @@ from tessera.launcher.families.hf_moe_banks import (
     read_parts,
 )
 from tessera.launcher.families.hf_moe_export import (
+    block_parts,
     block_tensor,
-    exported_parts,
     hf_moe_state_dict,
     renamed_tensors,
 )
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
-from tessera.launcher.families.hf_names import expert_merges, per_expert
+from tessera.launcher.families.hf_names import expert_merges
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 from tessera.moe.activations import is_gated
@@ -322,11 +321,7 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
                 "converted router holds it as a buffer, which deferred initialization does not make; "
                 "build the model with its weights"
             )
-        exported = per_expert(exported_parts(name, layout), merges, layout.experts)
-        if layout.score_bias is not None:  # exported as HF holds it (ERNIE's [1, E], the router's [E])
-            shape = tuple(block_tensor(block, layout.score_bias).shape)
-            (bias,) = exported[f"{name}.router.score_bias"]
-            exported[f"{name}.router.score_bias"] = (replace(bias, view=shape if len(shape) > 1 else None),)
+        exported = block_parts(name, block, layout, merges)
         assert {f"{name}.{n}" for n, _ in layer.named_parameters()} <= set(exported)
         conversion.exported.update(exported)
         if groups is not None:

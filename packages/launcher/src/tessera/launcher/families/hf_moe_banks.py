@@ -22,14 +22,14 @@ layout in DeepSeek-V3's block: `bank_layout`). Shared experts: a SwiGLU MLP (``g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, assemble
+from tessera.launcher.checkpoint.exported import Band, ExportPart, assemble
 from tessera.launcher.families.hf_moe_expert_norms import EXPERT_NORM, read_norm
 from tessera.launcher.families.hf_moe_kinds import (
     EXPERTS,
@@ -49,7 +49,6 @@ __all__ = [
     "bank_layout",
     "bank_module",
     "bank_parts",
-    "bank_state",
     "holds_bank",
     "holds_parallel_experts",
     "is_silu",
@@ -373,22 +372,3 @@ def bank_parts(
 def read_parts(block: nn.Module, parts: tuple[ExportPart, ...]) -> Tensor:
     """The trained tensor made of ``parts`` of ``block``'s tensors (names relative to it)."""
     return assemble(parts, [block.get_parameter(p.name) for p in parts])
-
-
-def bank_state(
-    prefix: str, state: Mapping[str, Tensor], parts: Mapping[str, tuple[ExportPart, ...]]
-) -> dict[str, Tensor]:
-    """HF's bank tensors (named ``<prefix>.<HF name>``) from a converted layer's ``state`` entries
-    ``<prefix>.experts.w1``, ... (``parts`` relative to the block, as `bank_parts` gives)."""
-    names = [f"{prefix}.{n}" for n in parts]
-    full = {
-        f"{prefix}.{n}": tuple(ExportPart(f"{prefix}.{p.name}", p.index, p.transpose, p.band) for p in ps)
-        for n, ps in parts.items()
-    }
-    joiner, out = Joiner(full, names), {}
-    for name in names:
-        for part in full[name]:
-            done = joiner.add(part, part.take(state[name]))
-            if done is not None:
-                out[part.name] = done.contiguous()
-    return out

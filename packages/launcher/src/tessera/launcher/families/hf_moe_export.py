@@ -5,8 +5,9 @@ tensors (``tessera.launcher.checkpoint.exported``), which ``boost()``'s exports,
 files, imports and deferred initialization all follow: ``w1`` / ``w3`` the gate / up band of
 ``experts.gate_up_proj`` (rows, columns, or alternating columns as the bank lays them out),
 ``w2`` ``experts.down_proj``, the `PART_LAYOUTS` banks as `bank_parts` lays them out, the
-router's and shared experts' tensors. `hf_moe_state_dict`: a converted model's state dict under
-transformers' names again (the way back, for a model converted by hand).
+router's and shared experts' tensors (`block_parts` adds the older per-expert layout).
+`hf_moe_state_dict`: a converted model's state dict under transformers' names again, joined
+through those parts (the way back, for a model converted by hand).
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-import torch
 from torch import Tensor, nn
 
-from tessera.launcher.checkpoint.exported import Band, ExportPart
-from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts, bank_state
+from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, parts_of
+from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
-from tessera.launcher.families.hf_moe_shared import SWIGLU_SHARED
+from tessera.launcher.families.hf_names import per_expert
 
-__all__ = ["block_tensor", "exported_parts", "hf_moe_state_dict", "renamed_tensors"]
+__all__ = ["block_parts", "block_tensor", "exported_parts", "hf_moe_state_dict", "renamed_tensors"]
 
 
 def block_tensor(module: nn.Module, dotted: str) -> Tensor:
@@ -109,119 +109,45 @@ def _gate_up_bands(bank: str, h: int) -> tuple[Band, Band]:
     return Band(dim, 0, h), Band(dim, h, 2 * h)
 
 
-def _gate_up(gate: Tensor, up: Tensor, bank: str) -> Tensor:
-    """HF's fused ``gate_up_proj`` (or its bias) from the bank's ``w1`` / ``w3`` (``b1`` / ``b3``)
-    as ``bank`` (`BankLayout`) lays it out: rows ``[E, 2h, d]``, columns ``[E, d, 2h]``, or
-    columns alternating gate and up (the biases ``[E, 2h]`` alternating too)."""
-    if bank == "interleaved":
-        return torch.stack([gate, up], dim=-1).flatten(-2)
-    if bank == "columns":
-        return torch.cat([gate, up], dim=-1)
-    return torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], dim=1)
+def block_parts(
+    name: str, block: nn.Module, layout: HFLayout, merges: Mapping[str, tuple[str, ...]] | None = None
+) -> dict[str, tuple[ExportPart, ...]]:
+    """`exported_parts` of HF block ``block`` (at ``name``, read as ``layout``), with the
+    per-expert tensors of its checkpoints (``merges``: `hf_names.expert_merges`) as older parts
+    and a score-correction bias exported in the shape the block holds it (ERNIE's ``[1, E]``)."""
+    exported = exported_parts(name, layout)
+    if merges:
+        exported = per_expert(exported, merges, layout.experts)
+    if layout.score_bias is not None:  # exported as HF holds it (ERNIE's [1, E], the router's [E])
+        shape = tuple(block_tensor(block, layout.score_bias).shape)
+        (bias,) = exported[f"{name}.router.score_bias"]
+        exported[f"{name}.router.score_bias"] = (replace(bias, view=shape if len(shape) > 1 else None),)
+    return exported
 
 
-_SWIGLU_NAMES = {f"shared.{w}": (proj, band) for w, proj, band in SWIGLU_SHARED}
-_MIXTRAL_NAMES = ("gate.weight", "gate.e_score_correction_bias", "shared_expert", "shared_expert_gate")
-
-
-def hf_moe_state_dict(state: Mapping[str, Tensor], like: nn.Module | None = None) -> dict[str, Tensor]:
+def hf_moe_state_dict(state: Mapping[str, Tensor], *, like: nn.Module) -> dict[str, Tensor]:
     """A converted model's state dict (``convert_hf_moe``'s names, e.g. what ``consolidate``
-    writes) under transformers' names again, so that the HF model loads it strictly: per MoE
-    layer the router's weight (and score-correction bias), ``experts.gate_up_proj = [w1.T |
-    w3.T]`` and ``experts.down_proj = w2.T`` per expert (Llama 4's, laid out by columns: ``[w1 |
-    w3]`` and ``w2``), the shared expert's ``gate_proj`` /
-    ``up_proj`` / ``down_proj`` and its gate. The names are those of ``like``'s blocks at the
-    same places (an unconverted model of the family, e.g. the one to load into; its weights are
-    not read, so it may be on the meta device); without it, Mixtral's and Qwen2-MoE's
-    (``gate``, ``shared_expert``, ``shared_expert_gate``). Every other entry is kept as it is."""
-    out: dict[str, Tensor] = {}
-    layers = {
+    writes) under transformers' names again, so that the HF model loads it strictly: each
+    converted layer's tensors joined into the tensors of the block at the same place in
+    ``like`` (an unconverted model of the family, e.g. the one to load into; its weights are
+    not read, so it may be on the meta device) as `block_parts` lays them out, streamed as
+    ``consolidate`` streams them. Every other entry is kept as it is; ValueError naming an
+    entry of a converted layer that transformers has no name for."""
+    layers = [
         k.removesuffix(".router.weight")
         for k in state
         if k.endswith(".router.weight") and k.replace(".router.weight", ".experts.w1") in state
-    }
-    names: dict[str, tuple[str, str | None, str | None, str | None]] = {}
-    shapes: dict[str, torch.Size] = {}
-    banks: dict[str, str] = {}  # the layers whose experts are not laid out by rows (Llama 4, GPT-OSS)
-    router_biases: dict[str, str] = {}
-    post_norms: dict[str, str] = {}  # the layers whose blocks normalise their output (AXK1)
-    out_biases: dict[str, str] = {}  # the layers whose blocks add a bias to their output (JetMoE)
-    projections: dict[str, dict[str, tuple[str, Band | None]]] = {}  # shared.w1 -> gate_proj, ...
-    halves: dict[str, dict[int, Tensor]] = {}  # a fused shared projection's bands as they come
-    joined: dict[str, dict[str, Tensor]] = {}  # the `PART_LAYOUTS` banks, joined from their parts
-    renamed: dict[str, dict[str, tuple[str, int | None]]] = {}  # `_renamed`, by layer
-    stacked: set[str] = set()  # the layers whose shared experts are stacked [S, out, in] (Inkling)
+    ]
+    exported: dict[str, tuple[ExportPart, ...]] = {}
     for layer in layers:
-        if like is None:
-            names[layer] = _MIXTRAL_NAMES
-            continue
         block = like.get_submodule(layer)
-        layout: HFLayout = read_layout(block)
-        names[layer] = (layout.router_weight, layout.score_bias, layout.shared, layout.shared_gate)
-        projections[layer] = {f"shared.{w}": (hf, band) for w, hf, band in layout.shared_projections}
-        renamed[layer] = {ours: (theirs, index) for ours, theirs, index in renamed_tensors(layout)}
-        if layout.shared_stacked:
-            stacked.add(layer)
-        if layout.bank in PART_LAYOUTS:
-            parts = bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm)
-            joined[layer] = bank_state(layer, state, parts)
-        elif layout.columns:
-            banks[layer] = layout.bank
-        if layout.router_bias is not None:
-            router_biases[layer] = layout.router_bias
-        if layout.post_norm is not None:
-            post_norms[layer] = layout.post_norm
-        if layout.out_bias is not None:
-            out_biases[layer] = layout.out_bias
-        if layout.score_bias is not None:
-            shapes[layer] = block_tensor(block, layout.score_bias).shape
+        exported.update(block_parts(layer, block, read_layout(block)))
+    joiner, out = Joiner(exported, list(state)), {}
     for name, value in state.items():
-        prefix = next((p for p in layers if name.startswith(p + ".")), None)
-        if prefix is None:
-            out[name] = value
-            continue
-        router, bias, shared, shared_gate = names[prefix]
-        rest = name[len(prefix) + 1 :]
-        if prefix in joined and rest in ("experts.w1", "experts.w3", "experts.w2", "experts.norm"):
-            if rest == "experts.w1":
-                out.update(joined[prefix])
-        elif rest == "router.weight":
-            out[f"{prefix}.{router}"] = value
-        elif rest in renamed.get(prefix, {}):
-            theirs, index = renamed[prefix][rest]
-            out[f"{prefix}.{theirs}"] = value if index is None else value[index]
-        elif rest == "router.score_bias" and bias is not None:
-            out[f"{prefix}.{bias}"] = value.reshape(shapes.get(prefix, value.shape))
-        elif rest == "router.bias" and prefix in router_biases:
-            out[f"{prefix}.{router_biases[prefix]}"] = value
-        elif rest in ("experts.w1", "experts.b1"):
-            hf = "gate_up_proj" if rest == "experts.w1" else "gate_up_proj_bias"
-            up = state[f"{prefix}.experts.{rest[-2]}3"]
-            out[f"{prefix}.experts.{hf}"] = _gate_up(value, up, banks.get(prefix, "rows"))
-        elif rest == "experts.w2":
-            out[f"{prefix}.experts.down_proj"] = (
-                value if prefix in banks else value.transpose(1, 2)
-            ).contiguous()
-        elif rest == "experts.b2" and banks.get(prefix) == "interleaved":
-            out[f"{prefix}.experts.down_proj_bias"] = value
-        elif rest.startswith("shared.w") and shared is not None:
-            proj, band = projections.get(prefix, _SWIGLU_NAMES)[rest]
-            hf_name = f"{prefix}.{shared}.{proj}" + ("" if prefix in stacked else ".weight")
-            if prefix in stacked:  # Inkling's [S, out, in]
-                out[hf_name] = value.transpose(1, 2).contiguous()
-            elif band is None:
-                out[hf_name] = value[0].t().contiguous()
-            else:  # MiniMax-M3's gate_up_proj: gate rows, then up rows
-                held = halves.setdefault(hf_name, {})
-                held[band.start] = value[0].t()
-                if len(held) == 2:
-                    out[hf_name] = torch.cat([held[start] for start in sorted(held)]).contiguous()
-        elif rest == "shared_gate" and shared_gate is not None:
-            out[f"{prefix}.{shared_gate}.weight"] = value
-        elif rest == "post_norm" and prefix in post_norms:
-            out[f"{prefix}.{post_norms[prefix]}.weight"] = value
-        elif rest == "bias":  # `OutputBiasMoE`'s output bias: the block's (JetMoE's ``bias``)
-            out[f"{prefix}.{out_biases.get(prefix, 'bias')}"] = value
-        elif rest not in ("experts.w3", "experts.b3"):
+        if name not in exported and any(name.startswith(f"{layer}.") for layer in layers):
             raise ValueError(f"{name}: not a tessera.moe.MoE entry transformers has a name for")
+        for part in parts_of(name, exported):
+            tensor = joiner.add(part, part.take(value))
+            if tensor is not None:
+                out[part.name] = tensor
     return out
