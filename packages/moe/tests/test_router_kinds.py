@@ -12,6 +12,7 @@ at least ``1 / E``), else to rtol 1e-6; the layer against its reference fp32 rto
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -254,3 +255,20 @@ def test_the_readme_routers_example_runs() -> None:
     weights, groups = namespace["weights"], namespace["groups"]
     torch.testing.assert_close(weights.sum(-1), torch.full((12,), 2.5))
     assert namespace["layer"].router.score_bias is not None and groups.shape == (12, 2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([RouterSpec(), RouterSpec(score="sigmoid", choice_bias=True)]))
+def test_a_float32_router_computes_its_logits_in_fp32_in_a_bf16_layer(seed: int, spec: RouterSpec) -> None:
+    """``float32=True`` in a bf16 router: its logits are exactly the fp32 product of its bf16 input
+    and weight cast up (what DeepSeek-V3's router computes), not bf16 ones; the rest of the spec
+    routes as it did (``is_default`` ignores the dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
+    pair = (spec, dataclasses.replace(spec, float32=True))
+    routers = [TopKRouter(16, 8, 2, renormalize=True, spec=s, seed=seed).to(torch.bfloat16) for s in pair]
+    plain, fp32 = (r(x).logits for r in routers)
+    want = x.float() @ routers[0].weight.float().t()
+    assert plain.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    torch.testing.assert_close(fp32, want, rtol=0, atol=0)  # the same fp32 product, bit for bit
+    assert pair[1].is_default == spec.is_default

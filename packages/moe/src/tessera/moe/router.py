@@ -40,6 +40,12 @@ its own) are defined for them. A router built with ``scale=True`` (`TopKRouter`)
 scalar ``scale [1]`` (ones at first; Inkling's ``global_scale``) multiplying every weight, the
 shared ones too, after the spec's ``scale``.
 
+The logits' dtype: by default the input's (in a bf16 model, bf16 logits; the scores are
+computed in fp32 from them). ``float32=True``: the logits of the input and the weight cast to
+fp32, as DeepSeek-V3's and many later routers compute them in any dtype (in bf16, a router
+computing bf16 logits rounds them to 8 bits of mantissa, which changes the choice of tokens
+whose experts' scores are that close).
+
 Outside the default, renormalisation divides by ``sum + 1e-20`` as DeepSeek-V3 does (no
 difference unless the chosen scores sum below about ``1e-13``; LFM2 adds ``1e-6``). The
 default spec takes the original code path, so a default router routes bit for bit as before
@@ -53,6 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.moe.adapters import deltas
@@ -78,7 +85,8 @@ _EPS = 1e-20  # DeepSeek-V3's renormalisation guard
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     """How a router turns logits into choices and weights (module docstring). The default is
-    softmax, no bias, one group, scale 1: Mixtral's router."""
+    softmax, no bias, one group, scale 1: Mixtral's router. ``float32``: `TopKRouter` computes
+    the logits from its input and weight cast to fp32, whatever their dtype (module docstring)."""
 
     score: ScoreFunction = "softmax"
     choice_bias: bool = False
@@ -89,11 +97,12 @@ class RouterSpec:
     choose_by: ChooseBy = "scores"
     group_fill: float = float("-inf")
     renorm_eps: float = _EPS
+    float32: bool = False
 
     @property
     def is_default(self) -> bool:
-        """Whether this is plain softmax top-k (the original code path)."""
-        return self == RouterSpec()
+        """Whether this is plain softmax top-k (the original code path; in whatever dtype)."""
+        return replace(self, float32=False) == RouterSpec()
 
     def problem(self, experts: int, top_k: int) -> str:
         """Why this spec cannot route ``top_k`` of ``experts`` experts ("" when it can)."""
@@ -282,7 +291,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
-        logits = x @ weight.t() if self.bias is None else x @ weight.t() + self.bias
+        if self.spec.float32:  # DeepSeek-V3's F.linear(x.float(), weight.float()), in any dtype
+            x, weight = x.float(), weight.float()
+        logits = x @ weight.t() if self.bias is None else F.linear(x, weight, self.bias.to(weight.dtype))
         routing = route(
             logits,
             self.top_k,

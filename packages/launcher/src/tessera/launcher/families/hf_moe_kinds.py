@@ -97,13 +97,16 @@ class RouterKind:
     """A router ``forward``, read from ``transformers.models.<like>`` (``"<model>.<Class>"``) and
     recognised by its `source_key` ``key``: ``read(block, name)`` gives the router
     ``block.<name>`` in ``tessera.moe``'s terms (ValueError naming what of this instance cannot
-    be reproduced); without ``read``, ``refusal`` says why the kind cannot be."""
+    be reproduced); without ``read``, ``refusal`` says why the kind cannot be. ``float32``: the
+    router computes its logits in fp32 whatever the model's dtype (``F.linear(x.float(),
+    weight.float())``: ``tessera.moe.RouterSpec``'s ``float32``)."""
 
     name: str
     like: str
     key: str
     read: Callable[[Any, str], RouterReading] | None = None
     refusal: str = ""
+    float32: bool = False
 
 
 @dataclass(frozen=True, slots=True)

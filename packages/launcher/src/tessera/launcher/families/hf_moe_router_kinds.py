@@ -8,7 +8,9 @@ sigmoid-with-bias routers (MiniMax-M2/M3, HunYuan-V3, AFMoE, Laguna, Inkling 2, 
 ERNIE's softmax with a bias, Llama 4's sigmoid of the top-k logits, GPT-OSS's softmax of the
 top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero experts, Ergo's
 sigmoid-with-bias, Inkling's that scores its shared experts too; PhiMoE's
-sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'.
+sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'. A kind
+marked ``float32`` computes its logits in fp32 in any dtype, as its HF forward does (DeepSeek-V3's
+``F.linear(x.float(), weight.float())``; ``tests/test_hf_moe_bf16_routers.py`` holds each to HF's).
 """
 
 from __future__ import annotations
@@ -238,7 +240,9 @@ def _beam(block: Any, name: str) -> RouterReading:
 
 ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind("softmax-top-k", "qwen3_moe.Qwen3MoeTopKRouter", "2a5d7542c840d638", _softmax(None)),
-    RouterKind("softmax-top-k", "lara_mini.LaraMiniTopKRouter", "4d19b824fc4d1a01", _softmax(None)),
+    RouterKind(
+        "softmax-top-k", "lara_mini.LaraMiniTopKRouter", "4d19b824fc4d1a01", _softmax(None), float32=True
+    ),
     RouterKind("softmax-top-k renormalised", "mixtral.MixtralTopKRouter", "6acabffb13f6bb47", _softmax(True)),
     RouterKind(
         "softmax-top-k renormalised", "qwen3_5_moe.Qwen3_5MoeTopKRouter", "d90afdd1bd17ac09", _softmax(True)
@@ -258,9 +262,15 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind(
         "top-k logits, softmax or sigmoid", "cohere2_moe.Cohere2MoeTopKRouter", "e1cfc56abee930e0", _cohere2
     ),
-    RouterKind("deepseek-v3", "deepseek_v3.DeepseekV3TopkRouter", "423d9ba5bcbc29ee", _deepseek_v3),
-    RouterKind("deepseek-v3", "minicpm5_moe.MiniCPM5MoeTopkRouter", "6c67854225de40a4", _deepseek_v3),
-    RouterKind("deepseek-v2", "deepseek_v2.DeepseekV2TopkRouter", "28548307e0e8b78a", _deepseek_v2),
+    RouterKind(
+        "deepseek-v3", "deepseek_v3.DeepseekV3TopkRouter", "423d9ba5bcbc29ee", _deepseek_v3, float32=True
+    ),
+    RouterKind(
+        "deepseek-v3", "minicpm5_moe.MiniCPM5MoeTopkRouter", "6c67854225de40a4", _deepseek_v3, float32=True
+    ),
+    RouterKind(
+        "deepseek-v2", "deepseek_v2.DeepseekV2TopkRouter", "28548307e0e8b78a", _deepseek_v2, float32=True
+    ),
     RouterKind(
         "sigmoid + bias",
         "minimax_m2.MiniMaxM2TopKRouter",
@@ -272,6 +282,7 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         "hy_v3.HYV3TopKRouter",
         "eee38278778cab25",
         _sigmoid(bias="e_score_correction_bias", scale="router_scaling_factor"),
+        float32=True,
     ),
     RouterKind(
         "sigmoid + bias, scaled",
@@ -280,12 +291,16 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         _sigmoid(bias="expert_bias", scale="route_scale", weight="gate.weight"),
     ),
     RouterKind("sigmoid + bias", "laguna.LagunaTopKRouter", "a5c7b29ef9b9cf47", _laguna),
-    RouterKind("sigmoid top-k", "flint.FlintTopKRouter", "c263946af55a5133", _flint),
-    RouterKind("softmax + bias", "ernie4_5_moe.Ernie4_5_MoeTopKRouter", "4097eaeeeec9d3ab", _ernie),
+    RouterKind("sigmoid top-k", "flint.FlintTopKRouter", "c263946af55a5133", _flint, float32=True),
+    RouterKind(
+        "softmax + bias", "ernie4_5_moe.Ernie4_5_MoeTopKRouter", "4097eaeeeec9d3ab", _ernie, float32=True
+    ),
     RouterKind("sigmoid of the top-k logits", "llama4.Llama4Router", "6059462df44bcda0", _llama4),
     RouterKind("softmax of the top-k logits", "aria.AriaTextTopKRouter", "db4ba175e9d6f201", _softmax(True)),
     RouterKind("softmax top-k, p-norm in the block", "dbrx.DbrxRouter", "54b5752f119b7342", _dbrx),
-    RouterKind("sigmoid + bias, scaled", "inkling2.Inkling2TopKRouter", "31734db132527195", _inkling2),
+    RouterKind(
+        "sigmoid + bias, scaled", "inkling2.Inkling2TopKRouter", "31734db132527195", _inkling2, float32=True
+    ),
     RouterKind(
         "sigmoid + bias",
         "minimax_m3_vl.MiniMaxM3VLTopKRouter",
@@ -304,18 +319,27 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         "over that masked set with a Heun third-order gradient estimator; tessera.moe's routers choose the "
         "top-k deterministically and differentiate their weights exactly",
     ),
-    RouterKind("sigmoid, by logits + bias", "kolibri1.Kolibri1TopKRouter", "a031a3a1ec09f295", _kolibri),
-    RouterKind("deepseek-v3, groups masked to 0.0", "axk2.AXK2TopkRouter", "7189c64fb391e00a", _axk2),
-    RouterKind("sigmoid + block's bias, scaled", "lfm2_moe.Lfm2MoeTopKRouter", "986975a29bb20107", _lfm2),
-    RouterKind("sigmoid + bias, scaled", "ergo.ErgoTopkRouter", "f62a003befb657d5", _ergo),
     RouterKind(
-        "sigmoid + bias, shared experts scored too", "inkling.InklingTopkRouter", "d60162986559217a", _inkling
+        "sigmoid, by logits + bias", "kolibri1.Kolibri1TopKRouter", "a031a3a1ec09f295", _kolibri, float32=True
+    ),
+    RouterKind(
+        "deepseek-v3, groups masked to 0.0", "axk2.AXK2TopkRouter", "7189c64fb391e00a", _axk2, float32=True
+    ),
+    RouterKind("sigmoid + block's bias, scaled", "lfm2_moe.Lfm2MoeTopKRouter", "986975a29bb20107", _lfm2),
+    RouterKind("sigmoid + bias, scaled", "ergo.ErgoTopkRouter", "f62a003befb657d5", _ergo, float32=True),
+    RouterKind(
+        "sigmoid + bias, shared experts scored too",
+        "inkling.InklingTopkRouter",
+        "d60162986559217a",
+        _inkling,
+        float32=True,
     ),
     RouterKind(
         "softmax + bias, zero experts too",
         "longcat_flash.LongcatFlashTopkRouter",
         "e719a3b78df5fbe9",
         _longcat,
+        float32=True,
     ),
     RouterKind(
         "softmax of the top-k logits",
@@ -323,5 +347,7 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         "f8d9cafa26f4062a",
         _softmax(True, "layer.weight"),
     ),
-    RouterKind("deepseek-v3, scaled on the block", "beam.BeamTopKRouter", "96ac29866ad23a29", _beam),
+    RouterKind(
+        "deepseek-v3, scaled on the block", "beam.BeamTopKRouter", "96ac29866ad23a29", _beam, float32=True
+    ),
 )

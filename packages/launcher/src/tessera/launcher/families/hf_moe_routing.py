@@ -145,6 +145,8 @@ def read_layout(block: nn.Module) -> HFLayout:
         if rkind.read is None:
             raise ValueError(rkind.refusal)
         reading = rkind.read(block, kind.router)
+        if rkind.float32:  # its logits in fp32 in any dtype
+            reading = replace(reading, routing=replace(reading.routing, float32=True))
         owner = block.get_submodule(reading.weight.rpartition(".")[0])
         if isinstance(owner, nn.Linear) and owner.bias is not None:
             raise ValueError(f"its router's {reading.weight} has a bias; tessera.moe's router has none")
