@@ -182,7 +182,8 @@ class Experts(nn.Module):
         if self.norm is None or self.norm_eps is None:
             return out
         norm = self.norm.unsqueeze(-2) if expert is None else self.norm[expert]
-        return norm * normalised(out, self.norm_eps)
+        # normalised and weighed in fp32, then cast to the output's dtype (Ergo's expert norm)
+        return (norm * normalised(out.float(), self.norm_eps)).to(out.dtype)
 
     def expert(self, i: int, x: Tensor) -> Tensor:
         """Run rows ``x [m, d]`` through the bank's expert ``i``."""

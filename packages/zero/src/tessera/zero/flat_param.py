@@ -331,9 +331,9 @@ class FlatParam:
         spare = self.spare_buffers
         if spare is None or self.sharded:
             return new(numel), False
-        base = next((b for b in spare if b.numel() >= numel and b.dtype == self.compute_dtype), None)
-        if base is not None and base.device == self.device:
-            spare.remove(base)
+        fits = [k for k, b in enumerate(spare) if b.numel() >= numel and b.dtype == self.compute_dtype]
+        if fits and spare[fits[0]].device == self.device:
+            base = spare.pop(fits[0])  # by place: ``remove`` would compare tensors of other dtypes by value
         else:  # sized for the largest FlatParam sharing the list, so any of them can reuse it
             base = new(max(numel, self.spare_numel))
         self._reduce_input = base

@@ -23,7 +23,7 @@ summed over ``group`` too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 
 from torch import nn
 
@@ -43,14 +43,15 @@ Pairs = list[tuple[str, nn.Parameter]]
 
 
 def _by_group(
-    pairs: Pairs, sharding: Mapping[nn.Parameter, Group], group: Group
+    pairs: Pairs, sharding: Mapping[nn.Parameter, Group], group: Group, apart: Set[int] = frozenset()
 ) -> list[tuple[Group, Pairs]]:
     """``pairs`` split by process group, the default ``group`` first, then the others in
-    order of first appearance; each keeps the order of ``pairs``."""
-    split: dict[int, tuple[Group, Pairs]] = {id(group): (group, [])}
+    order of first appearance, and those in ``apart`` (by ``id``) from the others of their
+    group; each keeps the order of ``pairs``."""
+    split: dict[tuple[int, bool], tuple[Group, Pairs]] = {(id(group), False): (group, [])}
     for name, p in pairs:
         g = sharding.get(p, group)
-        split.setdefault(id(g), (g, []))[1].append((name, p))
+        split.setdefault((id(g), id(p) in apart), (g, []))[1].append((name, p))
     return [(g, mine) for g, mine in split.values() if mine]
 
 
@@ -67,15 +68,17 @@ def build_flats(
     group: Group,
     sharding: Mapping[nn.Parameter, Group],
     make: FlatMaker,
+    apart: Set[int] = frozenset(),
 ) -> tuple[list[FlatParam], list[tuple[nn.Module, list[FlatParam]]]]:
     """The FlatParams (and, at stage 3, each unit's) of ``named`` (``group_of``: a
-    parameter's optimizer group by ``id``, ``n_groups`` for a frozen one)."""
+    parameter's optimizer group by ``id``, ``n_groups`` for a frozen one); the parameters in
+    ``apart`` (by ``id``: those computed in another dtype) in FlatParams of their own."""
     flats: list[FlatParam] = []
     unit_list: list[tuple[nn.Module, list[FlatParam]]] = []
     if stage in (0, 1, 2):
         for gi in range(n_groups + 1):
             mine = [(n, p) for n, p in reversed(named) if group_of[id(p)] == gi]
-            for g, pairs in _by_group(mine, sharding, group):
+            for g, pairs in _by_group(mine, sharding, group, apart):
                 sizes = [p.numel() * itemsize for _, p in pairs]
                 for bucket in bucketize(sizes, bucket_bytes):
                     flats.append(make([pairs[i] for i in reversed(bucket)], gi, False, g))
@@ -84,7 +87,7 @@ def build_flats(
         unit_flats = []
         for gi in range(n_groups + 1):
             mine = [(n, p) for n, p in pairs if group_of[id(p)] == gi]
-            for g, sub in _by_group(mine, sharding, group):
+            for g, sub in _by_group(mine, sharding, group, apart):
                 unit_flats.append(make(sub, gi, True, g))
         unit_list.append((unit, unit_flats))
         flats.extend(unit_flats)

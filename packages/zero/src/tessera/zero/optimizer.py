@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +117,11 @@ class ZeroOptimizer(ZeroState):
     a time, so no more than one FlatParam's values exist at once on any rank (with ``memory``,
     each is handed to the chunks, on disk if so placed, before the next is made). ``device``:
     where the parameters live (default: where the real ones are; needed when all are meta).
+
+    ``keep_fp32``: parameters and buffers of ``model`` computed in fp32 whatever ``precision``
+    (a router, a score-correction bias: what a Hugging Face family keeps in fp32 in bf16,
+    ``_keep_in_fp32_modules_strict``); such parameters get FlatParams of their own, whose
+    gathers, gradients and reductions are fp32 (their masters are fp32 like every other).
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class ZeroOptimizer(ZeroState):
         sharding: Mapping[nn.Parameter, Group] | None = None,
         init: Callable[[nn.Parameter], Tensor] | None = None,
         device: torch.device | None = None,
+        keep_fp32: Collection[Tensor] = (),
     ) -> None:
         if memory is not None and sharding:
             raise ValueError("sharding= (other groups) with memory=ChunkConfig() is not built")
@@ -167,30 +173,31 @@ class ZeroOptimizer(ZeroState):
                 "whose gradients are averaged; the others contribute partial sums)"
             )
         self.dtype = dtype
-        align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+        fp32 = {id(t) for t in keep_fp32}
         n_groups = len(optimizer.param_groups)
 
         def make(pairs: list[tuple[str, nn.Parameter]], gi: int, sharded: bool, over: Group) -> FlatParam:
+            held = torch.float32 if id(pairs[0][1]) in fp32 else dtype  # `build_flats` keeps them apart
             return (ChunkedFlatParam if memory is not None else FlatParam)(
                 [p for _, p in pairs],
                 [n for n, _ in pairs],
                 group_index=gi,
                 group=over,
-                compute_dtype=dtype,
+                compute_dtype=held,
                 offload=offload,
                 sharded=sharded,
                 replicated=stage == 0,
                 frozen=gi == n_groups,
-                align=align,
+                align=max(1, 16 // held.itemsize),
                 device=self.device,
             )
 
         self.flats, self.units = build_flats(
             model, named, group_of, stage=stage, n_groups=n_groups, bucket_bytes=bucket_bytes,
             itemsize=dtype.itemsize, units=default_units(model) if units is None else list(units),
-            group=group, sharding=sharding or {}, make=make,
+            group=group, sharding=sharding or {}, make=make, apart=fp32,
         )  # fmt: skip
-        cast_buffers_(model, dtype)
+        cast_buffers_(model, dtype, keep=fp32)
         self._trained = [f for f in self.flats if not f.frozen]  # the ones reduced and stepped
         # some stepped parameters sharded over ``sharding``'s groups (frozen ones count in no norm)
         self._mixed = mixed_groups(self._trained, group)

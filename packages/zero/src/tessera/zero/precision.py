@@ -8,6 +8,7 @@ rank sees a non-finite gradient, and doubles it after ``growth_interval`` clean 
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -31,12 +32,14 @@ def compute_dtype(precision: str) -> torch.dtype:
     return _DTYPES[precision]
 
 
-def cast_buffers_(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point buffers of ``module`` to ``dtype`` in place (as ``module.to``)."""
+def cast_buffers_(module: nn.Module, dtype: torch.dtype, keep: Set[int] = frozenset()) -> None:
+    """Cast the floating-point buffers of ``module`` to ``dtype`` in place (as ``module.to``),
+    those in ``keep`` (by ``id``) to fp32."""
     for sub in module.modules():
         for name, buf in sub.named_buffers(recurse=False):
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                setattr(sub, name, buf.to(dtype))
+            want = torch.float32 if id(buf) in keep else dtype
+            if buf is not None and buf.is_floating_point() and buf.dtype != want:
+                setattr(sub, name, buf.to(want))
 
 
 class DynamicLossScaler:

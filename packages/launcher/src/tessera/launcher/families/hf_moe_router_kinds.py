@@ -10,7 +10,7 @@ top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero expe
 sigmoid-with-bias, Inkling's that scores its shared experts too; PhiMoE's
 sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'. A kind
 marked ``float32`` computes its logits in fp32 in any dtype, as its HF forward does (DeepSeek-V3's
-``F.linear(x.float(), weight.float())``; ``tests/test_hf_moe_bf16_routers.py`` holds each to HF's).
+``F.linear(x.float(), weight.float())``; ``tests/test_hf_moe_bf16.py`` holds each to HF's).
 """
 
 from __future__ import annotations

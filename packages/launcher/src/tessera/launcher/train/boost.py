@@ -44,6 +44,7 @@ from tessera.launcher.config import BoostConfig
 from tessera.launcher.config.world import fit_world
 from tessera.launcher.families import known  # noqa: F401  (registers the specs of the models Tessera knows)
 from tessera.launcher.families.adapters import peft_config_of, unwrap_peft
+from tessera.launcher.families.hf_dtypes import kept_in_fp32
 from tessera.launcher.families.hf_moe import hf_moe_conversion
 from tessera.launcher.families.hf_names import hf_renames
 from tessera.launcher.families.own_moe import Conversion, convert_own_moe
@@ -95,6 +96,7 @@ from tessera.tensor_parallel import (
     shard_specs,
 )
 from tessera.zero import ZeroOptimizer
+from tessera.zero.precision import compute_dtype
 
 __all__ = ["boost", "rebuild_optimizer"]
 
@@ -189,6 +191,7 @@ class _Job:
     buffer_shapes: dict[str, tuple[int, ...]]  # serial shape of every persistent buffer
     adapters: Adapters  # low-rank adapters and their PEFT configurations
     renames: Renames | None  # a Hugging Face checkpoint's names as the model's (read before conversion)
+    fp32: frozenset[str]  # parameters and buffers computed in fp32 in any precision (hf_dtypes)
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,13 @@ def _checked(
         )
         tp_plan = resolve(model, roles, tp=topology.tp, sequence_parallel=p.sequence_parallel)
         check_moe_plan(model, tp_plan.assignments, sequence_parallel=p.sequence_parallel)
+    buffers = persistent_buffers(model)
+    fp32 = kept_in_fp32(
+        model,
+        [*(n for n, _ in model.named_parameters()), *buffers],
+        conversion.exported,
+        compute_dtype(config.train.precision),
+    )
     return _Job(
         config=config,
         topology=topology,
@@ -244,9 +254,10 @@ def _checked(
         aliases=tied_aliases(model),
         exported=conversion.exported,
         deferred=deferred,
-        buffer_shapes={name: tuple(b.shape) for name, b in persistent_buffers(model).items()},
+        buffer_shapes={name: tuple(b.shape) for name, b in buffers.items()},
         adapters=adapters,
         renames=renames,
+        fp32=fp32,
     )
 
 
@@ -426,6 +437,12 @@ def _zero(
     config, cp = job.config, mesh.size("cp")
     tp, pp = mesh.size("tp"), mesh.size("pp")
     local = {placement.names[p]: p for p in module.parameters()}
+    held = persistent_buffers(module).items()
+    keep = [p for n, p in local.items() if n in job.fp32] + [
+        b for n, b in held if placement.buffers.get(n) in job.fp32
+    ]
+    if keep:
+        log.info("computed in fp32 (as transformers keeps them): %d parameters and buffers", len(keep))
     zero = ZeroOptimizer(
         module,
         rebuild_optimizer(optimizer, local, job.group_of),
@@ -441,6 +458,7 @@ def _zero(
         sharding=expert_sharding(module, mesh),
         init=values,
         device=mesh.device,
+        keep_fp32=keep,
     )
     if values is not None:
         log.info("deferred initialization: this rank made %d parameter elements", values.made)
