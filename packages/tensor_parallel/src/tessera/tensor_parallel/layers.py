@@ -248,7 +248,9 @@ class ColumnParallelLinear(nn.Module):
                 weight = sum_copy_grads(weight, self.group, block, blocks, start=start, end=end)
                 if bias is not None:
                     bias = sum_copy_grads(bias, self.group, block, blocks, start=start, end=end)
-            y = F.linear(x, weight, bias)
+            # an input of another dtype (an fp32 norm's output before a bf16 head: what transformers
+            # keeps in fp32) is read in the weight's, as the module it replaced reads it
+            y = F.linear(x.to(weight.dtype), weight, bias)
         if self.gather_output:
             y = gather_along(y, -1, self.group)
         return y
