@@ -24,8 +24,9 @@ model's serial run; Aria also with every expert split inside over tp=2 (the ``mo
 Mixtral's plan) and under Megatron SP at dp=2 x ep=2 x tp=2; Nemotron-H (ReLU², not gated),
 HunYuan-V4, DBRX, MiniMax-M3, Ling and Inkling 2 at tp=2 with the plan ``boost()`` derives
 (every mixture ``moe``; Ling's gated latent attention split by heads; Inkling 2's normed
-embedding whole); Nemotron-H, DBRX, Aria, Ling and
-MiniMax-M3 at pp=2 (1F1B, 2 microbatches).
+embedding whole); Nemotron-H, DBRX, Aria, Ling, MiniMax-M3, HunYuan-V4 (its stacked residual
+streams and top-k indices carried between stages) and Inkling 2 (its block states carried
+beside the hidden states) at pp=2 (1F1B, 2 microbatches), with the blocks ``boost()`` builds.
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
 per-expert loops against one batched matmul: only the summation order differs); logits rtol
@@ -292,9 +293,22 @@ CASES = [(f, m) for f in FAMILIES for m in ("ep2", "ep2-zero3")] + [
         (f, "tp2-derived")
         for f in ("nemotron_h", "hy_v4", "dbrx", "minimax_m3_vl_text", "bailing_hybrid", "inkling2_text")
     ],
-    # pp=2 (1F1B, 2 microbatches); HY-V4 (several residual streams) and Inkling 2 (its normed
-    # embedding and head) are refused there, naming the block
-    *[(f, "pp2") for f in ("nemotron_h", "dbrx", "aria_text", "bailing_hybrid", "minimax_m3_vl_text")],
+    # pp=2 (1F1B, 2 microbatches); HY-V4's stages pass its 4 stacked residual streams and the top-k
+    # indices its layers hand on, Inkling 2's the block states its model keeps beside the hidden
+    # states (``hf_streams``; tests/test_hf_pp_carried.py holds variants whose indices and block
+    # states cross the stages)
+    *[
+        (f, "pp2")
+        for f in (
+            "nemotron_h",
+            "dbrx",
+            "aria_text",
+            "bailing_hybrid",
+            "minimax_m3_vl_text",
+            "hy_v4",
+            "inkling2_text",
+        )
+    ],
 ]
 # Ling at tp2 keeps its layer-0 linear attention (a gated delta-rule recurrence) whole on both
 # ranks; its backward amplifies the round-off of the tp-summed residual gradient: measured at most

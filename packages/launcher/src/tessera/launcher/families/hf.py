@@ -24,8 +24,14 @@ what the model's forward applies around its children:
   it has one (Beam's ``attention_scaling``, made by its modeling module's
   ``compute_attention_scaling``);
 - positions: a row per sequence (Qwen4-Exp's indexer reads each row's rotary embeddings);
-- hyper-connections: the embedding's output copied into ``config.hc_count`` residual streams
-  side by side (Qwen4-Exp's), which the module after the layers mixes back into one;
+- what the layers carry between them (`tessera.launcher.families.hf_streams`): residual
+  streams (hyper-connections: ``config.hc_count`` side by side, Qwen4-Exp; ``config.hc_mult``
+  stacked, HunYuan-V4), which the modules after the layers mix back into one, applied in the
+  order the forward applies them (given what they take of what was carried: Inkling 2's
+  ``final_input``); what a layer returns that the forward hands to the next (HunYuan-V4's top-k
+  indices) and what the forward keeps for its layers beside the hidden states (Inkling 2's block
+  states), carried in the stage's one activation beside the hidden states;
+- Inkling 2's query-key distances (its modeling module's ``get_relative_distance``, by layer kind);
 - computed in a pre-hook of the layer's attention module from the hidden states it is
   called with, which under sequence parallelism are the whole sequence (the layer's input,
   a stage's activation, holds this rank's slice of it); a layer without an attention module
@@ -42,20 +48,31 @@ module does not import transformers; building the blocks of a rotary family does
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tessera.launcher.families import hf_layout as layout
+from tessera.launcher.families.hf_streams import (
+    Streams,
+    apply_after,
+    carried_between_layers,
+    empty_stack,
+    pack,
+    stacked_on,
+    streams_of,
+    unpack,
+)
+
 __all__ = ["decoder_blocks", "gpt2_blocks", "llama_blocks", "opt_blocks"]
 
 
 _HOOK = "_tessera_positions_hook"
 _GUARD = "_tessera_own_forward_hooks"
-_MADE = ("attention_mask", "position_ids", "position_embeddings")  # what a block makes for a layer
-_NOPE_SCALE = "compute_attention_scaling"  # Beam's query scale of its NoPE layers, from the positions
+_MADE = ("attention_mask", "position_ids", "position_embeddings", "relative_distance")  # made for a layer
+_DISTANCE = "get_relative_distance"  # Inkling 2's query-key distances: (embeddings, cache, is_sliding)
 
 
 def _positions(h: Tensor) -> Tensor:
@@ -90,16 +107,25 @@ class _Head(nn.Module):
     from its config: ``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``, and
     Inkling's ``logits_mup_width_multiplier`` dividing the hidden states before the head)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, config: Any = None) -> None:
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Module, config: Any = None, carried: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
+        self.carried = carried  # what the layers carried beside the hidden states, by name (hf_streams)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.scale = getattr(config, "logit_scale", None)
         self.divide = getattr(config, "logits_scaling", None)
         self.width = getattr(config, "logits_mup_width_multiplier", None)
 
     def forward(self, h: Tensor) -> Tensor:
-        h = self.norm(h)
+        if self.carried:  # the modules after the layers, given what they take of it (Inkling 2's)
+            h, values = unpack(h)
+            given = dict(zip(self.carried, values, strict=True))
+            for module in self.norm if isinstance(self.norm, nn.Sequential) else [self.norm]:
+                h = apply_after(module, h, given)
+        else:
+            h = self.norm(h)
         out: Tensor = self.lm_head(h if self.width is None else h / self.width)
         if self.scale is not None:
             out = out * self.scale
@@ -119,16 +145,23 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
 
 class _Embedding(nn.Module):
     """The modules a model runs before its layers, chained, times its ``embedding_multiplier``;
-    copied into ``streams`` residual streams side by side where the model's layers take that many
-    (Qwen4-Exp's hyper-connections, ``config.hc_count``: ``h.repeat(1, 1, hc_count)``)."""
+    copied into the residual streams the model's layers take (`Streams`), packed with nothing yet
+    of what the layers hand on (``carries``) and an empty stack of what the model keeps for them
+    (``kept``, Inkling 2's block states; `hf_streams.pack`)."""
 
     def __init__(
-        self, modules: list[nn.Module], multiplier: float | None, streams: int | None = None
+        self,
+        modules: list[nn.Module],
+        multiplier: float | None,
+        streams: Streams | None = None,
+        carries: tuple[str, ...] = (),
+        kept: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(modules)
         self.multiplier = multiplier
         self.streams = streams
+        self.carries, self.kept = carries, kept
 
     def forward(self, ids: Tensor) -> Tensor:
         h: Tensor = self.parts[0](ids)
@@ -137,69 +170,10 @@ class _Embedding(nn.Module):
         for part in self.parts[1:]:
             h = part(h)
         if self.streams is not None:
-            h = h.repeat(1, 1, self.streams)
-        return h
-
-
-def _layer_type(config: Any, index: int) -> str:
-    types = getattr(config, "layer_types", None)
-    if types:
-        return str(types[index])
-    window = getattr(config, "sliding_window", None)
-    return "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
-
-
-def _mask_function(kind: str) -> Any:
-    """What the model builds the mask of a layer of ``kind`` with: ``transformers``' own table of
-    layer kinds (a recurrent layer's padding mask, None unpadded; the DSA indexer's causal mask
-    made whole, not left to SDPA's ``is_causal``), else a sliding window or causal mask."""
-    masks = importlib.import_module("transformers.masking_utils")  # optional: reached untyped
-    made = getattr(masks, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {}).get(kind)
-    if callable(made):
-        return made
-    if "sliding" in kind:  # sliding_attention, Inkling's hybrid_sliding
-        return masks.create_sliding_window_causal_mask
-    return masks.create_causal_mask
-
-
-_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-
-
-def _attentions_of(layer: nn.Module) -> list[nn.Module]:
-    """The layer's attention modules: a child whose class name says Attention, or the members of
-    a ModuleList child that are or that is named so (LongCat-Flash's two ``self_attn`` per
-    layer); none for a layer whose mixer is another (Mamba, gated delta net, short convolution)."""
-    for name, sub in layer.named_children():
-        if "attention" in type(sub).__name__.lower():
-            return [sub]
-        members = list(sub) if isinstance(sub, nn.ModuleList) else []
-        named = name in _ATTENTION_NAMES or all("attention" in type(m).__name__.lower() for m in members)
-        if members and named:
-            return members
-    return []
-
-
-def _rotary_of(base: nn.Module, config: Any, index: int) -> nn.Module | None:
-    """The rotary module of layer ``index``: the base model's ``rotary_emb`` (or its one rotary
-    child under another name, LFM2's ``pos_emb``), or where it keeps one per base frequency
-    (GraniteMoE-SWA's ``rotary_embs``, chosen by ``config.layer_rope_theta``; 0: no rotary),
-    the one of the layer's frequency."""
-    thetas = getattr(config, "layer_rope_theta", None)
-    rotaries = getattr(base, "rotary_embs", None)
-    if thetas is None or not isinstance(rotaries, nn.ModuleList):
-        rotary = getattr(base, "rotary_emb", None)
-        if isinstance(rotary, nn.Module):
-            return rotary
-        named = [m for m in base.children() if _is_rotary(m) and not isinstance(m, nn.ModuleList)]
-        return named[0] if len(named) == 1 else None  # under another name (LFM2's pos_emb)
-    theta = thetas[index]
-    if not theta:
-        return None
-    for rotary in rotaries:
-        parameters = getattr(getattr(rotary, "config", None), "rope_parameters", None) or {}
-        if parameters.get("rope_theta") == theta:
-            return rotary
-    raise ValueError(f"{type(base).__name__} has no rotary module of base {theta} for layer {index}")
+            h = self.streams(h)
+        if not self.carries and not self.kept:
+            return h
+        return pack(h, [*((n, None) for n in self.carries), *((n, empty_stack(h)) for n in self.kept)])
 
 
 class _OwnForward:
@@ -239,27 +213,38 @@ class _DecoderLayer(nn.Module):
     sees; a layer of another mixer (Mamba, gated delta net) given the mask of its kind, made
     from its input (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, index: int, rotary: nn.Module | None, config: Any) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        rotary: nn.Module | None,
+        config: Any,
+        carried: dict[str, int] | None = None,
+        kept: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         self.layer, self.config = layer, config
-        self.kind = _layer_type(config, index)
-        self.nope = _is_nope(config, self.kind)
-        self.nope_scale = _nope_scale(layer) if self.nope else None
+        self.carried = carried or {}  # keyword -> where in the layer's output (`carried_between_layers`)
+        self.kept = kept or {}  # argument -> layer attribute: its input joins it (`kept_between_layers`)
+        self.distance = layout.module_function(layer, _DISTANCE)
+        self.kind = layout.layer_type(config, index)
+        self.nope = layout.is_nope(config, self.kind)
+        self.nope_scale = layout.nope_scale(layer) if self.nope else None
         self.rotary = [None if self.nope else rotary]  # a shared module, not a child
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
         signature = inspect.signature(layer.forward)
-        carried = _carried(signature, config)
-        if carried:
+        beside = layout.taken_beside(signature, config)
+        if beside:
             family = getattr(config, "model_type", None) or type(layer).__name__
             raise ValueError(
                 f"{family} cannot be cut into pipeline stages: its layers ({type(layer).__name__}) take "
-                f"{carried} beside the hidden states, and a stage receives the hidden states alone"
+                f"{beside} beside the hidden states, and a stage receives the hidden states alone"
             )
         params = list(signature.parameters.values())[1:]
         # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
         self.required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
-        attentions = _attentions_of(layer)
+        attentions = layout.attentions_of(layer)
         self.direct: tuple[str, ...] = ()  # the arguments made for the layer itself (no attention)
         self.own: _OwnForward | None = None  # set by `_guarded`
         if not attentions:  # a recurrent mixer reads its kind's mask (None: nothing padded), no positions
@@ -278,7 +263,9 @@ class _DecoderLayer(nn.Module):
         pos = _positions(h)
         made: dict[str, Any] = {}
         if "attention_mask" in names:
-            made["attention_mask"] = _mask_function(self.kind)(self.config, h, None, None, position_ids=pos)
+            made["attention_mask"] = layout.mask_function(self.kind)(
+                self.config, h, None, None, position_ids=pos
+            )
         if "position_ids" in names:
             made["position_ids"] = pos
         rotary = self.rotary[0]
@@ -287,6 +274,8 @@ class _DecoderLayer(nn.Module):
             made["position_embeddings"] = (
                 rotary(h, rows, self.kind) if self.rotary_takes_type else rotary(h, rows)
             )
+        if self.distance is not None and "relative_distance" in names:  # Inkling 2's, by layer kind
+            made["relative_distance"] = self.distance(h, None, is_sliding="sliding" in self.kind)
         if self.nope and "position_embeddings" in names:  # NoPE: no rotary, Beam's query scale
             made["position_embeddings"] = None
             if self.nope_scale is not None:
@@ -303,125 +292,62 @@ class _DecoderLayer(nn.Module):
         first = next(iter(signature.parameters))
         h = bound[first]
         takes_ids = "position_ids" in signature.parameters or "kwargs" in signature.parameters
-        extra = self._made(h, _MADE if takes_ids else ("attention_mask", "position_embeddings"))
+        extra = self._made(
+            h, _MADE if takes_ids else ("attention_mask", "position_embeddings", "relative_distance")
+        )
         rest = {k: v for k, v in bound.items() if k != first}
         return (h,), {**rest, **extra}
 
     def forward(self, h: Tensor) -> Tensor:
-        out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct)})
+        names = (*self.carried, *self.kept)
+        given: dict[str, Any] = {}
+        if names:
+            h, values = unpack(h)
+            given = dict(zip(names, values, strict=True))
+        out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct), **given})
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
-        return hidden
-
-
-# what a family's layers take beside the hidden states, made before the layers or by the layer
-# before: none of it reaches a pipeline stage
-_CARRIED = {
-    "original_hidden_states": "the embeddings' output (original_hidden_states)",
-    "per_layer_input": "per-layer embeddings of the token ids (per_layer_input)",
-    "shared_kv_states": "keys and values of earlier layers (shared_kv_states)",
-}
-# those a family's layers take only when its config switches them on (Gemma's)
-_SWITCHED = {"per_layer_input": "hidden_size_per_layer_input", "shared_kv_states": "num_kv_shared_layers"}
-
-
-def _carried(signature: inspect.Signature, config: Any) -> str:
-    """What of `_CARRIED` a layer of this signature is given by its model (Zamba's embeddings'
-    output, Gemma 4's per-layer embeddings where its config has them), as words; "" when nothing."""
-    names = [
-        n
-        for n in _CARRIED
-        if n in signature.parameters and (n not in _SWITCHED or bool(getattr(config, _SWITCHED[n], None)))
-    ]
-    return " and ".join(_CARRIED[n] for n in names)
-
-
-def _is_nope(config: Any, kind: str) -> bool:
-    """Whether layers of ``kind`` take no rotary embeddings (``config.rope_parameters[kind]`` is
-    None: Beam's and Ergo's full-attention layers)."""
-    per_type = getattr(config, "rope_parameters", None)
-    return isinstance(per_type, dict) and kind in per_type and per_type[kind] is None
-
-
-def _nope_scale(layer: nn.Module) -> Any:
-    """The query scale a NoPE layer's attention takes (``attention_scaling``), where its family's
-    modeling module has one (Beam's ``compute_attention_scaling``: positions -> scale); else
-    None: the layer is given ``position_embeddings=None`` alone, as Ergo's model gives it (a
-    family doing otherwise fails ``check_blocks`` before anything is partitioned)."""
-    scale = getattr(importlib.import_module(type(layer).__module__), _NOPE_SCALE, None)
-    return scale if callable(scale) else None
-
-
-def _used(base: nn.Module, config: Any, name: str) -> Any:
-    """``config.<name>`` where the base model's forward reads it (Granite's ``embedding_multiplier``),
-    else None (Inkling's config holds one that its forward does not apply)."""
-    value = getattr(config, name, None)
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return value
-    return value if name in source else None
-
-
-def _base(model: nn.Module) -> nn.Module:
-    """The base model under the head: the child ``base_model_prefix`` names, else ``model`` (Llama
-    4's text model names its prefix ``language_model`` and keeps its base as ``model``)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    for name in (prefix, "model"):
-        base = getattr(model, name, None) if name else None
-        if isinstance(base, nn.Module):
-            return base
-    return model
-
-
-def _is_rotary(module: nn.Module) -> bool:
-    """A rotary module, or a list of them (GraniteMoE-SWA's ``rotary_embs``, one per base frequency)."""
-    if isinstance(module, nn.ModuleList):
-        return len(module) > 0 and all(_is_rotary(m) for m in module)
-    return "rotary" in type(module).__name__.lower()
-
-
-def _order(base: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The modules the base model runs before and after its layers: ``config.base_model_pp_plan``'s
-    order where the model has one (Phi registers its embedding dropout after its layers), else
-    registration order; rotary modules (called with positions, not chained) are left out."""
-    config: Any = getattr(base, "config", None)
-    pp_plan = getattr(config, "base_model_pp_plan", None)
-    names = list(pp_plan) if pp_plan else [n for n, _ in base.named_children()]
-    if stack not in names:
-        raise ValueError(f"{type(base).__name__}'s layers {stack!r} are not among its stages {names}")
-    at = names.index(stack)
-
-    def modules(part: list[str]) -> list[nn.Module]:
-        return [base.get_submodule(n) for n in part if not _is_rotary(base.get_submodule(n))]
-
-    return modules(names[:at]), modules(names[at + 1 :])
+        if not names:
+            return hidden
+        kind = type(self.layer).__name__
+        handed = [(f"{kind}'s output {i} ({k})", out[i]) for k, i in self.carried.items()]
+        kept = [
+            (k, stacked_on(given[k], h) if getattr(self.layer, a) else given[k]) for k, a in self.kept.items()
+        ]
+        return pack(hidden, [*handed, *kept])
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """``[embedding, *layers, norm + lm_head]`` of a Hugging Face decoder-only model whose base
     model hands rotary embeddings and masks to its layers (see the module docstring)."""
-    base = _base(model)
+    base = layout.base_of(model)
     config: Any = getattr(model, "config", None)
-    layers = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and not _is_rotary(m)]
+    layers = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and not layout.is_rotary(m)]
     if len(layers) != 1:
         raise ValueError(f"{type(model).__name__}: expected one nn.ModuleList of layers, found {layers}")
-    before, after = _order(base, layers[0])
-    if not before or len(after) != 1:
+    before, after = layout.order(base, layers[0])
+    if not before or not after:
         raise ValueError(
-            f"{type(model).__name__}: expected modules before its layers and one norm after them; pass "
+            f"{type(model).__name__}: expected modules before its layers and a norm after them; pass "
             "ModelSpec(blocks=fn)"
         )
     stack: Any = base.get_submodule(layers[0])
-    streams = getattr(config, "hc_count", None)  # hyper-connected residual streams, mixed into one after
-    embedding = _Embedding(before, _used(base, config, "embedding_multiplier"), streams)
-    blocks: list[nn.Module] = [embedding]
-    decoders = [_DecoderLayer(layer, i, _rotary_of(base, config, i), config) for i, layer in enumerate(stack)]
+    carried = carried_between_layers(type(base).forward, layers[0])  # HunYuan-V4's top-k indices
+    kept = layout.kept_for_layers(base, layers[0])  # Inkling 2's block states
+    multiplier = layout.used(base, config, "embedding_multiplier")
+    blocks: list[nn.Module] = [
+        _Embedding(before, multiplier, streams_of(config), tuple(carried), tuple(kept))
+    ]
+    decoders = [
+        _DecoderLayer(layer, i, layout.rotary_of(base, config, i), config, carried, kept)
+        for i, layer in enumerate(stack)
+    ]
     blocks += _guarded(model, decoders)
     get_head: Any = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
-    return [*blocks, _Head(after[0], head, config)]
+    norm = after[0] if len(after) == 1 else nn.Sequential(*after)  # HunYuan-V4's hc_head, then norm
+    return [*blocks, _Head(norm, head, config, carried=(*carried, *kept))]
 
 
 class _OPTEmbedding(nn.Module):
