@@ -3,24 +3,24 @@ sizes (`tessera.launcher.testing_hf_moe.FIXES`): Kolibri 1.1 (Kolibri's router a
 block behind an indexed sparse attention), Qwen4-Exp (Qwen2-MoE's gated shared expert behind
 hyper-connected residual streams, gated-delta-net and indexed attention) and dots3 Note
 (DeepSeek-V3's router and block behind latent attention, per-layer sliding-window sizes and a DSA
-indexer), which convert with the kinds that exist; Gemma 4 (``enable_moe_block``), whose mixture
-is refused with its reason; and Doge's product-key mixture (``is_moe``), which holds no expert
-bank and is not converted. Each model is ``tiny_moe_model``'s (8 experts, top-2, hidden 32,
-random weights).
+indexer), which convert with the kinds that exist; Gemma 4 (``enable_moe_block``), whose
+mixture inside its decoder layers ``boost()`` converts (``tests/test_hf_moe_gemma4.py`` holds
+the rest); and Doge's product-key mixture (``is_moe``), which holds no expert bank and is not
+converted. Each model is ``tiny_moe_model``'s (8 experts, top-2, hidden 32, random weights).
 
 Tier 0: each converted block computes HF's block's outputs and gradients; each converted
 model gives HF's logits, and its weights, mapped back to transformers' names, load strictly
 into a fresh model that then gives the converted model's logits; ``boost()``'s export parts
-assemble each converted tensor from transformers' ones. Gemma 4 is refused naming what
-``tessera.moe`` lacks; Doge's block is shown to mix tokens of different rows (its router's
-``view(2, tokens, -1)``), which no per-token router reproduces.
+assemble each converted tensor from transformers' ones. Doge's block is shown to mix tokens of
+different rows (its router's ``view(2, tokens, -1)``), which no per-token router reproduces.
 
 Tier 2 (the worker pool): each converting family trained through ``boost()`` at dp=2 x ep=2
 with ZeRO-1 and ZeRO-3, at tp=2 with no plan (the derived roles; dots3 Note's attention sizes per
 layer, read from each attention, as its config refuses to give them globally) and at pp=2 (1F1B,
 2 microbatches, the decoder blocks ``boost()`` finds) gives the serial run's losses and weights
-(3 SGD steps, momentum 0.9); Gemma 4, its mixture left as written at ep=1, trains at dp=2 and
-tp=2 (derived roles) as serially; Doge's mixture is refused wherever the batch is split.
+(3 SGD steps, momentum 0.9); Gemma 4, its mixtures converted by ``boost()`` itself, trains at
+dp=2 and tp=2 (derived roles) as its unconverted HF model does serially; Doge's mixture is
+refused wherever the batch is split.
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
 per-expert loops against one batched matmul: only the summation order differs), the router's
@@ -46,6 +46,7 @@ from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, bo
 from tessera.launcher.families.hf import decoder_blocks
 from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
+    hf_moe_state_dict,
     is_hf_sparse_moe,
     moe_from_hf,
 )
@@ -59,7 +60,6 @@ from tessera.launcher.testing_hf_moe import (
     sparse_blocks,
     tiny_moe_model,
 )
-from tessera.moe import MoE
 from tessera.zero import Precision
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
@@ -128,25 +128,6 @@ def test_a_converted_model_is_transformers_model_both_ways(family: str) -> None:
     assert_converts_with_the_same_logits(_build(family))
     assert_weights_load_back(lambda: _build(family))
     assert_export_parts_are_transformers_tensors(_build(family))
-
-
-def test_gemma4s_mixture_is_refused_naming_what_tessera_moe_lacks() -> None:
-    """Gemma 4's decoder layer holds its router and experts (read as the block); converting it
-    is refused, changing nothing, with the reason (its own input to the router and a pre-norm to
-    the experts, a per-expert scale, a gated GELU, the layer's dense MLP beside them)."""
-    model = tiny_moe_model("gemma4_text")
-    blocks = sparse_blocks(model)
-    assert [type(b).__name__ for b in blocks] == ["Gemma4TextDecoderLayer"] * 2
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="Gemma 4's mixture sits inside its decoder layer") as refused:
-        convert_hf_moe(model)
-    for part in ("router.scale", "per_expert_scale", "pre_feedforward_layernorm_2", "gated GELU"):
-        assert part in str(refused.value)
-    assert sparse_blocks(model) == blocks and not any(isinstance(m, MoE) for m in model.modules())
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    config = _boost_config(ParallelConfig(dp=2, ep=2, microbatches=1), 1)  # refused in step 1: no group
-    with pytest.raises(ValueError, match="Gemma 4's mixture sits inside its decoder layer"):
-        boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
 
 
 def test_doges_mixture_has_no_expert_bank_and_mixes_rows() -> None:
@@ -242,23 +223,25 @@ def test_a_converted_family_trains_as_serially(worker_pools: PoolFactory, family
     assert_matches_serial(results, _serial(family), atol=ATOL.get(family, 1e-6))
 
 
-def _as_written(rank: int, config: Config, family: str) -> Run:
+def _boosted(rank: int, config: Config, family: str) -> Run:
+    """One rank's run, its weights under transformers' names (``hf_moe_state_dict``)."""
     model: nn.Module = _build(family)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), config)
     losses = [engine.train_step(*TOKENS.at(step)).loss for step in range(STEPS)]
-    weights = engine.full_state_dict()
+    weights = hf_moe_state_dict(engine.full_state_dict(), like=_build(family))
     engine.mesh.close()
     return losses, weights
 
 
 @pytest.mark.parametrize("mode", ["dp2", "tp2"])
-def test_gemma4_left_as_written_at_ep1_trains_as_serially(worker_pools: PoolFactory, mode: str) -> None:
-    """At ep=1 ``boost()`` leaves the mixture it refuses as written (logging why): Gemma 4 then
-    trains at dp=2 and at tp=2 with derived roles (its router and experts whole on every rank,
-    its attention and dense MLP split) as serially."""
+def test_gemma4_converted_by_boost_trains_as_its_hf_model(worker_pools: PoolFactory, mode: str) -> None:
+    """``boost()`` converts Gemma 4's mixtures inside its decoder layers itself
+    (``families.hf_gemma4``): it then trains at dp=2 and at tp=2 with derived roles (each
+    mixture split inside over tp, its attention and dense MLP split) as the unconverted HF model
+    does serially."""
     parallel = ParallelConfig(dp=2, microbatches=1) if mode == "dp2" else ParallelConfig(tp=2, microbatches=1)
     config = _boost_config(parallel, 1)
-    results = worker_pools(config.world_size).run(_as_written, config, "gemma4_text", timeout=180)
+    results = worker_pools(config.world_size).run(_boosted, config, "gemma4_text", timeout=180)
     assert_matches_serial(results, serial_run(_build("gemma4_text"), TOKENS.first(STEPS), sgd(LR)))
 
 

@@ -52,6 +52,8 @@ READ = [
     "bailing_hybrid", "kimi_linear", "lara_mini", "param2moe", "sarvam_moe",
     # matrices it transposes (Ergo's gate_kernel and shared expert); the further families
     "ergo", "inkling_text", "jetmoe", "beam", "kolibri1_1", "qwen4_exp_text", "dots3_note_text",
+    # the mixture inside its decoder layers (families.hf_gemma4)
+    "gemma4_text",
 ]  # fmt: skip
 
 
@@ -137,13 +139,14 @@ def test_a_split_tensor_is_read_by_bands_and_joined_ones_in_order() -> None:
     assert "safetensors.torch.save_file(model.state_dict(), path)" in why, why
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "hy_v3", "minimax"])
+@pytest.mark.parametrize("family", ["nemotron_h", "hy_v3", "minimax", "gemma4_text"])
 def test_a_save_pretrained_checkpoint_imports_at_dp2_ep2_zero3(
     worker_pools: PoolFactory, tmp_path: Path, family: str
 ) -> None:
     """Nemotron-H (``backbone.`` for ``model.``, its non-gated experts per expert), HunYuan-V3
-    (its router's bias and shared experts renamed), MiniMax (Mixtral's ``block_sparse_moe``):
-    each ep rank reads its own experts' tensors, ZeRO-3 shards them."""
+    (its router's bias and shared experts renamed), MiniMax (Mixtral's ``block_sparse_moe``),
+    Gemma 4 (its mixture moved into its decoder layer's ``moe``): each ep rank reads its own
+    experts' tensors, ZeRO-3 shards them."""
     folders, states = _saved(tmp_path, [family])
     config = oracle_config(ParallelConfig(dp=2, ep=2, microbatches=1), 3, batch_size=4)
     results = worker_pools(config.world_size).run(_import, config, folders, timeout=300)

@@ -73,7 +73,7 @@ def test_a_limit_or_softcap_that_is_not_positive_is_refused_naming_it(field: str
 
 
 def test_an_unknown_activation_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"one of \('swiglu', 'gelu', 'relu2'\), got 'relu'"):
+    with pytest.raises(ValueError, match=r"one of \('swiglu', 'gelu', 'relu2', 'geglu_tanh'\), got 'relu'"):
         Experts(4, 6, "relu", seed=0, streams=[0])  # type: ignore[arg-type]
 
 

@@ -149,7 +149,10 @@ def test_a_seeded_layer_leaves_the_global_generator_alone() -> None:
         ({"experts": 0, "top_k": 1}, r"experts must be >= 1, got 0"),
         ({"capacity_factor": 0.0}, r"capacity_factor must be > 0 \(or None for drop-less\), got 0.0"),
         ({"capacity_factor": -0.5}, r"capacity_factor must be > 0 \(or None for drop-less\), got -0.5"),
-        ({"activation": "relu"}, r"activation must be one of \('swiglu', 'gelu', 'relu2'\), got 'relu'"),
+        (
+            {"activation": "relu"},
+            r"activation must be one of \('swiglu', 'gelu', 'relu2', 'geglu_tanh'\), got 'relu'",
+        ),
         ({"hidden": 0}, r"d_model and hidden must be >= 1, got d_model=4, hidden=0"),
     ],
 )

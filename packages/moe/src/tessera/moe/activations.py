@@ -2,6 +2,8 @@
 a gate ``g = x @ w1`` and an up projection ``u = x @ w3``, and non-gated ones, from ``g`` alone.
 
 - ``"swiglu"``: ``silu(g) * u`` (Mixtral and most);
+- ``"geglu_tanh"``: ``gelu_tanh(g) * u``, GELU's tanh approximation gating the up projection
+  (Gemma 4's experts: ``gelu_pytorch_tanh``);
 - ``"gelu"``: ``gelu(g)``, ``"relu2"``: ``relu(g) ** 2`` (non-gated; Nemotron-H's experts);
 - `ClampedSwiGLU`: GPT-OSS's ``(u.clamp(-limit, limit) + 1) * g' * sigmoid(alpha * g')`` with
   ``g' = g.clamp(max=limit)``;
@@ -99,8 +101,8 @@ class SwiGLUVariant:
         return out.to(dtype)
 
 
-Activation = Literal["swiglu", "gelu", "relu2"] | ClampedSwiGLU | SwiGLUVariant
-ACTIVATIONS = ("swiglu", "gelu", "relu2")  # by name; and any `ClampedSwiGLU` or `SwiGLUVariant`
+Activation = Literal["swiglu", "gelu", "relu2", "geglu_tanh"] | ClampedSwiGLU | SwiGLUVariant
+ACTIVATIONS = ("swiglu", "gelu", "relu2", "geglu_tanh")  # by name; and any `ClampedSwiGLU` or `SwiGLUVariant`
 _NOT_GATED = ("gelu", "relu2")
 
 
@@ -128,4 +130,6 @@ def activate(activation: Activation, gate: Tensor, up: Tensor | None) -> Tensor:
         raise ValueError(f"activation {activation!r} needs an up projection")
     if isinstance(activation, ClampedSwiGLU | SwiGLUVariant):
         return activation(gate, up)
+    if activation == "geglu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up

@@ -24,7 +24,11 @@ weight ``post_norm [d]`` (ones at first) applied to the layer's output: the sum 
 experts' and the shared expert's outputs, per token. Per-expert norms (``expert_norm_eps``,
 ``shared_norm_eps``: Ergo) normalise each expert's own output before it is weighed
 (`tessera.moe.norms`); the shared experts, and the router's weights for them
-(``shared_scores``: Inkling), are `tessera.moe.shared`'s.
+(``shared_scores``: Inkling), are `tessera.moe.shared`'s. An input norm (``input_norm_eps``,
+Gemma 4's) gives the experts, routed and shared, ``input_norm * x / rms(x)`` (a trained weight
+``input_norm [d]``, ones at first) while the router reads ``x`` itself (through its own norm,
+with ``router_norm_eps``: `tessera.moe.router`); under tp its weight is whole on every rank,
+its gradient a partial sum, as the router's.
 
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
@@ -75,7 +79,7 @@ from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, expert_stream, generator, shared_stream, uniform
 from tessera.moe.losses import load_balancing_loss, z_loss
-from tessera.moe.norms import post_normed
+from tessera.moe.norms import post_normed, rms_normed
 from tessera.moe.plan import capacity, plan_dispatch
 from tessera.moe.router import RouterSpec, TopKRouter
 from tessera.moe.shared import shared_output
@@ -145,6 +149,10 @@ class MoE(nn.Module):
     (`tessera.moe.shared`; sigmoid scores; Inkling); ``shared_norm_eps``: normalise each shared
     expert's output as ``expert_norm_eps`` does (``shared.norm [S, d_model]``).
     ``router_scale``: the router's weights times a trained scalar ``router.scale`` (Inkling).
+    ``router_norm_eps`` / ``router_input_multiplier`` / ``router_expert_scale``: the router reads
+    ``rms_norm(x) * router.input_scale * multiplier`` and scales each chosen weight by a trained
+    ``router.expert_scale [E]`` (`TopKRouter`; Gemma 4). ``input_norm_eps``: the experts read
+    ``input_norm * rms_norm(x)`` (module docstring; no identity experts).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
     ``seed``: the initialisation (`tessera.moe.init`; None draws one from torch's global
     generator). ``ep_group``: hold only this rank's ``experts / ep`` experts and exchange
@@ -184,6 +192,10 @@ class MoE(nn.Module):
         expert_bias: bool = False,
         router_bias: bool = False,
         router_scale: bool = False,
+        router_norm_eps: float | None = None,
+        router_input_multiplier: float = 1.0,
+        router_expert_scale: bool = False,
+        input_norm_eps: float | None = None,
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
@@ -209,8 +221,14 @@ class MoE(nn.Module):
                 f"identity_experts ({identity_experts}) are drop-less: capacity_factor must be None, "
                 f"got {capacity_factor}"
             )
-        if post_norm_eps is not None and not (math.isfinite(post_norm_eps) and post_norm_eps > 0):
-            raise ValueError(f"post_norm_eps must be finite and > 0 (or None), got {post_norm_eps}")
+        for name, eps in (("post_norm_eps", post_norm_eps), ("input_norm_eps", input_norm_eps)):
+            if eps is not None and not (math.isfinite(eps) and eps > 0):
+                raise ValueError(f"{name} must be finite and > 0 (or None), got {eps}")
+        if identity_experts and input_norm_eps is not None:
+            raise ValueError(
+                f"identity_experts ({identity_experts}) with input_norm_eps ({input_norm_eps}): which "
+                "input an identity expert gives back (the token or its normed copy) is not defined"
+            )
         asked = {
             "shared_gate": shared_gate,
             "shared_scores": shared_scores,
@@ -262,6 +280,9 @@ class MoE(nn.Module):
             bias=router_bias,
             shared=shared_experts if shared_scores else 0,
             scale=router_scale,
+            input_norm_eps=router_norm_eps,
+            input_multiplier=router_input_multiplier,
+            expert_scale=router_expert_scale,
         )
         self.experts = Experts(
             d_model,
@@ -291,6 +312,8 @@ class MoE(nn.Module):
         )
         self.post_norm_eps = post_norm_eps
         self.post_norm = None if post_norm_eps is None else nn.Parameter(torch.ones(d_model))
+        self.input_norm_eps = input_norm_eps
+        self.input_norm = None if input_norm_eps is None else nn.Parameter(torch.ones(d_model))
         self.aux_loss: Tensor = torch.zeros(())
         self.z_loss: Tensor = torch.zeros(())
         self.stats = MoEStats(torch.zeros(experts, dtype=torch.long), torch.zeros(experts, dtype=torch.long))
@@ -310,6 +333,8 @@ class MoE(nn.Module):
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
         routing = self.router(tokens)
+        if self.input_norm is not None and self.input_norm_eps is not None:  # what the experts read
+            tokens = rms_normed(tokens, self.input_norm, self.input_norm_eps)
         experts = self.num_experts
         cap = capacity(tokens.shape[0], experts, self.top_k, self.capacity_factor)
         plan = plan_dispatch(routing.choices, experts + self.identity_experts, cap)

@@ -40,6 +40,13 @@ its own) are defined for them. A router built with ``scale=True`` (`TopKRouter`)
 scalar ``scale [1]`` (ones at first; Inkling's ``global_scale``) multiplying every weight, the
 shared ones too, after the spec's ``scale``.
 
+What the router reads and two trained scales (`TopKRouter`'s ``input_norm_eps``,
+``input_multiplier``, ``expert_scale``; Gemma 4's): the logits may be those of
+``normalised(x) * input_scale * input_multiplier`` (an RMS norm without weight, of epsilon
+``input_norm_eps``, times a trained per-channel ``input_scale [d]`` and a constant), and each
+chosen expert's weight, after renormalisation, may be multiplied by that expert's entry of a trained
+``expert_scale [E]`` (what the load-balancing loss reads is unchanged: the probabilities).
+
 The logits' dtype: by default the input's (in a bf16 model, bf16 logits; the scores are
 computed in fp32 from them). ``float32=True``: the logits of the input and the weight cast to
 fp32, as DeepSeek-V3's and many later routers compute them in any dtype (in bf16, a router
@@ -64,6 +71,7 @@ from torch import Tensor, nn
 
 from tessera.moe.adapters import deltas
 from tessera.moe.init import ROUTER_STREAM, generator, uniform
+from tessera.moe.norms import normalised
 
 __all__ = [
     "ChooseBy",
@@ -245,7 +253,9 @@ class TopKRouter(nn.Module):
 
     ``shared``: ``weight`` holds that many further rows scoring the layer's shared experts
     (`route`'s ``shared``); ``scale=True``: a trained ``scale [1]`` (ones) multiplies every weight
-    (module docstring).
+    (module docstring). ``input_norm_eps``: the logits read ``normalised(x) * input_scale *
+    input_multiplier`` (a trained ``input_scale [d]``, ones); ``expert_scale=True``: a trained
+    ``expert_scale [E]`` (ones) multiplies each chosen expert's weight (module docstring).
 
     Initialised uniformly in ``±1/sqrt(d)`` from stream 0 of ``seed`` (`tessera.moe.init`). Under expert
     parallelism every rank holds the same router (a data-parallel parameter). Low-rank
@@ -255,6 +265,8 @@ class TopKRouter(nn.Module):
     score_bias: Tensor | None
     bias: nn.Parameter | None
     scale: nn.Parameter | None
+    input_scale: nn.Parameter | None
+    expert_scale: nn.Parameter | None
 
     def __init__(
         self,
@@ -268,10 +280,19 @@ class TopKRouter(nn.Module):
         bias: bool = False,
         shared: int = 0,
         scale: bool = False,
+        input_norm_eps: float | None = None,
+        input_multiplier: float = 1.0,
+        expert_scale: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+        if input_norm_eps is not None and not (math.isfinite(input_norm_eps) and input_norm_eps > 0):
+            raise ValueError(
+                f"the router's input_norm_eps must be finite and > 0 (or None), got {input_norm_eps}"
+            )
+        if not (math.isfinite(input_multiplier) and input_multiplier > 0):
+            raise ValueError(f"the router's input_multiplier must be finite and > 0, got {input_multiplier}")
         self.spec = spec or RouterSpec()
         problem = self.spec.problem(experts, top_k)
         if shared and self.spec.score != "sigmoid":
@@ -287,10 +308,17 @@ class TopKRouter(nn.Module):
         self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
         self.bias = nn.Parameter(torch.zeros(experts + shared)) if bias else None
         self.scale = nn.Parameter(torch.ones(1)) if scale else None
+        self.input_norm_eps, self.input_multiplier = input_norm_eps, input_multiplier
+        self.input_scale = None if input_norm_eps is None else nn.Parameter(torch.ones(d_model))
+        self.expert_scale = nn.Parameter(torch.ones(experts)) if expert_scale else None
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
     def forward(self, x: Tensor) -> Routing:
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
+        if self.input_scale is not None and self.input_norm_eps is not None:
+            x = normalised(x, self.input_norm_eps) * self.input_scale
+        if self.input_multiplier != 1.0:
+            x = x * self.input_multiplier
         if self.spec.float32:  # DeepSeek-V3's F.linear(x.float(), weight.float()), in any dtype
             x, weight = x.float(), weight.float()
         logits = x @ weight.t() if self.bias is None else F.linear(x, weight, self.bias.to(weight.dtype))
@@ -302,6 +330,8 @@ class TopKRouter(nn.Module):
             bias=self.score_bias,
             shared=self.shared,
         )
+        if self.expert_scale is not None:
+            routing = replace(routing, weights=routing.weights * self.expert_scale[routing.choices])
         if self.scale is None:
             return routing
         shared = routing.shared_weights

@@ -18,8 +18,9 @@ they are, weighing their inputs: ``weigh="input"``; GPT-OSS's router bias, exper
 clamped SwiGLU, its gate and up columns alternating; both in a `LogitsMoE` that returns ``(out,
 None)`` where their decoder layers unpack the block's ``(out, router_logits)``), and
 `convert_hf_moe` swaps every such block of a model for one, in place, so
-that ``boost()`` trains it and ``parallel.ep`` can split its experts. A block it cannot
-reproduce is refused, naming why, before anything is swapped. Dense layers between MoE ones
+that ``boost()`` trains it and ``parallel.ep`` can split its experts. Gemma 4's mixture has no
+block: its decoder layer holds it, and is given it as one `MoE` under ``moe`` (``hf_gemma4``).
+A block it cannot reproduce is refused, naming why, before anything is swapped. Dense layers between MoE ones
 (DeepSeek's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``) are left as they are. HF's
 own router loss (from ``output_router_logits``) is not kept: pass ``aux_loss_coef`` /
 ``z_loss_coef`` to train the routers with the layer's own losses (`tessera.moe.aux`).
@@ -45,6 +46,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.hf_gemma4 import (
+    HOLDER,
+    attach,
+    is_layer_mixture,
+    layer_mixture,
+    layer_parts,
+    mixture_modules,
+)
 from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, peeled
 from tessera.launcher.families.hf_moe_banks import (
     PART_LAYOUTS,
@@ -62,7 +72,7 @@ from tessera.launcher.families.hf_moe_export import (
 )
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
-from tessera.launcher.families.hf_names import expert_merges
+from tessera.launcher.families.hf_names import expert_merges, per_expert
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 from tessera.moe.activations import is_gated
@@ -114,6 +124,12 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
             f"{type(block).__name__} is not a Mixtral / Qwen2-MoE sparse MoE block, nor any HF sparse MoE "
             "block (experts.gate_up_proj, experts.down_proj and a gate or router)"
         )
+    if is_layer_mixture(block):  # Gemma 4's, inside its decoder layer (hf_gemma4; no PEFT carried)
+        if any(is_wrapper(m) for part in mixture_modules(block) for m in part.modules()):
+            raise ValueError(
+                f"{type(block).__name__}: PEFT adapters on a decoder layer's mixture are not carried"
+            )
+        return layer_mixture(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
     with peeled(block) as wrapped:  # PEFT's adapters on the block: carried (hf_moe_adapters)
         layer, layout = _read(block, aux_loss_coef, z_loss_coef)
         where = type(block).__name__
@@ -285,6 +301,9 @@ def _check_router_logits(model: nn.Module) -> None:
 
 def _swap(model: nn.Module, names: list[str], layers: list[MoE]) -> None:
     for name, layer in zip(names, layers, strict=True):
+        if is_layer_mixture(model.get_submodule(name)):  # Gemma 4's: the layer holds it (hf_gemma4)
+            attach(model.get_submodule(name), layer)
+            continue
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
 
@@ -303,14 +322,33 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
     _check_router_logits(model)
     merges = expert_merges(model)  # the banks its checkpoints hold per expert
     conversion = Conversion()
-    layers = []
+    layers, names = [], []
     for name, block in [(n, m) for n, m in model.named_modules() if n and is_hf_sparse_moe(m)]:
         where = f"{type(model).__name__}.{name}"
-        if any(is_wrapper(m) for m in block.modules()):
+        inside = is_layer_mixture(block)  # Gemma 4's: only its mixture's modules count
+        if any(
+            is_wrapper(m) for part in (mixture_modules(block) if inside else [block]) for m in part.modules()
+        ):
+            advice = (
+                "adapters on its mixture (router, experts, the two norms) are not carried"
+                if inside
+                else "call convert_hf_moe(model) before boost()"
+            )
             raise ValueError(
                 f"{where} ({type(block).__name__}) carries PEFT adapters, which boost() does not convert "
-                "with transformers' names: call convert_hf_moe(model) before boost()"
+                f"with transformers' names: {advice}"
             )
+        names.append(name)
+        if is_layer_mixture(block):  # Gemma 4's: held by its decoder layer as `moe` (hf_gemma4)
+            try:
+                layer = layer_mixture(block)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from exc
+            held = f"{name}.{HOLDER}"
+            exported = per_expert(layer_parts(name, layer.experts.hidden), merges, layer.num_experts)
+            _record(conversion, held, layer, exported, groups)
+            layers.append(layer)
+            continue
         try:
             layer, layout = _read(block, 0.0, 0.0)
         except ValueError as exc:
@@ -322,16 +360,28 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
                 "build the model with its weights"
             )
         exported = block_parts(name, block, layout, merges)
-        assert {f"{name}.{n}" for n, _ in layer.named_parameters()} <= set(exported)
-        conversion.exported.update(exported)
-        if groups is not None:
-            trained = (f"{name}.{n}" for n, p in layer.named_parameters() if p.requires_grad)
-            conversion.groups.update(
-                {n: groups[exported[n][0].name] for n in trained if exported[n][0].name in groups}
-            )
-        conversion.blocks.append(name)
+        _record(conversion, name, layer, exported, groups)
         layers.append(layer)
-    _swap(model, conversion.blocks, layers)
+    _swap(model, names, layers)
     if layers:
         log.info("converted %d HF sparse MoE blocks to tessera.moe.MoE: %s", len(layers), conversion.blocks)
     return conversion
+
+
+def _record(
+    conversion: Conversion,
+    name: str,
+    layer: MoE,
+    exported: dict[str, tuple[ExportPart, ...]],
+    groups: Mapping[str, int] | None,
+) -> None:
+    """Add the layer converted to be ``name`` to ``conversion``: its export parts, and the
+    optimizer group of each trained tensor by its HF tensor's (``groups``, the current names')."""
+    assert {f"{name}.{n}" for n, _ in layer.named_parameters()} <= set(exported)
+    conversion.exported.update(exported)
+    if groups is not None:
+        trained = (f"{name}.{n}" for n, p in layer.named_parameters() if p.requires_grad)
+        conversion.groups.update(
+            {n: groups[exported[n][0].name] for n in trained if exported[n][0].name in groups}
+        )
+    conversion.blocks.append(name)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, parts_of
+from tessera.launcher.families.hf_gemma4 import HOLDER, is_layer_mixture, layer_parts
 from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.hf_names import per_expert
@@ -140,6 +141,10 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], *, like: nn.Module) -> dict[s
     ]
     exported: dict[str, tuple[ExportPart, ...]] = {}
     for layer in layers:
+        owner, _, held = layer.rpartition(".")
+        if held == HOLDER and is_layer_mixture(like.get_submodule(owner)):  # Gemma 4's, in its layer
+            exported.update(layer_parts(owner, state[f"{layer}.experts.w1"].shape[-1]))
+            continue
         block = like.get_submodule(layer)
         exported.update(block_parts(layer, block, read_layout(block)))
     joiner, out = Joiner(exported, list(state)), {}

@@ -298,20 +298,16 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
     ),
     # Beam's: DeepSeek-V3's router, the routed scale applied by the block after the sum
     BlockKind("routed, scaled", "beam.BeamMoE", "37bd3d6b336f05fa", scale="routed_scaling_factor"),
-    # Gemma 4's (enable_moe_block): the decoder layer itself holds the router and the experts
+    # Gemma 4's (enable_moe_block): the decoder layer itself holds the router and the experts;
+    # converted as a whole layer by hf_gemma4 (which holds this key too), never read as a block
     BlockKind(
         "mixture inside the decoder layer",
         "gemma4.Gemma4TextDecoderLayer",
         "eb7d5248b61c335c",
         router="router",
         refusal="Gemma 4's mixture sits inside its decoder layer (enable_moe_block) beside the dense MLP, "
-        "with no block of its own to replace; its router reads the residual through an RMS norm without "
-        "weight times a trained router.scale and hidden_size**-0.5, and multiplies the renormalised top-k "
-        "weights by a trained router.per_expert_scale; its experts read another input, "
-        "pre_feedforward_layernorm_2 of the residual, through a gated GELU (hidden_activation, "
-        "gelu_pytorch_tanh), and their sum passes post_feedforward_layernorm_2 before it is added to the "
-        "dense MLP's normed output; tessera.moe.MoE's router and experts read one input, with no input "
-        "norm, no per-expert weight scale and no gated GELU",
+        "with no block of its own to replace: tessera.launcher.families.hf_gemma4 converts the layer's "
+        "mixture (layer_mixture, attach) where the layer's forward is the one it was written for",
     ),
 )
 # the experts every kind reads: gate_up [E, 2h, d], down [E, d, h], down(act(gate x) * up x) per expert
