@@ -219,6 +219,16 @@ def test_gemma4_trains_as_serially(worker_pools: PoolFactory, mode: str) -> None
     assert_matches_serial([run for run, _ in results], serial)
 
 
+def test_sequence_parallelism_is_refused_where_layers_take_per_layer_inputs() -> None:
+    """Gemma 4's per-layer inputs cover the whole sequence, which sequence parallelism splits in
+    the hidden states: refused before any process group, naming them (it failed inside the layer
+    on a size mismatch); the same model without them takes it (``tp2-sp`` above)."""
+    model = _build()
+    config = Config(parallel=ParallelConfig(tp=2, sequence_parallel=True, microbatches=1))
+    with pytest.raises(ValueError, match=r"sequence_parallel: its layers take per-layer inputs .*=4"):
+        boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+
+
 def test_the_loss_reads_the_mixture() -> None:
     """The tier-2 runs could not pass with the mixture left out: the converted model's loss
     changes when each mixture's output is zeroed (its post-norm weight set to 0)."""

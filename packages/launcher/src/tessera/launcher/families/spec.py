@@ -163,7 +163,8 @@ def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str
     """``"axis: reason"`` for each of ``axes`` (``tp``, ``sequence_parallel``, ``pp``, ``cp``,
     ``batch``) that ``model`` cannot take: its spec's ``refuses`` and ``refused_by(model)``, and
     context parallelism (``cp``) on attention whose logits are soft-capped (Gemma2's
-    ``attn_logit_softcapping``)."""
+    ``attn_logit_softcapping``), and sequence parallelism on layers that take per-layer inputs
+    of the whole sequence (Gemma 4's ``hidden_size_per_layer_input``)."""
     own = {**spec.refuses, **(spec.refused_by(model) if spec.refused_by is not None else {})}
     refused = {axis: own[axis] for axis in axes if axis in own}
     cap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
@@ -171,6 +172,13 @@ def refusals(model: nn.Module, spec: ModelSpec, axes: Sequence[str]) -> list[str
         refused["cp"] = (
             f"its attention logits are soft-capped (tanh, attn_logit_softcapping={cap}), which ring and "
             "Ulysses attention do not apply (they run scaled dot-product attention)"
+        )
+    per_layer = getattr(getattr(model, "config", None), "hidden_size_per_layer_input", None)
+    if "sequence_parallel" in axes and per_layer and "sequence_parallel" not in refused:
+        refused["sequence_parallel"] = (
+            f"its layers take per-layer inputs of the whole sequence (hidden_size_per_layer_input="
+            f"{per_layer}, made from the token ids) beside hidden states that sequence parallelism "
+            "splits by position"
         )
     return [f"{axis}: {reason}" for axis, reason in refused.items()]
 
