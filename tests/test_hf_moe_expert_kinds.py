@@ -28,8 +28,11 @@ embedding whole); Nemotron-H, DBRX, Aria, Ling, MiniMax-M3, HunYuan-V4 (its stac
 streams and top-k indices carried between stages) and Inkling 2 (its block states carried
 beside the hidden states) at pp=2 (1F1B, 2 microbatches), with the blocks ``boost()`` builds.
 
-Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
-per-expert loops against one batched matmul: only the summation order differs); logits rtol
+Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-5 (the same products, HF's
+per-expert loops against one batched matmul: only the summation order differs; outputs and
+gradients reach 10 here, and an entry near 0.1 that sums terms that large carries their
+round-off: measured up to 4.1e-6 on an AMD EPYC, where 1e-6 had held elsewhere; a routing or
+weight read wrong moves them by 1e-2 or more); logits rtol
 and atol 1e-5 (order 1); losses rel 1e-5 and SGD weights as ``assert_matches_serial`` bounds
 them (Ling at tp=2: atol 1e-5, see ``ATOL``); export and import ``torch.equal`` (copies, slices
 and transposes, no arithmetic).
@@ -66,7 +69,7 @@ from tessera.moe import ClampedSwiGLU, MoE, SwiGLUVariant
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
 
-TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}  # docstring
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 4, 3, 0.2
 LIMITS: dict[str, dict[str, Any]] = {  # lowered so that they act on std-0.3 weights; and a size
     "hy_v4": {"swiglu_limit": 0.5},

@@ -24,8 +24,11 @@ layers beside a norm, kept whole; AXK1's post-norm taking its weight's gradient 
 rank's share of the tokens) and at pp=2 (1F1B, 2 microbatches: LFM2's rotary under the name
 ``pos_emb``, LongCat-Flash's two attentions per layer).
 
-Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-6 (the same products, HF's
-per-expert loops against one batched matmul: only the summation order differs); logits rtol
+Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-5 (the same products, HF's
+per-expert loops against one batched matmul: only the summation order differs; outputs and
+gradients reach 10 here, and an entry near 0.1 that sums terms that large carries their
+round-off: measured up to 4.1e-6 on an AMD EPYC, where 1e-6 had held elsewhere; a routing or
+weight read wrong moves them by 1e-2 or more); logits rtol
 and atol 1e-5 (order 1); losses rel 1e-5 and SGD weights rtol 1e-5, atol 1e-6 as in
 ``test_hf_moe_families.py``.
 """
@@ -59,7 +62,7 @@ from tessera.zero import Precision
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: HF MoE NOT tested")
 
-close = partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)  # blocks: outputs, gradients
+close = partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)  # blocks: outputs, gradients
 close_logits = partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 4, 3, 0.2
 FAMILIES = ["kolibri1", "axk2", "lfm2_moe", "longcat_flash", "axk1"]
@@ -133,7 +136,7 @@ def test_the_detail_decides_the_output(family: str) -> None:
             choices = layer.router(x.reshape(-1, 32)).choices
             assert layer.identity_experts == 4 and int((choices >= layer.num_experts).sum()) > 0
             layer.router.weight[layer.num_experts :] = -1e4  # the identity experts never chosen
-        assert not torch.allclose(layer(x), want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_lfm2s_guard_and_block_bias_are_read() -> None:
