@@ -34,11 +34,13 @@ the user's model.
 Bounds: logits, and the block's outputs and gradients, of the conversion fp32 rtol 1e-5 /
 atol 1e-6 (the same products, a per-expert loop against one batched matmul: summation order
 only; gradients are compared at the block, whose inputs are of order 1: the model's embedding
-gradient sums many tokens' and reaches order 50, where round-off alone passes 1e-6). Trained
-runs: losses rel 1e-5, weights after 3 SGD steps rtol 1e-5 + atol 1e-6 (SGD is linear in the
-gradient, so round-off is not amplified; routers of order 1 keep every choice far from a
-tie). A lost expert, a wrong gate/up reading, a bias ignored in the choice or an aux loss that
-no longer changes is off at order 1e-2 or more.
+gradient sums many tokens' and reaches order 50, where round-off alone passes 1e-6, so it and
+the embedding it trains get atol 1e-5 (`EMBEDDING_TOL`: measured 4.1e-6 on its gradient and
+1.2e-6 on its weights after 3 steps, on an AMD EPYC). Trained runs: losses rel 1e-5, weights
+after 3 SGD steps rtol 1e-5 + atol 1e-6 (SGD is linear in the gradient, so round-off is not
+amplified; routers of order 1 keep every choice far from a tie). A lost expert, a wrong gate/up
+reading, a bias ignored in the choice or an aux loss that no longer changes is off at order 1e-2
+or more.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from tessera.moe import RouterSpec
 
 VOCAB, SEQ, BATCH, STEPS, LR, AUX = 64, 8, 8, 3, 0.1, 0.05
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+EMBEDDING_TOL = {"rtol": 1e-5, "atol": 1e-5}  # sums over many tokens (module docstring)
 
 
 TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
@@ -148,7 +151,9 @@ def test_a_converted_model_computes_what_the_users_model_computes(config: MixCon
     torch.testing.assert_close(ours.router.weight.grad, theirs.gate.weight.grad, **TOL)
     torch.testing.assert_close(ours.experts.w1.grad[2], theirs.experts[2].gate_proj.weight.grad.t(), **TOL)
     torch.testing.assert_close(ours.experts.w2.grad[0], theirs.experts[0].down_proj.weight.grad.t(), **TOL)
-    torch.testing.assert_close(converted.tok_embeddings.weight.grad, model.tok_embeddings.weight.grad, **TOL)
+    torch.testing.assert_close(
+        converted.tok_embeddings.weight.grad, model.tok_embeddings.weight.grad, **EMBEDDING_TOL
+    )
 
 
 class _Sigmoid(nn.Module):
@@ -467,6 +472,9 @@ def test_a_users_moe_trains_through_boost_as_written(
         assert losses == pytest.approx(want_losses, rel=1e-5), f"rank {rank}: {losses} vs {want_losses}"
     state = safetensors.torch.load_file(path)
     assert state.keys() == want.keys(), sorted(set(state) ^ set(want))[:6]  # the user's names
-    torch.testing.assert_close(state, want, **TOL)
+    embedding = "tok_embeddings.weight"
+    torch.testing.assert_close(state[embedding], want[embedding], **EMBEDDING_TOL)
+    rest = [n for n in want if n != embedding]
+    torch.testing.assert_close({n: state[n] for n in rest}, {n: want[n] for n in rest}, **TOL)
     fresh = _build(kind)
     fresh.load_state_dict(state, strict=True)
