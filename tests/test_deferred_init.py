@@ -48,7 +48,7 @@ VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 11
 # score bias is a parameter, refused deferred (hf_moe_conversion: the router holds a buffer)
 MOE_FAMILIES = [
     "nemotron_h", "dbrx", "aria_text", "longcat_flash", "axk1", "kolibri1", "lfm2_moe",
-    "minimax_m3_vl_text", "ergo", "inkling_text", "gemma4_text",
+    "minimax_m3_vl_text", "ergo", "inkling_text", "gemma4_text", "deepseek_v4",
 ]  # fmt: skip
 LIMITS = {  # widths of their own, small
     "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "layers_block_type": ["full_attention", "moe"]},

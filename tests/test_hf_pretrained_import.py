@@ -52,6 +52,7 @@ READ = [
     "bailing_hybrid", "kimi_linear", "lara_mini", "param2moe", "sarvam_moe",
     # matrices it transposes (Ergo's gate_kernel and shared expert); the further families
     "ergo", "inkling_text", "jetmoe", "beam", "kolibri1_1", "qwen4_exp_text", "dots3_note_text",
+    "deepseek_v4",
     # the mixture inside its decoder layers (families.hf_gemma4)
     "gemma4_text",
 ]  # fmt: skip

@@ -110,6 +110,9 @@ FIXES: dict[str, dict[str, Any]] = {  # what a family's config validation needs 
     },
     # their mixtures are off unless switched on: Beam's by its layer kinds, Flint's by its sparse step
     "beam": {"mlp_layer_types": ["dense", "sparse"]},
+    # DeepSeek-V4: a hash layer (experts by token id) and a top-k one (its default: 3 hash layers
+    # first), and a SwiGLU limit its clamps reach on these weights (its default 10 they never do)
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"], "swiglu_limit": 1.0},
     "flint": {"decoder_sparse_step": 1, "mlp_only_layers": []},
     "dbrx": {
         "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,

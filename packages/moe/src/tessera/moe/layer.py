@@ -153,6 +153,9 @@ class MoE(nn.Module):
     ``rms_norm(x) * router.input_scale * multiplier`` and scales each chosen weight by a trained
     ``router.expert_scale [E]`` (`TopKRouter`; Gemma 4). ``input_norm_eps``: the experts read
     ``input_norm * rms_norm(x)`` (module docstring; no identity experts).
+    ``hash_vocab``: the router reads each token's experts from a table ``router.tid2eid
+    [hash_vocab, top_k]`` at its id (`tessera.moe.hash_routing`; DeepSeek-V4): ``forward(x,
+    input_ids)`` then needs the ids (of ``x``'s leading shape; ignored without a table).
     ``grouped=False`` runs the experts one by one (the reference of the batched path).
     ``seed``: the initialisation (`tessera.moe.init`; None draws one from torch's global
     generator). ``ep_group``: hold only this rank's ``experts / ep`` experts and exchange
@@ -196,6 +199,7 @@ class MoE(nn.Module):
         router_input_multiplier: float = 1.0,
         router_expert_scale: bool = False,
         input_norm_eps: float | None = None,
+        hash_vocab: int | None = None,
         grouped: bool = True,
         seed: int | None = None,
         ep_group: dist.ProcessGroup | None = None,
@@ -283,6 +287,7 @@ class MoE(nn.Module):
             input_norm_eps=router_norm_eps,
             input_multiplier=router_input_multiplier,
             expert_scale=router_expert_scale,
+            hash_vocab=hash_vocab,
         )
         self.experts = Experts(
             d_model,
@@ -323,8 +328,15 @@ class MoE(nn.Module):
         """How many ranks share every expert's hidden units (`split_hidden`; 1: none)."""
         return 1 if self.tp_group is None else group_size(self.tp_group)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Tensor:
         tp = self.tp
+        hashed = self.router.tid2eid is not None
+        if hashed and tp > 1 and self.gathers:
+            raise ValueError(
+                f"a hash-routed MoE layer under tp={tp} with its input gathered ({len(self.gathers)} "
+                "gathers: sequence parallelism or 2D / 2.5D / 3D tp) is not supported: its token ids are "
+                "not gathered"
+            )
         if tp > 1:  # enter the layer's tp region: every rank routes the same whole tokens
             for dim, group in self.gathers:
                 x = all_gather_along(x, dim, group)
@@ -332,7 +344,7 @@ class MoE(nn.Module):
                 x = copy_to_region(x, self.tp_group)
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
-        routing = self.router(tokens)
+        routing = self.router(tokens, input_ids if hashed else None)
         if self.input_norm is not None and self.input_norm_eps is not None:  # what the experts read
             tokens = rms_normed(tokens, self.input_norm, self.input_norm_eps)
         experts = self.num_experts

@@ -44,8 +44,8 @@ class OutputBiasMoE(MoE):
         super().__init__(d_model, hidden, experts, top_k, **kwargs)
         self.bias = nn.Parameter(torch.zeros(d_model))
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = super().forward(x)
+    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Tensor:
+        out = super().forward(x, input_ids)
         if self.tp == 1 or len(self.gathers) == 1:  # one rank, or each rank its own slice of the sequence
             return out + self.bias
         if self.gathers:

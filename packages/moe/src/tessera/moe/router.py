@@ -6,6 +6,7 @@ token's ``top_k`` experts are those of highest probability, weighted by their pr
 DeepSeek-V3 and the families that copy them, in four independent parts:
 
 - ``score="sigmoid"``: each expert's score is ``sigmoid(logit)``, on its own (DeepSeek-V3);
+  ``score="sqrtsoftplus"``: ``sqrt(softplus(logit))``, on its own too (DeepSeek-V4);
 - ``choice_bias=True``: the router holds a buffer ``score_bias [E]`` (DeepSeek-V3's
   ``e_score_correction_bias``) added to the scores to *choose* the experts (and the groups),
   never to weigh them: the weights are the chosen experts' unbiased scores. This is
@@ -30,6 +31,12 @@ the scores, as both score functions are monotone in the logits); ``group_fill``:
 the experts outside the kept groups take for the choice, ``-inf`` (DeepSeek-V3) or ``0.0``
 (AXK2: with a negative bias such an expert may still be chosen); ``renorm_eps``: the guard of
 the renormalisation, ``sum + renorm_eps``.
+
+Hash routing (DeepSeek-V4's first layers; `TopKRouter`'s ``hash_vocab``): each token's experts
+are not chosen by the scores but read from a fixed table ``tid2eid [vocab, top_k]`` (int64, a
+persistent buffer, loaded and never trained) at the token's id (`tessera.moe.hash_routing`);
+they are still weighed by the router's scores at those experts, renormalised and scaled as the
+spec says, so the router's weight is trained through the weights alone.
 
 Shared experts scored by the router (``shared=S`` in `route`, Inkling's "shared gammas"): the
 router holds ``S`` further logits after the choosable ones, one per shared expert of the layer.
@@ -70,6 +77,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.moe.adapters import deltas
+from tessera.moe.hash_routing import hash_choices, hash_table
 from tessera.moe.init import ROUTER_STREAM, generator, uniform
 from tessera.moe.norms import normalised
 
@@ -82,9 +90,10 @@ __all__ = [
     "TopKRouter",
     "limit_to_groups",
     "route",
+    "scores_of",
 ]
 
-ScoreFunction = Literal["softmax", "sigmoid"]
+ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 GroupScore = Literal["max", "top2"]
 ChooseBy = Literal["scores", "logits"]
 _EPS = 1e-20  # DeepSeek-V3's renormalisation guard
@@ -114,8 +123,10 @@ class RouterSpec:
 
     def problem(self, experts: int, top_k: int) -> str:
         """Why this spec cannot route ``top_k`` of ``experts`` experts ("" when it can)."""
-        if self.score not in ("softmax", "sigmoid"):
-            return f"score must be 'softmax' or 'sigmoid', got {self.score!r}"
+        if self.score not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            return (
+                f"score must be 'softmax' or 'sigmoid', got {self.score!r} (or DeepSeek-V4's 'sqrtsoftplus')"
+            )
         if self.group_score not in ("max", "top2"):
             return f"group_score must be 'max' or 'top2', got {self.group_score!r}"
         if not (math.isfinite(self.scale) and self.scale > 0):
@@ -146,8 +157,8 @@ class Routing:
     """One call's routing of ``T`` tokens over ``E`` experts.
 
     ``logits``: ``[T, E]``; ``probs``: ``[T, E]`` in fp32, the router's probabilities that the
-    load-balancing loss reads: the softmax of the logits, or with sigmoid scores those scores
-    normalised to sum to 1 per token (as DeepSeek-V3's sequence-wise balance loss does);
+    load-balancing loss reads: the softmax of the logits, or with sigmoid (or sqrtsoftplus) scores
+    those scores normalised to sum to 1 per token (as DeepSeek-V3's sequence-wise balance loss does);
     ``choices``: ``[T, k]`` expert indices, highest (biased) score first; ``weights``: ``[T, k]``
     their combine weights (the unbiased scores, renormalised to sum to 1 per token when asked,
     times the spec's scale); ``shared_weights``: ``[T, S]`` the shared experts' weights where the
@@ -179,6 +190,14 @@ def limit_to_groups(
     return choice.masked_fill(~kept.repeat_interleave(experts // groups, dim=1), fill)
 
 
+def scores_of(logits: Tensor, score: ScoreFunction) -> Tensor:
+    """Each expert's score of ``logits [T, E]``: their softmax, or each one's sigmoid or
+    ``sqrt(softplus(logit))`` (`RouterSpec`'s ``score``)."""
+    if score == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return torch.sigmoid(logits) if score == "sigmoid" else F.softplus(logits).sqrt()
+
+
 def route(
     logits: Tensor,
     top_k: int,
@@ -187,12 +206,15 @@ def route(
     spec: RouterSpec | None = None,
     bias: Tensor | None = None,
     shared: int = 0,
+    chosen: Tensor | None = None,
 ) -> Routing:
     """Each token's ``top_k`` experts and weights from ``logits [T, E]`` (in fp32): softmax
     top-k by default, else as ``spec`` says, choosing by the scores plus ``bias [E]`` (given
     exactly when ``spec.choice_bias``; by the logits plus ``bias`` with ``spec.choose_by="logits"``).
     ``shared``: the last ``shared`` of the logits score the shared experts (module docstring;
-    sigmoid scores only), ``bias`` and the choice covering the ``E - shared`` others."""
+    sigmoid scores only), ``bias`` and the choice covering the ``E - shared`` others.
+    ``chosen [T, top_k]``: each token's experts, given (hash routing: module docstring), not
+    chosen by the scores; they are weighed as chosen ones are."""
     experts = logits.shape[-1] - shared
     if shared < 0 or not 1 <= top_k <= experts:
         raise ValueError(
@@ -204,7 +226,7 @@ def route(
             f"a router scoring {shared} shared experts needs sigmoid scores (RouterSpec(score='sigmoid')), "
             f"got {spec.score!r}: a softmax would make them compete with the routed experts for the choice"
         )
-    if spec.is_default:
+    if spec.is_default and chosen is None:
         if bias is not None:
             raise ValueError("a choice bias needs RouterSpec(choice_bias=True)")
         probs = torch.softmax(logits.float(), dim=-1)
@@ -220,16 +242,24 @@ def route(
         raise ValueError(
             f"choice_bias={spec.choice_bias} needs a bias of shape ({experts},) exactly then, got {shape}"
         )
-    everyone = (
-        torch.softmax(logits.float(), dim=-1) if spec.score == "softmax" else torch.sigmoid(logits.float())
-    )
+    if chosen is not None and (
+        bias is not None or spec.groups > 1 or tuple(chosen.shape) != (len(logits), top_k)
+    ):
+        raise ValueError(
+            f"given choices of shape {tuple(chosen.shape)} need shape ({len(logits)}, {top_k}), no choice "
+            f"bias (got {bias is not None}) and one group (got {spec.groups}): nothing is chosen"
+        )
+    everyone = scores_of(logits.float(), spec.score)
     shared_weights = everyone[:, experts:] if shared else None
     scores, logits = (everyone[:, :experts], logits[:, :experts]) if shared else (everyone, logits)
-    choice = (scores if spec.choose_by == "scores" else logits.float()).detach()
-    choice = choice if bias is None else choice + bias.float()
-    if spec.groups > 1:
-        choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score, spec.group_fill)
-    choices = torch.topk(choice, top_k, dim=-1).indices
+    if chosen is None:
+        choice = (scores if spec.choose_by == "scores" else logits.float()).detach()
+        choice = choice if bias is None else choice + bias.float()
+        if spec.groups > 1:
+            choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score, spec.group_fill)
+        choices = torch.topk(choice, top_k, dim=-1).indices
+    else:
+        choices = chosen.long()
     weights = scores.gather(1, choices)
     if renormalize and shared_weights is not None:  # over the chosen and the shared experts together
         total = weights.sum(dim=-1, keepdim=True) + shared_weights.sum(dim=-1, keepdim=True) + spec.renorm_eps
@@ -256,6 +286,8 @@ class TopKRouter(nn.Module):
     (module docstring). ``input_norm_eps``: the logits read ``normalised(x) * input_scale *
     input_multiplier`` (a trained ``input_scale [d]``, ones); ``expert_scale=True``: a trained
     ``expert_scale [E]`` (ones) multiplies each chosen expert's weight (module docstring).
+    ``hash_vocab``: the experts are read from a persistent buffer ``tid2eid [hash_vocab, top_k]``
+    (int64, zeros) at each token's id, which ``forward`` then needs (module docstring).
 
     Initialised uniformly in ``±1/sqrt(d)`` from stream 0 of ``seed`` (`tessera.moe.init`). Under expert
     parallelism every rank holds the same router (a data-parallel parameter). Low-rank
@@ -263,6 +295,7 @@ class TopKRouter(nn.Module):
     """
 
     score_bias: Tensor | None
+    tid2eid: Tensor | None
     bias: nn.Parameter | None
     scale: nn.Parameter | None
     input_scale: nn.Parameter | None
@@ -283,6 +316,7 @@ class TopKRouter(nn.Module):
         input_norm_eps: float | None = None,
         input_multiplier: float = 1.0,
         expert_scale: bool = False,
+        hash_vocab: int | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= experts:
@@ -299,6 +333,11 @@ class TopKRouter(nn.Module):
             problem = (
                 f"a router scoring {shared} shared experts needs sigmoid scores, got {self.spec.score!r}"
             )
+        if hash_vocab is not None and (self.spec.choice_bias or self.spec.groups > 1 or shared):
+            problem = (
+                f"a hash router (hash_vocab={hash_vocab}) chooses by its table: no choice bias (got "
+                f"{self.spec.choice_bias}), groups (got {self.spec.groups}) or shared scores (got {shared})"
+            )
         if problem:
             raise ValueError(problem)
         self.top_k, self.renormalize, self.shared = top_k, renormalize, shared
@@ -306,6 +345,7 @@ class TopKRouter(nn.Module):
             uniform((experts + shared, d_model), d_model, generator(seed, ROUTER_STREAM))
         )
         self.register_buffer("score_bias", torch.zeros(experts) if self.spec.choice_bias else None)
+        self.register_buffer("tid2eid", None if hash_vocab is None else hash_table(hash_vocab, top_k))
         self.bias = nn.Parameter(torch.zeros(experts + shared)) if bias else None
         self.scale = nn.Parameter(torch.ones(1)) if scale else None
         self.input_norm_eps, self.input_multiplier = input_norm_eps, input_multiplier
@@ -313,7 +353,7 @@ class TopKRouter(nn.Module):
         self.expert_scale = nn.Parameter(torch.ones(experts)) if expert_scale else None
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
-    def forward(self, x: Tensor) -> Routing:
+    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Routing:
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
         if self.input_scale is not None and self.input_norm_eps is not None:
             x = normalised(x, self.input_norm_eps) * self.input_scale
@@ -322,6 +362,9 @@ class TopKRouter(nn.Module):
         if self.spec.float32:  # DeepSeek-V3's F.linear(x.float(), weight.float()), in any dtype
             x, weight = x.float(), weight.float()
         logits = x @ weight.t() if self.bias is None else F.linear(x, weight, self.bias.to(weight.dtype))
+        chosen = None
+        if self.tid2eid is not None:
+            chosen = hash_choices(self.tid2eid, input_ids, x.shape[0], logits.shape[-1] - self.shared)
         routing = route(
             logits,
             self.top_k,
@@ -329,6 +372,7 @@ class TopKRouter(nn.Module):
             spec=self.spec,
             bias=self.score_bias,
             shared=self.shared,
+            chosen=chosen,
         )
         if self.expert_scale is not None:
             routing = replace(routing, weights=routing.weights * self.expert_scale[routing.choices])

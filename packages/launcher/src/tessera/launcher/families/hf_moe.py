@@ -143,6 +143,7 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
     ref: Tensor = next(bank.parameters())  # where and in what dtype the bank is held
     if layout.out_bias is not None and layout.returns_logits:
         raise ValueError("a block with an output bias that returns its router's logits is not reproduced")
+    table = None if layout.hash_table is None else block_tensor(block, layout.hash_table)
     cls = OutputBiasMoE if layout.out_bias is not None else LogitsMoE if layout.returns_logits else MoE
     # a block without storage (deferred) gives a layer without storage: nothing is drawn
     with torch.device("meta") if ref.is_meta else contextlib.nullcontext():
@@ -166,6 +167,7 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
             shared_scores=layout.shared_scores,
             shared_norm_eps=layout.shared_norm_eps,
             router_scale=layout.router_scale is not None,
+            hash_vocab=None if table is None else int(table.shape[0]),
             seed=0,
             aux_loss_coef=aux_loss_coef,
             z_loss_coef=z_loss_coef,
@@ -189,6 +191,13 @@ def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[M
                 layer.router.score_bias = bias.to(held.dtype).clone()
             else:
                 held.copy_(bias)
+        if table is not None:  # DeepSeek-V4's tid2eid: each token id's experts
+            held = layer.router.tid2eid
+            assert held is not None  # hash_vocab
+            if held.is_meta and not table.is_meta:  # a deferred model's buffer stays real
+                layer.router.tid2eid = table.detach().to(held.dtype).clone()
+            else:
+                held.copy_(table)
         if layout.router_bias is not None:
             assert layer.router.bias is not None
             layer.router.bias.copy_(block_tensor(block, layout.router_bias))
@@ -353,12 +362,13 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
             layer, layout = _read(block, 0.0, 0.0)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        if layout.score_bias is not None and block_tensor(block, layout.score_bias).is_meta:
-            raise ValueError(
-                f"{where}.{layout.score_bias} is a parameter without storage (a deferred model): the "
-                "converted router holds it as a buffer, which deferred initialization does not make; "
-                "build the model with its weights"
-            )
+        for buffer in (layout.score_bias, layout.hash_table):
+            if buffer is not None and block_tensor(block, buffer).is_meta:
+                raise ValueError(
+                    f"{where}.{buffer} is a tensor without storage (a deferred model): the converted "
+                    "router holds it as a buffer, which deferred initialization does not make; build the "
+                    "model with its weights"
+                )
         exported = block_parts(name, block, layout, merges)
         _record(conversion, name, layer, exported, groups)
         layers.append(layer)

@@ -53,6 +53,7 @@ __all__ = [
     "holds_parallel_experts",
     "is_silu",
     "read_bank",
+    "read_deepseek_v4",
     "read_minimax_m3",
     "read_parts",
     "read_relu2",
@@ -90,6 +91,12 @@ def read_relu2(bank: Any) -> Activation:
 
 def _hy_v4(bank: Any) -> Activation:  # gate.clamp(max=L), up.clamp(-L, L), silu(gate) * up
     limit = float(bank.swiglu_limit)
+    return SwiGLUVariant(gate_limit=limit, up_limit=limit)
+
+
+def read_deepseek_v4(mlp: Any) -> Activation:  # DeepSeek-V4's experts and shared expert: as _hy_v4, limit
+    read_silu(mlp)
+    limit = float(mlp.limit)
     return SwiGLUVariant(gate_limit=limit, up_limit=limit)
 
 
@@ -177,6 +184,13 @@ BANK_KINDS: tuple[BankKind, ...] = (
         "SwiGLU by columns", "aria.AriaExperts", "2bac229b72d0c9b1+fe7a0279de333525", "columns", read_silu
     ),
     BankKind("clamped SwiGLU", "hy_v4.HYV4Experts", "51563666960dd0ee+19e627b406100f22", "rows", _hy_v4),
+    BankKind(
+        "clamped SwiGLU",
+        "deepseek_v4.DeepseekV4Experts",
+        "51563666960dd0ee+f7dbc36f891706f9",
+        "rows",
+        read_deepseek_v4,
+    ),
     BankKind(
         "clamped SwiGLU (GPT-OSS's)",
         "minimax_m3_vl.MiniMaxM3VLExperts",

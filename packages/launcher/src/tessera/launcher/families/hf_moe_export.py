@@ -37,7 +37,8 @@ def block_tensor(module: nn.Module, dotted: str) -> Tensor:
 
 def exported_parts(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's tensors (by their names in the model; ``name`` the block's) as
-    parts of the block's: ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` as
+    parts of the block's (a hash router's table ``router.tid2eid`` the block's, as it is):
+    ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` as
     `_gate_up_bands` lays it out, ``w2`` ``experts.down_proj`` (transposed where gate and up are
     rows), GPT-OSS's expert biases the same bands of ``gate_up_proj_bias`` and
     ``down_proj_bias``, the shared expert's one-expert banks its ``nn.Linear`` weights
@@ -71,6 +72,8 @@ def exported_parts(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, .
         out[f"{name}.router.bias"] = part(layout.router_bias)
     if layout.score_bias is not None:
         out[f"{name}.router.score_bias"] = part(layout.score_bias)
+    if layout.hash_table is not None:  # DeepSeek-V4's tid2eid, a persistent int64 buffer
+        out[f"{name}.router.tid2eid"] = part(layout.hash_table)
     if layout.shared is not None:
         for w, proj, band in layout.shared_projections:
             if layout.shared_stacked:  # Inkling's [S, out, in]: all S experts of the bank

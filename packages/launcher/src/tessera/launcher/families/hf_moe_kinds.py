@@ -9,9 +9,10 @@ not), with the choice bias on the router or on the block; Llama 4's, whose exper
 weights and which returns its router's logits beside its output; GPT-OSS's, whose experts
 (``EXPERTS_GPT_OSS``) have biases and a clamped SwiGLU; Aria's (its experts by columns),
 Nemotron-H's (non-gated experts and shared expert), DBRX's (its experts' flat ``mlp.w1`` /
-``v1`` / ``w2``), LongCat-Flash's zero experts, AXK1's post-norm. The expert banks and shared
-experts each kind of block holds are ``hf_moe_banks``'. A key was taken from the pinned
-``transformers``; ``tests/test_hf_moe_families.py`` checks that each still hashes to it.
+``v1`` / ``w2``), LongCat-Flash's zero experts, AXK1's post-norm, DeepSeek-V4's (hash routing by
+token id in its first layers). The expert banks and shared experts each kind of block holds are
+``hf_moe_banks``'. A key was taken from the pinned ``transformers``;
+``tests/test_hf_moe_families.py`` checks that each still hashes to it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class RouterReading:
     choice bias ``bias`` and the bias added to its logits ``logit_bias``; ``shared``: how many
     logits after the routed ones score the block's shared experts (Inkling's: ``tessera.moe.MoE``'s
     ``shared_scores``), ``scale``: its trained scalar multiplying every weight (Inkling's
-    ``global_scale``: ``router_scale``)."""
+    ``global_scale``: ``router_scale``); ``table``: its table of each token id's experts (DeepSeek-V4's
+    ``tid2eid [vocab, k]``: ``tessera.moe.MoE``'s ``hash_vocab``, the router's ``tid2eid``)."""
 
     top_k: int
     renormalize: bool
@@ -90,6 +92,7 @@ class RouterReading:
     logit_bias: str | None = None
     shared: int = 0
     scale: str | None = None
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,14 @@ def _no_latent(block: Any) -> str:
     if not latent:
         return ""
     return f"{', '.join(latent)}: the experts' latent projections (moe_latent_size) are not reproduced"
+
+
+def _deepseek_v4_hash(block: Any) -> str:
+    hashed, table = bool(block.is_hash), hasattr(block.gate, "tid2eid")
+    if hashed != table:
+        held = "lacks" if hashed else "holds"
+        return f"is_hash={hashed} but its router {type(block.gate).__name__} {held} tid2eid"
+    return ""
 
 
 def _cohere2_shared(block: Any) -> str:
@@ -253,14 +264,15 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         bank="interleaved",
         returns_logits=True,
     ),
+    # DeepSeek-V4's: its first 'hash_moe' layers (mlp_layer_types) read each token's experts from
+    # a fixed table at its id (the router kind reads it: tessera.moe's hash routing), which its
+    # decoder layers pass to every block as input_ids; a shared expert with the experts' clamps
     BlockKind(
-        "hash",
+        "hash or top-k, shared expert",
         "deepseek_v4.DeepseekV4SparseMoeBlock",
         "2cdca842054e5399",
-        refusal="DeepSeek-V4's block takes the token ids: its first 'hash_moe' layers (mlp_layer_types) "
-        "choose experts by a fixed table (tid2eid[input_ids]), which tessera.moe.MoE, called with the hidden "
-        "states alone, cannot see; its experts clamp gate (max) and up (both sides) before silu(gate) * up "
-        "(swiglu_limit), and its decoder layers mix hc_mult residual streams",
+        shared="shared_experts",
+        check=_deepseek_v4_hash,
     ),
     BlockKind(
         "zero experts",

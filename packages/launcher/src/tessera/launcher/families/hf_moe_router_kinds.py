@@ -7,7 +7,8 @@ families generated from it), DeepSeek-V2's softmax with group-limited greedy cho
 sigmoid-with-bias routers (MiniMax-M2/M3, HunYuan-V3, AFMoE, Laguna, Inkling 2, LFM2, Kolibri),
 ERNIE's softmax with a bias, Llama 4's sigmoid of the top-k logits, GPT-OSS's softmax of the
 top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero experts, Ergo's
-sigmoid-with-bias, Inkling's that scores its shared experts too; PhiMoE's
+sigmoid-with-bias, Inkling's that scores its shared experts too, DeepSeek-V4's sqrt(softplus)
+scores (chosen by score + bias, or read from a table by token id: hash routing); PhiMoE's
 sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'. A kind
 marked ``float32`` computes its logits in fp32 in any dtype, as its HF forward does (DeepSeek-V3's
 ``F.linear(x.float(), weight.float())``; ``tests/test_hf_moe_bf16.py`` holds each to HF's).
@@ -20,6 +21,7 @@ from typing import Any
 
 from tessera.launcher.families.hf_moe_kinds import RouterKind, RouterReading
 from tessera.moe import RouterSpec
+from tessera.moe.router import ScoreFunction
 
 __all__ = ["ROUTER_KINDS"]
 
@@ -238,6 +240,33 @@ def _beam(block: Any, name: str) -> RouterReading:
     return RouterReading(int(router.top_k), bool(router.norm_topk_prob), spec, f"{name}.weight", bias)
 
 
+def _deepseek_v4(hashed: bool) -> Callable[[Any, str], RouterReading]:
+    """DeepSeek-V4's routers: ``scoring_func`` scores (sqrt(softplus) or sigmoid), renormalised
+    (``sum + 1e-20``) and scaled by ``routed_scaling_factor``; chosen by score + bias, or read from
+    ``tid2eid`` by token id (``hashed``: the hash router, which has no bias)."""
+
+    def read(block: Any, name: str) -> RouterReading:
+        router = getattr(block, name)
+        scores: dict[str, ScoreFunction] = {
+            "SqrtSoftplusActivation": "sqrtsoftplus",
+            "Sigmoid": "sigmoid",
+            "SigmoidActivation": "sigmoid",
+        }
+        score = scores.get(type(router.score_fn).__name__)
+        if score is None:
+            raise ValueError(
+                f"its scoring function {type(router.score_fn).__name__} is not sqrt(softplus) or sigmoid"
+            )
+        spec = RouterSpec(score=score, choice_bias=not hashed, scale=float(router.routed_scaling_factor))
+        if hashed:
+            return RouterReading(int(router.top_k), True, spec, f"{name}.weight", table=f"{name}.tid2eid")
+        return RouterReading(
+            int(router.top_k), True, spec, f"{name}.weight", f"{name}.e_score_correction_bias"
+        )
+
+    return read
+
+
 ROUTER_KINDS: tuple[RouterKind, ...] = (
     RouterKind("softmax-top-k", "qwen3_moe.Qwen3MoeTopKRouter", "2a5d7542c840d638", _softmax(None)),
     RouterKind(
@@ -349,5 +378,17 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
     ),
     RouterKind(
         "deepseek-v3, scaled on the block", "beam.BeamTopKRouter", "96ac29866ad23a29", _beam, float32=True
+    ),
+    RouterKind(
+        "sqrt(softplus) + bias, scaled",
+        "deepseek_v4.DeepseekV4TopKRouter",
+        "72cb8c3ad271539b",
+        _deepseek_v4(False),
+    ),
+    RouterKind(
+        "hash by token id, sqrt(softplus) weights",
+        "deepseek_v4.DeepseekV4HashRouter",
+        "d7273b6db5f7ad35",
+        _deepseek_v4(True),
     ),
 )

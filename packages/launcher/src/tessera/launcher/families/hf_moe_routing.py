@@ -18,7 +18,9 @@ rather than ``-inf`` (AXK2) or guard their renormalisation with ``1e-6`` (LFM2),
 of ``tessera.moe.RouterSpec``; LongCat-Flash's routes to identity ("zero") experts after its
 real ones, ``tessera.moe.MoE``'s ``identity_experts``; AXK1's normalises its output
 (``post_norm_eps``). Ergo's experts each normalise their output with a norm of their own, and
-its shared expert too (``expert_norm_eps``, ``shared_norm_eps``: ``hf_moe_expert_norms``); Inkling's
+its shared expert too (``expert_norm_eps``, ``shared_norm_eps``: ``hf_moe_expert_norms``); DeepSeek-V4's
+first layers read each token's experts from a table by its id (``hash_vocab``; the converted layer
+takes the ``input_ids`` its decoder layers pass); Inkling's
 router scores its shared experts beside the routed ones and weighs them (``shared_scores``,
 ``shared_experts``, with a trained ``router_scale``).
 
@@ -30,7 +32,7 @@ that differs in anything but comments and layout (a new ``transformers``) is not
 and the block is refused, naming the class and the key, until someone reads it and adds a
 kind. The attributes the kind then reads (``top_k``, ``norm_topk_prob``, ``n_group``, ...)
 are the instance's own. Kinds known to compute what ``tessera.moe`` cannot (PhiMoE's
-sparsemixer, DeepSeek-V4's hash routing, ...) are listed there with the reason, which
+sparsemixer, ZAYA's router state, ...) are listed there with the reason, which
 `read_layout` gives. ``tests/survey_hf_moe.py`` lists every MoE family of the pinned
 ``transformers`` against them.
 """
@@ -78,7 +80,9 @@ class HFLayout:
     (relative to ``shared``) of epsilon ``shared_norm_eps``; ``shared_experts``: how many shared
     experts it holds, ``shared_stacked``: as parameters ``[S, out, in]`` (Inkling's);
     ``shared_scores``: the router weighs them (holding their logits after the routed experts');
-    ``router_scale``: the router's trained scalar multiplying its weights (Inkling's)."""
+    ``router_scale``: the router's trained scalar multiplying its weights (Inkling's);
+    ``hash_table``: the router's table of each token id's experts ``[vocab, k]`` (DeepSeek-V4's
+    ``tid2eid``: the converted router's ``tid2eid``, ``tessera.moe``'s hash routing)."""
 
     block: str
     router: str
@@ -112,6 +116,7 @@ class HFLayout:
     shared_stacked: bool = False
     shared_scores: bool = False
     router_scale: str | None = None
+    hash_table: str | None = None
 
     @property
     def columns(self) -> bool:
@@ -218,4 +223,5 @@ def read_layout(block: nn.Module) -> HFLayout:
         shared_stacked=form[1],
         shared_scores=kind.shared_scores,
         router_scale=reading.scale,
+        hash_table=reading.table,
     )

@@ -1,9 +1,10 @@
 """The shared experts of transformers' sparse MoE blocks: each kind an MLP ``forward`` read
 once from one class and recognised by its `source_key` (`SHARED_KINDS`): DeepSeek-V3's and
-Llama 4's SwiGLU MLPs, Ling's with a limit, Nemotron-H's ReLU² (not gated), MiniMax-M3's with
-gate and up fused, Ergo's with a norm of its output, Inkling's stacked ``[S, out, in]``;
-`read_shared` gives one in ``tessera.moe``'s terms (its projections, width and activation),
-`shared_form` its count, stacking and norm. The routed experts' banks are ``hf_moe_banks``'.
+Llama 4's SwiGLU MLPs, Ling's with a limit, DeepSeek-V4's with its experts' clamps, Nemotron-H's
+ReLU² (not gated), MiniMax-M3's with gate and up fused, Ergo's with a norm of its output,
+Inkling's stacked ``[S, out, in]``; `read_shared` gives one in ``tessera.moe``'s terms (its
+projections, width and activation), `shared_form` its count, stacking and norm. The routed
+experts' banks are ``hf_moe_banks``'.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any
 from torch import nn
 
 from tessera.launcher.checkpoint.exported import Band
-from tessera.launcher.families.hf_moe_banks import read_minimax_m3, read_relu2, read_silu, silu_of
+from tessera.launcher.families.hf_moe_banks import (
+    read_deepseek_v4,
+    read_minimax_m3,
+    read_relu2,
+    read_silu,
+    silu_of,
+)
 from tessera.launcher.families.hf_moe_expert_norms import SHARED_NORM, read_norm
 from tessera.launcher.families.hf_moe_kinds import SHARED_MLP, SHARED_MLP_LLAMA4, source_key
 from tessera.moe import SwiGLUVariant
@@ -70,6 +77,7 @@ SHARED_KINDS: tuple[SharedKind, ...] = (
         SWIGLU_PROJECTIONS,
         lambda mlp: silu_of(mlp.activation_fn),
     ),
+    SharedKind("deepseek_v4.DeepseekV4MLP", "2e8c7fb2f8e54934", SWIGLU_PROJECTIONS, read_deepseek_v4),
     SharedKind("bailing_hybrid.BailingHybridMLP", "a95a93cb45ff3d54", SWIGLU_PROJECTIONS, _bailing_shared),
     SharedKind(
         "nemotron_h.NemotronHMLP", "bd0cd4577df6ef1d", (("w1", "up_proj"), ("w2", "down_proj")), read_relu2

@@ -129,9 +129,9 @@ class NamedMoE(MoE):
         self._link_bias()  # both names were converted apart: the router reads the block's again
         return self
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Tensor:
         self._link_bias()  # a load with assign=True, or a user's assignment, replaces the named one
-        return super().forward(x)
+        return super().forward(x, input_ids)
 
 
 @dataclass
