@@ -52,7 +52,6 @@ from tessera.launcher.families.hf_gemma4 import (
     attach,
     is_layer_mixture,
     layer_mixture,
-    layer_parts,
     mixture_modules,
 )
 from tessera.launcher.families.hf_moe_adapters import carry, is_wrapper, peel, peeled
@@ -65,14 +64,14 @@ from tessera.launcher.families.hf_moe_banks import (
     read_parts,
 )
 from tessera.launcher.families.hf_moe_export import (
-    block_parts,
     block_tensor,
     hf_moe_state_dict,
+    mixture_parts,
     renamed_tensors,
 )
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
-from tessera.launcher.families.hf_names import expert_merges, per_expert
+from tessera.launcher.families.hf_names import expert_merges
 from tessera.launcher.families.own_moe import Conversion
 from tessera.moe import MoE
 from tessera.moe.activations import is_gated
@@ -354,7 +353,7 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from exc
             held = f"{name}.{HOLDER}"
-            exported = per_expert(layer_parts(name, layer.experts.hidden), merges, layer.num_experts)
+            exported = mixture_parts(name, block, merges)
             _record(conversion, held, layer, exported, groups)
             layers.append(layer)
             continue
@@ -369,7 +368,7 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
                     "router holds it as a buffer, which deferred initialization does not make; build the "
                     "model with its weights"
                 )
-        exported = block_parts(name, block, layout, merges)
+        exported = mixture_parts(name, block, merges, layout)
         _record(conversion, name, layer, exported, groups)
         layers.append(layer)
     _swap(model, names, layers)

@@ -23,7 +23,14 @@ from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.hf_names import per_expert
 
-__all__ = ["block_parts", "block_tensor", "exported_parts", "hf_moe_state_dict", "renamed_tensors"]
+__all__ = [
+    "block_parts",
+    "block_tensor",
+    "exported_parts",
+    "hf_moe_state_dict",
+    "mixture_parts",
+    "renamed_tensors",
+]
 
 
 def block_tensor(module: nn.Module, dotted: str) -> Tensor:
@@ -129,6 +136,24 @@ def block_parts(
     return exported
 
 
+def mixture_parts(
+    name: str,
+    module: nn.Module,
+    merges: Mapping[str, tuple[str, ...]] | None = None,
+    layout: HFLayout | None = None,
+) -> dict[str, tuple[ExportPart, ...]]:
+    """The export parts of the mixture converted from HF module ``module`` at ``name``: Gemma 4's
+    decoder layer, which holds its mixture as ``moe`` (`hf_gemma4.layer_parts`, the experts' width
+    read from its ``experts.gate_up_proj [E, 2h, d]``), or a sparse block (`block_parts`, read as
+    ``layout``, else as `read_layout` reads it); with the per-expert tensors of ``merges`` as
+    older parts. ``module``'s weights are not read (it may be on the meta device)."""
+    if is_layer_mixture(module):
+        experts, double, _ = module.get_parameter("experts.gate_up_proj").shape
+        parts = layer_parts(name, double // 2)
+        return per_expert(parts, merges, experts) if merges else parts
+    return block_parts(name, module, layout or read_layout(module), merges)
+
+
 def hf_moe_state_dict(state: Mapping[str, Tensor], *, like: nn.Module) -> dict[str, Tensor]:
     """A converted model's state dict (``convert_hf_moe``'s names, e.g. what ``consolidate``
     writes) under transformers' names again, so that the HF model loads it strictly: each
@@ -145,11 +170,9 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], *, like: nn.Module) -> dict[s
     exported: dict[str, tuple[ExportPart, ...]] = {}
     for layer in layers:
         owner, _, held = layer.rpartition(".")
-        if held == HOLDER and is_layer_mixture(like.get_submodule(owner)):  # Gemma 4's, in its layer
-            exported.update(layer_parts(owner, state[f"{layer}.experts.w1"].shape[-1]))
-            continue
-        block = like.get_submodule(layer)
-        exported.update(block_parts(layer, block, read_layout(block)))
+        # Gemma 4's mixture is held by its decoder layer as `moe`; any other replaced its block
+        name = owner if held == HOLDER and is_layer_mixture(like.get_submodule(owner)) else layer
+        exported.update(mixture_parts(name, like.get_submodule(name)))
     joiner, out = Joiner(exported, list(state)), {}
     for name, value in state.items():
         if name not in exported and any(name.startswith(f"{layer}.") for layer in layers):
