@@ -354,9 +354,10 @@ class MoE(nn.Module):
         real = int(plan.kept[:experts].sum()) if self.identity_experts else plan.token.numel()
         token, assignment = plan.token[:real], plan.assignment[:real]
         rows = tokens.index_select(0, token)
-        weights = routing.weights.reshape(-1).index_select(0, assignment).to(rows.dtype)[:, None]
+        # in the router's dtype: fp32 where its spec says weights_float32 (Mixtral's), else the input's
+        weights = routing.weights.reshape(-1).index_select(0, assignment)[:, None]
         if self.weigh == "input":  # the weighted rows travel: the router's gradient comes back with them
-            rows = rows * weights
+            rows = (rows * weights).to(rows.dtype)
         kept = plan.kept[:experts]
         if self.ep_group is None or group_size(self.ep_group) == 1:
             out_rows = self.experts(rows, kept, grouped=self.grouped)
@@ -364,9 +365,12 @@ class MoE(nn.Module):
             ex = plan_exchange(kept, self.ep_group)
             local = self.experts(dispatch(rows, ex, self.ep_group), ex.local_counts, grouped=self.grouped)
             out_rows = combine(local, ex, self.ep_group)
-        if self.weigh == "output":
+        if self.weigh == "output":  # in the weights' dtype where it is wider (fp32 weights, bf16 rows)
             out_rows = out_rows * weights
-        out = tokens.new_zeros(tokens.shape).index_add(0, token, out_rows)
+        # each token's rows summed in fp32 (or wider) and rounded once, as transformers' experts sum them
+        wide = torch.promote_types(out_rows.dtype, torch.float32)
+        out = tokens.new_zeros(tokens.shape, dtype=wide).index_add(0, token, out_rows.to(wide))
+        out = out.to(tokens.dtype)
         if real < plan.token.numel() and (tp == 1 or group_rank(self.tp_group) == 0):
             out = out + self._identity(tokens, routing.weights, plan.token[real:], plan.assignment[real:])
         if self.shared is not None:

@@ -103,7 +103,10 @@ _EPS = 1e-20  # DeepSeek-V3's renormalisation guard
 class RouterSpec:
     """How a router turns logits into choices and weights (module docstring). The default is
     softmax, no bias, one group, scale 1: Mixtral's router. ``float32``: `TopKRouter` computes
-    the logits from its input and weight cast to fp32, whatever their dtype (module docstring)."""
+    the logits from its input and weight cast to fp32, whatever their dtype (module docstring).
+    ``weights_float32``: its weights stay fp32 (computed so, from the logits), so that the experts'
+    outputs are weighed in fp32 and then rounded to their dtype, as Mixtral's and DeepSeek-V3's
+    experts weigh theirs; else the weights are rounded to the input's dtype first (Qwen's)."""
 
     score: ScoreFunction = "softmax"
     choice_bias: bool = False
@@ -115,11 +118,12 @@ class RouterSpec:
     group_fill: float = float("-inf")
     renorm_eps: float = _EPS
     float32: bool = False
+    weights_float32: bool = False
 
     @property
     def is_default(self) -> bool:
         """Whether this is plain softmax top-k (the original code path; in whatever dtype)."""
-        return replace(self, float32=False) == RouterSpec()
+        return replace(self, float32=False, weights_float32=False) == RouterSpec()
 
     def problem(self, experts: int, top_k: int) -> str:
         """Why this spec cannot route ``top_k`` of ``experts`` experts ("" when it can)."""
@@ -354,6 +358,7 @@ class TopKRouter(nn.Module):
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Routing:
+        dtype = x.dtype  # the weights' unless spec.weights_float32
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
         if self.input_scale is not None and self.input_norm_eps is not None:
             x = normalised(x, self.input_norm_eps) * self.input_scale
@@ -376,11 +381,13 @@ class TopKRouter(nn.Module):
         )
         if self.expert_scale is not None:
             routing = replace(routing, weights=routing.weights * self.expert_scale[routing.choices])
-        if self.scale is None:
+        if self.scale is not None:
+            shared = routing.shared_weights
+            routing = replace(
+                routing,
+                weights=routing.weights * self.scale,
+                shared_weights=None if shared is None else shared * self.scale,
+            )
+        if self.spec.weights_float32:  # Mixtral's: its experts weigh their bf16 outputs in fp32
             return routing
-        shared = routing.shared_weights
-        return replace(
-            routing,
-            weights=routing.weights * self.scale,
-            shared_weights=None if shared is None else shared * self.scale,
-        )
+        return replace(routing, weights=routing.weights.to(dtype))  # Qwen's .to(router_logits.dtype)

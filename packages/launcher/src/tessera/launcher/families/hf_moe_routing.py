@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from tessera.launcher.families.hf_dtypes import weighs_in_float32
 from tessera.launcher.families.hf_moe_banks import bank_layout, bank_module, read_bank
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
@@ -152,6 +153,8 @@ def read_layout(block: nn.Module) -> HFLayout:
         reading = rkind.read(block, kind.router)
         if rkind.float32:  # its logits in fp32 in any dtype
             reading = replace(reading, routing=replace(reading.routing, float32=True))
+        if weighs_in_float32(block, bank_module(block, bank), found.d_model):  # Mixtral's fp32 weights
+            reading = replace(reading, routing=replace(reading.routing, weights_float32=True))
         owner = block.get_submodule(reading.weight.rpartition(".")[0])
         if isinstance(owner, nn.Linear) and owner.bias is not None:
             raise ValueError(f"its router's {reading.weight} has a bias; tessera.moe's router has none")
