@@ -44,7 +44,8 @@ class ClampedSwiGLU:
 
     def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
         gate = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+        # (up + 1) * (g * sigmoid(alpha g)), grouped as GPT-OSS's: the same bf16 roundings
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def _softcap(x: Tensor, cap: float | None) -> Tensor:

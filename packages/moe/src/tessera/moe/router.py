@@ -60,6 +60,11 @@ fp32, as DeepSeek-V3's and many later routers compute them in any dtype (in bf16
 computing bf16 logits rounds them to 8 bits of mantissa, which changes the choice of tokens
 whose experts' scores are that close).
 
+``in_logits_dtype=True``: the scores, their renormalisation and scale computed in the logits'
+dtype, as DBRX's ``softmax(logits, dtype=logits.dtype)`` and LFM2's ``logits.sigmoid()`` compute
+them (each fp32 step rounded to that dtype: what one bf16 operation gives); in bf16 tied scores
+then choose as transformers' choose. In fp32 nothing changes.
+
 Outside the default, renormalisation divides by ``sum + 1e-20`` as DeepSeek-V3 does (no
 difference unless the chosen scores sum below about ``1e-13``; LFM2 adds ``1e-6``). The
 default spec takes the original code path, so a default router routes bit for bit as before
@@ -106,7 +111,8 @@ class RouterSpec:
     the logits from its input and weight cast to fp32, whatever their dtype (module docstring).
     ``weights_float32``: its weights stay fp32 (computed so, from the logits), so that the experts'
     outputs are weighed in fp32 and then rounded to their dtype, as Mixtral's and DeepSeek-V3's
-    experts weigh theirs; else the weights are rounded to the input's dtype first (Qwen's)."""
+    experts weigh theirs; else the weights are rounded to the input's dtype first (Qwen's).
+    ``in_logits_dtype``: the scores and weights computed in the logits' dtype (module docstring)."""
 
     score: ScoreFunction = "softmax"
     choice_bias: bool = False
@@ -119,6 +125,7 @@ class RouterSpec:
     renorm_eps: float = _EPS
     float32: bool = False
     weights_float32: bool = False
+    in_logits_dtype: bool = False
 
     @property
     def is_default(self) -> bool:
@@ -253,12 +260,20 @@ def route(
             f"given choices of shape {tuple(chosen.shape)} need shape ({len(logits)}, {top_k}), no choice "
             f"bias (got {bias is not None}) and one group (got {spec.groups}): nothing is chosen"
         )
-    everyone = scores_of(logits.float(), spec.score)
+    dtype = logits.dtype
+
+    def step(t: Tensor) -> Tensor:  # one operation in the logits' dtype where the spec says so
+        return t.to(dtype).float() if spec.in_logits_dtype else t
+
+    everyone = step(scores_of(logits.float(), spec.score))
     shared_weights = everyone[:, experts:] if shared else None
     scores, logits = (everyone[:, :experts], logits[:, :experts]) if shared else (everyone, logits)
     if chosen is None:
         choice = (scores if spec.choose_by == "scores" else logits.float()).detach()
-        choice = choice if bias is None else choice + bias.float()
+        if bias is not None:  # in the logits' dtype, the bias's where wider (LFM2's bf16 scores + bias)
+            choice = choice + bias.float()
+            if spec.in_logits_dtype:
+                choice = choice.to(torch.promote_types(dtype, bias.dtype)).float()
         if spec.groups > 1:
             choice = limit_to_groups(choice, spec.groups, spec.top_groups, spec.group_score, spec.group_fill)
         choices = torch.topk(choice, top_k, dim=-1).indices
@@ -269,9 +284,9 @@ def route(
         total = weights.sum(dim=-1, keepdim=True) + shared_weights.sum(dim=-1, keepdim=True) + spec.renorm_eps
         weights, shared_weights = weights / total, shared_weights / total
     elif renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renorm_eps)
+        weights = step(weights / step(step(weights.sum(dim=-1, keepdim=True)) + spec.renorm_eps))
     if spec.scale != 1.0:
-        weights = weights * spec.scale
+        weights = step(weights * spec.scale)
         shared_weights = None if shared_weights is None else shared_weights * spec.scale
     probs = scores if spec.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     return Routing(

@@ -83,7 +83,8 @@ def _lfm2(block: Any, name: str) -> RouterReading:
             f"({block.use_expert_bias})"
         )
     scale = float(router.routed_scaling_factor)
-    spec = RouterSpec(score="sigmoid", choice_bias=biased, scale=scale, renorm_eps=1e-6)
+    # its sigmoid, renormalisation and scale in the logits' dtype
+    spec = RouterSpec(score="sigmoid", choice_bias=biased, scale=scale, renorm_eps=1e-6, in_logits_dtype=True)
     bias = "expert_bias" if biased else None
     return RouterReading(int(router.top_k), bool(router.norm_topk_prob), spec, f"{name}.weight", bias)
 
@@ -183,7 +184,8 @@ def _dbrx(block: Any, name: str) -> RouterReading:
         raise ValueError(
             f"moe_normalize_expert_weights={p}: only the 1-norm (renormalised) or None is reproduced"
         )
-    return RouterReading(int(block.top_k), p is not None, RouterSpec(), f"{name}.layer.weight")
+    spec = RouterSpec(in_logits_dtype=True)  # softmax(logits, dtype=logits.dtype), its norm alike
+    return RouterReading(int(block.top_k), p is not None, spec, f"{name}.layer.weight")
 
 
 def _inkling2(block: Any, name: str) -> RouterReading:
