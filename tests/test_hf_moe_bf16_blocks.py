@@ -29,8 +29,10 @@ scores choose as transformers' do (computed in fp32, they chose other experts fo
 
 Not listed, their bf16 outputs not yet bit-exact (their fp32 outputs are held to transformers'
 by the other tests): Inkling weighs its shared experts' hidden units before their down
-projection, the converted layer their outputs; LongCat-Flash, MiniMax-M3, Ergo and Beam are an
-ulp off on some entries for reasons not examined yet. Llama 4, JetMoE and DeepSeek-V4 have no
+projection, the converted layer their outputs; Ergo rounds its fp32 weights to bf16 and back
+(the converted router keeps them fp32); Beam scales the experts' bf16 sum by its routed factor
+(the converted router scales the weights); LongCat-Flash and MiniMax-M3 are an ulp off on some
+entries for reasons not examined yet. Llama 4, JetMoE and DeepSeek-V4 have no
 bank taking ``(hidden_states, top_k_index, top_k_weights)``.
 """
 
