@@ -124,9 +124,7 @@ MODES = {
 }
 
 
-# DeepSeek-V4 is not cut into pipeline stages (its compressed-attention layer kind is not made by
-# the blocks; tests/test_hf_moe_deepseek_v4.py)
-BF16_CASES = [(f, m) for f in sorted(KEPT) for m in sorted(MODES) if (f, m) != ("deepseek_v4", "pp2")]
+BF16_CASES = [(f, m) for f in sorted(KEPT) for m in sorted(MODES)]
 
 
 @pytest.mark.parametrize(("family", "mode"), BF16_CASES)

@@ -18,7 +18,8 @@ persistent buffer) are transformers' tensors.
 Tier 2 (the worker pool): trained through ``boost()`` at dp=2 x ep=2 with ZeRO-1 and ZeRO-3 it
 gives the serial run's losses and weights (3 SGD steps, momentum 0.9), and with no plan written
 at tp=2 (the mixtures split inside); ``boost()`` converting the HF model itself gives the HF
-model's serial run.
+model's serial run. Pipeline parallelism (the token ids carried from the first stage to the hash
+layers, ``families/hf_beside.py``) is held to its serial run in ``test_hf_pp_gemma4_dsv4.py``.
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-5 (the same products, HF's
 per-expert loop against one batched matmul; outputs of order 1); a detail read wrong moves

@@ -19,11 +19,9 @@ split inside over tp), and at tp=2 with sequence parallelism for a config withou
 inputs (``hidden_size_per_layer_input=0``), it gives the serial run's losses and weights. With
 per-layer inputs, tp=2 with sequence parallelism fails in training (each rank's slice of the
 sequence times the whole sequence's per-layer input, in the layer's own per-layer step, not the
-mixture), though the derived plan says it takes sequence parallelism. Not here: pp. With per-layer
-inputs (the tiny config's) ``decoder_blocks`` refuses Gemma 4 (``test_hf_moe_reach.py``); without
-them (``hidden_size_per_layer_input=0``) its pipeline blocks fail ``boost()``'s check before
-training, converted or not, as they do not pass the layers' ``shared_kv_states``
-(``families/hf.py``'s pipeline blocks).
+mixture), though the derived plan says it takes sequence parallelism. Pipeline parallelism
+(the per-layer inputs and the shared keys and values carried from the first stage,
+``families/hf_beside.py``) is held to its serial run in ``test_hf_pp_gemma4_dsv4.py``.
 
 Tolerances: logits rtol and atol 1e-5 (order 1, the same products summed in another order);
 gradients rtol 1e-5, atol 1e-5 (HF's per-expert loop against one batched matmul, through two

@@ -19,8 +19,8 @@ with ZeRO-1 and ZeRO-3, at tp=2 with no plan (the derived roles; dots3 Note's at
 layer, read from each attention, as its config refuses to give them globally) and at pp=2 (1F1B,
 2 microbatches, the decoder blocks ``boost()`` finds) gives the serial run's losses and weights
 (3 SGD steps, momentum 0.9); Gemma 4, its mixtures converted by ``boost()`` itself, trains at
-dp=2 and tp=2 (derived roles) as its unconverted HF model does serially; Doge's mixture is
-refused wherever the batch is split.
+dp=2 and tp=2 (derived roles) as its unconverted HF model does serially (at pp=2:
+``test_hf_pp_gemma4_dsv4.py``); Doge's mixture is refused wherever the batch is split.
 
 Tolerances: block outputs and gradients fp32 rtol 1e-5, atol 1e-5 (the same products, HF's
 per-expert loops against one batched matmul: only the summation order differs; outputs and
@@ -46,7 +46,6 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
-from tessera.launcher.families.hf import decoder_blocks
 from tessera.launcher.families.hf_moe import (
     convert_hf_moe,
     hf_moe_state_dict,
@@ -246,13 +245,3 @@ def test_gemma4_converted_by_boost_trains_as_its_hf_model(worker_pools: PoolFact
     config = _boost_config(parallel, 1)
     results = worker_pools(config.world_size).run(_boosted, config, "gemma4_text", timeout=180)
     assert_matches_serial(results, serial_run(_build("gemma4_text"), TOKENS.first(STEPS), sgd(LR)))
-
-
-def test_gemma4_is_refused_at_pp_naming_its_per_layer_embeddings() -> None:
-    """Gemma 4's layers take per-layer embeddings of the token ids beside the hidden states (its
-    config's ``hidden_size_per_layer_input``), which a pipeline stage does not receive: the blocks
-    are refused naming them."""
-    with pytest.raises(
-        ValueError, match=r"gemma4_text cannot be cut into pipeline stages: .* \(per_layer_input\)"
-    ):
-        decoder_blocks(tiny_moe_model("gemma4_text"))

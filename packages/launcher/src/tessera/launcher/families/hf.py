@@ -31,6 +31,11 @@ what the model's forward applies around its children:
   ``final_input``); what a layer returns that the forward hands to the next (HunYuan-V4's top-k
   indices) and what the forward keeps for its layers beside the hidden states (Inkling 2's block
   states), carried in the stage's one activation beside the hidden states;
+- what the layers take from the model's inputs (`tessera.launcher.families.hf_beside`), made by
+  the first stage and carried in its activation: the token ids (DeepSeek-V4's hash layers), the
+  per-layer inputs (Gemma 4's), the keys and values a layer stores for a later one (Gemma's
+  ``shared_kv_states``); a layer kind its rotary module has none of is given them all by rope type
+  (DeepSeek-V4's ``{"main", "compress"}``);
 - Inkling 2's query-key distances (its modeling module's ``get_relative_distance``, by layer kind);
 - computed in a pre-hook of the layer's attention module from the hidden states it is
   called with, which under sequence parallelism are the whole sequence (the layer's input,
@@ -55,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.launcher.families import hf_layout as layout
+from tessera.launcher.families.hf_beside import Beside, PerLayerInputs, beside_of
 from tessera.launcher.families.hf_streams import (
     Streams,
     apply_after,
@@ -108,20 +114,27 @@ class _Head(nn.Module):
     Inkling's ``logits_mup_width_multiplier`` dividing the hidden states before the head)."""
 
     def __init__(
-        self, norm: nn.Module, lm_head: nn.Module, config: Any = None, carried: tuple[str, ...] = ()
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        config: Any = None,
+        carried: tuple[str, ...] = (),
+        beside: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
         self.carried = carried  # what the layers carried beside the hidden states, by name (hf_streams)
+        self.beside = beside  # what the first stage carried for the layers (hf_beside): dropped here
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.scale = getattr(config, "logit_scale", None)
         self.divide = getattr(config, "logits_scaling", None)
         self.width = getattr(config, "logits_mup_width_multiplier", None)
 
     def forward(self, h: Tensor) -> Tensor:
-        if self.carried:  # the modules after the layers, given what they take of it (Inkling 2's)
+        if self.carried or self.beside:  # the modules after the layers, given what they take of it
             h, values = unpack(h)
-            given = dict(zip(self.carried, values, strict=True))
+            given = dict(zip((*self.carried, *self.beside), values, strict=True))
+            given = {n: given[n] for n in self.carried}  # (Inkling 2's block states)
             for module in self.norm if isinstance(self.norm, nn.Sequential) else [self.norm]:
                 h = apply_after(module, h, given)
         else:
@@ -146,8 +159,10 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
 class _Embedding(nn.Module):
     """The modules a model runs before its layers, chained, times its ``embedding_multiplier``;
     copied into the residual streams the model's layers take (`Streams`), packed with nothing yet
-    of what the layers hand on (``carries``) and an empty stack of what the model keeps for them
-    (``kept``, Inkling 2's block states; `hf_streams.pack`)."""
+    of what the layers hand on (``carries``), an empty stack of what the model keeps for them
+    (``kept``, Inkling 2's block states; `hf_streams.pack`) and what the layers take from the
+    model's inputs (``beside``: the token ids, the per-layer inputs ``per_layer`` makes;
+    `hf_beside`)."""
 
     def __init__(
         self,
@@ -156,12 +171,15 @@ class _Embedding(nn.Module):
         streams: Streams | None = None,
         carries: tuple[str, ...] = (),
         kept: tuple[str, ...] = (),
+        beside: Beside | None = None,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(modules)
         self.multiplier = multiplier
         self.streams = streams
         self.carries, self.kept = carries, kept
+        self.beside, self.per_layer = beside or Beside(), per_layer
 
     def forward(self, ids: Tensor) -> Tensor:
         h: Tensor = self.parts[0](ids)
@@ -169,11 +187,13 @@ class _Embedding(nn.Module):
             h = h * self.multiplier
         for part in self.parts[1:]:
             h = part(h)
+        beside = self.beside.start(ids, None if self.per_layer is None else self.per_layer(ids, h))
         if self.streams is not None:
             h = self.streams(h)
-        if not self.carries and not self.kept:
+        if not self.carries and not self.kept and not beside:
             return h
-        return pack(h, [*((n, None) for n in self.carries), *((n, empty_stack(h)) for n in self.kept)])
+        kept = [(n, empty_stack(h)) for n in self.kept]
+        return pack(h, [*((n, None) for n in self.carries), *kept, *beside])
 
 
 class _OwnForward:
@@ -221,9 +241,11 @@ class _DecoderLayer(nn.Module):
         config: Any,
         carried: dict[str, int] | None = None,
         kept: dict[str, str] | None = None,
+        beside: Beside | None = None,
     ) -> None:
         super().__init__()
-        self.layer, self.config = layer, config
+        self.layer, self.config, self.index = layer, config, index
+        self.beside = beside or Beside()  # what the first stage carries for the layers (hf_beside)
         self.carried = carried or {}  # keyword -> where in the layer's output (`carried_between_layers`)
         self.kept = kept or {}  # argument -> layer attribute: its input joins it (`kept_between_layers`)
         self.distance = layout.module_function(layer, _DISTANCE)
@@ -233,13 +255,16 @@ class _DecoderLayer(nn.Module):
         self.rotary = [None if self.nope else rotary]  # a shared module, not a child
         takes = inspect.signature(rotary.forward).parameters if rotary is not None else {}
         self.rotary_takes_type = "layer_type" in takes
+        types = getattr(rotary, "layer_types", None) if self.rotary_takes_type else None
+        # a layer kind the rotary has none of: given them all by rope type (DeepSeek-V4's main, compress)
+        self.rope_types = tuple(types) if isinstance(types, list | tuple) and self.kind not in types else ()
         signature = inspect.signature(layer.forward)
-        beside = layout.taken_beside(signature, config)
-        if beside:
+        refused = layout.taken_beside(signature, config, self.beside.handles)
+        if refused:
             family = getattr(config, "model_type", None) or type(layer).__name__
             raise ValueError(
                 f"{family} cannot be cut into pipeline stages: its layers ({type(layer).__name__}) take "
-                f"{beside} beside the hidden states, and a stage receives the hidden states alone"
+                f"{refused} beside the hidden states, and a stage receives the hidden states alone"
             )
         params = list(signature.parameters.values())[1:]
         # arguments the layer requires (Falcon's attention_mask, alibi): None here, made in the hook
@@ -271,9 +296,12 @@ class _DecoderLayer(nn.Module):
         rotary = self.rotary[0]
         if rotary is not None and "position_embeddings" in names:
             rows = pos.expand(h.shape[0], -1)  # a row per sequence (Qwen4-Exp's indexer reads each row's)
-            made["position_embeddings"] = (
-                rotary(h, rows, self.kind) if self.rotary_takes_type else rotary(h, rows)
-            )
+            if self.rope_types:  # DeepSeek-V4's layers: each rope type's, by name
+                made["position_embeddings"] = {t: rotary(h, rows, t) for t in self.rope_types}
+            else:
+                made["position_embeddings"] = (
+                    rotary(h, rows, self.kind) if self.rotary_takes_type else rotary(h, rows)
+                )
         if self.distance is not None and "relative_distance" in names:  # Inkling 2's, by layer kind
             made["relative_distance"] = self.distance(h, None, is_sliding="sliding" in self.kind)
         if self.nope and "position_embeddings" in names:  # NoPE: no rotary, Beam's query scale
@@ -299,12 +327,15 @@ class _DecoderLayer(nn.Module):
         return (h,), {**rest, **extra}
 
     def forward(self, h: Tensor) -> Tensor:
-        names = (*self.carried, *self.kept)
+        names = (*self.carried, *self.kept, *self.beside.names())
         given: dict[str, Any] = {}
         if names:
             h, values = unpack(h)
             given = dict(zip(names, values, strict=True))
-        out = self.layer(h, **{**dict.fromkeys(self.required), **self._made(h, self.direct), **given})
+        taken = {n: given[n] for n in (*self.carried, *self.kept)}
+        beside = self.beside.arguments(self.index, given)
+        made = self._made(h, self.direct)
+        out = self.layer(h, **{**dict.fromkeys(self.required), **made, **taken, **beside})
         hidden: Tensor = out[0] if isinstance(out, tuple) else out
         if not names:
             return hidden
@@ -313,7 +344,7 @@ class _DecoderLayer(nn.Module):
         kept = [
             (k, stacked_on(given[k], h) if getattr(self.layer, a) else given[k]) for k, a in self.kept.items()
         ]
-        return pack(hidden, [*handed, *kept])
+        return pack(hidden, [*handed, *kept, *self.beside.handed(self.index, given, beside, hidden)])
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -334,20 +365,21 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     carried = carried_between_layers(type(base).forward, layers[0])  # HunYuan-V4's top-k indices
     kept = layout.kept_for_layers(base, layers[0])  # Inkling 2's block states
     multiplier = layout.used(base, config, "embedding_multiplier")
-    blocks: list[nn.Module] = [
-        _Embedding(before, multiplier, streams_of(config), tuple(carried), tuple(kept))
-    ]
+    beside = beside_of(base, list(stack), config)  # token ids, per-layer inputs, shared keys and values
+    per_layer = PerLayerInputs(base, before) if beside.per_layer else None
+    first = _Embedding(before, multiplier, streams_of(config), tuple(carried), tuple(kept), beside, per_layer)
     decoders = [
-        _DecoderLayer(layer, i, layout.rotary_of(base, config, i), config, carried, kept)
+        _DecoderLayer(layer, i, layout.rotary_of(base, config, i), config, carried, kept, beside)
         for i, layer in enumerate(stack)
     ]
+    blocks: list[nn.Module] = [first]
     blocks += _guarded(model, decoders)
     get_head: Any = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
     norm = after[0] if len(after) == 1 else nn.Sequential(*after)  # HunYuan-V4's hc_head, then norm
-    return [*blocks, _Head(norm, head, config, carried=(*carried, *kept))]
+    return [*blocks, _Head(norm, head, config, carried=(*carried, *kept), beside=beside.names())]
 
 
 class _OPTEmbedding(nn.Module):

@@ -2,13 +2,15 @@
 before and after its layers (in the order its forward applies them), each layer's kind, mask,
 rotary module and attention modules, and what its layers take beside the hidden states that no
 pipeline stage receives (refused, naming it) or that its forward keeps for them
-(`tessera.launcher.families.hf_streams`). Importing this module does not import transformers.
+(`tessera.launcher.families.hf_streams`) or makes from its inputs
+(`tessera.launcher.families.hf_beside`). Importing this module does not import transformers.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -106,7 +108,7 @@ def rotary_of(base: nn.Module, config: Any, index: int) -> nn.Module | None:
 
 
 # what a family's layers take beside the hidden states, made before the layers or by the layer
-# before: none of it reaches a pipeline stage
+# before: none of it reaches a pipeline stage, but what `hf_beside` carries (Gemma's)
 _CARRIED = {
     "original_hidden_states": "the embeddings' output (original_hidden_states)",
     "per_layer_input": "per-layer embeddings of the token ids (per_layer_input)",
@@ -116,13 +118,17 @@ _CARRIED = {
 _SWITCHED = {"per_layer_input": "hidden_size_per_layer_input", "shared_kv_states": "num_kv_shared_layers"}
 
 
-def taken_beside(signature: inspect.Signature, config: Any) -> str:
-    """What of `_CARRIED` a layer of this signature is given by its model (Zamba's embeddings'
-    output, Gemma 4's per-layer embeddings where its config has them), as words; "" when nothing."""
+def taken_beside(signature: inspect.Signature, config: Any, handled: Collection[str] = ()) -> str:
+    """What of `_CARRIED` a layer of this signature is given by its model and the blocks do not
+    carry (``handled``: what `hf_beside` carries), as words (Zamba's embeddings' output; per-layer
+    embeddings or shared keys and values, where its config has them, of a model not read as
+    Gemma's); "" when nothing."""
     names = [
         n
         for n in _CARRIED
-        if n in signature.parameters and (n not in _SWITCHED or bool(getattr(config, _SWITCHED[n], None)))
+        if n in signature.parameters
+        and n not in handled
+        and (n not in _SWITCHED or bool(getattr(config, _SWITCHED[n], None)))
     ]
     return " and ".join(_CARRIED[n] for n in names)
 
