@@ -8,9 +8,10 @@ GPT-OSS (a router and experts with biases, a clamped SwiGLU with its limit lower
 that the clamps act, gate and up columns alternating).
 
 Tier 0: each converted block computes HF's block's outputs and gradients, each converted
-model HF's logits, and its weights load back into transformers strictly; PhiMoE is refused
-(sparsemixer) before anything changes; ``model_spec`` finds each family's plan; every router
-and block kind still hashes to the forward of the class it was read from.
+model HF's logits, and its weights load back into transformers strictly; PhiMoE with input
+jitter is refused before anything changes (its router kept: ``tests/test_hf_moe_kept_router.py``);
+``model_spec`` finds each family's plan; every router and block kind still hashes to the forward
+of the class it was read from.
 
 Tier 2 (the worker pool): each family trained through ``boost()`` equals its serial run, 3
 SGD steps (momentum 0.9). Qwen3-MoE and DeepSeek-V3 at dp=2 x ep=2 (ZeRO 1), dp=2 x ep=2
@@ -257,14 +258,14 @@ def test_a_converted_models_weights_load_back_into_transformers(family: str) -> 
     )
 
 
-def test_phimoe_is_refused_naming_its_sparsemixer_before_anything_changes() -> None:
+def test_phimoe_with_input_jitter_is_refused_naming_it_before_anything_changes() -> None:
+    """PhiMoE converts with its router kept (``tests/test_hf_moe_kept_router.py``), but not with
+    ``input_jitter_noise``, which its block applies to its input in place."""
     config = transformers.PhimoeConfig(
-        **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2
+        **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, input_jitter_noise=0.1
     )
     model = transformers.PhimoeForCausalLM(config)
-    with pytest.raises(
-        ValueError, match=r"PhimoeSparseMoeBlock: PhiMoE's sparsemixer routing is not reproduced"
-    ):
+    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: input_jitter_noise=0.1 \(the block scales"):
         convert_hf_moe(model)
     assert len(sparse_blocks(model)) == 2  # nothing swapped
 
@@ -416,8 +417,8 @@ def test_a_deepseek_v3_trained_at_ep2_loads_into_transformers(
 
 
 # ------------------------------------------------------- tier 2: every other family that converts
-# the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' eight and
-# test_hf_moe.py's Mixtral and Qwen2-MoE
+# the families tests/survey_hf_moe.py converts with the same logits, besides CONFIGS' eight,
+# test_hf_moe.py's Mixtral and Qwen2-MoE, and PhiMoE and ZAYA (tests/test_hf_moe_kept_router.py)
 MORE = [
     "afmoe", "cohere2_moe", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
     "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "hunyuan_v1_moe",

@@ -55,6 +55,8 @@ READ = [
     "deepseek_v4",
     # the mixture inside its decoder layers (families.hf_gemma4)
     "gemma4_text",
+    # routers kept as transformers wrote them (families.hf_moe_kept)
+    "phimoe", "zaya",
 ]  # fmt: skip
 
 

@@ -6,7 +6,8 @@ shared experts (weighed by the router, Inkling's "shared gammas": `tessera.moe.s
 per-expert output norms (Ergo's: `tessera.moe.norms`), and routers of DeepSeek's kinds
 (`RouterSpec`: sigmoid scores, a choice bias, group-limited top-k, a routed scale, the bias
 moved by the experts' load after each step: `balance_choice_biases`), low-rank adapters on
-the experts and the router (`ExpertAdapter`, `RouterAdapter`); with an ``ep_group`` (or
+the experts and the router (`ExpertAdapter`, `RouterAdapter`), routers kept as their model wrote
+them (`KeptRouter`: PhiMoE's sampled sparsemixer, ZAYA's MLP router); with an ``ep_group`` (or
 `shard_experts`) its experts are split over the group's ranks and tokens travel to them by
 uneven all-to-all; with `split_hidden` every expert's hidden units are split over a
 tensor-parallel group. Depends on torch and ``tessera.comm`` only.
@@ -18,6 +19,7 @@ from tessera.moe.adapters import ExpertAdapter, RouterAdapter
 from tessera.moe.balance import balance_choice_biases, set_bias_rate
 from tessera.moe.experts import Activation, ClampedSwiGLU, Experts, SwiGLUVariant
 from tessera.moe.grads import expert_parameters, reduce_gradients
+from tessera.moe.kept_router import KeptChoice, KeptRouter
 from tessera.moe.layer import Gather, MoE, MoEStats, Weigh, set_aux_grad_scale, shard_experts, split_hidden
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.plan import DispatchPlan, capacity, plan_dispatch
@@ -32,6 +34,8 @@ __all__ = [
     "ExpertAdapter",
     "Experts",
     "Gather",
+    "KeptChoice",
+    "KeptRouter",
     "MoE",
     "MoEStats",
     "RouterAdapter",

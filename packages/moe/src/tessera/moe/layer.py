@@ -30,6 +30,11 @@ Gemma 4's) gives the experts, routed and shared, ``input_norm * x / rms(x)`` (a 
 with ``router_norm_eps``: `tessera.moe.router`); under tp its weight is whole on every rank,
 its gradient a partial sum, as the router's.
 
+The router may be a module kept as its model wrote it (`tessera.moe.kept_router.KeptRouter`, set
+as ``router`` after construction: PhiMoE's sampled sparsemixer, ZAYA's MLP router): it is given
+the layer's input (whole tokens under tp) and the tp group, whose ranks it makes draw the same
+samples, and says each token's choices and weights; the rest of the layer is unchanged.
+
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
 The capacity, the losses and the statistics are those of the rank's own tokens, so each
@@ -78,6 +83,7 @@ from tessera.moe.balance import count_load
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, expert_stream, generator, shared_stream, uniform
+from tessera.moe.kept_router import KeptRouter
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.norms import post_normed, rms_normed
 from tessera.moe.plan import capacity, plan_dispatch
@@ -344,7 +350,10 @@ class MoE(nn.Module):
                 x = copy_to_region(x, self.tp_group)
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
-        routing = self.router(tokens, input_ids if hashed else None)
+        if isinstance(self.router, KeptRouter):  # kept as written: whole tokens, the tp group's draws
+            routing = self.router(x, self.tp_group)
+        else:
+            routing = self.router(tokens, input_ids if hashed else None)
         if self.input_norm is not None and self.input_norm_eps is not None:  # what the experts read
             tokens = rms_normed(tokens, self.input_norm, self.input_norm_eps)
         experts = self.num_experts

@@ -20,12 +20,14 @@ None)`` where their decoder layers unpack the block's ``(out, router_logits)``),
 `convert_hf_moe` swaps every such block of a model for one, in place, so
 that ``boost()`` trains it and ``parallel.ep`` can split its experts. Gemma 4's mixture has no
 block: its decoder layer holds it, and is given it as one `MoE` under ``moe`` (``hf_gemma4``).
-A block it cannot reproduce is refused, naming why, before anything is swapped. Dense layers between MoE ones
-(DeepSeek's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``) are left as they are. HF's
-own router loss (from ``output_router_logits``) is not kept: pass ``aux_loss_coef`` /
-``z_loss_coef`` to train the routers with the layer's own losses (`tessera.moe.aux`).
-`hf_moe_state_dict` maps a converted model's weights (what ``consolidate`` writes) back to
-transformers' names. The plans of roles of these families are in ``hf_moe_plans``.
+PhiMoE's and ZAYA's blocks keep their routers as transformers wrote them, their experts converted
+(``hf_moe_kept``). A block it cannot reproduce is refused, naming why, before anything is
+swapped. Dense layers between MoE ones (DeepSeek's ``first_k_dense_replace``, Qwen's
+``mlp_only_layers``) are left as they are. HF's own router loss (from ``output_router_logits``)
+is not kept: pass ``aux_loss_coef`` / ``z_loss_coef`` to train the routers with the layer's own
+losses (`tessera.moe.aux`). `hf_moe_state_dict` maps a converted model's weights (what
+``consolidate`` writes) back to transformers' names. The plans of roles of these families are
+in ``hf_moe_plans``.
 
 ``boost()`` converts the blocks itself (`hf_moe_conversion`, at every ep) when the user did
 not, keeping transformers' names in exports, ``consolidate`` and ``import_weights``: each
@@ -69,6 +71,7 @@ from tessera.launcher.families.hf_moe_export import (
     mixture_parts,
     renamed_tensors,
 )
+from tessera.launcher.families.hf_moe_kept import kept_kind, kept_layer
 from tessera.launcher.families.hf_moe_plans import MIXTRAL_PLAN, QWEN2_MOE_PLAN
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.hf_names import expert_merges
@@ -129,6 +132,12 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
                 f"{type(block).__name__}: PEFT adapters on a decoder layer's mixture are not carried"
             )
         return layer_mixture(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
+    if kept_kind(block) is not None:  # PhiMoE's, ZAYA's: the router kept as written (hf_moe_kept)
+        if any(is_wrapper(m) for m in block.modules()):
+            raise ValueError(
+                f"{type(block).__name__}: PEFT adapters on a block whose router is kept are not carried"
+            )
+        return kept_layer(block, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
     with peeled(block) as wrapped:  # PEFT's adapters on the block: carried (hf_moe_adapters)
         layer, layout = _read(block, aux_loss_coef, z_loss_coef)
         where = type(block).__name__
@@ -355,6 +364,14 @@ def hf_moe_conversion(model: nn.Module, groups: Mapping[str, int] | None = None)
             held = f"{name}.{HOLDER}"
             exported = mixture_parts(name, block, merges)
             _record(conversion, held, layer, exported, groups)
+            layers.append(layer)
+            continue
+        if kept_kind(block) is not None:  # PhiMoE's, ZAYA's: the router kept as written (hf_moe_kept)
+            try:
+                layer = kept_layer(block)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from exc
+            _record(conversion, name, layer, mixture_parts(name, block, merges), groups)
             layers.append(layer)
             continue
         try:

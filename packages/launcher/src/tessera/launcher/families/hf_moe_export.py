@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, parts_of
 from tessera.launcher.families.hf_gemma4 import HOLDER, is_layer_mixture, layer_parts
 from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts
+from tessera.launcher.families.hf_moe_kept import kept_kind, kept_parts
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.hf_names import per_expert
 
@@ -151,6 +152,8 @@ def mixture_parts(
         experts, double, _ = module.get_parameter("experts.gate_up_proj").shape
         parts = layer_parts(name, double // 2)
         return per_expert(parts, merges, experts) if merges else parts
+    if kept_kind(module) is not None:  # PhiMoE's, ZAYA's: its router kept as written (hf_moe_kept)
+        return kept_parts(name, module, merges)
     return block_parts(name, module, layout or read_layout(module), merges)
 
 
@@ -162,10 +165,12 @@ def hf_moe_state_dict(state: Mapping[str, Tensor], *, like: nn.Module) -> dict[s
     not read, so it may be on the meta device) as `block_parts` lays them out, streamed as
     ``consolidate`` streams them. Every other entry is kept as it is; ValueError naming an
     entry of a converted layer that transformers has no name for."""
+    kept = {k.partition(".router.module.")[0] for k in state if ".router.module." in k}  # hf_moe_kept's
     layers = [
-        k.removesuffix(".router.weight")
+        k.removesuffix(".experts.w1")
         for k in state
-        if k.endswith(".router.weight") and k.replace(".router.weight", ".experts.w1") in state
+        if k.endswith(".experts.w1")
+        and (k.replace(".experts.w1", ".router.weight") in state or k.removesuffix(".experts.w1") in kept)
     ]
     exported: dict[str, tuple[ExportPart, ...]] = {}
     for layer in layers:

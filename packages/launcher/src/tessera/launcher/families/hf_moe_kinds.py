@@ -296,7 +296,8 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
         "fd7051b4af6a7de1",
         refusal="ZAYA's router is an MLP (down_proj, an RMS norm, two GELU layers) that adds a state carried "
         "from the previous layer's router (router_states_scale) and may choose a skip expert that "
-        "contributes nothing; tessera.moe's router is one linear map of this layer's input",
+        "contributes nothing, which no RouterSpec says; its block converts with the router kept as written "
+        "(hf_moe_kept)",
     ),
     # JetMoE's MLP mixture (not its mixture of attention heads, JetMoeMoA, which its attention
     # calls through map / reduce and which is no block): experts on the block, an output bias

@@ -9,9 +9,10 @@ ERNIE's softmax with a bias, Llama 4's sigmoid of the top-k logits, GPT-OSS's so
 top-k logits with a bias on the logits, DBRX's p-norm, LongCat-Flash's zero experts, Ergo's
 sigmoid-with-bias, Inkling's that scores its shared experts too, DeepSeek-V4's sqrt(softplus)
 scores (chosen by score + bias, or read from a table by token id: hash routing); PhiMoE's
-sampled sparsemixer is refused. The types and the block kinds are ``hf_moe_kinds``'. A kind
-marked ``float32`` computes its logits in fp32 in any dtype, as its HF forward does (DeepSeek-V3's
-``F.linear(x.float(), weight.float())``; ``tests/test_hf_moe_bf16.py`` holds each to HF's).
+sampled sparsemixer is not read here (its block keeps its router: ``hf_moe_kept``). The types
+and the block kinds are ``hf_moe_kinds``'. A kind marked ``float32`` computes its logits in fp32
+in any dtype, as its HF forward does (DeepSeek-V3's ``F.linear(x.float(), weight.float())``;
+``tests/test_hf_moe_bf16.py`` holds each to HF's).
 """
 
 from __future__ import annotations
@@ -345,10 +346,10 @@ ROUTER_KINDS: tuple[RouterKind, ...] = (
         "sparsemixer",
         "phimoe.PhimoeTopKRouter",
         "d728119ac0107b87",
-        refusal="PhiMoE's sparsemixer routing is not reproduced: in training it draws each of its 2 experts "
-        "by Gumbel sampling among those within a jitter threshold of the best, and weighs it by a softmax "
-        "over that masked set with a Heun third-order gradient estimator; tessera.moe's routers choose the "
-        "top-k deterministically and differentiate their weights exactly",
+        refusal="PhiMoE's sparsemixer routing is not reproduced by a RouterSpec: in training it draws each "
+        "of its 2 experts by Gumbel sampling among those within a jitter threshold of the best, weighs it "
+        "by a softmax over that masked set with a Heun third-order gradient estimator; its block converts "
+        "with the router kept as written (hf_moe_kept)",
     ),
     RouterKind(
         "sigmoid, by logits + bias", "kolibri1.Kolibri1TopKRouter", "a031a3a1ec09f295", _kolibri, float32=True

@@ -31,10 +31,10 @@ A family that copies that forward, under any class name, is read by the same kin
 that differs in anything but comments and layout (a new ``transformers``) is not recognised,
 and the block is refused, naming the class and the key, until someone reads it and adds a
 kind. The attributes the kind then reads (``top_k``, ``norm_topk_prob``, ``n_group``, ...)
-are the instance's own. Kinds known to compute what ``tessera.moe`` cannot (PhiMoE's
-sparsemixer, ZAYA's router state, ...) are listed there with the reason, which
-`read_layout` gives. ``tests/survey_hf_moe.py`` lists every MoE family of the pinned
-``transformers`` against them.
+are the instance's own. Kinds known to compute what ``tessera.moe``'s routers cannot (PhiMoE's
+sparsemixer, ZAYA's router state) are listed there with the reason, which `read_layout` gives;
+their blocks convert with the router kept as transformers wrote it (``hf_moe_kept``).
+``tests/survey_hf_moe.py`` lists every MoE family of the pinned ``transformers`` against them.
 """
 
 from __future__ import annotations

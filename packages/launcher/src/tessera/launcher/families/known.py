@@ -104,6 +104,14 @@ FAMILIES: dict[str, ModelSpec] = {
     "zamba2": ModelSpec(blocks=decoder_blocks, refuses={"pp": _EMBEDDINGS_BESIDE}),
     "olmoe": ModelSpec(blocks=decoder_blocks),
     "olmo2": ModelSpec(blocks=decoder_blocks),
+    "zaya": ModelSpec(
+        blocks=decoder_blocks,
+        refuses={
+            "pp": "its model scales the embeddings' output by tensors of its own (input_hidden_states_scale "
+            "and _bias), gives its convolutional attention a dict of masks, and hands each layer the "
+            "previous layer's router state by position: its pipeline blocks reproduce none of these"
+        },
+    ),
 }
 
 # any other HF family: the rotary decoder's blocks, which boost() checks against the model's

@@ -38,8 +38,9 @@ microbatches, measured ~1e-6) and 8 machine epsilons of the compute dtype in mix
 off by ~50%, far outside either.
 
 Refused (ValueError at ``boost``): dropout (random streams differ between the serial and the
-parallel model: build the model with dropout 0 to verify it), parameters on the meta
-device, the chunk memory manager (it steps chunk by chunk). The copy holds the whole model
+parallel model: build the model with dropout 0 to verify it) and routers that sample their
+experts (``tessera.moe.KeptRouter.sampling``: PhiMoE's ``router_jitter_noise``), parameters on
+the meta device, the chunk memory manager (it steps chunk by chunk). The copy holds the whole model
 on every rank, and its gradients, until the first step ends.
 """
 
@@ -67,6 +68,7 @@ from tessera.launcher.train.batches import split_inputs
 from tessera.launcher.train.bound import bound_to_copy
 from tessera.launcher.train.objective import IGNORE_INDEX
 from tessera.moe import set_aux_grad_scale
+from tessera.moe.kept_router import KeptRouter
 from tessera.pipeline import split_microbatches
 from tessera.zero.clip import clip_coefficient
 
@@ -136,6 +138,13 @@ def _unverifiable(model: nn.Module, config: BoostConfig) -> list[str]:
         ]
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             drops.append(("p", module.p))
+        if isinstance(module, KeptRouter) and module.sampling:  # random like dropout
+            problems.append(
+                f"{name} samples its experts in training ({module.sampling}): its random draws differ "
+                "between the serial and the parallel model; set it to 0 (the best experts are then "
+                "chosen) to verify it"
+            )
+            break
         if drops:
             attr, value = drops[0]
             problems.append(
