@@ -7,12 +7,15 @@ why the family could not be built at a tiny size.
     hatch run python tests/survey_hf_families.py [model_type ...]
 
 Each family is built from its config class with tiny sizes (hidden 32, 4 heads of 8, 2 KV
-heads, 2 layers, vocabulary 64; dropouts 0), trains 2 SGD steps (momentum 0.9, lr 0.5) on 2
-gloo processes, and is compared with the same steps in one process: losses to rel 1e-5,
-weights to rel 1e-4 of each tensor's largest value (some families grow a bias to 1e7 in two
-steps; round-off is then far above any absolute bound). Families over 3M parameters at these
-sizes are skipped (their defaults keep large widths). Runs serially: 11 minutes for
-the 200 families of transformers 5.25 on a 2-core machine.
+heads, 2 layers, vocabulary 64; dropouts and router jitters 0: both random in training), trains
+2 SGD steps (momentum 0.9, lr 0.5) on 2 gloo processes, and is compared with the same steps in
+one process: losses to rel 1e-5, weights to rel 1e-4 of each tensor's largest value (some
+families grow a bias to 1e7 in two steps; round-off is then far above any absolute bound), or
+to 10 times the serial run's own distance from the same run in fp64 where that is larger
+(Gemma 4's steps amplify fp32 round-off to 2e-4 at these sizes: any reordering of its sums moves
+its weights that far). Families over 3M parameters at these sizes are skipped (their defaults
+keep large widths). Runs serially: 11 minutes for the 200 families of transformers 5.25 on a
+2-core machine.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.pool import WorkerPool
 from tessera.launcher import Config, ParallelConfig
+from tessera.launcher.families.hf_moe import hf_moe_state_dict
 from tessera.launcher.testing import RandomTokens, Run, boosted_run, oracle_config, serial_run, sgd
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 2, 0.5
@@ -51,7 +55,7 @@ def build(kind: str) -> nn.Module:
 
     config = CONFIG_MAPPING[kind](**COMMON)
     for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     torch.manual_seed(0)
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config)  # type: ignore[no-any-return]
@@ -61,12 +65,33 @@ def parallel(rank: int, kind: str, config: Config) -> Run:
     return boosted_run(build(kind), TOKENS.first(STEPS), config, sgd(LR))
 
 
-def compare(got: Run, want: Run) -> str:
-    loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0], strict=True))
-    weight = max(
-        float((got[1][n] - w).abs().max()) / max(float(w.abs().max()), 1e-6) for n, w in want[1].items()
+def _weights_rel(got: Run, want: Run) -> float:
+    """The largest difference of a weight, relative to its tensor's largest value."""
+    return max(
+        float((got[1][n].to(w.dtype) - w).abs().max()) / max(float(w.abs().max()), 1e-6)
+        for n, w in want[1].items()
     )
-    return "ok" if loss < 1e-5 and weight < 1e-4 else f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e}"
+
+
+def _sensitivity(kind: str, want: Run) -> float:
+    """How far the serial fp32 run ``want`` is from the same run in fp64 (`compare`); 0 where the
+    family does not run in fp64 (transformers' grouped experts take no float64)."""
+    try:
+        return _weights_rel(want, serial_run(build(kind).double(), TOKENS.first(STEPS), sgd(LR)))
+    except RuntimeError:
+        return 0.0
+
+
+def compare(got: Run, want: Run, sensitivity: float = 0.0) -> str:
+    """``ok`` when ``got`` trains as ``want``: losses to rel 1e-5, weights to rel 1e-4, or to 10
+    times ``sensitivity`` where that is larger (how far the serial fp32 run's weights are from
+    the same run in fp64: a family whose steps amplify fp32 round-off that much, as Gemma 4's
+    do at these sizes and learning rate, differs by as much from any reordering of its sums)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0], strict=True))
+    weight = _weights_rel(got, want)
+    if loss < 1e-5 and weight < max(1e-4, 10 * sensitivity):
+        return "ok"
+    return f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e} (fp32 round-off alone {sensitivity:.1e})"
 
 
 def main(kinds: list[str]) -> None:
@@ -81,6 +106,7 @@ def main(kinds: list[str]) -> None:
                 print(json.dumps([kind, f"not run: {size} parameters at the tiny sizes"]), flush=True)
                 continue
             want = serial_run(build(kind), TOKENS.first(STEPS), sgd(LR))
+            sensitivity = _sensitivity(kind, want)
         except Exception as exc:
             print(json.dumps([kind, f"not built: {type(exc).__name__}: {str(exc)[:150]}"]), flush=True)
             continue
@@ -91,7 +117,9 @@ def main(kinds: list[str]) -> None:
                 merged: dict[str, Tensor] = {}
                 for _, part in parts:
                     merged.update(part)
-                row[mode] = compare((parts[0][0], merged), want)
+                # a mixture boost() converted (tessera.moe names) read back under transformers' names
+                merged = hf_moe_state_dict(merged, like=build(kind))
+                row[mode] = compare((parts[0][0], merged), want, sensitivity)
             except Exception as exc:
                 row[mode] = "refused: " + str(exc).split("\n")[0][:160]
                 if "did not finish" in str(exc) or "died" in str(exc):
