@@ -183,12 +183,10 @@ def test_the_per_expert_tensors_are_read_from_transformers_conversion_mapping() 
 def test_what_cannot_convert_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="output_router_logits=True"):
         hf_moe_conversion(_build(output_router_logits=True))
-    phimoe = transformers.PhimoeForCausalLM(  # its router is kept (hf_moe_kept), its input jitter refused
-        transformers.PhimoeConfig(
-            **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, input_jitter_noise=0.1
-        )
+    phimoe = transformers.PhimoeForCausalLM(  # its router is kept (hf_moe_kept), top-1 refused
+        transformers.PhimoeConfig(**BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=1)
     )
-    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: input_jitter_noise=0.1 \(the block scales"):
+    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: top_k=1: the sparsemixer chooses 2 experts"):
         hf_moe_conversion(phimoe)
     assert sum(is_hf_sparse_moe(m) for m in phimoe.modules()) == 2  # nothing swapped
 
@@ -265,13 +263,12 @@ def test_an_hf_checkpoint_imports_trains_and_consolidates_under_hf_names(
 
 def _boost_outcome(rank: int, config: Any, changes: dict[str, Any], phimoe: bool) -> str:
     if phimoe:
-        model: nn.Module = transformers.PhimoeForCausalLM(  # input jitter: refused (hf_moe_kept)
+        model: nn.Module = transformers.PhimoeForCausalLM(  # one expert per token: refused (hf_moe_kept)
             transformers.PhimoeConfig(
                 **BASE,
                 intermediate_size=12,
                 num_local_experts=4,
-                num_experts_per_tok=2,
-                input_jitter_noise=0.1,
+                num_experts_per_tok=1,
             )
         )
     else:
@@ -328,4 +325,4 @@ def test_blocks_that_cannot_convert_are_refused_at_ep2_and_left_at_ep1(worker_po
     assert pool.run(_boost_outcome, ep1, logits, False)[0] == "boosted: ['MixtralSparseMoeBlock']"
     assert pool.run(_boost_outcome, ep1, {}, False)[0] == "boosted: ['MoE']"
     refused = pool.run(_boost_outcome, ep2, {}, True)[0]
-    assert "PhimoeSparseMoeBlock: input_jitter_noise=0.1 (the block scales" in refused, refused
+    assert "PhimoeSparseMoeBlock: top_k=1: the sparsemixer chooses 2 experts" in refused, refused

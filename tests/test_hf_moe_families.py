@@ -8,8 +8,9 @@ GPT-OSS (a router and experts with biases, a clamped SwiGLU with its limit lower
 that the clamps act, gate and up columns alternating).
 
 Tier 0: each converted block computes HF's block's outputs and gradients, each converted
-model HF's logits, and its weights load back into transformers strictly; PhiMoE with input
-jitter is refused before anything changes (its router kept: ``tests/test_hf_moe_kept_router.py``);
+model HF's logits, and its weights load back into transformers strictly; PhiMoE choosing one
+expert per token is refused before anything changes (its router kept:
+``tests/test_hf_moe_kept_router.py``);
 ``model_spec`` finds each family's plan; every router and block kind still hashes to the forward
 of the class it was read from.
 
@@ -258,14 +259,14 @@ def test_a_converted_models_weights_load_back_into_transformers(family: str) -> 
     )
 
 
-def test_phimoe_with_input_jitter_is_refused_naming_it_before_anything_changes() -> None:
+def test_phimoe_choosing_one_expert_is_refused_naming_it_before_anything_changes() -> None:
     """PhiMoE converts with its router kept (``tests/test_hf_moe_kept_router.py``), but not with
-    ``input_jitter_noise``, which its block applies to its input in place."""
+    one expert per token: its sparsemixer always chooses 2."""
     config = transformers.PhimoeConfig(
-        **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, input_jitter_noise=0.1
+        **BASE, intermediate_size=12, num_local_experts=4, num_experts_per_tok=1
     )
     model = transformers.PhimoeForCausalLM(config)
-    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: input_jitter_noise=0.1 \(the block scales"):
+    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock: top_k=1: the sparsemixer chooses 2 experts"):
         convert_hf_moe(model)
     assert len(sparse_blocks(model)) == 2  # nothing swapped
 

@@ -9,7 +9,8 @@ expert 0 with weight 0). The models are ``testing_hf_moe.tiny_moe_model``'s (2 l
 expert so that some tokens choose it.
 
 Tier 0: PhiMoE converted trains as transformers' model under the same ``torch.manual_seed``
-(loss and every gradient, the default jitter, which does sample here, and a wide one); its eval
+(loss and every gradient, the default jitter, which does sample here, a wide one, and
+Phi-3.5-MoE's input jitter, which the converted layer's experts read too); its eval
 logits equal; without jitter the sample is forced (the run does not depend on the seed) and its
 custom backward still runs. ZAYA's converted block computes HF's block (output, the state it
 carries on, every gradient, the state's too). Both give transformers' logits, load back into
@@ -26,9 +27,10 @@ dropout does, so parallel equals serial is held without it) at dp=2 x ep=2 ZeRO-
 ``verify=True``, which passes) and ZeRO-3, at tp=2 with no plan (derived roles: experts split
 inside over tp), also with Megatron SP, and at pp=2 (1F1B); ZAYA at dp=2 x ep=2 ZeRO-3 and tp=2
 (tp=2 with SP refused by its derived plan). A ``save_pretrained`` folder of each imports at dp=2
-x ep=2 ZeRO-3 and ``consolidate`` writes it back exactly. At the default jitter
-and a wide one under tp=2, each rank's global generator seeded apart, every call's choices are the
-same on both tp ranks, and an activation recompute replays the forward's choices.
+x ep=2 ZeRO-3 and ``consolidate`` writes it back exactly. At the default jitter,
+a wide one and with input jitter under tp=2, each rank's global generator seeded apart, every
+call's choices (and jittered tokens) are the same on both tp ranks, and an activation recompute
+replays the forward's.
 
 Tolerances: losses and the converted model's gradients against transformers' fp32 rtol 1e-5,
 atol 1e-5 (the same products: HF's per-expert loop against one batched matmul; values of order
@@ -72,14 +74,18 @@ SEQ, BATCH, STEPS, LR, VOCAB = 8, 4, 3, 0.2, 64
 TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
 
 
-def _build(family: str, jitter: float | None = None) -> Any:
+def _build(family: str, jitter: float | None = None, input_jitter: float = 0.0) -> Any:
     """The tiny model of ``family`` (``zaya-skip``: ZAYA with the skip expert's balancing bias
-    raised to 0.5); PhiMoE's ``router_jitter_noise`` set to ``jitter`` where given."""
+    raised to 0.5); PhiMoE's ``router_jitter_noise`` set to ``jitter`` where given, its
+    ``input_jitter_noise`` (the block's and the router's, as its config sets both) to
+    ``input_jitter``."""
     model: Any = tiny_moe_model(family.removesuffix("-skip"))
     model.config.use_cache = False
     for block in sparse_blocks(model):
         if jitter is not None:
             block.router.router_jitter_noise = jitter
+        if input_jitter:
+            block.input_jitter_noise = block.router.input_jitter_noise = input_jitter
         if family == "zaya-skip":
             with torch.no_grad():
                 block.gate.balancing_biases[-1] = 0.5
@@ -104,13 +110,19 @@ def _grads_match(model: nn.Module, converted: nn.Module, exported: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- tier 0: PhiMoE
-@pytest.mark.parametrize("jitter", [None, 0.5], ids=["default-jitter", "jitter-0.5"])
-def test_phimoe_trains_as_transformers_under_the_same_seed(jitter: float | None) -> None:
+@pytest.mark.parametrize(
+    ("jitter", "input_jitter"),
+    [(None, 0.0), (0.5, 0.0), (None, 0.01)],
+    ids=["default-jitter", "jitter-0.5", "input-jitter"],
+)
+def test_phimoe_trains_as_transformers_under_the_same_seed(jitter: float | None, input_jitter: float) -> None:
     """Training mode, sampling on: the same seed gives transformers' loss and every gradient
     (the router's through PhiMoE's own backward), for two seeds whose samples differ. At the
     default jitter few tokens have a second candidate (the router's gradient may be 0: the
-    sparsemixer's gradient flows among the candidates only); at 0.5 many do."""
-    model = _build("phimoe", jitter)
+    sparsemixer's gradient flows among the candidates only); at 0.5 many do. With
+    Phi-3.5-MoE's ``input_jitter_noise=0.01`` the block and then the router scale the tokens by
+    uniform draws, which both router and experts read (the converted layer's experts too)."""
+    model = _build("phimoe", jitter, input_jitter)
     converted = copy.deepcopy(model)
     exported = hf_moe_conversion(converted).exported
     assert model.training and converted.training
@@ -174,8 +186,12 @@ def test_without_jitter_the_sample_is_forced_and_the_custom_backward_runs(monkey
 
 
 def test_verify_refuses_a_sampling_router_naming_its_jitter() -> None:
-    with pytest.raises(ValueError, match=r"router_jitter_noise=0.01 .*set it to 0"):
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.01 .*set them to 0"):
         Verifier(_converted("phimoe"), Config(), loss=None, output=logits_of)
+    jittered: nn.Module = _build("phimoe", 0.0, input_jitter=0.01)
+    convert_hf_moe(jittered)
+    with pytest.raises(ValueError, match=r"input_jitter_noise=0.01 .*set them to 0"):
+        Verifier(jittered, Config(), loss=None, output=logits_of)
     Verifier(_converted("phimoe", 0.0), Config(), loss=None, output=logits_of)
 
 
@@ -285,14 +301,22 @@ def test_zaya_under_sequence_parallelism_is_refused(worker_pools: PoolFactory) -
         assert "does not support sequence parallelism" in outcome, outcome
 
 
-def _tp_choices(rank: int, config: Config, jitter: float | None) -> list[Tensor]:
-    """Every kept router call's choices on this rank (forwards and recomputes, in order), its
-    global generator seeded apart from the other rank's first."""
-    model = _converted("phimoe", jitter)
+def _tp_choices(rank: int, config: Config, jitter: float | None, input_jitter: float) -> list[Tensor]:
+    """Every kept router call's choices on this rank (forwards and recomputes, in order), with
+    the tokens its call hands the experts where it jitters them, its global generator seeded
+    apart from the other rank's first."""
+    model: nn.Module = _build("phimoe", jitter, input_jitter)
+    convert_hf_moe(model)
     calls: list[Tensor] = []
+
+    def record(mod: Any, _: Any, out: Any) -> None:
+        calls.append(out.choices.clone())
+        if mod.inputs_out is not None:
+            calls.append(mod.inputs_out.detach().clone())
+
     for m in model.modules():
         if isinstance(m, KeptRouter):
-            m.register_forward_hook(lambda mod, i, out: calls.append(out.choices.clone()))
+            m.register_forward_hook(record)
     torch.manual_seed(100 + rank)
     engine = boost(model, torch.optim.SGD(model.parameters(), lr=LR), config)
     try:
@@ -303,21 +327,30 @@ def _tp_choices(rank: int, config: Config, jitter: float | None) -> list[Tensor]
     return calls
 
 
-@pytest.mark.parametrize("jitter", [None, 0.5], ids=["default-jitter", "jitter-0.5"])
+@pytest.mark.parametrize(
+    ("jitter", "input_jitter"),
+    [(None, 0.0), (0.5, 0.0), (None, 0.01)],
+    ids=["default-jitter", "jitter-0.5", "input-jitter"],
+)
 def test_tp_ranks_draw_the_same_samples_also_when_recomputed(
-    worker_pools: PoolFactory, jitter: float | None
+    worker_pools: PoolFactory, jitter: float | None, input_jitter: float
 ) -> None:
     """tp=2 (experts split inside), activation checkpointing on: both tp ranks choose the same
-    experts in every call, and each layer's recompute chooses what its forward chose."""
+    experts in every call (and, with input jitter, hand the experts the same jittered tokens), and
+    each layer's recompute chooses what its forward chose."""
     config = oracle_config(
         ParallelConfig(tp=2, microbatches=1), 1, batch_size=BATCH, activation_checkpointing=True
     )
-    first, second = worker_pools(config.world_size).run(_tp_choices, config, jitter, timeout=240)
-    assert len(first) == len(second) == 2 * 2 * 2  # 2 steps x 2 layers x (forward, recompute)
+    first, second = worker_pools(config.world_size).run(
+        _tp_choices, config, jitter, input_jitter, timeout=240
+    )
+    per = 2 if input_jitter else 1  # what each call records: its choices, and its jittered tokens
+    assert len(first) == len(second) == 2 * 2 * 2 * per  # 2 steps x 2 layers x (forward, recompute)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     for step in range(2):  # forwards of layers 0, 1, then their recomputes in backward (1, 0)
-        calls = first[4 * step : 4 * step + 4]
+        calls = first[4 * per * step : 4 * per * (step + 1)]
+        calls = [torch.cat([c.float().flatten() for c in calls[i : i + per]]) for i in range(0, 4 * per, per)]
         assert torch.equal(calls[0], calls[3]) and torch.equal(calls[1], calls[2])
 
 

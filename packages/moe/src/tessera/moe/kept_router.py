@@ -8,9 +8,10 @@ is (its parameters and buffers under ``module``, trained by its own autograd, re
 rank as any router is) and an `Adapter` that calls it and says what it chose: ``choices [N, k]``
 (int64 indices of the ``E`` experts), their ``weights [N, k]`` and the ``logits [N, E']`` the
 layer's auxiliary losses read (``E' >= E``: logits beyond the ``E`` experts, a skip expert's, are
-left out of the losses' probabilities), and a state to carry to the next layer's router (ZAYA's;
-None for most). The layer's dispatch, expert parallelism, tp split and export are those of any
-`MoE`.
+left out of the losses' probabilities), a state to carry to the next layer's router (ZAYA's;
+None for most), and the tokens the experts read where the router's call changes them (PhiMoE's
+input jitter, which transformers applies in place to the tokens both read; None for most). The
+layer's dispatch, expert parallelism, tp split and export are those of any `MoE`.
 
 A router that samples (``sampling`` names what makes it random, "" when it is not) is random in
 training like dropout. Under tensor parallelism inside the experts every tp rank routes the same
@@ -44,12 +45,14 @@ __all__ = ["Adapter", "KeptChoice", "KeptRouter"]
 class KeptChoice:
     """What a kept router chose for ``N`` tokens: ``choices [N, k]`` (indices of the layer's
     experts), ``weights [N, k]`` (differentiable as the router made them), ``logits [N, E']`` (for
-    the layer's losses; ``E' >= E``), ``carried``: the state for the next layer's router (or None)."""
+    the layer's losses; ``E' >= E``), ``carried``: the state for the next layer's router (or None),
+    ``inputs [N, d]``: the tokens the experts read, where the call changed them (or None)."""
 
     choices: Tensor
     weights: Tensor
     logits: Tensor
     carried: Any = None
+    inputs: Tensor | None = None
 
 
 Adapter = Callable[[nn.Module, Tensor, Any], KeptChoice]
@@ -62,8 +65,9 @@ class KeptRouter(nn.Module):
     """``x [..., d] -> Routing`` by a module kept as it is (module docstring): ``module`` (its
     tensors under ``module.``), ``adapter`` (`Adapter`), ``experts`` the layer's ``E``,
     ``top_k``, ``sampling``: what makes the router random in training ("" when nothing does).
-    ``carried`` is the state given to the next call (set by the caller, None by default) and
-    ``carried_out`` the state the last call made. Under a tp group (``forward``'s ``group``) a
+    ``carried`` is the state given to the next call (set by the caller, None by default),
+    ``carried_out`` the state the last call made and ``inputs_out`` the tokens it gave the experts
+    (`KeptChoice.inputs`). Under a tp group (``forward``'s ``group``) a
     sampling router in training draws the group's first rank's samples on every rank."""
 
     tid2eid: Tensor | None = None  # what `TopKRouter` may hold and an `MoE` asks of its router
@@ -79,6 +83,7 @@ class KeptRouter(nn.Module):
         self.experts, self.top_k, self.sampling = experts, top_k, sampling
         self.carried: Any = None
         self.carried_out: Any = None
+        self.inputs_out: Tensor | None = None
         self.adapters = nn.ModuleDict()  # no low-rank router adapters on a kept router
 
     def forward(self, x: Tensor, group: dist.ProcessGroup | None = None) -> Routing:
@@ -98,7 +103,12 @@ class KeptRouter(nn.Module):
                 f"the kept router {type(self.module).__name__} gave logits {tuple(chose.logits.shape)}, not "
                 f"[tokens, >= experts ({self.experts})]"
             )
-        self.carried_out = chose.carried
+        if chose.inputs is not None and tuple(chose.inputs.shape) != (tokens, x.shape[-1]):
+            raise ValueError(
+                f"the kept router {type(self.module).__name__} gave the experts inputs "
+                f"{tuple(chose.inputs.shape)}, not [tokens, d] = {[tokens, x.shape[-1]]}"
+            )
+        self.carried_out, self.inputs_out = chose.carried, chose.inputs
         probs = torch.softmax(chose.logits.float(), dim=-1)[:, : self.experts]
         return Routing(
             logits=chose.logits[:, : self.experts],

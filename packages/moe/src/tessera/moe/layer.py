@@ -352,6 +352,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         if isinstance(self.router, KeptRouter):  # kept as written: whole tokens, the tp group's draws
             routing = self.router(x, self.tp_group)
+            if self.router.inputs_out is not None:  # the tokens as its call left them (PhiMoE's jitter)
+                tokens, self.router.inputs_out = self.router.inputs_out, None
         else:
             routing = self.router(tokens, input_ids if hashed else None)
         if self.input_norm is not None and self.input_norm_eps is not None:  # what the experts read

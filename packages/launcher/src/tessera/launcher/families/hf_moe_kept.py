@@ -13,10 +13,13 @@ block calls it (a `KeptKind`'s adapter), under ``router.module`` (exported back 
   (Gumbel, among those within ``router_jitter_noise`` of the best) and trains through its own
   backward (``PhimoeMultiplier``); called as the block calls it, it draws from the global
   generator in the block's order and shapes, so the converted model trains as transformers' does
-  under the same seed. Sampling makes training random like dropout (``KeptRouter.sampling``
-  names ``router_jitter_noise``; ``boost(verify=True)`` refuses it, as dropout); with
-  ``router_jitter_noise=0`` the sample is forced (the best expert, then the next) and the run is
-  deterministic. ``input_jitter_noise > 0`` (an in-place scaling of the block's input) is refused.
+  under the same seed. Its ``input_jitter_noise`` (Phi-3.5-MoE's 0.01) scales the block's input
+  by a uniform draw in ``[1 - noise, 1 + noise]`` in training, and the router scales it again, in
+  place, so that router and experts both read the twice-scaled tokens: the converted layer draws
+  the same and hands its experts those tokens (`KeptChoice.inputs`). Sampling and jitter make
+  training random like dropout (``KeptRouter.sampling`` names them; ``boost(verify=True)``
+  refuses them, as dropout); with both 0 the sample is forced (the best expert, then the next)
+  and the run is deterministic.
 - ZAYA (``ZayaSparseMoeBlock``): its router (``gate``: ``down_proj``, a state carried from the
   previous layer's router scaled by ``router_states_scale``, an MLP, a softmax biased by the
   ``balancing_biases`` buffer for the choice) may choose a skip expert (index ``E``), which it
@@ -57,7 +60,7 @@ HELD = "router.module"  # where the converted layer holds the kept router's tens
 class KeptKind:
     """A block whose router is kept: its ``forward`` read from ``transformers.models.<like>`` and
     recognised by ``key``, its router ``block.<router>`` (whose forward has key ``router_key``),
-    called by ``adapter``; ``sampling(router)``: what makes it random in training ("" when
+    called by ``adapter(block)``; ``sampling(block)``: what makes it random in training ("" when
     nothing does); ``check(block)``: what of this instance cannot be kept ("" when all can);
     ``carries``: the block takes and returns a state for the next layer's router."""
 
@@ -66,32 +69,48 @@ class KeptKind:
     key: str
     router: str
     router_key: str
-    adapter: Adapter
+    adapter: Callable[[Any], Adapter]
     sampling: Callable[[Any], str]
     check: Callable[[Any], str]
     carries: bool = False
 
 
-def _phimoe(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
-    """PhiMoE's block: the router on the flat tokens, ``(logits, weights, experts)``."""
-    logits, weights, choices = module(x.reshape(-1, x.shape[-1]))
-    return KeptChoice(choices, weights, logits)
+def _phimoe(block: Any) -> Adapter:
+    """PhiMoE's block: its input scaled by its ``input_jitter_noise`` in training (as the block
+    does, in place there: its input is the norm's fresh output), then the router on the flat
+    tokens, ``(logits, weights, experts)``; the router scales them again in place where its own
+    jitter is on (on a copy here), and the experts read what it leaves (module docstring)."""
+    noise = float(block.input_jitter_noise)
+
+    def call(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
+        jittered = module.training and noise > 0
+        if jittered:
+            x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
+        flat = x.reshape(-1, x.shape[-1])
+        scales = module.training and float(module.input_jitter_noise) > 0  # type: ignore[arg-type]
+        flat = flat.clone() if scales else flat  # the router scales it in place
+        logits, weights, choices = module(flat)
+        return KeptChoice(choices, weights, logits, inputs=flat if jittered or scales else None)
+
+    return call
 
 
-def _phimoe_sampling(router: Any) -> str:
-    noise = float(router.router_jitter_noise)
-    return f"router_jitter_noise={noise} (PhiMoE's sparsemixer samples its experts)" if noise > 0 else ""
+def _phimoe_sampling(block: Any) -> str:
+    noises = {
+        "router_jitter_noise": float(block.router.router_jitter_noise),
+        "input_jitter_noise": max(float(block.input_jitter_noise), float(block.router.input_jitter_noise)),
+    }
+    on = [f"{name}={value}" for name, value in noises.items() if value > 0]
+    why = "PhiMoE's sparsemixer samples its experts, its input is jittered"
+    return f"{' and '.join(on)} ({why})" if on else ""
 
 
 def _phimoe_check(block: Any) -> str:
-    noise = max(float(block.input_jitter_noise), float(block.router.input_jitter_noise))
     top_k = int(block.router.top_k)
-    if noise > 0:
-        return f"input_jitter_noise={noise} (the block scales its input in place in training) is refused"
     return f"top_k={top_k}: the sparsemixer chooses 2 experts" if top_k != 2 else ""
 
 
-def _zaya(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
+def _zaya_call(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
     """ZAYA's block: the router on ``[batch, seq, d]`` with the previous layer's state."""
     if x.dim() != 3:
         raise ValueError(f"ZAYA's router reads [batch, seq, d], got {tuple(x.shape)}")
@@ -125,8 +144,8 @@ KEPT_KINDS: tuple[KeptKind, ...] = (
         "fd7051b4af6a7de1",
         "gate",
         "6526681b3bf5ee18",
-        _zaya,
-        lambda router: "",
+        lambda block: _zaya_call,
+        lambda block: "",
         _zaya_check,
         carries=True,
     ),
@@ -205,7 +224,7 @@ def kept_layer(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: flo
     for w, source in (("w1", gate_up), ("w3", gate_up), ("w2", down)):
         getattr(layer.experts, w).requires_grad_(source.requires_grad)
     kept = KeptRouter(
-        copy.deepcopy(router), kind.adapter, bank.experts, top_k, sampling=kind.sampling(router)
+        copy.deepcopy(router), kind.adapter(block), bank.experts, top_k, sampling=kind.sampling(block)
     )
     layer.router = kept  # type: ignore[assignment]  # a router kept as written (tessera.moe.kept_router)
     log.debug("%s: experts converted, router %s kept", name, type(router).__name__)

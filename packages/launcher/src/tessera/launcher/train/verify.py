@@ -39,7 +39,7 @@ off by ~50%, far outside either.
 
 Refused (ValueError at ``boost``): dropout (random streams differ between the serial and the
 parallel model: build the model with dropout 0 to verify it) and routers that sample their
-experts (``tessera.moe.KeptRouter.sampling``: PhiMoE's ``router_jitter_noise``), parameters on
+experts (``tessera.moe.KeptRouter.sampling``: PhiMoE's router and input jitters), parameters on
 the meta device, the chunk memory manager (it steps chunk by chunk). The copy holds the whole model
 on every rank, and its gradients, until the first step ends.
 """
@@ -141,7 +141,7 @@ def _unverifiable(model: nn.Module, config: BoostConfig) -> list[str]:
         if isinstance(module, KeptRouter) and module.sampling:  # random like dropout
             problems.append(
                 f"{name} samples its experts in training ({module.sampling}): its random draws differ "
-                "between the serial and the parallel model; set it to 0 (the best experts are then "
+                "between the serial and the parallel model; set them to 0 (the best experts are then "
                 "chosen) to verify it"
             )
             break
