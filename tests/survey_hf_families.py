@@ -30,7 +30,16 @@ from torch import Tensor, nn
 from tessera.comm.testing.pool import WorkerPool
 from tessera.launcher import Config, ParallelConfig
 from tessera.launcher.families.hf_moe import hf_moe_state_dict
-from tessera.launcher.testing import RandomTokens, Run, boosted_run, oracle_config, serial_run, sgd
+from tessera.launcher.testing import (
+    RandomTokens,
+    Run,
+    boosted_run,
+    oracle_config,
+    serial_run,
+    sgd,
+    survey_verdict,
+    weights_distance,
+)
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 2, 0.5
 TOKENS = RandomTokens(vocab=VOCAB, batch=BATCH, seq=SEQ)
@@ -65,33 +74,13 @@ def parallel(rank: int, kind: str, config: Config) -> Run:
     return boosted_run(build(kind), TOKENS.first(STEPS), config, sgd(LR))
 
 
-def _weights_rel(got: Run, want: Run) -> float:
-    """The largest difference of a weight, relative to its tensor's largest value."""
-    return max(
-        float((got[1][n].to(w.dtype) - w).abs().max()) / max(float(w.abs().max()), 1e-6)
-        for n, w in want[1].items()
-    )
-
-
 def _sensitivity(kind: str, want: Run) -> float:
-    """How far the serial fp32 run ``want`` is from the same run in fp64 (`compare`); 0 where the
-    family does not run in fp64 (transformers' grouped experts take no float64)."""
+    """How far the serial fp32 run ``want`` is from the same run in fp64 (`survey_verdict`); 0
+    where the family does not run in fp64 (transformers' grouped experts take no float64)."""
     try:
-        return _weights_rel(want, serial_run(build(kind).double(), TOKENS.first(STEPS), sgd(LR)))
+        return weights_distance(want, serial_run(build(kind).double(), TOKENS.first(STEPS), sgd(LR)))
     except RuntimeError:
         return 0.0
-
-
-def compare(got: Run, want: Run, sensitivity: float = 0.0) -> str:
-    """``ok`` when ``got`` trains as ``want``: losses to rel 1e-5, weights to rel 1e-4, or to 10
-    times ``sensitivity`` where that is larger (how far the serial fp32 run's weights are from
-    the same run in fp64: a family whose steps amplify fp32 round-off that much, as Gemma 4's
-    do at these sizes and learning rate, differs by as much from any reordering of its sums)."""
-    loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0], strict=True))
-    weight = _weights_rel(got, want)
-    if loss < 1e-5 and weight < max(1e-4, 10 * sensitivity):
-        return "ok"
-    return f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e} (fp32 round-off alone {sensitivity:.1e})"
 
 
 def main(kinds: list[str]) -> None:
@@ -119,7 +108,7 @@ def main(kinds: list[str]) -> None:
                     merged.update(part)
                 # a mixture boost() converted (tessera.moe names) read back under transformers' names
                 merged = hf_moe_state_dict(merged, like=build(kind))
-                row[mode] = compare((parts[0][0], merged), want, sensitivity)
+                row[mode] = survey_verdict((parts[0][0], merged), want, sensitivity)
             except Exception as exc:
                 row[mode] = "refused: " + str(exc).split("\n")[0][:160]
                 if "did not finish" in str(exc) or "died" in str(exc):

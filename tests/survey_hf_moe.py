@@ -34,15 +34,9 @@ from torch import nn
 
 from tessera.launcher.families.hf_moe import convert_hf_moe, is_hf_sparse_moe
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
+from tessera.launcher.testing_hf_moe import moe_families
 from tessera.launcher.testing_hf_moe import tiny_moe_model as build
 
-EXPERT_COUNTS = (
-    "num_experts",
-    "num_local_experts",
-    "n_routed_experts",
-    "moe_num_experts",
-    "num_routed_experts",
-)
 SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert")
 TOL = 1e-5
 
@@ -210,21 +204,6 @@ def main(kinds: list[str]) -> None:
         print(" | ".join(r.get(c, "").ljust(widths[c]) for c in COLUMNS[:-1]) + " | " + r.get("result", ""))
     converted = sum(r.get("result", "").startswith("same logits") for r in rows)
     print(f"\n{len(rows)} MoE families; {converted} converted with the same logits")
-
-
-def moe_families() -> list[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    kinds = []
-    for kind, cls in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
-        try:
-            config = CONFIG_MAPPING[kind]()
-        except Exception:  # a config that does not build with its defaults is not surveyed
-            continue
-        if cls.endswith("ForCausalLM") and any(hasattr(config, n) for n in (*EXPERT_COUNTS, "ffn_config")):
-            kinds.append(kind)
-    return kinds
 
 
 if __name__ == "__main__":

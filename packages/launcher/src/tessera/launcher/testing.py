@@ -239,6 +239,30 @@ def assert_matches_serial(
     return merged
 
 
+def weights_distance(got: Run, want: Run) -> float:
+    """The largest difference of a weight of ``got`` from ``want``'s, relative to the largest
+    value of ``want``'s tensor (each name of ``want``; KeyError naming one ``got`` lacks)."""
+    return max(
+        float((got[1][n].to(w.dtype) - w).abs().max()) / max(float(w.abs().max()), 1e-6)
+        for n, w in want[1].items()
+    )
+
+
+def survey_verdict(got: Run, want: Run, sensitivity: float = 0.0) -> str:
+    """A survey's one-word comparison of a parallel run with the serial one: ``ok`` when the
+    losses agree to rel 1e-5 and the weights to rel 1e-4 of each tensor's largest value, or to
+    10 times ``sensitivity`` where that is larger (how far the serial fp32 run is from the same
+    run in fp64, `weights_distance`: a model whose steps amplify fp32 round-off that much
+    differs by as much from any reordering of its sums), else ``WRONG`` with the figures.
+    Surveys train a few large SGD steps, where round-off grows past `assert_matches_serial`'s
+    bounds in some families; the tests hold their cases to those."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0], strict=True))
+    weight = weights_distance(got, want)
+    if loss < 1e-5 and weight < max(1e-4, 10 * sensitivity):
+        return "ok"
+    return f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e} (fp32 round-off alone {sensitivity:.1e})"
+
+
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 _CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",

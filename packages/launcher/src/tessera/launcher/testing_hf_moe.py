@@ -32,11 +32,13 @@ from tessera.launcher.families.hf_moe import (
 
 __all__ = [
     "COMMON",
+    "EXPERT_COUNTS",
     "FIXES",
     "MOE",
     "assert_converts_with_the_same_logits",
     "assert_export_parts_are_transformers_tensors",
     "assert_weights_load_back",
+    "moe_families",
     "sparse_blocks",
     "tiny_moe_class",
     "tiny_moe_config",
@@ -186,6 +188,34 @@ def tiny_moe_model(
             if "bias" in name and b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return model
+
+
+EXPERT_COUNTS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_routed_experts",
+)
+"""The config attributes that count a family's experts (DBRX's sit in its ``ffn_config``)."""
+
+
+def moe_families() -> list[str]:
+    """The model types of the installed ``transformers`` whose causal LM is a mixture of experts
+    (its default config counts experts, `EXPERT_COUNTS`, or has DBRX's ``ffn_config``), sorted;
+    a config that does not build with its defaults is left out."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kinds = []
+    for kind, cls in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        try:
+            config = CONFIG_MAPPING[kind]()
+        except Exception:  # a config that does not build with its defaults is not a family here
+            continue
+        if cls.endswith("ForCausalLM") and any(hasattr(config, n) for n in (*EXPERT_COUNTS, "ffn_config")):
+            kinds.append(kind)
+    return kinds
 
 
 def sparse_blocks(model: nn.Module) -> list[nn.Module]:
