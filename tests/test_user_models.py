@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from tessera.comm.testing.fixtures import PoolFactory
 from tessera.launcher import Config, ModelSpec, ParallelConfig, boost
-from tessera.launcher.families.spec import check_blocks, pipeline_blocks, tied_blocks
+from tessera.launcher.families.spec import HoldingBlock, check_blocks, pipeline_blocks, tied_blocks
 from tessera.launcher.testing import (
     RandomTokens,
     Run,
@@ -143,8 +143,19 @@ def _hf_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+class Spare(TinyLlama):
+    """A parameter of its own that its forward never uses (as Inkling 2 Loop's message queries
+    when it makes one pass): in no pipeline block, so the first block holds it
+    (``spec.HoldingBlock``), and its stage saves and exports it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Parameter(torch.randn(4))
+
+
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "tiny": TinyLlama,
+    "tiny-spare": Spare,
     "gpt2": _hf_gpt2,
     "gpt2-tied": lambda: _hf_gpt2(tied=True),  # GPT-2's default: LM head = token embedding
     "llama": _hf_llama,
@@ -210,6 +221,24 @@ def test_blocks_are_found_and_checked_against_the_model() -> None:
     scaled = Scaled()
     with pytest.raises(ValueError, match=r"do not reproduce model\(example\): largest difference"):
         check_blocks(scaled, pipeline_blocks(scaled, ModelSpec()), TOKENS.at(0)[0], logits_of)
+
+
+def test_a_parameter_no_block_uses_is_held_by_the_first_block() -> None:
+    model = Spare()
+    blocks = pipeline_blocks(model, ModelSpec())
+    assert isinstance(blocks[0], HoldingBlock) and blocks[0].block is model.tokens
+    assert list(blocks[0].held) == [model.spare]
+    assert blocks[1:] == [*model.blocks, model.final_norm, model.out]
+    check_blocks(model, blocks, TOKENS.at(0)[0], logits_of)
+
+
+def test_a_parameter_no_block_uses_is_kept_by_a_pipeline(worker_pools: PoolFactory) -> None:
+    """pp=2 (1F1B): the unused parameter is on the first stage, unchanged (no gradient), and the
+    run equals the serial one, every parameter included (a parameter no stage held was lost)."""
+    config = oracle_config(ParallelConfig(pp=2, microbatches=2, schedule="1f1b"), 1, batch_size=BATCH)
+    results = worker_pools(config.world_size).run(_parallel, "tiny-spare", config, timeout=180)
+    merged = assert_matches_serial(results, serial_run(_build("tiny-spare"), TOKENS.first(STEPS), sgd(LR)))
+    torch.testing.assert_close(merged["spare"], _build("tiny-spare").spare, rtol=0, atol=0)
 
 
 def test_a_weight_tied_across_blocks_is_found_with_its_blocks() -> None:

@@ -33,6 +33,7 @@ from tessera.tensor_parallel.modes import plan_for_mode
 from tessera.zero.units import largest_module_list
 
 __all__ = [
+    "HoldingBlock",
     "ModelSpec",
     "check_blocks",
     "layer_stack",
@@ -232,7 +233,10 @@ def _around(model: nn.Module, path: str) -> tuple[list[nn.Module], nn.ModuleList
 
 def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """``model`` as a sequence of blocks for the pipeline partitioner (see the module
-    docstring). A parameter may sit in several blocks (tied embeddings): see `tied_blocks`."""
+    docstring). A parameter may sit in several blocks (tied embeddings): see `tied_blocks`.
+    Parameters of the model that no block holds (the blocks reproduce its logits without them:
+    Inkling 2 Loop's message queries when it makes one pass) are held by the first block too
+    (`HoldingBlock`), so that its stage keeps, saves and exports them."""
     if callable(spec.blocks):
         blocks = list(spec.blocks(model))
     else:
@@ -243,7 +247,28 @@ def pipeline_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
             "pipeline blocks of %s: %d before %s, %d layers, %d after",
             type(model).__name__, len(before), path, len(layers), len(after),
         )  # fmt: skip
+    held = {id(p) for block in blocks for p in block.parameters()}
+    loose = [(n, p) for n, p in model.named_parameters() if id(p) not in held]
+    if blocks and loose:
+        log.info(
+            "%d parameters of %s are in no pipeline block, held by the first: %s",
+            len(loose), type(model).__name__, ", ".join(n for n, _ in loose[:8]),
+        )  # fmt: skip
+        blocks[0] = HoldingBlock(blocks[0], [p for _, p in loose])
     return blocks
+
+
+class HoldingBlock(nn.Module):
+    """A pipeline block (``block``) that also holds parameters of the model it does not compute
+    with (`pipeline_blocks`): its forward is the block's."""
+
+    def __init__(self, block: nn.Module, held: Sequence[nn.Parameter]) -> None:
+        super().__init__()
+        self.block = block
+        self.held = nn.ParameterList(held)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.block(*args, **kwargs)
 
 
 def tied_blocks(blocks: Sequence[nn.Module]) -> dict[nn.Parameter, list[int]]:
