@@ -15,7 +15,8 @@ what the model's forward applies around its children:
   by the function ``transformers`` keeps for that kind (``masking_utils``' table of layer
   kinds): a causal or sliding-window mask, so a window is kept; the padding mask of a Mamba
   or linear-attention layer (None: no padding); the whole causal mask of an indexed (DSA)
-  layer, whose indexer reads it;
+  layer, whose indexer reads it; a dict of masks by kind where the model hands its layers one
+  (ZAYA's ``{"causal": ..., "conv": ...}``: ``hf_layout.masks_by_key``);
 - rotary embeddings: the model's ``rotary_emb`` called as its forward calls it (with the
   layer type where it takes one: Gemma3's local and global rotaries), or the layer's own
   where the model keeps one per base frequency (GraniteMoE-SWA's ``rotary_embs``); none for
@@ -29,13 +30,16 @@ what the model's forward applies around its children:
   stacked, HunYuan-V4), which the modules after the layers mix back into one, applied in the
   order the forward applies them (given what they take of what was carried: Inkling 2's
   ``final_input``); what a layer returns that the forward hands to the next (HunYuan-V4's top-k
-  indices) and what the forward keeps for its layers beside the hidden states (Inkling 2's block
-  states), carried in the stage's one activation beside the hidden states;
+  indices by keyword, ZAYA's router state by position) and what the forward keeps for its layers
+  beside the hidden states (Inkling 2's block states), carried in the stage's one activation
+  beside the hidden states;
 - what the layers take from the model's inputs (`tessera.launcher.families.hf_beside`), made by
   the first stage and carried in its activation: the token ids (DeepSeek-V4's hash layers), the
   per-layer inputs (Gemma 4's), the keys and values a layer stores for a later one (Gemma's
   ``shared_kv_states``); a layer kind its rotary module has none of is given them all by rope type
   (DeepSeek-V4's ``{"main", "compress"}``);
+- the model's own parameters applied before the layers (ZAYA's input scale and bias:
+  `tessera.launcher.families.hf_base_parameters`), held by the first block;
 - Inkling 2's query-key distances (its modeling module's ``get_relative_distance``, by layer kind);
 - computed in a pre-hook of the layer's attention module from the hidden states it is
   called with, which under sequence parallelism are the whole sequence (the layer's input,
@@ -60,6 +64,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.launcher.families import hf_layout as layout
+from tessera.launcher.families.hf_base_parameters import BaseParameters, base_parameters
 from tessera.launcher.families.hf_beside import Beside, PerLayerInputs, beside_of
 from tessera.launcher.families.hf_streams import (
     Streams,
@@ -157,9 +162,10 @@ def gpt2_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _Embedding(nn.Module):
-    """The modules a model runs before its layers, chained, times its ``embedding_multiplier``;
-    copied into the residual streams the model's layers take (`Streams`), packed with nothing yet
-    of what the layers hand on (``carries``), an empty stack of what the model keeps for them
+    """The modules a model runs before its layers, chained, times its ``embedding_multiplier``, then
+    its own parameters applied as its forward applies them (``own``, `hf_base_parameters`); copied
+    into the residual streams the model's layers take (`Streams`), packed with nothing yet of what
+    the layers hand on (``carries``), an empty stack of what the model keeps for them
     (``kept``, Inkling 2's block states; `hf_streams.pack`) and what the layers take from the
     model's inputs (``beside``: the token ids, the per-layer inputs ``per_layer`` makes;
     `hf_beside`)."""
@@ -173,9 +179,10 @@ class _Embedding(nn.Module):
         kept: tuple[str, ...] = (),
         beside: Beside | None = None,
         per_layer: PerLayerInputs | None = None,
+        own: BaseParameters | None = None,
     ) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(modules)
+        self.parts, self.own = nn.ModuleList(modules), own  # a child: the first stage trains its parameters
         self.multiplier = multiplier
         self.streams = streams
         self.carries, self.kept = carries, kept
@@ -187,6 +194,7 @@ class _Embedding(nn.Module):
             h = h * self.multiplier
         for part in self.parts[1:]:
             h = part(h)
+        h = h if self.own is None else self.own(h)
         beside = self.beside.start(ids, None if self.per_layer is None else self.per_layer(ids, h))
         if self.streams is not None:
             h = self.streams(h)
@@ -242,9 +250,11 @@ class _DecoderLayer(nn.Module):
         carried: dict[str, int] | None = None,
         kept: dict[str, str] | None = None,
         beside: Beside | None = None,
+        masks: dict[str, str | None] | None = None,
     ) -> None:
         super().__init__()
         self.layer, self.config, self.index = layer, config, index
+        self.masks = masks or {}  # a dict of masks by key -> kind (`hf_layout.masks_by_key`), or one mask
         self.beside = beside or Beside()  # what the first stage carries for the layers (hf_beside)
         self.carried = carried or {}  # keyword -> where in the layer's output (`carried_between_layers`)
         self.kept = kept or {}  # argument -> layer attribute: its input joins it (`kept_between_layers`)
@@ -288,9 +298,7 @@ class _DecoderLayer(nn.Module):
         pos = _positions(h)
         made: dict[str, Any] = {}
         if "attention_mask" in names:
-            made["attention_mask"] = layout.mask_function(self.kind)(
-                self.config, h, None, None, position_ids=pos
-            )
+            made["attention_mask"] = layout.mask_of(self.config, self.kind, self.masks, h, pos)
         if "position_ids" in names:
             made["position_ids"] = pos
         rotary = self.rotary[0]
@@ -362,14 +370,19 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
             "ModelSpec(blocks=fn)"
         )
     stack: Any = base.get_submodule(layers[0])
-    carried = carried_between_layers(type(base).forward, layers[0])  # HunYuan-V4's top-k indices
+    params = list(inspect.signature(stack[0].forward).parameters) if len(stack) else []
+    carried = carried_between_layers(type(base).forward, layers[0], params)  # HunYuan-V4's, ZAYA's router's
+    masks = layout.masks_by_key(type(base).forward, layers[0])  # ZAYA's {"causal": ..., "conv": ...}
     kept = layout.kept_for_layers(base, layers[0])  # Inkling 2's block states
     multiplier = layout.used(base, config, "embedding_multiplier")
     beside = beside_of(base, list(stack), config)  # token ids, per-layer inputs, shared keys and values
     per_layer = PerLayerInputs(base, before) if beside.per_layer else None
-    first = _Embedding(before, multiplier, streams_of(config), tuple(carried), tuple(kept), beside, per_layer)
+    own = base_parameters(base, layers[0])  # ZAYA's input_hidden_states_scale and _bias
+    first = _Embedding(
+        before, multiplier, streams_of(config), tuple(carried), tuple(kept), beside, per_layer, own
+    )
     decoders = [
-        _DecoderLayer(layer, i, layout.rotary_of(base, config, i), config, carried, kept, beside)
+        _DecoderLayer(layer, i, layout.rotary_of(base, config, i), config, carried, kept, beside, masks)
         for i, layer in enumerate(stack)
     ]
     blocks: list[nn.Module] = [first]

@@ -8,14 +8,15 @@ pipeline stage receives (refused, naming it) or that its forward keeps for them
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from tessera.launcher.families.hf_streams import applied_order, kept_between_layers
+from tessera.launcher.families.hf_streams import applied_order, kept_between_layers, layer_calls
 
 __all__ = [
     "applied_after",
@@ -26,6 +27,8 @@ __all__ = [
     "kept_for_layers",
     "layer_type",
     "mask_function",
+    "mask_of",
+    "masks_by_key",
     "module_function",
     "nope_scale",
     "order",
@@ -57,6 +60,56 @@ def mask_function(kind: str) -> Any:
     if "sliding" in kind:  # sliding_attention, Inkling's hybrid_sliding
         return masks.create_sliding_window_causal_mask
     return masks.create_causal_mask
+
+
+def mask_of(config: Any, kind: str, keys: Mapping[str, str | None], h: Tensor, positions: Tensor) -> Any:
+    """What a layer of ``kind`` is given as its ``attention_mask`` for hidden states ``h`` (the
+    whole sequence, no padding): the mask of its kind (`mask_function`), or where its model hands it
+    a dict of masks (``keys``, `masks_by_key`), that dict, each key's mask of its kind."""
+
+    def made(of: str) -> Any:
+        return mask_function(of)(config, h, None, None, position_ids=positions)
+
+    return {key: made(of or kind) for key, of in keys.items()} if keys else made(kind)
+
+
+def _kind_of(value: ast.expr) -> tuple[bool, str | None]:
+    """Which mask a dict entry looks up in the model's masks by kind: ``masks["conv"]`` and
+    ``masks.get("conv")`` that kind's, ``masks[<a variable>]`` the layer's own (None); (False,
+    None) for another expression."""
+    if isinstance(value, ast.Subscript):
+        key = value.slice.value if isinstance(value.slice, ast.Constant) else None
+        return True, key if isinstance(key, str) else None
+    is_get = (
+        isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "get"
+    )
+    first = value.args[0] if isinstance(value, ast.Call) and len(value.args) == 1 else None
+    if is_get and isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return True, first.value
+    return False, None
+
+
+def masks_by_key(fn: Callable[..., Any], stack: str) -> dict[str, str | None]:
+    """The dict of masks the forward ``fn`` hands each layer of ``self.<stack>`` as its
+    ``attention_mask``, key -> the kind of mask it looks up (None: the layer's own kind; ZAYA's
+    ``{"causal": None, "conv": "conv"}`` from ``{"causal": causal_mask_mapping[layer_type], "conv":
+    causal_mask_mapping.get("conv")}``); {} when it hands a mask, not a dict. An entry read otherwise
+    is a ValueError naming it."""
+    keys: dict[str, str | None] = {}
+    for call, _, _ in layer_calls(fn, stack):
+        given = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
+        if not isinstance(given, ast.Dict):
+            continue
+        for key, value in zip(given.keys, given.values, strict=True):
+            read, kind = _kind_of(value)
+            if not isinstance(key, ast.Constant) or not isinstance(key.value, str) or not read:
+                entry = f"{ast.unparse(key) if key is not None else '**'}: {ast.unparse(value)}"
+                raise ValueError(
+                    f"the forward hands its layers a dict of masks whose entry {{{entry}}} the pipeline "
+                    "blocks do not read (only masks[kind], masks.get(kind) and masks[<the layer's kind>])"
+                )
+            keys[key.value] = kind
+    return keys
 
 
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")

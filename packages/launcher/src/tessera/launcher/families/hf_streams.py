@@ -7,20 +7,24 @@ from the model's config and forward, and how a pipeline stage's one activation h
   module after the layers mixes them back into one. They are the hidden state: one tensor.
 - Values a layer returns beside its hidden states that the model hands to the next layer
   (HunYuan-V4's top-k indices: ``hidden_states, topk_indices = decoder_layer(...,
-  prev_topk_indices=topk_indices)``), read from the forward's loop over its layers
-  (`carried_between_layers`). A pipeline stage sends one floating-point tensor, so `pack`
+  prev_topk_indices=topk_indices)``; ZAYA's router state, by position: ``hidden_states,
+  prev_router_hidden_states = decoder_layer(hidden_states, prev_router_hidden_states, ...)``),
+  read from the forward's loop over its layers (plain or ``enumerate``; `layer_calls`,
+  `carried_between_layers`). A pipeline stage sends one floating-point tensor, so `pack`
   appends those of another dtype as bytes (viewed as the activation's dtype, no arithmetic:
   exact for any dtype) and a small int64 header after the hidden states, and `unpack` takes
   them apart on the next stage; their slots get no gradient (integer indices are not
-  differentiated). A
+  differentiated; one of another dtype that requires a gradient is refused naming it, not
+  dropped: ZAYA's router state in a bf16 model, beside its fp32 residual stream). A
   value that is not a tensor laid out by token (``[batch, seq, ...]``) cannot be carried and is
   refused naming it (`pack`), which `check_blocks` reports before anything is partitioned.
 - Values the forward keeps beside the hidden states and hands every layer as a further
-  argument, appending a layer's input to them where an attribute of the layer says so
-  (`kept_between_layers`: Inkling 2's block states, ``[batch, seq, blocks, hidden]``, grown on
-  ``is_block_boundary``); a rule not read is refused. They start as an empty stack
-  (`empty_stack`), grow by `stacked_on`, and travel as values after the hidden states (their
-  dtype), with their gradient: a later layer attends over them.
+  argument, updated from themselves in the loop (not one the layer before returned), appending
+  a layer's input to them where an attribute of the layer says so (`kept_between_layers`:
+  Inkling 2's block states, ``[batch, seq, blocks, hidden]``, grown on ``is_block_boundary``); a
+  rule not read is refused. They start as an empty stack (`empty_stack`), grow by `stacked_on`,
+  and travel as values after the hidden states (their dtype), with their gradient: a later layer
+  attends over them.
 - The modules a model applies after its layers, in the order its forward applies them
   (`applied_order`: HunYuan-V4's ``self.norm(self.hc_head(h))``, whose ``base_model_pp_plan``
   names the norm alone), given what they name of the carried values (`apply_after`: Inkling 2's
@@ -47,6 +51,7 @@ __all__ = [
     "carried_between_layers",
     "empty_stack",
     "kept_between_layers",
+    "layer_calls",
     "pack",
     "stacked_on",
     "streams_of",
@@ -113,50 +118,89 @@ def applied_order(fn: Callable[..., Any]) -> list[str]:
     return order
 
 
-def carried_between_layers(fn: Callable[..., Any], stack: str) -> dict[str, int]:
-    """What the forward ``fn`` hands each layer of ``self.<stack>`` from the layer before: the
-    keyword it passes, and where in the layer's returned tuple it comes from (HunYuan-V4's
-    ``{"prev_topk_indices": 1}``); {} when nothing is, or the source is not readable."""
-    carried: dict[str, int] = {}
+def _loops_over(tree: ast.AST | None, stack: str) -> list[tuple[ast.For, str]]:
+    """The forward's loops over ``self.<stack>`` (or a slice of it, or ``enumerate`` of either:
+    ZAYA's ``for idx, decoder_layer in enumerate(self.layers)``), with the loop's layer name."""
+    found = []
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
+        over, target = loop.iter, loop.target
+        counted = (
+            isinstance(over, ast.Call) and isinstance(over.func, ast.Name) and over.func.id == "enumerate"
+        )
+        if counted and isinstance(over, ast.Call) and over.args and isinstance(target, ast.Tuple):
+            over, target = over.args[0], target.elts[-1]
+        over = over.value if isinstance(over, ast.Subscript) else over
+        if _self_attribute(over) == stack and isinstance(target, ast.Name):
+            found.append((loop, target.id))
+    return found
+
+
+def layer_calls(fn: Callable[..., Any], stack: str) -> list[tuple[ast.Call, list[str], ast.For]]:
+    """The forward ``fn``'s calls of a layer of ``self.<stack>`` inside its loops over them, each
+    with the names its result is unpacked into (``hidden_states, topk_indices = decoder_layer(...)``:
+    both; [] where it is not unpacked) and the loop; [] when the source is not readable."""
+    found: list[tuple[ast.Call, list[str], ast.For]] = []
     for loop, layer in _loops_over(_forward_tree(fn), stack):
-        for node in (n for statement in loop.body for n in ast.walk(statement)):
-            call = node.value if isinstance(node, ast.Assign) else None
-            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.func.id != layer:
-                continue
-            target = node.targets[0] if isinstance(node, ast.Assign) else None
-            names = (
-                [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
-                if isinstance(target, ast.Tuple)
-                else []
-            )
-            for keyword in call.keywords:
-                value = keyword.value
-                if keyword.arg and isinstance(value, ast.Name) and value.id in names[1:]:
-                    carried[keyword.arg] = names.index(value.id)
+        unpacked: dict[int, list[str]] = {}
+        for node in (n for n in ast.walk(loop) if isinstance(n, ast.Assign)):
+            target = node.targets[0]
+            if isinstance(target, ast.Tuple):
+                unpacked[id(node.value)] = [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
+        for call in (n for n in ast.walk(loop) if isinstance(n, ast.Call)):
+            if isinstance(call.func, ast.Name) and call.func.id == layer:
+                found.append((call, unpacked.get(id(call), []), loop))
+    return found
+
+
+def carried_between_layers(fn: Callable[..., Any], stack: str, params: Sequence[str] = ()) -> dict[str, int]:
+    """What the forward ``fn`` hands each layer of ``self.<stack>`` from the layer before: the
+    layer's parameter it fills, and where in the layer's returned tuple it comes from; passed by
+    keyword (HunYuan-V4's ``{"prev_topk_indices": 1}``) or by position, named by the layer's
+    parameters ``params`` in order (ZAYA's ``decoder_layer(hidden_states, prev_router_hidden_states,
+    ...)``: ``{"prev_router_hidden_states": 1}``); {} when nothing is, or the source is not readable.
+    A value passed by a position ``params`` does not name is a ValueError naming it."""
+    carried: dict[str, int] = {}
+    for call, names, _ in layer_calls(fn, stack):
+        passed = [(k.arg, k.value) for k in call.keywords if k.arg]
+        for at, value in enumerate(call.args[1:], start=1):
+            if at >= len(params) and isinstance(value, ast.Name) and value.id in names[1:]:
+                raise ValueError(
+                    f"the forward hands its layers {value.id!r} (their output {names.index(value.id)}) as "
+                    f"argument {at}, beyond their parameters {list(params)}"
+                )
+            passed += [(params[at], value)] if at < len(params) else []
+        for name, value in passed:
+            if isinstance(value, ast.Name) and value.id in names[1:]:
+                carried[name] = names.index(value.id)
     return carried
 
 
-def _loops_over(tree: ast.AST | None, stack: str) -> list[tuple[ast.For, str]]:
-    """The forward's loops over ``self.<stack>`` (or a slice of it), with the loop's layer name."""
-    found = []
-    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
-        over = loop.iter.value if isinstance(loop.iter, ast.Subscript) else loop.iter
-        if _self_attribute(over) == stack and isinstance(loop.target, ast.Name):
-            found.append((loop, loop.target.id))
+def _accumulated(loop: ast.For) -> set[str]:
+    """The names the loop assigns from themselves (``block_states = torch.cat([block_states, ...])``):
+    what it keeps from layer to layer; a name it hands every layer unchanged (a mask, the embeddings'
+    output) or makes afresh for each (Gemma 4's ``per_layer_input = per_layer_inputs[:, :, i]``) is not."""
+    found: set[str] = set()
+    for node in (n for n in ast.walk(loop) if isinstance(n, ast.Assign | ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        read = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+        if isinstance(node, ast.AugAssign):
+            read |= {t.id for t in targets if isinstance(t, ast.Name)}
+        found |= {t.id for t in targets if isinstance(t, ast.Name) and t.id in read}
     return found
 
 
 def kept_between_layers(fn: Callable[..., Any], stack: str) -> dict[str, str | None]:
     """What the forward ``fn`` keeps beside the hidden states and hands each layer of ``self.<stack>``
-    as a further positional argument, with the layer attribute under which it appends the layer's
-    input to it (Inkling 2's ``{"block_states": "is_block_boundary"}``: ``if
-    decoder_layer.is_block_boundary: block_states = torch.cat([block_states, hidden_states...])``);
-    None where no such rule is read (the blocks then refuse it)."""
+    as a further positional argument, updating it from itself in the loop (`_accumulated`), with the
+    layer attribute under which it appends the layer's input to it (Inkling 2's ``{"block_states":
+    "is_block_boundary"}``: ``if decoder_layer.is_block_boundary: block_states =
+    torch.cat([block_states, hidden_states...])``); None where no such rule is read (the blocks
+    then refuse it)."""
     kept: dict[str, str | None] = {}
+    for call, _, loop in layer_calls(fn, stack):  # what a layer returns (unpacked, carried) is not kept
+        given = {a.id for a in call.args[1:] if isinstance(a, ast.Name)}
+        kept.update(dict.fromkeys(sorted(given & _accumulated(loop)), None))
     for loop, layer in _loops_over(_forward_tree(fn), stack):
-        calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-        for call in (c for c in calls if isinstance(c.func, ast.Name) and c.func.id == layer):
-            kept.update({a.id: None for a in call.args[1:] if isinstance(a, ast.Name)})
         for branch in (n for n in ast.walk(loop) if isinstance(n, ast.If)):
             test = branch.test  # `if <layer>.<attribute>:`
             if not isinstance(test, ast.Attribute) or not isinstance(test.value, ast.Name):
@@ -199,11 +243,17 @@ _DTYPES = (
 )  # fmt: skip
 
 
-def _bytes_of(name: str, value: Tensor, lead: tuple[int, ...]) -> Tensor:
+def _bytes_of(name: str, value: Tensor, hidden: Tensor) -> Tensor:
+    lead = tuple(hidden.shape[:2])
     if tuple(value.shape[:2]) != lead or value.dtype not in _DTYPES:
         raise ValueError(
             f"{name} ({value.dtype}, shape {tuple(value.shape)}) cannot be carried to the next pipeline "
             f"stage: only a tensor laid out by token like the hidden states {list(lead)} can"
+        )
+    if value.requires_grad:  # as bytes it would cross without its gradient: refused, not dropped
+        raise ValueError(
+            f"{name} ({value.dtype}) cannot be carried to the next pipeline stage with its gradient: "
+            f"only a value in the hidden states' dtype ({hidden.dtype}) can"
         )
     return value.detach().reshape(*lead, -1).contiguous().view(torch.uint8)
 
@@ -234,7 +284,7 @@ def pack(hidden: Tensor, carried: Sequence[tuple[str, Any]]) -> Tensor:
             values.append(value.reshape(*lead, -1))
             header += [_VALUES, *shape]
         else:
-            parts.append(_bytes_of(name, value, lead))
+            parts.append(_bytes_of(name, value, hidden))
             header += [_DTYPES.index(value.dtype), *shape, parts[-1].shape[-1]]
     header += [hidden.dim() - 2, *hidden.shape[2:]]
     header.append(len(header))

@@ -104,14 +104,10 @@ FAMILIES: dict[str, ModelSpec] = {
     "zamba2": ModelSpec(blocks=decoder_blocks, refuses={"pp": _EMBEDDINGS_BESIDE}),
     "olmoe": ModelSpec(blocks=decoder_blocks),
     "olmo2": ModelSpec(blocks=decoder_blocks),
-    "zaya": ModelSpec(
-        blocks=decoder_blocks,
-        refuses={
-            "pp": "its model scales the embeddings' output by tensors of its own (input_hidden_states_scale "
-            "and _bias), gives its convolutional attention a dict of masks, and hands each layer the "
-            "previous layer's router state by position: its pipeline blocks reproduce none of these"
-        },
-    ),
+    # its pipeline blocks apply its own input_hidden_states_scale and _bias (hf_base_parameters), give
+    # each layer its dict of masks (hf_layout.masks_by_key) and carry its router state, handed to each
+    # layer by position (hf_streams.carried_between_layers): tests/test_hf_pp_zaya.py
+    "zaya": ModelSpec(blocks=decoder_blocks),
 }
 
 # any other HF family: the rotary decoder's blocks, which boost() checks against the model's
