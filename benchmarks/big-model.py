@@ -17,12 +17,18 @@ What one run does, in order:
    (``_llama.checkpoint_value``: never the whole model in memory).
 3. ``tessera``: ``--world`` fresh processes (gloo, a FileStore), each: ``LlamaLM`` built under
    ``deferred_parameters()`` (parameters on the meta device); ``boost`` with dp = world,
-   ZeRO-3, fp32, the chunk manager with ``host_budget_mb = --host-budget-mib`` and
+   ZeRO-3, fp32, no gradient clipping (as the peers), the chunk manager with
+   ``host_budget_mb = --host-budget-mib`` and
    ``disk_dir`` (each parameter made by its module's ``reset_parameters`` one flat buffer at a
    time, straight into its chunks); ``Engine.import_weights`` of the checkpoint (each rank
    reads the byte ranges of its shards); ``--steps`` AdamW steps on a fixed batch of
    ``--batch`` sequences of ``--seq`` tokens per rank (the loss must fall); ``Engine.export``
    to a second sharded checkpoint, whose index and sizes are checked by the parent.
+   ``tessera`` steps each disk chunk during backward as its gradient arrives
+   (``zero.step_in_backward``, the default); ``tessera-at-step`` is the same run with every
+   chunk stepped at ``step()``, its gradient written to disk and read back. With both, a
+   ``step-in-backward`` line gives their step time ratio, the bytes each wrote per step, and
+   whether their losses and exported files (sha256) are the same bit for bit.
 4. The peers, each with a ladder of sizes (``--peer-sizes``, ``dim:layers``, ascending) that
    stops at the first size over the cap or failing; each size is ``--world`` fresh
    processes that build the same ``LlamaLM`` without storage and train ``--steps`` AdamW steps
@@ -52,6 +58,7 @@ apt for NVMe offload) or ``--deepspeed-python``. A peer that cannot run gives a 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -69,7 +76,8 @@ from _common import run_ranks as common_run_ranks
 from _llama import LlamaLM, LlamaSize, checkpoint_value, fixed_batch
 from _memory_peers import _io_bytes
 
-SYSTEMS = ("tessera", *PEERS)
+OURS = ("tessera", "tessera-at-step")  # disk chunks stepped in backward / all at step()
+SYSTEMS = (*OURS, *PEERS)
 SHARD_BYTES = 256 * 2**20
 GOAL_PARAMS, GOAL_RATIO, GOAL_BUSY = 1.0e9, 3.0, 0.5
 logger = logging.getLogger("bench.big_model")
@@ -157,7 +165,7 @@ def tessera_child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from tessera.launcher import Config, ParallelConfig, TrainConfig, ZeroConfig, boost
+    from tessera.launcher import Config, OptimConfig, ParallelConfig, TrainConfig, ZeroConfig, boost
     from tessera.launcher.train.deferred import deferred_parameters
     from tessera.zero import Precision
 
@@ -180,8 +188,14 @@ def tessera_child(args: argparse.Namespace) -> None:
     phase("build", t0)
     base = Config(
         parallel=ParallelConfig(dp=world, microbatches=1),
-        zero=ZeroConfig(stage=3, disk_dir=args.chunk_dir, host_budget_mb=args.host_budget_mib),
+        zero=ZeroConfig(
+            stage=3,
+            disk_dir=args.chunk_dir,
+            host_budget_mb=args.host_budget_mib,
+            step_in_backward=not args.at_step,
+        ),
         train=TrainConfig(precision=Precision.FP32, seed=0, verify=False),
+        optim=OptimConfig(clip_grad_norm=0.0),  # as the peers: no clipping
     )
     config = _with_batch(base, args.batch * world)
     t0 = time.perf_counter()
@@ -302,29 +316,65 @@ def _record(
 
 
 def run_tessera(
-    args: argparse.Namespace, size: LlamaSize, work: Path, limits: tuple[float, float]
+    args: argparse.Namespace,
+    system: str,
+    size: LlamaSize,
+    work: Path,
+    checkpoint: Path,
+    limits: tuple[float, float],
 ) -> dict[str, Any]:
-    checkpoint, export, chunks = work / "checkpoint", work / "export", work / "chunks"
-    for d in (checkpoint, export):
-        d.mkdir()
-    t0 = time.perf_counter()
-    nbytes = write_checkpoint(size, checkpoint, seed=0)
-    write_s = time.perf_counter() - t0
-    logger.warning("wrote the %.2f GB checkpoint in %.1f s; training with Tessera", nbytes / 1e9, write_s)
+    """One of Tessera's forms (``OURS``) from ``checkpoint`` to an export; its record, with the
+    sha256 of every exported file (``export_sha256``) for comparing the forms bit for bit."""
+    export, chunks = work / f"export-{system}", work / f"chunks-{system}"
+    export.mkdir()
     cmd = [sys.executable, __file__, "--child", *_shape_args(args, size)]
     cmd += ["--checkpoint", str(checkpoint), "--export", str(export), "--chunk-dir", str(chunks)]
     cmd += ["--host-budget-mib", str(args.host_budget_mib)]
+    cmd += ["--at-step"] if system == "tessera-at-step" else []
     ranks = run_ranks(cmd, {}, args.world, args.timeout)
     if isinstance(ranks, str):
-        shutil.rmtree(work / "chunks", ignore_errors=True)
-        return _error("tessera", size, args, ranks)
-    rec = _record(args, "tessera", size, ranks, limits)
-    rec["checkpoint_write_s"] = round(write_s, 1)
-    rec["checkpoint_gb"] = round(nbytes / 1e9, 2)
+        for d in (export, chunks):
+            shutil.rmtree(d, ignore_errors=True)
+        return _error(system, size, args, ranks)
+    rec = _record(args, system, size, ranks, limits)
+    rec["losses"] = ranks[0]["losses"]
+    rec["disk_written_per_step"] = sum(r["disk_written_per_step"] for r in ranks)  # bytes, every rank
     rec["export_check"] = check_export(size, export) or "ok"
-    for d in (checkpoint, export, chunks):
+    rec["export_sha256"] = {f.name: _sha256(f) for f in sorted(export.iterdir())}
+    for d in (export, chunks):
         shutil.rmtree(d, ignore_errors=True)
     return rec
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def compare_forms(ours: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Tessera stepping disk chunks in backward against stepping them at ``step()``: the step
+    time ratio, bytes written per step, and whether losses and exports are bit for bit alike."""
+    by = {r["system"]: r for r in ours if "error" not in r}
+    if set(by) != set(OURS):
+        return None
+    early, late = by["tessera"], by["tessera-at-step"]
+    return {
+        "bench": "big-model",
+        "system": "step-in-backward",
+        "config": early["config"],
+        "step_time_s": early["step_s"],
+        "tokens_per_s": early["tokens_per_s"],
+        "step_s_at_step": late["step_s"],
+        "speedup": round(late["step_s"] / early["step_s"], 3),
+        "disk_written_per_step": early["disk_written_per_step"],
+        "disk_written_per_step_at_step": late["disk_written_per_step"],
+        "same_losses": early["losses"] == late["losses"],
+        "same_export": early["export_sha256"] == late["export_sha256"],
+        "goal_half_step": late["step_s"] >= 2 * early["step_s"],
+    }
 
 
 def _shape_args(args: argparse.Namespace, size: LlamaSize) -> list[str]:
@@ -384,6 +434,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--at-step", action="store_true", help=argparse.SUPPRESS)
     for name in ("store", "checkpoint", "export", "chunk-dir"):
         parser.add_argument(f"--{name}", default="", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -429,7 +480,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-big-", dir=args.disk_dir))
     need = size.params() * (4 + 4 + 16) + 2**30  # two checkpoints, the disk tier, a margin
     free = shutil.disk_usage(work).free
-    if "tessera" in systems and free < need:
+    if any(s in OURS for s in systems) and free < need:
         shutil.rmtree(work, ignore_errors=True)
         parser.error(f"{work} has {free / 2**30:.1f} GiB free; the run needs about {need / 2**30:.1f} GiB")
     try:
@@ -441,15 +492,29 @@ def main() -> None:
               "disk_limit_gbps": round(2 / (1 / read_gbps + 1 / write_gbps), 3)})  # fmt: skip
         records: list[dict[str, Any]] = []
         largest: dict[str, int] = {}
-        if "tessera" in systems:
-            rec = run_tessera(args, size, work, limits)
-            emit(rec)
-            records.append(rec)
+        ours = [s for s in OURS if s in systems]
+        if ours:
+            checkpoint = work / "checkpoint"
+            checkpoint.mkdir()
+            t0 = time.perf_counter()
+            nbytes = write_checkpoint(size, checkpoint, seed=0)
+            write_s = time.perf_counter() - t0
+            logger.warning("wrote the %.2f GB checkpoint in %.1f s", nbytes / 1e9, write_s)
+            for system in ours:
+                logger.warning("training with %s", system)
+                rec = run_tessera(args, system, size, work, checkpoint, limits)
+                rec |= {"checkpoint_write_s": round(write_s, 1), "checkpoint_gb": round(nbytes / 1e9, 2)}
+                emit({k: v for k, v in rec.items() if k != "export_sha256"})
+                records.append(rec)
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            forms = compare_forms(records)
+            if forms is not None:
+                emit(forms)
         if any(s.startswith("deepspeed") for s in systems) and args.deepspeed_python is None:
             from peers import peer_python
 
             args.deepspeed_python = str(peer_python("deepspeed"))
-        for system in [s for s in systems if s != "tessera"]:
+        for system in [s for s in systems if s not in OURS]:
             why = peer_ready(system, args.deepspeed_python)
             recs, ended = ([], why) if why else peer_ladder(args, system, peer_sizes, work, limits)
             records += recs

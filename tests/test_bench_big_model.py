@@ -1,9 +1,11 @@
 """``hatch run bench big-model`` at a tiny size, so the benchmark cannot rot: a Llama-style
 model built on the meta device, loaded from the sharded checkpoint the bench writes, trained
-3 steps with its states in chunks on disk and exported, on 2 real processes, beside FSDP2's
-ladder. The figures are the benchmark's business; here every line is well formed, the
-export holds every parameter in its shape, the loss falls on the repeated batch, and the
-model's states were placed on disk."""
+3 steps with its states in chunks on disk and exported, on 2 real processes (its disk chunks
+stepped in backward, and at ``step()``), beside FSDP2's ladder. The figures are the
+benchmark's business; here every line is well formed, the export holds every parameter in
+its shape, the loss falls on the repeated batch, the model's states were placed on disk, and
+both forms of the step give the same losses and exported bytes while stepping in backward
+writes less."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def test_the_big_model_bench_runs_tiny(tmp_path: Path) -> None:
         "--peer-sizes",
         "32:1,32:2",
     ]
-    cmd += ["--systems", "tessera,fsdp2-offload", "--probe-mib", "8", "--host-budget-mib", "0.01"]
+    cmd += ["--systems", "tessera,tessera-at-step,fsdp2-offload", "--probe-mib", "8"]
+    cmd += ["--host-budget-mib", "0.01"]
     cmd += ["--disk-dir", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -45,6 +48,9 @@ def test_the_big_model_bench_runs_tiny(tmp_path: Path) -> None:
     assert ours["export_check"] == "ok", ours
     assert ours["world"] == 2 and ours["fits_cap"] and ours["loss_last"] < ours["loss_first"], ours
     assert ours["disk_chunk_mb"] > 0 and {"disk_read_gbps", "disk_busy", "disk_busy_block"} <= set(ours), ours
+    (forms,) = by["step-in-backward"]  # disk chunks stepped in backward, against at step()
+    assert forms["same_losses"] and forms["same_export"], forms
+    assert 0 < forms["disk_written_per_step"] < forms["disk_written_per_step_at_step"], forms
     ladder, summary = by["fsdp2-offload"][:-1], by["fsdp2-offload"][-1]
     assert [r["params"] for r in ladder] == sorted(r["params"] for r in ladder) and len(ladder) == 2, ladder
     assert all(r["loss_last"] < r["loss_first"] for r in ladder), ladder

@@ -118,13 +118,15 @@ def test_disk_tier_trains_a_model_3x_the_host_budget_within_it(tmp_path: Path) -
     assert f["peak"] <= f["floor"] + f["budget"] + f["transient"], mib
     assert f["last_loss"] < f["first_loss"]
     # disk traffic against the formula, per element of the disk chunks (n = their bytes / 16):
-    # written: the masters once at the start, then per step the gradient (4 bytes), master (4)
-    # and Adam state (8); read: per step the master twice for the stage-3 gathers (forward,
-    # backward: 8; once for the last unit, kept gathered into backward), and for the step
-    # master, gradient (8) and, from the second step, Adam state (8)
+    # written: the masters once at the start; at the first (warm-up) step the gradient (4
+    # bytes), master (4) and Adam state (8); from the second, stepped in backward
+    # (step_in_backward, no clipping here), master and Adam state only (12: no gradient);
+    # read: per step the master twice for the stage-3 gathers (forward, backward: 8; once for
+    # the last unit, kept gathered into backward), and for the step the master and gradient
+    # at the first (8), the master and Adam state later (12)
     n = f["disk_chunks"] // 16
-    assert f["disk_written"] == 4 * n + STEPS * 16 * n
-    assert f["disk_read"] == STEPS * 16 * n + (STEPS - 1) * 8 * n - STEPS * f["kept_disk"]
+    assert f["disk_written"] == 4 * n + 16 * n + (STEPS - 1) * 12 * n, mib
+    assert f["disk_read"] == STEPS * 8 * n + 8 * n + (STEPS - 1) * 12 * n - STEPS * f["kept_disk"], mib
 
 
 if __name__ == "__main__":

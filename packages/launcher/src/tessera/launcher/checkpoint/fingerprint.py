@@ -19,10 +19,18 @@ __all__ = ["LAYOUT_SECTIONS", "differences", "fingerprint", "sha256"]
 
 # Fields that choose where or how the state lives but not what it is: a resume may change them
 # (a chunked run's checkpoint loads unchunked, under another disk directory or budget; the
-# split tuning only orders the halves of each backward).
+# split tuning only orders the halves of each backward; a step in backward only takes it earlier).
 _PLACEMENT_ONLY = {
     "parallel": ("auto", "cluster", "tune_splits"),
-    "zero": ("host_budget_mb", "device_budget_mb", "disk_dir", "policy", "fractions", "chunk_numel"),
+    "zero": (
+        "host_budget_mb",
+        "device_budget_mb",
+        "disk_dir",
+        "policy",
+        "fractions",
+        "chunk_numel",
+        "step_in_backward",
+    ),
 }
 
 LAYOUT_SECTIONS = ("parallel", "zero")

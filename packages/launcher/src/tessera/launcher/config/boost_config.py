@@ -91,7 +91,9 @@ class ZeroConfig:
     (`tessera.zero.chunks.Policy`): "static"
     (``fractions`` = device, host, disk shares of the chunk bytes, or () to fill the tiers
     fastest first) or "auto" (the warm-up step measures what training needs besides model
-    data); ``chunk_numel``: elements per chunk (0: searched).
+    data); ``chunk_numel``: elements per chunk (0: searched); ``step_in_backward``: without
+    clipping (``optim.clip_grad_norm = 0``) and fp16, disk chunks step as their gradient
+    arrives, so gradients never go to disk (the same values; ``tessera.zero.chunks.early``).
     """
 
     stage: int = 0
@@ -102,6 +104,7 @@ class ZeroConfig:
     policy: Policy = Policy.STATIC
     fractions: tuple[float, ...] = ()
     chunk_numel: int = 0
+    step_in_backward: bool = True
 
     def __post_init__(self) -> None:
         coerce_choices(self)

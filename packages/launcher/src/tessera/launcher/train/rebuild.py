@@ -30,6 +30,7 @@ def chunk_config(config: BoostConfig, rank: int) -> ChunkConfig | None:
         policy=z.policy,
         fractions=(z.fractions[0], z.fractions[1], z.fractions[2]) if z.fractions else None,
         chunk_numel=z.chunk_numel or None,
+        step_in_backward=z.step_in_backward,
     )
 
 

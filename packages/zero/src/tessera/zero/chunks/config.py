@@ -44,6 +44,9 @@ class ChunkConfig:
     ``fractions``: (device, host, disk) shares of the chunk bytes for ``static``; ``None``
     fills the device, then the host, then the disk up to their budgets.
     ``prefetch``: read the next disk chunk on a background thread while one is stepped.
+    ``step_in_backward``: where the step's factor is known before backward (no clipping, no
+    fp16 loss scaling), disk chunks step as their gradient arrives and commit at ``step()``,
+    so their gradients never go to disk (``tessera.zero.chunks.early``; the same values).
     """
 
     device_budget_mb: float | None = None
@@ -53,6 +56,7 @@ class ChunkConfig:
     fractions: tuple[float, float, float] | None = None
     chunk_numel: int | None = None
     prefetch: bool = True
+    step_in_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.policy in set(Policy):  # a name ("auto") is the member

@@ -16,10 +16,9 @@ Optimizer step hooks run once per chunk.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from tessera.comm import Group
-from tessera.zero.chunks.chunk import Chunk
+from tessera.zero.chunks.step_one import emptied_groups, step_chunk
 from tessera.zero.chunks.store import ChunkStore
 from tessera.zero.clip import GradStats, reduce_grad_stats
 from tessera.zero.flat_param import FlatParam
@@ -45,49 +44,20 @@ def chunk_grad_stats(
 def step_chunks(store: ChunkStore, flats: list[FlatParam], factor: float) -> None:
     """Step the optimizer over every chunk (gradients times ``factor`` first), write the
     masters into the FlatParams' compute shards where those are separate copies, and drop
-    the gradients."""
+    the gradients. Chunks already stepped during backward (``early.py``) are committed."""
+    if store.early is not None and store.early.pending and store.early.factor != factor:
+        raise RuntimeError(
+            f"chunks {sorted(store.early.pending)[:5]} stepped in backward with the factor "
+            f"{store.early.factor}, but the step's factor is {factor}"
+        )
+    early = store.early.commit() if store.early is not None else set()
     optimizer = store.optimizer
-    saved = [group["params"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["params"] = []
-    try:
-        with torch.no_grad():
-            for chunk, streams in store.iterate(store.present):
-                _step_one(store, chunk, streams, factor)
-                if not store.owns(chunk.flat_index):
-                    flat = flats[chunk.flat_index]
-                    flat.shard.detach()[chunk.lo : chunk.hi].copy_(streams["master"])
-                grad = streams.pop("grad")
-                del grad
-                store.write_back(chunk, streams)
-    finally:
-        for group, params in zip(optimizer.param_groups, saved, strict=True):
-            group["params"] = params
-
-
-def _step_one(store: ChunkStore, chunk: Chunk, streams: dict[str, Tensor], factor: float) -> None:
-    optimizer = store.optimizer
-    if "grad" not in streams:
-        raise RuntimeError(f"chunk {chunk.index} has no gradient; call backward first")
-    grad = streams["grad"]
-    if factor != 1.0:
-        grad.mul_(factor)
-    p = chunk.param
-    p.data = streams["master"]
-    p.grad = grad
-    state = optimizer.state[p]
-    state.update(chunk.scalars)
-    state.update({n: streams[n] for n in store.state_names if n in streams})
-    group = optimizer.param_groups[chunk.group_index]
-    group["params"] = [p]
-    try:
-        optimizer.step()
-    finally:
-        group["params"] = []
-        p.grad = None
-        p.data = torch.empty(0, device=p.device)
-    for name, value in optimizer.state.pop(p, {}).items():
-        if name in store.state_names and isinstance(value, Tensor):
-            streams[name] = value
-        else:
-            chunk.scalars[name] = value
+    with torch.no_grad(), emptied_groups(optimizer):
+        for chunk, streams in store.iterate(store.present, skip=early):
+            chunk.scalars = step_chunk(optimizer, store.state_names, chunk, streams, factor, chunk.scalars)
+            if not store.owns(chunk.flat_index):
+                flat = flats[chunk.flat_index]
+                flat.shard.detach()[chunk.lo : chunk.hi].copy_(streams["master"])
+            grad = streams.pop("grad")
+            del grad
+            store.write_back(chunk, streams)

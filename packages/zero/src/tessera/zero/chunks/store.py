@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from tessera.zero.chunks.chunk import Chunk, ChunkState, Tier, plan_chunks
 from tessera.zero.chunks.config import MIB, ChunkConfig
+from tessera.zero.chunks.early import EarlySteps
 from tessera.zero.chunks.policy import capacities, place
 from tessera.zero.chunks.probe import probe_state_streams
 from tessera.zero.chunks.tiers import DiskTier
@@ -100,6 +101,7 @@ class ChunkStore:
         self._tracer = MemoryTracer(self.device)
         self._hook = model.register_forward_pre_hook(self._on_forward, prepend=True)  # before stage 3 gathers
         self._pool: ThreadPoolExecutor | None = None
+        self.early: EarlySteps | None = None  # step_in_backward
         tiers = self._placement(slowest_first=config.policy == "auto")
         for chunk, tier in zip(self.chunks, tiers, strict=True):
             chunk.tier = tier
@@ -332,13 +334,15 @@ class ChunkStore:
             n: self.disk.read(chunk.index, n, chunk.numel, pin=self._pin, dtype=chunk.dtype) for n in names
         }
 
-    def iterate(self, names: Callable[[Chunk], Sequence[str]]) -> Iterator[tuple[Chunk, dict[str, Tensor]]]:
-        """Yield ``(chunk, streams)`` for every chunk but the frozen ones (what the optimizer
-        steps) in use order, reading the next disk chunk on a background thread while the
-        caller works on the current one (when ``prefetch``)."""
+    def iterate(
+        self, names: Callable[[Chunk], Sequence[str]], *, skip: set[int] | None = None
+    ) -> Iterator[tuple[Chunk, dict[str, Tensor]]]:
+        """Yield ``(chunk, streams)`` for every chunk but the frozen ones and those in ``skip``
+        (what the optimizer steps) in use order, reading the next disk chunk on a background
+        thread while the caller works on the current one (when ``prefetch``)."""
         pool = self._executor()
         ahead: tuple[Chunk, Future[dict[str, Tensor]]] | None = None
-        order = [c for c in self.order if not c.frozen]
+        order = [c for c in self.order if not c.frozen and c.index not in (skip or ())]
         for i, chunk in enumerate(order):
             if ahead is not None and ahead[0] is chunk:
                 loaded = ahead[1].result()
@@ -363,20 +367,34 @@ class ChunkStore:
                 self._put(chunk, name, tensor)
 
     # ------------------------------------------------------------------ gradients
+    def step_in_backward(self, factor: float | None) -> None:
+        """Step disk chunks as their gradient arrives, the gradient times ``factor`` (the
+        step's, known before backward); None: every chunk steps at ``step()`` (``early.py``)."""
+        if self.early is not None and self.early.pending:
+            raise RuntimeError("step_in_backward changed while chunks hold steps not yet committed")
+        self.early = None if factor is None else EarlySteps(self, factor)
+
     def add_grad(self, flat_index: int, reduced: Tensor, *, accumulate: bool) -> None:
         """Hand over a FlatParam's reduced gradient shard (summed over ranks): each chunk's
-        piece becomes (or, ``accumulate``, is added to) its fp32 gradient stream."""
+        piece becomes (or, ``accumulate``, is added to) its fp32 gradient stream; a disk chunk
+        stepping in backward (``step_in_backward``) steps with it instead."""
+        early = self.early
         with torch.no_grad():
             for chunk in self._by_flat[flat_index]:
                 self.touch(chunk)
                 piece = reduced.detach()[chunk.lo : chunk.hi]
                 if accumulate:
+                    if early is not None:
+                        early.refuse_second(chunk)
                     grad = self.load(chunk, ["grad"])["grad"]
                     grad.add_(piece.to(grad.device, torch.float32))
                 else:
                     grad = self.copy_to(piece, Tier.HOST if chunk.tier is Tier.DISK else chunk.tier)
-                self._put(chunk, "grad", grad)
                 self._grad_sq[chunk.index] = self._squared_norm(chunk, grad)
+                if not accumulate and early is not None and early.takes(chunk):
+                    early.step(chunk, grad)
+                else:
+                    self._put(chunk, "grad", grad)
 
     def _squared_norm(self, chunk: Chunk, grad: Tensor) -> tuple[float, bool]:
         sq = float(torch.linalg.vector_norm(grad, 2.0).float().cpu().double() ** 2)
@@ -403,8 +421,11 @@ class ChunkStore:
         return total, bad or total != total or total == float("inf")
 
     def drop_grads(self, flat_index: int) -> None:
-        """Forget a FlatParam's gradient streams (after the step, or ``zero_grad``)."""
+        """Forget a FlatParam's gradient streams (after the step, or ``zero_grad``) and the
+        steps its chunks took in this backward, not yet committed (a skipped step)."""
         for chunk in self._by_flat[flat_index]:
+            if self.early is not None:
+                self.early.discard(chunk)
             chunk.streams.pop("grad", None)
             if "grad" in chunk.on_disk:
                 assert self.disk is not None

@@ -9,6 +9,10 @@ write goes to a temporary file that replaces the old one with ``os.replace``, so
 either the previous stream or the new one, never half of each. The CRC-32 of every write is
 kept in memory and checked on every read, with the header and the length, so a missing,
 truncated or altered file is a ``ChunkFileError`` naming the chunk, the stream and the path.
+A *pending* write (``write(..., pending=True)``: a step taken during backward, not yet
+committed by ``step()``) goes to a file of its own beside the stream's; ``commit`` makes it
+the stream (one ``os.replace``), ``drop_pending`` forgets it, and reads see the committed
+stream until then.
 
 Reads go straight into a host staging tensor with ``readinto`` rather than through a memory
 map: mapped pages count towards the process's resident memory until the kernel decides to
@@ -69,25 +73,40 @@ class DiskTier:
         root.mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f"tessera-chunks-{label}-", dir=root))
         self._crc: dict[tuple[int, str], tuple[int, int]] = {}
+        self._pending: dict[tuple[int, str], tuple[int, int]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
 
-    def path(self, chunk: int, stream: str) -> Path:
-        """The file of one stream of one chunk."""
-        return self.dir / f"chunk-{chunk:06d}-{stream}.npy"
+    def path(self, chunk: int, stream: str, *, pending: bool = False) -> Path:
+        """The file of one stream of one chunk (``pending``: of its uncommitted next value)."""
+        return self.dir / f"chunk-{chunk:06d}-{stream}{'.next' if pending else ''}.npy"
 
-    def write(self, chunk: int, stream: str, tensor: Tensor) -> None:
-        """Write ``tensor`` (1-D, on the host) as the stream's file, atomically (temp + replace)."""
+    def write(self, chunk: int, stream: str, tensor: Tensor, *, pending: bool = False) -> None:
+        """Write ``tensor`` (1-D, on the host) as the stream's file, atomically (temp + replace);
+        ``pending``: as its next value, which ``commit`` makes the stream."""
         array = _numpy(tensor.detach().contiguous())
         data = array.data.cast("B")
-        path = self.path(chunk, stream)
+        path = self.path(chunk, stream, pending=pending)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(_header(array))
             f.write(data)
         os.replace(tmp, path)
-        self._crc[(chunk, stream)] = (zlib.crc32(data), array.size)
+        (self._pending if pending else self._crc)[(chunk, stream)] = (zlib.crc32(data), array.size)
         self.bytes_written += data.nbytes
+
+    def commit(self, chunk: int, stream: str) -> None:
+        """Make the stream's pending value (``write(..., pending=True)``) the stream."""
+        crc = self._pending.pop((chunk, stream), None)
+        if crc is None:
+            raise ChunkFileError(f"chunk {chunk} stream {stream!r} has no pending value to commit")
+        os.replace(self.path(chunk, stream, pending=True), self.path(chunk, stream))
+        self._crc[(chunk, stream)] = crc
+
+    def drop_pending(self, chunk: int, stream: str) -> None:
+        """Forget the stream's pending value (its file is removed); the stream is unchanged."""
+        self._pending.pop((chunk, stream), None)
+        self.path(chunk, stream, pending=True).unlink(missing_ok=True)
 
     def read_into(self, chunk: int, stream: str, out: Tensor) -> None:
         """Fill host tensor ``out`` from the stream's file, checking header, length and CRC."""
@@ -138,3 +157,4 @@ class DiskTier:
         """Remove the directory and everything in it."""
         shutil.rmtree(self.dir, ignore_errors=True)
         self._crc.clear()
+        self._pending.clear()
