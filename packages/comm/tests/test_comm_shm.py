@@ -134,10 +134,19 @@ def test_a_group_across_hosts_keeps_gloo(worker_pools: PoolFactory) -> None:
 
 
 def _leftovers(rank: int) -> tuple[bool, list[str]]:
+    """Whether the group maps a segment, and the segment files this job's processes left: a
+    collective's are named by the pid of the rank that made them, a p2p pair's by the job's
+    token in the store (other Tessera jobs on the host, a test run beside this one, are not ours)."""
     group = dist.new_group([0, 1])
     on = shm.applies(torch.ones(1), group) is not None
     all_reduce(torch.ones(1), group)
-    return on, sorted(p.name for p in Path("/dev/shm").glob("tessera-*"))
+    pids: list[object] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    store = dist.distributed_c10d._get_default_store()
+    key = "tessera/shm/job"
+    jobs = [store.get(key).decode()] if store.check([key]) else []
+    ours = tuple(f"tessera-{x}-" for x in [*pids, *jobs])
+    return on, sorted(p.name for p in Path("/dev/shm").glob("tessera-*") if p.name.startswith(ours))
 
 
 def test_segments_leave_no_file_behind(worker_pools: PoolFactory) -> None:

@@ -8,6 +8,12 @@ elementwise arithmetic as at ``step()``, so the same values bit for bit) and the
 streams are written as *pending* files. Per element and step that writes 12 bytes instead of
 16 (fp32 AdamW: master and two moments; no gradient) and reads 12 instead of 16 at the step.
 
+The step runs on a background thread (at most two chunks in flight), so the optimizer's
+arithmetic and the writes, which the kernel throttles to the disk's pace, go on while
+backward computes. The streams it read are dropped from the page cache (their files stay
+until the commit), so the old and new streams of every disk chunk do not compete for it:
+where the page cache holds the disk chunks, the next step's reads still come from it.
+
 Nothing is visible before ``step()``: reads (the stage-3 gathers still to come in this
 backward, checkpoints, the full state) see the committed streams; ``step()`` checks the
 global gradient norm as always and then commits the pending files (one rename each), or,
@@ -23,7 +29,9 @@ already stepped (a second backward that reduces before ``step()``, outside ``no_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -35,6 +43,8 @@ from tessera.zero.chunks.tiers import DiskTier
 from tessera.zero.flat_param import FlatParam
 
 __all__ = ["EarlySteps"]
+
+log = logging.getLogger(__name__)
 
 
 class Store(Protocol):
@@ -52,13 +62,22 @@ class Store(Protocol):
     def owns(self, flat_index: int) -> bool: ...
 
 
-class EarlySteps:
-    """The disk chunks of one ``ChunkStore`` stepped during this backward, not yet committed."""
+_Done = tuple[list[str], dict[str, object]]  # the streams written as pending, the new scalars
 
-    def __init__(self, store: Store, factor: float) -> None:
+
+class EarlySteps:
+    """The disk chunks of one ``ChunkStore`` stepped during this backward, not yet committed.
+
+    Each step (read, optimizer, pending writes) runs on a background thread while backward
+    goes on, at most ``depth`` submitted and unfinished at once (what they hold, a chunk's
+    gradient and streams each, stays within the store's staging allowance of two chunks)."""
+
+    def __init__(self, store: Store, factor: float, *, depth: int = 2) -> None:
         self.store = store
         self.factor = factor
-        self.pending: dict[int, tuple[list[str], dict[str, object]]] = {}
+        self.depth = depth
+        self.pending: dict[int, Future[_Done]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def takes(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` steps when its gradient arrives (a trained disk chunk, after the
@@ -76,13 +95,23 @@ class EarlySteps:
             )
 
     def step(self, chunk: Chunk, grad: Tensor) -> None:
-        """Step ``chunk`` with its reduced gradient ``grad`` (a host tensor it may change) and
-        write its new streams as pending files."""
+        """Start stepping ``chunk`` with its reduced gradient ``grad`` (a host tensor it may
+        change) on the background thread; its new streams are written as pending files."""
+        self.refuse_second(chunk)
+        running = [f for f in self.pending.values() if not f.done()]
+        while len(running) >= self.depth:
+            running.pop(0).result()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-chunk-early")
+        self.pending[chunk.index] = self._pool.submit(self._step, chunk, grad)
+
+    def _step(self, chunk: Chunk, grad: Tensor) -> _Done:
         store, disk = self.store, self.store.disk
         assert disk is not None
-        self.refuse_second(chunk)
         names = ["master", *(n for n in store.state_names if n in chunk.on_disk)]
         streams = store.load(chunk, names)
+        for name in names:  # read for the last time unless the step is skipped: out of the page cache
+            disk.uncache(chunk.index, name)
         streams["grad"] = grad
         scalars = {k: v.clone() if isinstance(v, Tensor) else v for k, v in chunk.scalars.items()}
         with torch.no_grad(), emptied_groups(store.optimizer):
@@ -90,14 +119,15 @@ class EarlySteps:
         del streams["grad"]
         for name, tensor in streams.items():
             disk.write(chunk.index, name, tensor, pending=True)
-        self.pending[chunk.index] = (list(streams), scalars)
+        return list(streams), scalars
 
     def commit(self) -> set[int]:
-        """Make every pending step the chunks' streams (a master is also written into its
-        FlatParam's compute shard where the store does not own it); returns their indices."""
+        """Wait for every step, then make each the chunk's streams (a master is also written
+        into its FlatParam's compute shard where the store does not own it); returns their
+        indices. A step that failed raises here, nothing committed."""
         store, disk = self.store, self.store.disk
-        done = set(self.pending)
-        for index, (names, scalars) in self.pending.items():
+        done = {index: future.result() for index, future in self.pending.items()}
+        for index, (names, scalars) in done.items():
             chunk = store.chunks[index]
             assert disk is not None
             for name in names:
@@ -109,11 +139,24 @@ class EarlySteps:
                     master = store.load(chunk, ["master"])["master"]
                     store.flats[chunk.flat_index].shard.detach()[chunk.lo : chunk.hi].copy_(master)
         self.pending.clear()
-        return done
+        return set(done)
 
     def discard(self, chunk: Chunk) -> None:
-        """Forget ``chunk``'s pending step (its gradient is dropped: the step is skipped)."""
-        entry = self.pending.pop(chunk.index, None)
-        if entry is not None and self.store.disk is not None:
-            for name in entry[0]:
-                self.store.disk.drop_pending(chunk.index, name)
+        """Forget ``chunk``'s pending step (its gradient is dropped: the step is skipped), once
+        it has finished; whatever it wrote is removed, even if it failed."""
+        future = self.pending.pop(chunk.index, None)
+        if future is None or self.store.disk is None:
+            return
+        exception = future.exception()
+        if exception is not None:
+            log.warning(
+                "the step of chunk %d taken in backward failed and is dropped: %s", chunk.index, exception
+            )
+        for name in ("master", *self.store.state_names):
+            self.store.disk.drop_pending(chunk.index, name)
+
+    def close(self) -> None:
+        """Wait for the background thread and stop it (pending steps stay pending)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

@@ -370,8 +370,10 @@ class ChunkStore:
     def step_in_backward(self, factor: float | None) -> None:
         """Step disk chunks as their gradient arrives, the gradient times ``factor`` (the
         step's, known before backward); None: every chunk steps at ``step()`` (``early.py``)."""
-        if self.early is not None and self.early.pending:
-            raise RuntimeError("step_in_backward changed while chunks hold steps not yet committed")
+        if self.early is not None:
+            if self.early.pending:
+                raise RuntimeError("step_in_backward changed while chunks hold steps not yet committed")
+            self.early.close()
         self.early = None if factor is None else EarlySteps(self, factor)
 
     def add_grad(self, flat_index: int, reduced: Tensor, *, accumulate: bool) -> None:
@@ -480,6 +482,8 @@ class ChunkStore:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self.early is not None:
+            self.early.close()
         self._hook.remove()
         self._closer()
 

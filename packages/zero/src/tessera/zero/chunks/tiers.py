@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import zlib
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class DiskTier:
         self._pending: dict[tuple[int, str], tuple[int, int]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self._count = threading.Lock()  # the prefetch and early-step threads read and write too
 
     def path(self, chunk: int, stream: str, *, pending: bool = False) -> Path:
         """The file of one stream of one chunk (``pending``: of its uncommitted next value)."""
@@ -93,7 +95,8 @@ class DiskTier:
             f.write(data)
         os.replace(tmp, path)
         (self._pending if pending else self._crc)[(chunk, stream)] = (zlib.crc32(data), array.size)
-        self.bytes_written += data.nbytes
+        with self._count:
+            self.bytes_written += data.nbytes
 
     def commit(self, chunk: int, stream: str) -> None:
         """Make the stream's pending value (``write(..., pending=True)``) the stream."""
@@ -102,6 +105,16 @@ class DiskTier:
             raise ChunkFileError(f"chunk {chunk} stream {stream!r} has no pending value to commit")
         os.replace(self.path(chunk, stream, pending=True), self.path(chunk, stream))
         self._crc[(chunk, stream)] = crc
+
+    def uncache(self, chunk: int, stream: str) -> None:
+        """Ask the kernel to drop the stream's file from the page cache (its bytes stay on disk):
+        a stream read for the last time before a pending value replaces it, so the page cache
+        does not hold both."""
+        fd = os.open(self.path(chunk, stream), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
     def drop_pending(self, chunk: int, stream: str) -> None:
         """Forget the stream's pending value (its file is removed); the stream is unchanged."""
@@ -138,7 +151,8 @@ class DiskTier:
                 f"chunk {chunk} stream {stream!r}: {path} does not hold what was written "
                 f"(CRC-32 {crc:#010x}, expected {expected[0]:#010x})"
             )
-        self.bytes_read += array.nbytes
+        with self._count:
+            self.bytes_read += array.nbytes
 
     def read(
         self, chunk: int, stream: str, numel: int, *, pin: bool, dtype: torch.dtype = torch.float32
