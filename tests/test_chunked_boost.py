@@ -32,13 +32,13 @@ STEPS = 4
 CLIP = 100.0
 
 
-def _config(parallel: ParallelConfig, zero: ZeroConfig) -> Config:
+def _config(parallel: ParallelConfig, zero: ZeroConfig, clip: float = CLIP) -> Config:
     c = Config(parallel=parallel, zero=zero, train=TrainConfig(precision="fp32"))
     return dataclasses.replace(
         c,
         data=dataclasses.replace(c.data, batch_size=BATCH),
         model=dataclasses.replace(c.model, seq_len=GPT_CFG.seq_len, d_model=16, n_heads=4, n_layers=2),
-        optim=dataclasses.replace(c.optim, name="adamw", lr=1e-2, clip_grad_norm=CLIP, weight_decay=0.1),
+        optim=dataclasses.replace(c.optim, name="adamw", lr=1e-2, clip_grad_norm=clip, weight_decay=0.1),
     )
 
 
@@ -95,6 +95,56 @@ def test_a_chunked_composition_equals_the_unchunked_one(
         assert weights.keys() == ref_weights.keys()
         for name, value in weights.items():
             assert torch.equal(value, ref_weights[name]), name
+
+
+@pytest.mark.parametrize(
+    ("parallel", "chunks"),
+    [
+        (
+            ParallelConfig(dp=2),
+            dict(stage=3, host_budget_mb=0.05, fractions=(0.0, 0.25, 0.75), chunk_numel=256),
+        ),
+        (
+            ParallelConfig(dp=2, pp=2, microbatches=2),
+            dict(stage=1, fractions=(0.0, 0.0, 1.0), chunk_numel=128),
+        ),
+    ],
+    ids=["dp2-z3", "dp2pp2-z1"],
+)
+def test_without_clipping_disk_chunks_step_in_backward_as_the_unchunked_run(
+    worker_pools: PoolFactory, tmp_path: Path, parallel: ParallelConfig, chunks: dict[str, Any]
+) -> None:
+    """``zero.step_in_backward`` (the default) with no clipping: from the second step the disk
+    chunks step as their gradient arrives (a pipeline's, at the step, where it reduces), with
+    the same losses, norms and weights as the run without chunks."""
+    chunked = _config(parallel, ZeroConfig(disk_dir=str(tmp_path / "chunks"), **chunks), clip=0.0)
+    plain = _config(parallel, ZeroConfig(stage=chunks["stage"]), clip=0.0)
+    want = worker_pools(plain.world_size).run(_train, plain, timeout=180)
+    got = worker_pools(chunked.world_size).run(_stepped_in_backward, chunked, timeout=180)
+    for (curve, weights, early), (ref_curve, ref_weights) in zip(got, want, strict=True):
+        assert early, "no chunk stepped in backward"
+        assert [loss for loss, _ in curve] == [loss for loss, _ in ref_curve]
+        assert [n for _, n in curve] == pytest.approx([n for _, n in ref_curve], rel=1e-6)
+        for name, value in weights.items():
+            assert torch.equal(value, ref_weights[name]), name
+
+
+def _stepped_in_backward(
+    rank: int, config: Config
+) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor], bool]:
+    """``_train``, and whether some chunk stepped in backward (its disk bytes per step fell)."""
+    engine = _engine(config)
+    store = engine.zero._chunks
+    assert store is not None and store.early is not None and store.disk is not None
+    out, written = [], []
+    for step in range(STEPS):
+        before = store.disk.bytes_written
+        result = engine.train_step(*make_batch(GPT_CFG, BATCH, seed=step))
+        out.append((result.loss, result.grad_norm))
+        written.append(store.disk.bytes_written - before)
+    weights = engine.full_state_dict()
+    engine.mesh.close()
+    return out, weights, written[0] > written[1] == written[2] > 0
 
 
 def test_the_config_reads_and_checks_the_chunk_settings(tmp_path: Path) -> None:
