@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -34,11 +35,10 @@ from tessera.launcher.testing import (
     RandomTokens,
     Run,
     boosted_run,
-    oracle_config,
+    fp64_distance,
     serial_run,
     sgd,
-    survey_verdict,
-    weights_distance,
+    survey_row,
 )
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 8, 2, 0.5
@@ -74,13 +74,9 @@ def parallel(rank: int, kind: str, config: Config) -> Run:
     return boosted_run(build(kind), TOKENS.first(STEPS), config, sgd(LR))
 
 
-def _sensitivity(kind: str, want: Run) -> float:
-    """How far the serial fp32 run ``want`` is from the same run in fp64 (`survey_verdict`); 0
-    where the family does not run in fp64 (transformers' grouped experts take no float64)."""
-    try:
-        return weights_distance(want, serial_run(build(kind).double(), TOKENS.first(STEPS), sgd(LR)))
-    except RuntimeError:
-        return 0.0
+def _hf_names(kind: str, merged: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A mixture boost() converted (tessera.moe names) read back under transformers' names."""
+    return hf_moe_state_dict(merged, like=build(kind))
 
 
 def main(kinds: list[str]) -> None:
@@ -95,25 +91,14 @@ def main(kinds: list[str]) -> None:
                 print(json.dumps([kind, f"not run: {size} parameters at the tiny sizes"]), flush=True)
                 continue
             want = serial_run(build(kind), TOKENS.first(STEPS), sgd(LR))
-            sensitivity = _sensitivity(kind, want)
+            sensitivity = fp64_distance(want, partial(build, kind), TOKENS.first(STEPS), sgd(LR))
         except Exception as exc:
             print(json.dumps([kind, f"not built: {type(exc).__name__}: {str(exc)[:150]}"]), flush=True)
             continue
-        row = {}
-        for mode, (degrees, zero) in MODES.items():
-            try:
-                parts = pool.run(parallel, kind, oracle_config(degrees, zero, batch_size=BATCH), timeout=120)
-                merged: dict[str, Tensor] = {}
-                for _, part in parts:
-                    merged.update(part)
-                # a mixture boost() converted (tessera.moe names) read back under transformers' names
-                merged = hf_moe_state_dict(merged, like=build(kind))
-                row[mode] = survey_verdict((parts[0][0], merged), want, sensitivity)
-            except Exception as exc:
-                row[mode] = "refused: " + str(exc).split("\n")[0][:160]
-                if "did not finish" in str(exc) or "died" in str(exc):
-                    pool.close()
-                    pool = WorkerPool(2)
+        row = survey_row(
+            pool, parallel, kind, MODES, want, sensitivity, batch_size=BATCH, timeout=120,
+            rename=partial(_hf_names, kind),
+        )  # fmt: skip
         print(json.dumps([kind, row]), flush=True)
     pool.close()
 

@@ -22,9 +22,10 @@ import copy
 import json
 import resource
 import sys
+from functools import partial
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from tessera.comm.testing.pool import WorkerPool
 from tessera.launcher import ParallelConfig
@@ -33,11 +34,10 @@ from tessera.launcher.testing import (
     RandomTokens,
     Run,
     boosted_run,
-    oracle_config,
+    fp64_distance,
     serial_run,
     sgd,
-    survey_verdict,
-    weights_distance,
+    survey_row,
 )
 from tessera.launcher.testing_hf_moe import moe_families, tiny_moe_config, tiny_moe_model
 
@@ -69,15 +69,6 @@ def parallel(rank: int, kind: str, config: Any) -> Run:
     return boosted_run(build(kind), TOKENS.first(STEPS), config, sgd(LR))
 
 
-def _sensitivity(kind: str, want: Run) -> float:
-    """How far the serial fp32 run is from the same run in fp64; 0 where it does not run so."""
-    try:
-        exact = serial_run(converted(kind).double(), TOKENS.first(STEPS), sgd(LR))
-    except RuntimeError:
-        return 0.0
-    return weights_distance(want, exact)
-
-
 def main(kinds: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # MemoryError, not the OOM killer
     pool = WorkerPool(2)
@@ -85,23 +76,11 @@ def main(kinds: list[str]) -> None:
         try:
             model = converted(kind)
             want = serial_run(copy.deepcopy(model), TOKENS.first(STEPS), sgd(LR))
-            sensitivity = _sensitivity(kind, want)
+            sensitivity = fp64_distance(want, partial(converted, kind), TOKENS.first(STEPS), sgd(LR))
         except Exception as exc:
             print(json.dumps([kind, f"not run: {type(exc).__name__}: {str(exc)[:150]}"]), flush=True)
             continue
-        row = {}
-        for mode, (degrees, zero) in MODES.items():
-            try:
-                parts = pool.run(parallel, kind, oracle_config(degrees, zero, batch_size=BATCH), timeout=180)
-                merged: dict[str, Tensor] = {}
-                for _, part in parts:
-                    merged.update(part)
-                row[mode] = survey_verdict((parts[0][0], merged), want, sensitivity)
-            except Exception as exc:
-                row[mode] = "refused: " + str(exc).split("\n")[0][:160]
-                if "did not finish" in str(exc) or "died" in str(exc):
-                    pool.close()
-                    pool = WorkerPool(2)
+        row = survey_row(pool, parallel, kind, MODES, want, sensitivity, batch_size=BATCH, timeout=180)
         print(json.dumps([kind, row]), flush=True)
     pool.close()
 

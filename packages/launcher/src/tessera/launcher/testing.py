@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from tessera.launcher.config import Config, ParallelConfig, TrainConfig, ZeroCon
 from tessera.launcher.train.boost import boost
 from tessera.moe import balance_choice_biases, set_aux_grad_scale
 from tessera.zero import Precision
+
+if TYPE_CHECKING:
+    from tessera.comm.testing.pool import WorkerPool
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -261,6 +264,55 @@ def survey_verdict(got: Run, want: Run, sensitivity: float = 0.0) -> str:
     if loss < 1e-5 and weight < max(1e-4, 10 * sensitivity):
         return "ok"
     return f"WRONG loss rel {loss:.1e}, weights rel {weight:.1e} (fp32 round-off alone {sensitivity:.1e})"
+
+
+def fp64_distance(
+    want: Run, build: Callable[[], nn.Module], batches: Iterable[Batch], optimizer: OptimizerFactory
+) -> float:
+    """A survey's sensitivity: `weights_distance` of the serial fp32 run ``want`` from the same
+    `serial_run` of ``build()`` cast to float64; 0.0 where that raises a ``RuntimeError`` (a model
+    that does not run in fp64: transformers' grouped experts take no float64)."""
+    try:
+        exact = serial_run(build().double(), batches, optimizer)
+    except RuntimeError:
+        return 0.0
+    return weights_distance(want, exact)
+
+
+def survey_row(
+    pool: WorkerPool,
+    fn: Callable[[int, str, Config], Run],
+    kind: str,
+    modes: Mapping[str, tuple[ParallelConfig, int]],
+    want: Run,
+    sensitivity: float,
+    *,
+    batch_size: int,
+    timeout: float,
+    rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+) -> dict[str, str]:
+    """A survey's row for family ``kind``: for each mode (its degrees and ZeRO stage), every
+    rank of ``pool`` runs ``fn(rank, kind, oracle_config(degrees, zero, batch_size=batch_size))``
+    within ``timeout`` seconds, the ranks' weights are merged (then passed through ``rename``,
+    where given) and `survey_verdict` holds them and rank 0's losses to ``want``. A mode that
+    raises reads ``refused: <first line>``; a pool whose ranks timed out or died is closed (its
+    next call starts it anew)."""
+    row: dict[str, str] = {}
+    for mode, (degrees, zero) in modes.items():
+        try:
+            config = oracle_config(degrees, zero, batch_size=batch_size)
+            parts = pool.run(fn, kind, config, timeout=timeout)
+            merged: dict[str, Tensor] = {}
+            for _, part in parts:
+                merged.update(part)
+            if rename is not None:
+                merged = rename(merged)
+            row[mode] = survey_verdict((parts[0][0], merged), want, sensitivity)
+        except Exception as exc:
+            row[mode] = "refused: " + str(exc).split("\n")[0][:160]
+            if "did not finish" in str(exc) or "died" in str(exc):
+                pool.close()
+    return row
 
 
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
