@@ -118,6 +118,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "intermediate_size": 12, "num_local_experts": 4, "num_experts_per_tok": 2,
         "shared_intermediate_size": 8,
     }),
+    # no shared MLP (shared_intermediate_size = 0): its plan's optional shared_mlp entry matches nothing
+    "granitemoeshared-unshared": ("GraniteMoeSharedConfig", {
+        "intermediate_size": 12, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "shared_intermediate_size": 0,
+    }),
     # top-1, as Llama 4 Scout and Maverick; layer 1 dense (moe_layers)
     "llama4_text": ("Llama4TextConfig", {
         "intermediate_size": 12, "intermediate_size_mlp": 20, "num_local_experts": 4,
@@ -138,6 +143,7 @@ MOE_BLOCKS = {
     "deepseek_v3": 1,
     "granitemoe": 2,
     "granitemoeshared": 2,
+    "granitemoeshared-unshared": 2,
     "llama4_text": 1,
     "gpt_oss": 2,
 }
@@ -375,6 +381,7 @@ CASES = [
     ],
     ("deepseek_v2", "tp2"),  # a latent attention without query LoRA: q_proj split by its qk heads
     ("granitemoeshared", "tp2"),  # GRANITEMOE_SHARED_PLAN: block_sparse_moe and shared_mlp replicated
+    ("granitemoeshared-unshared", "tp2"),  # the same plan, its optional shared_mlp entry unmatched
     ("granitemoe", "pp2"),  # decoder_blocks apply Granite's embedding and logits multipliers
     ("llama4_text", "pp2"),  # its base under ``model`` (not its base_model_prefix); chunked attention
 ]

@@ -133,6 +133,24 @@ def test_bad_plans_are_value_errors_naming_module_and_numbers(
         resolve_plan(GPT(cfg), plan, tp=tp)
 
 
+def test_an_optional_entry_may_match_nothing_and_only_it() -> None:
+    """A module some configurations of a family do not build: its entry is optional, so the
+    plan resolves without it; the same entry, not optional, is an error; and an optional
+    pattern that is no entry of the plan is refused as the plan is made."""
+    extra = {**GPT_PLAN.as_dict(), "layers.*.shared_mlp": "replicate"}
+    plan = Plan.of(extra, name="maybe", optional=["layers.*.shared_mlp"])
+    want = [(a.name, a.style) for a in resolve_plan(GPT(CFG), GPT_PLAN, tp=2)]
+    assert [(a.name, a.style) for a in resolve_plan(GPT(CFG), plan, tp=2)] == want
+    with pytest.raises(
+        ValueError, match=re.escape("plan entry 'layers.*.shared_mlp' (replicate) matches no")
+    ):
+        resolve_plan(GPT(CFG), Plan.of(extra), tp=2)
+    with pytest.raises(
+        ValueError, match=re.escape("plan 'maybe': optional patterns ['layers.*.mlp2'] are not")
+    ):
+        Plan.of(extra, name="maybe", optional=["layers.*.mlp2"])
+
+
 def test_sequence_parallel_is_refused_for_a_plan_that_cannot_run_it() -> None:
     plan = Plan.of({"lin": "colwise"}, name="no-sp", supports_sequence_parallel=False)
     with pytest.raises(ValueError, match="plan 'no-sp' does not support sequence parallelism"):

@@ -159,7 +159,12 @@ class ModeSpec:
                     f"(its roles: {', '.join(self.roles)})"
                 )
             entries.append((pattern, new if depth is None else _with_depth(new, depth)))
-        return Plan(tuple(entries), f"{plan.name}@{self.mode.value}", supports_sequence_parallel=False)
+        return Plan(
+            tuple(entries),
+            f"{plan.name}@{self.mode.value}",
+            supports_sequence_parallel=False,
+            optional=plan.optional,
+        )
 
     def _check_covered(self, plan: Plan, model: nn.Module) -> None:
         """Every module owning parameters has a plan entry: in this mode each rank holds a

@@ -49,11 +49,14 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Plan:
     """An ordered, immutable plan. ``supports_sequence_parallel=False`` marks plans whose model
-    cannot run with sequence-sharded activations (parallelize then refuses SP)."""
+    cannot run with sequence-sharded activations (parallelize then refuses SP). ``optional``:
+    patterns of entries that may match no module (a module some configurations of a family do
+    not build); every other entry matching nothing is an error."""
 
     entries: tuple[tuple[str, TPStyle], ...]
     name: str = "custom"
     supports_sequence_parallel: bool = True
+    optional: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -62,16 +65,22 @@ class Plan:
         *,
         name: str = "custom",
         supports_sequence_parallel: bool = True,
+        optional: Iterable[str] = (),
     ) -> Plan:
         """Build a plan from ``{pattern: style}``, a style given as an object or by its registered
-        name; an unknown name is a ValueError naming it."""
+        name; an unknown name is a ValueError naming it, as is an ``optional`` pattern that is
+        not one of the entries."""
         out = []
         for pattern, style in entries.items():
             try:
                 out.append((pattern, style_named(style) if isinstance(style, str) else style))
             except ValueError as e:
                 raise ValueError(f"plan entry {pattern!r}: {e}") from None
-        return cls(tuple(out), name, supports_sequence_parallel)
+        maybe = frozenset(optional)
+        stray = sorted(maybe - set(entries))
+        if stray:
+            raise ValueError(f"plan {name!r}: optional patterns {stray} are not entries of the plan")
+        return cls(tuple(out), name, supports_sequence_parallel, maybe)
 
     def as_dict(self) -> dict[str, TPStyle]:
         """The entries as ``{pattern: style}``."""
@@ -148,6 +157,8 @@ def resolve_plan(
     chosen: dict[str, tuple[TPStyle, str]] = {}
     for pattern, style in plan.entries:
         hits = [name for name in modules if match_pattern(pattern, name)]
+        if not hits and pattern in plan.optional:
+            continue
         if not hits:
             sample = ", ".join(list(modules)[:8])
             raise ValueError(

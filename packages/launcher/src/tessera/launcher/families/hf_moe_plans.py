@@ -13,7 +13,8 @@ parallelism: so do the roles derived for a converted family with no plan here
   per-head ``q_norm`` / ``k_norm`` stay whole inside the attention, their gradients summed
   over tp);
 - `GRANITEMOE_PLAN`: the same attention, the mixture ``block_sparse_moe``; GraniteMoeShared's
-  dense ``shared_mlp`` beside it is replicated too;
+  dense ``shared_mlp`` beside it is replicated too (an optional entry: a configuration with
+  ``shared_intermediate_size = 0`` has none);
 - `DEEPSEEK_PLAN` (DeepSeek-V2 and V3, multi-head latent attention): each rank holds its
   share of the heads of ``q_proj`` (or of ``q_b_proj`` after the query LoRA) and of
   ``kv_b_proj``, and of ``o_proj``'s input; the low-rank projections in front of them
@@ -41,10 +42,12 @@ __all__ = [
 _LLAMA = {p: s for p, s in LLAMA_PLAN.as_dict().items() if not p.startswith("model.layers.*.mlp")}
 
 
-def _replicated(entries: Mapping[str, TPStyle], name: str, *mixtures: str) -> Plan:
+def _replicated(
+    entries: Mapping[str, TPStyle], name: str, *mixtures: str, optional: tuple[str, ...] = ()
+) -> Plan:
     """``entries`` with each of ``mixtures`` (patterns) replicated; no sequence parallelism."""
     replicated = {pattern: Roles.REPLICATE for pattern in mixtures}
-    return Plan.of({**entries, **replicated}, name=name, supports_sequence_parallel=False)
+    return Plan.of({**entries, **replicated}, name=name, supports_sequence_parallel=False, optional=optional)
 
 
 MIXTRAL_PLAN = _replicated(_LLAMA, "hf-mixtral", "model.layers.*.mlp")
@@ -52,7 +55,11 @@ QWEN2_MOE_PLAN = _replicated(_LLAMA, "hf-qwen2-moe", "model.layers.*.mlp")
 QWEN3_MOE_PLAN = _replicated(_LLAMA, "hf-qwen3-moe", "model.layers.*.mlp")
 GRANITEMOE_PLAN = _replicated(_LLAMA, "hf-granitemoe", "model.layers.*.block_sparse_moe")
 GRANITEMOE_SHARED_PLAN = _replicated(
-    _LLAMA, "hf-granitemoe-shared", "model.layers.*.block_sparse_moe", "model.layers.*.shared_mlp"
+    _LLAMA,
+    "hf-granitemoe-shared",
+    "model.layers.*.block_sparse_moe",
+    "model.layers.*.shared_mlp",
+    optional=("model.layers.*.shared_mlp",),  # not built where shared_intermediate_size = 0
 )
 
 _MLA: dict[str, TPStyle] = {

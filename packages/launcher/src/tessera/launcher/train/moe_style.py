@@ -137,4 +137,4 @@ def split_mixtures(plan: PlanLike, model: nn.Module) -> Plan:
         entries += [(n, style) for n in modules if match_pattern(pattern, n) and n not in hits]
     named = {n for n in layers for pattern, _ in entries if match_pattern(pattern, n)}
     entries += [(n, MOE_STYLE) for n in layers if n not in named]
-    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel)
+    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel, plan.optional)

@@ -62,7 +62,7 @@ def bind_2d(plan: PlanLike, grid: Grid2D) -> Plan:
         (pattern, dataclasses.replace(style, grid=grid) if isinstance(style, Style2D) else style)
         for pattern, style in plan.entries
     ]
-    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel)
+    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel, plan.optional)
 
 
 def parallelize_2d(model: nn.Module, *, plan: PlanLike = GPT_2D_PLAN, mesh: Mesh, seed: int = 0) -> nn.Module:

@@ -56,7 +56,7 @@ def bind_2p5d(plan: PlanLike, grid: Grid2p5D) -> Plan:
         )
         for pattern, style in plan.entries
     ]
-    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel)
+    return Plan(tuple(entries), plan.name, plan.supports_sequence_parallel, plan.optional)
 
 
 def parallelize_2p5d(
