@@ -297,17 +297,16 @@ def test_zaya_under_sequence_parallelism_is_refused(worker_pools: PoolFactory) -
 
 
 def _tp_choices(rank: int, config: Config, jitter: float | None, input_jitter: float) -> list[Tensor]:
-    """Every kept router call's choices on this rank (forwards and recomputes, in order), with
-    the tokens its call hands the experts where it jitters them, its global generator seeded
-    apart from the other rank's first."""
+    """Every kept router call's choices on this rank (forwards and recomputes, in order), each with
+    the tokens its call hands the experts (jittered where it jitters them), its global generator
+    seeded apart from the other rank's first."""
     model: nn.Module = _build("phimoe", jitter, input_jitter)
     convert_hf_moe(model)
     calls: list[Tensor] = []
 
     def record(mod: Any, _: Any, out: Any) -> None:
         calls.append(out.choices.clone())
-        if mod.inputs_out is not None:
-            calls.append(mod.inputs_out.detach().clone())
+        calls.append(out.inputs.detach().clone())
 
     for m in model.modules():
         if isinstance(m, KeptRouter):
@@ -339,7 +338,7 @@ def test_tp_ranks_draw_the_same_samples_also_when_recomputed(
     first, second = worker_pools(config.world_size).run(
         _tp_choices, config, jitter, input_jitter, timeout=240
     )
-    per = 2 if input_jitter else 1  # what each call records: its choices, and its jittered tokens
+    per = 2  # what each call records: its choices, and the tokens it hands the experts (jittered or not)
     assert len(first) == len(second) == 2 * 2 * 2 * per  # 2 steps x 2 layers x (forward, recompute)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)

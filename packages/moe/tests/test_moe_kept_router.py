@@ -96,9 +96,9 @@ def test_a_kept_router_layer_computes_the_token_by_token_loop(seed: int) -> None
     x, state, g = _inputs(seed)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     sa, sb = state.clone().requires_grad_(), state.clone().requires_grad_()
-    layer.router.carried = sa  # type: ignore[union-attr]
-    got = layer(xa)
-    got_state = layer.router.carried_out  # type: ignore[union-attr]
+    got, routing = layer.forward_routed(xa, carried=sa)
+    got_state = routing.carried
+    assert got_state is not None
     assert bool((layer.router.module(x, state)[2] == 0).any())  # type: ignore[operator]
     (got * g).sum().add(got_state.square().sum()).backward()
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
@@ -172,3 +172,18 @@ def test_what_an_adapter_gives_wrongly_is_refused_naming_the_shapes() -> None:
         layer(x)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, experts=4\], got 5"):
         KeptRouter(ToyRouter(0), adapt, E, 5)
+
+
+def test_every_router_is_called_alike_and_says_what_its_experts_read() -> None:
+    """A `TopKRouter` and a `KeptRouter` take the same call, ``(x, input_ids, tp_group=...,
+    carried=...)`` on ``x [..., d]``, and give the experts' tokens (``x`` flattened) in their
+    `Routing`; the kept one gives its module's state as ``carried``, the top-k one none."""
+    x, state, _ = _inputs(3)
+    for layer in (MoE(D, H, E, K, seed=3), _layer(3)):
+        routing = layer.router(x, None, tp_group=None, carried=state)
+        assert routing.inputs is not None
+        assert torch.equal(routing.inputs, x.reshape(-1, D))
+        assert routing.choices.shape == (15, K)
+        assert (routing.carried is not None) == isinstance(layer.router, KeptRouter)
+    whole = MoE(D, H, E, K, seed=3).router
+    assert torch.equal(whole(x).weights, whole(x.reshape(-1, D)).weights)

@@ -10,7 +10,9 @@ rank as any router is) and an `Adapter` that calls it and says what it chose: ``
 layer's auxiliary losses read (``E' >= E``: logits beyond the ``E`` experts, a skip expert's, are
 left out of the losses' probabilities), a state to carry to the next layer's router (ZAYA's;
 None for most), and the tokens the experts read where the router's call changes them (PhiMoE's
-input jitter, which transformers applies in place to the tokens both read; None for most). The
+input jitter, which transformers applies in place to the tokens both read; None for most). It is
+called as any router of an `MoE` is, ``router(x, input_ids, tp_group=..., carried=...)`` (the ids
+unread), and gives the state and the tokens back in its `Routing` (``carried``, ``inputs``). The
 layer's dispatch, expert parallelism, tp split and export are those of any `MoE`.
 
 A router that samples (``sampling`` names what makes it random, "" when it is not) is random in
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,11 @@ class KeptChoice:
     choices: Tensor
     weights: Tensor
     logits: Tensor
-    carried: Any = None
+    carried: Tensor | None = None
     inputs: Tensor | None = None
 
 
-Adapter = Callable[[nn.Module, Tensor, Any], KeptChoice]
+Adapter = Callable[[nn.Module, Tensor, Tensor | None], KeptChoice]
 """``adapter(module, x, carried) -> KeptChoice``: calls the kept router ``module`` on the layer's
 input ``x [..., d]`` (its leading shape as the layer was given it) and the state ``carried`` from
 the previous layer's router (None where there is none), and says what it chose."""
@@ -65,10 +66,11 @@ class KeptRouter(nn.Module):
     """``x [..., d] -> Routing`` by a module kept as it is (module docstring): ``module`` (its
     tensors under ``module.``), ``adapter`` (`Adapter`), ``experts`` the layer's ``E``,
     ``top_k``, ``sampling``: what makes the router random in training ("" when nothing does).
-    ``carried`` is the state given to the next call (set by the caller, None by default),
-    ``carried_out`` the state the last call made and ``inputs_out`` the tokens it gave the experts
-    (`KeptChoice.inputs`). Under a tp group (``forward``'s ``group``) a
-    sampling router in training draws the group's first rank's samples on every rank."""
+    ``forward(x, input_ids, tp_group=..., carried=...)``: ``carried`` the previous layer's router's
+    state (None by default), ``input_ids`` unread; the `Routing` holds the state this call made
+    (``carried``) and the tokens it gave the experts (``inputs``: `KeptChoice.inputs`, else ``x``
+    flattened). Under a tp group a sampling router in training draws the group's first rank's
+    samples on every rank."""
 
     tid2eid: Tensor | None = None  # what `TopKRouter` may hold and an `MoE` asks of its router
     score_bias: Tensor | None = None
@@ -81,18 +83,23 @@ class KeptRouter(nn.Module):
             raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
         self.module, self.adapter = module, adapter
         self.experts, self.top_k, self.sampling = experts, top_k, sampling
-        self.carried: Any = None
-        self.carried_out: Any = None
-        self.inputs_out: Tensor | None = None
         self.adapters = nn.ModuleDict()  # no low-rank router adapters on a kept router
 
-    def forward(self, x: Tensor, group: dist.ProcessGroup | None = None) -> Routing:
-        if self.sampling and self.training and group is not None and group_size(group) > 1:
-            chose = self._same_draws(x, group)
+    def forward(
+        self,
+        x: Tensor,
+        input_ids: Tensor | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        carried: Tensor | None = None,
+    ) -> Routing:
+        tokens = x.reshape(-1, x.shape[-1])  # what the experts read unless the call changes them
+        if self.sampling and self.training and tp_group is not None and group_size(tp_group) > 1:
+            chose = self._same_draws(x, tp_group, carried)
         else:
-            chose = self.adapter(self.module, x, self.carried)
-        tokens = x.reshape(-1, x.shape[-1]).shape[0]
-        shape = (tokens, self.top_k)
+            chose = self.adapter(self.module, x, carried)
+        n = tokens.shape[0]
+        shape = (n, self.top_k)
         if tuple(chose.choices.shape) != shape or tuple(chose.weights.shape) != shape:
             raise ValueError(
                 f"the kept router {type(self.module).__name__} chose {tuple(chose.choices.shape)} experts "
@@ -103,21 +110,22 @@ class KeptRouter(nn.Module):
                 f"the kept router {type(self.module).__name__} gave logits {tuple(chose.logits.shape)}, not "
                 f"[tokens, >= experts ({self.experts})]"
             )
-        if chose.inputs is not None and tuple(chose.inputs.shape) != (tokens, x.shape[-1]):
+        if chose.inputs is not None and tuple(chose.inputs.shape) != tuple(tokens.shape):
             raise ValueError(
                 f"the kept router {type(self.module).__name__} gave the experts inputs "
-                f"{tuple(chose.inputs.shape)}, not [tokens, d] = {[tokens, x.shape[-1]]}"
+                f"{tuple(chose.inputs.shape)}, not [tokens, d] = {list(tokens.shape)}"
             )
-        self.carried_out, self.inputs_out = chose.carried, chose.inputs
         probs = torch.softmax(chose.logits.float(), dim=-1)[:, : self.experts]
         return Routing(
             logits=chose.logits[:, : self.experts],
             probs=probs,
             choices=chose.choices.long(),
             weights=chose.weights,
+            carried=chose.carried,
+            inputs=tokens if chose.inputs is None else chose.inputs,
         )
 
-    def _same_draws(self, x: Tensor, group: dist.ProcessGroup) -> KeptChoice:
+    def _same_draws(self, x: Tensor, group: dist.ProcessGroup, carried: Tensor | None) -> KeptChoice:
         """The adapter's call under a generator seeded by the group's first rank (module docstring)."""
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         if x.device.type != "cpu":  # a collective of the device's backend moves device tensors
@@ -131,4 +139,4 @@ class KeptRouter(nn.Module):
             if devices:  # the generator of x's device, where the router draws its samples
                 with torch.get_device_module(kind).device(x.device):
                     torch.get_device_module(kind).manual_seed(value)
-            return self.adapter(self.module, x, self.carried)
+            return self.adapter(self.module, x, carried)

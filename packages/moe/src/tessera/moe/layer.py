@@ -30,10 +30,12 @@ Gemma 4's) gives the experts, routed and shared, ``input_norm * x / rms(x)`` (a 
 with ``router_norm_eps``: `tessera.moe.router`); under tp its weight is whole on every rank,
 its gradient a partial sum, as the router's.
 
-The router may be a module kept as its model wrote it (`tessera.moe.kept_router.KeptRouter`, set
-as ``router`` after construction: PhiMoE's sampled sparsemixer, ZAYA's MLP router): it is given
-the layer's input (whole tokens under tp) and the tp group, whose ranks it makes draw the same
-samples, and says each token's choices and weights; the rest of the layer is unchanged.
+Every router the layer holds is called alike, ``router(x, input_ids, tp_group=..., carried=...)
+-> Routing``, on the layer's input (whole tokens under tp). It may be a module kept as its model
+wrote it (`tessera.moe.kept_router.KeptRouter`, set as ``router`` after construction: PhiMoE's
+sampled sparsemixer, ZAYA's MLP router), whose tp ranks draw the same samples. Its `Routing` says
+the tokens the experts read (``inputs``: the input flattened, or PhiMoE's jittered tokens) and may
+carry a state to the next layer's router (``carried``: `forward_routed`).
 
 Under expert parallelism every rank holds its own tokens (as in data parallelism), the
 router and the shared expert are replicated, and each rank holds ``experts / ep`` experts.
@@ -83,11 +85,10 @@ from tessera.moe.balance import count_load
 from tessera.moe.exchange import combine, dispatch, plan_exchange
 from tessera.moe.experts import Activation, Experts
 from tessera.moe.init import SHARED_GATE_STREAM, expert_stream, generator, shared_stream, uniform
-from tessera.moe.kept_router import KeptRouter
 from tessera.moe.losses import load_balancing_loss, z_loss
 from tessera.moe.norms import post_normed, rms_normed
 from tessera.moe.plan import capacity, plan_dispatch
-from tessera.moe.router import RouterSpec, TopKRouter
+from tessera.moe.router import RouterSpec, Routing, TopKRouter
 from tessera.moe.shared import shared_output
 from tessera.moe.splits import Gather, ep_split, hidden_split_problem, shard_experts, split_hidden
 
@@ -335,6 +336,13 @@ class MoE(nn.Module):
         return 1 if self.tp_group is None else group_size(self.tp_group)
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Tensor:
+        return self.forward_routed(x, input_ids)[0]
+
+    def forward_routed(
+        self, x: Tensor, input_ids: Tensor | None = None, *, carried: Tensor | None = None
+    ) -> tuple[Tensor, Routing]:
+        """The layer's output and its router's `Routing` of ``x``, the router given the state
+        ``carried`` from the previous layer's (a kept router's; `Routing.carried` the next one)."""
         tp = self.tp
         hashed = self.router.tid2eid is not None
         if hashed and tp > 1 and self.gathers:
@@ -348,14 +356,10 @@ class MoE(nn.Module):
                 x = all_gather_along(x, dim, group)
             if not self.gathers:
                 x = copy_to_region(x, self.tp_group)
-        d = x.shape[-1]
-        tokens = x.reshape(-1, d)
-        if isinstance(self.router, KeptRouter):  # kept as written: whole tokens, the tp group's draws
-            routing = self.router(x, self.tp_group)
-            if self.router.inputs_out is not None:  # the tokens as its call left them (PhiMoE's jitter)
-                tokens, self.router.inputs_out = self.router.inputs_out, None
-        else:
-            routing = self.router(tokens, input_ids if hashed else None)
+        routing = self.router(x, input_ids, tp_group=self.tp_group, carried=carried)
+        # the tokens the experts read: the router's view of x (its gradient summed there with the
+        # router's), or as the router's call changed them (PhiMoE's jitter)
+        tokens = x.reshape(-1, x.shape[-1]) if routing.inputs is None else routing.inputs
         if self.input_norm is not None and self.input_norm_eps is not None:  # what the experts read
             tokens = rms_normed(tokens, self.input_norm, self.input_norm_eps)
         experts = self.num_experts
@@ -405,7 +409,7 @@ class MoE(nn.Module):
             out = attach_aux(out, weighted, self)
         if self.bias_rate and torch.is_grad_enabled():
             out = count_load(out, plan.routed, self)
-        return out
+        return out, routing
 
     @staticmethod
     def _identity(tokens: Tensor, weights: Tensor, token: Tensor, assignment: Tensor) -> Tensor:

@@ -78,6 +78,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -174,7 +175,10 @@ class Routing:
     their combine weights (the unbiased scores, renormalised to sum to 1 per token when asked,
     times the spec's scale); ``shared_weights``: ``[T, S]`` the shared experts' weights where the
     router scores them (module docstring), else None. ``logits`` and ``probs`` cover the
-    choosable experts only.
+    choosable experts only. A router module (`TopKRouter`, `tessera.moe.kept_router.KeptRouter`)
+    also gives ``inputs``: ``[T, d]`` the tokens the layer's experts read, its input flattened or as
+    a kept router's call changed them (PhiMoE's jitter); a kept router may give ``carried``: the
+    state for the next layer's router (ZAYA's). None where not given (`route` gives neither).
     """
 
     logits: Tensor
@@ -182,6 +186,8 @@ class Routing:
     choices: Tensor
     weights: Tensor
     shared_weights: Tensor | None = None
+    carried: Tensor | None = None
+    inputs: Tensor | None = None
 
 
 def limit_to_groups(
@@ -295,10 +301,13 @@ def route(
 
 
 class TopKRouter(nn.Module):
-    """``x [T, d] -> Routing``: logits ``x @ weight.T`` (``weight [E, d]``; with ``bias=True`` plus
-    a trained ``bias [E]``, zeros at first, as GPT-OSS's router), routed as
-    ``spec`` says (`route`); with ``spec.choice_bias`` a persistent buffer ``score_bias [E]``
-    (zeros; loaded, never trained: module docstring).
+    """``x [..., d] -> Routing`` of its ``T`` tokens (flattened to ``[T, d]``): logits ``x @ weight.T``
+    (``weight [E, d]``; with ``bias=True`` plus a trained ``bias [E]``, zeros at first, as GPT-OSS's
+    router), routed as ``spec`` says (`route`); with ``spec.choice_bias`` a persistent buffer
+    ``score_bias [E]`` (zeros; loaded, never trained: module docstring). Called as every router an
+    `MoE` holds is, ``router(x, input_ids, tp_group=..., carried=...)``: it is whole on every tp rank
+    and carries no state, so ``tp_group`` and ``carried`` change nothing; its `Routing`'s ``inputs``
+    are the flat tokens ``[T, d]`` (the one view of ``x`` the layer's experts read too).
 
     ``shared``: ``weight`` holds that many further rows scoring the layer's shared experts
     (`route`'s ``shared``); ``scale=True``: a trained ``scale [1]`` (ones) multiplies every weight
@@ -372,7 +381,15 @@ class TopKRouter(nn.Module):
         self.expert_scale = nn.Parameter(torch.ones(experts)) if expert_scale else None
         self.adapters = nn.ModuleDict()  # adapter name -> RouterAdapter (`tessera.moe.adapters`)
 
-    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> Routing:
+    def forward(
+        self,
+        x: Tensor,
+        input_ids: Tensor | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        carried: Tensor | None = None,
+    ) -> Routing:
+        x = tokens = x.reshape(-1, x.shape[-1])
         dtype = x.dtype  # the weights' unless spec.weights_float32
         weight = deltas(self.weight, (a.delta() for a in self.adapters.values()))  # type: ignore[operator]
         if self.input_scale is not None and self.input_norm_eps is not None:
@@ -404,5 +421,5 @@ class TopKRouter(nn.Module):
                 shared_weights=None if shared is None else shared * self.scale,
             )
         if self.spec.weights_float32:  # Mixtral's: its experts weigh their bf16 outputs in fp32
-            return routing
-        return replace(routing, weights=routing.weights.to(dtype))  # Qwen's .to(router_logits.dtype)
+            return replace(routing, inputs=tokens)
+        return replace(routing, weights=routing.weights.to(dtype), inputs=tokens)  # Qwen's .to(logits.dtype)

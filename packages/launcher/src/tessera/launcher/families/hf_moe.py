@@ -43,12 +43,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.hf_dtypes import weighs_in_float32
 from tessera.launcher.families.hf_gemma4 import (
     HOLDER,
     attach,
@@ -148,6 +150,8 @@ def moe_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: fl
 def _read(block: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> tuple[MoE, HFLayout]:
     layout = read_layout(block)
     bank: Any = bank_module(block, layout.bank)
+    if weighs_in_float32(block, bank, layout.d_model):  # Mixtral's fp32 weights (hf_dtypes)
+        layout = replace(layout, routing=replace(layout.routing, weights_float32=True))
     ref: Tensor = next(bank.parameters())  # where and in what dtype the bank is held
     if layout.out_bias is not None and layout.returns_logits:
         raise ValueError("a block with an output bias that returns its router's logits is not reproduced")

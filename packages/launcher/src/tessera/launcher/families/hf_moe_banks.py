@@ -234,7 +234,7 @@ BANK_KINDS: tuple[BankKind, ...] = (
     BankKind("SwiGLU, parallel experts", "jetmoe.JetMoeMoE", "6f3612ddbc63a69e", "parallel_experts", _jetmoe),
 )
 
-# the layouts whose tensors `bank_parts` describes, read and written through their parts alone
+# the layouts read and written through their `bank_parts` alone (the fused banks' bands are cut by hand)
 PART_LAYOUTS: tuple[BankLayout, ...] = ("up_rows", "flat_rows", "parallel_experts", "up_columns")
 
 
@@ -337,10 +337,23 @@ def holds_parallel_experts(block: Any) -> bool:
     return bool(e == e_out and rows == 2 * h and d == d_out)
 
 
+def _gate_up_bands(layout: BankLayout, h: int) -> tuple[Band, Band]:
+    """Where gate and up sit in HF's fused ``gate_up_proj`` as ``layout`` lays it out: rows
+    ``0:h`` and ``h:2h`` of ``[E, 2h, d]``, columns ``0:h`` and ``h:2h`` of ``[E, d, 2h]``, or
+    its even and odd columns (``interleaved``; its bias ``[E, 2h]`` alike)."""
+    if layout == "interleaved":
+        return Band(-1, 0, 2 * h, 2), Band(-1, 1, 2 * h, 2)
+    dim = -1 if layout == "columns" else -2
+    return Band(dim, 0, h), Band(dim, h, 2 * h)
+
+
 def bank_parts(
     layout: BankLayout, experts: int, hidden: int, norm: str | None = None
 ) -> dict[str, tuple[ExportPart, ...]]:
-    """The bank's tensors (``experts.w1``, ...; names relative to the block) as parts of HF's, for
+    """The bank's tensors (``experts.w1``, ...; names relative to the block) as parts of HF's:
+    the fused banks' ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` (`_gate_up_bands`)
+    and ``w2`` ``experts.down_proj``, transposed where they are rows (Mixtral's), GPT-OSS's biases
+    ``b1`` / ``b3`` / ``b2`` the same bands of ``gate_up_proj_bias`` and ``down_proj_bias``; and for
     the `PART_LAYOUTS`: Nemotron-H's ``w1 = up_proj`` and ``w2 = down_proj``, each transposed;
     DBRX's ``w1`` / ``w3`` expert ``e`` the rows ``e*h:(e+1)*h`` of ``mlp.w1`` / ``mlp.v1``,
     transposed, and ``w2`` those of ``mlp.w2`` as they are; JetMoE's ``w1`` / ``w3`` the rows
@@ -348,6 +361,22 @@ def bank_parts(
     if norm is not None and layout != "up_columns":
         raise ValueError(f"a per-expert norm ({norm}) is read with the up_columns layout, not {layout!r}")
     normed = {} if norm is None else {"experts.norm": (ExportPart(norm),)}  # Ergo's, ``[E, d]`` as it is
+    if layout in ("rows", "columns", "interleaved"):
+        gate, up = _gate_up_bands(layout, hidden)
+        rows = layout == "rows"  # Mixtral's [E, 2h, d]: nn.Linear's layout, transposed
+        fused: dict[str, tuple[ExportPart, ...]] = {
+            "experts.w1": (ExportPart("experts.gate_up_proj", transpose=rows, band=gate),),
+            "experts.w3": (ExportPart("experts.gate_up_proj", transpose=rows, band=up),),
+            "experts.w2": (ExportPart("experts.down_proj", transpose=rows),),
+        }
+        if layout != "interleaved":
+            return fused
+        return {  # GPT-OSS's biases, laid out as its weights' columns
+            **fused,
+            "experts.b1": (ExportPart("experts.gate_up_proj_bias", band=gate),),
+            "experts.b3": (ExportPart("experts.gate_up_proj_bias", band=up),),
+            "experts.b2": (ExportPart("experts.down_proj_bias"),),
+        }
     if layout == "up_rows":
         return {
             "experts.w1": (ExportPart("experts.up_proj", transpose=True),),
@@ -380,7 +409,7 @@ def bank_parts(
             ),
             "experts.w2": (ExportPart("output_linear.weight", transpose=True),),
         }
-    raise ValueError(f"bank layout {layout!r} is not one of {PART_LAYOUTS}")
+    raise ValueError(f"bank layout {layout!r} is not a BankLayout")
 
 
 def read_parts(block: nn.Module, parts: tuple[ExportPart, ...]) -> Tensor:

@@ -2,10 +2,10 @@
 
 `exported_parts`: each tensor of a `hf_moe.moe_from_hf` layer as parts of the HF block's
 tensors (``tessera.launcher.checkpoint.exported``), which ``boost()``'s exports, consolidated
-files, imports and deferred initialization all follow: ``w1`` / ``w3`` the gate / up band of
-``experts.gate_up_proj`` (rows, columns, or alternating columns as the bank lays them out),
-``w2`` ``experts.down_proj``, the `PART_LAYOUTS` banks as `bank_parts` lays them out, the
-router's and shared experts' tensors (`block_parts` adds the older per-expert layout).
+files, imports and deferred initialization all follow: the experts' as
+``hf_moe_banks.bank_parts`` lays out each bank (``w1`` / ``w3`` the gate / up band of
+``experts.gate_up_proj``, ``w2`` ``experts.down_proj``, ...), the router's and shared experts'
+tensors (`block_parts` adds the older per-expert layout).
 `hf_moe_state_dict`: a converted model's state dict under transformers' names again, joined
 through those parts (the way back, for a model converted by hand).
 """
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from tessera.launcher.checkpoint.exported import Band, ExportPart, Joiner, parts_of
 from tessera.launcher.families.hf_gemma4 import HOLDER, is_layer_mixture, layer_parts
-from tessera.launcher.families.hf_moe_banks import PART_LAYOUTS, bank_parts
+from tessera.launcher.families.hf_moe_banks import bank_parts
 from tessera.launcher.families.hf_moe_kept import kept_kind, kept_parts
 from tessera.launcher.families.hf_moe_routing import HFLayout, read_layout
 from tessera.launcher.families.hf_names import per_expert
@@ -46,36 +46,21 @@ def block_tensor(module: nn.Module, dotted: str) -> Tensor:
 def exported_parts(name: str, layout: HFLayout) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's tensors (by their names in the model; ``name`` the block's) as
     parts of the block's (a hash router's table ``router.tid2eid`` the block's, as it is):
-    ``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj`` as
-    `_gate_up_bands` lays it out, ``w2`` ``experts.down_proj`` (transposed where gate and up are
-    rows), GPT-OSS's expert biases the same bands of ``gate_up_proj_bias`` and
-    ``down_proj_bias``, the shared expert's one-expert banks its ``nn.Linear`` weights
-    transposed, the router's weight, bias, score bias and the shared gate as they are; as
-    parts the per-expert tensors of checkpoints (`hf_names.per_expert`) are added after."""
+    the experts' (and GPT-OSS's expert biases) as `hf_moe_banks.bank_parts` lays out the bank
+    (``w1`` / ``w3`` the gate / up band of ``experts.gate_up_proj``, ``w2`` ``experts.down_proj``,
+    transposed where gate and up are rows), the shared expert's one-expert banks its
+    ``nn.Linear`` weights transposed, the router's weight, bias, score bias and the shared gate
+    as they are; as parts the per-expert tensors of checkpoints (`hf_names.per_expert`) are
+    added after."""
 
     def part(
         rel: str, index: int | None = None, transpose: bool = False, band: Band | None = None
     ) -> tuple[ExportPart, ...]:
         return (ExportPart(f"{name}.{rel}", index, transpose, band),)
 
-    rows = not layout.columns  # Mixtral's [E, 2h, d]: nn.Linear's layout, transposed
-
-    def bank(fused: str, band: Band | None) -> tuple[ExportPart, ...]:
-        return (ExportPart(f"{name}.experts.{fused}", transpose=rows, band=band),)
-
     out = {f"{name}.router.weight": part(layout.router_weight)}
-    if layout.bank in PART_LAYOUTS:  # Nemotron-H's, DBRX's: as `bank_parts` lays them out
-        for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm).items():
-            out[f"{name}.{w}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
-    else:
-        gate, up = _gate_up_bands(layout.bank, layout.hidden)
-        out[f"{name}.experts.w1"] = bank("gate_up_proj", gate)
-        out[f"{name}.experts.w3"] = bank("gate_up_proj", up)
-        out[f"{name}.experts.w2"] = bank("down_proj", None)
-    if layout.bank == "interleaved":  # GPT-OSS's biases, laid out as its weights' columns
-        out[f"{name}.experts.b1"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=gate),)
-        out[f"{name}.experts.b3"] = (ExportPart(f"{name}.experts.gate_up_proj_bias", band=up),)
-        out[f"{name}.experts.b2"] = (ExportPart(f"{name}.experts.down_proj_bias"),)
+    for w, parts in bank_parts(layout.bank, layout.experts, layout.hidden, layout.expert_norm).items():
+        out[f"{name}.{w}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
     if layout.router_bias is not None:
         out[f"{name}.router.bias"] = part(layout.router_bias)
     if layout.score_bias is not None:
@@ -109,16 +94,6 @@ def renamed_tensors(layout: HFLayout) -> list[tuple[str, str, int | None]]:
     if layout.router_scale is not None:
         out.append(("router.scale", layout.router_scale, None))
     return out
-
-
-def _gate_up_bands(bank: str, h: int) -> tuple[Band, Band]:
-    """Where gate and up sit in HF's fused ``gate_up_proj`` as ``bank`` (`BankLayout`) lays it
-    out: rows ``0:h`` and ``h:2h`` of ``[E, 2h, d]``, columns ``0:h`` and ``h:2h`` of ``[E, d,
-    2h]``, or its even and odd columns (alternating; its bias ``[E, 2h]`` alike)."""
-    if bank == "interleaved":
-        return Band(-1, 0, 2 * h, 2), Band(-1, 1, 2 * h, 2)
-    dim = -1 if bank == "columns" else -2
-    return Band(dim, 0, h), Band(dim, h, 2 * h)
 
 
 def block_parts(

@@ -35,15 +35,15 @@ import contextlib
 import copy
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tessera.launcher.checkpoint.exported import Band, ExportPart
+from tessera.launcher.checkpoint.exported import ExportPart
 from tessera.launcher.checkpoint.placement import persistent_buffers
-from tessera.launcher.families.hf_moe_banks import bank_module, read_bank
+from tessera.launcher.families.hf_moe_banks import bank_module, bank_parts, read_bank
 from tessera.launcher.families.hf_moe_kinds import source_key
 from tessera.launcher.families.hf_names import per_expert
 from tessera.moe import MoE
@@ -82,7 +82,7 @@ def _phimoe(block: Any) -> Adapter:
     jitter is on (on a copy here), and the experts read what it leaves (module docstring)."""
     noise = float(block.input_jitter_noise)
 
-    def call(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
+    def call(module: nn.Module, x: Tensor, carried: Tensor | None) -> KeptChoice:
         jittered = module.training and noise > 0
         if jittered:
             x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
@@ -110,7 +110,7 @@ def _phimoe_check(block: Any) -> str:
     return f"top_k={top_k}: the sparsemixer chooses 2 experts" if top_k != 2 else ""
 
 
-def _zaya_call(module: nn.Module, x: Tensor, carried: Any) -> KeptChoice:
+def _zaya_call(module: nn.Module, x: Tensor, carried: Tensor | None) -> KeptChoice:
     """ZAYA's block: the router on ``[batch, seq, d]`` with the previous layer's state."""
     if x.dim() != 3:
         raise ValueError(f"ZAYA's router reads [batch, seq, d], got {tuple(x.shape)}")
@@ -160,9 +160,12 @@ def kept_kind(block: nn.Module) -> KeptKind | None:
 
 class CarriedMoE(MoE):
     """An `MoE` in the place of a block that carries its router's state between layers (ZAYA's):
-    ``forward(x, state) -> (out, next_state)``, the states those of its kept router."""
+    ``forward(x, state) -> (out, next_state)``, the states those of its kept router
+    (`MoE.forward_routed`'s ``carried`` and `Routing.carried`)."""
 
-    def forward(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Any]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, x: Tensor, state: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         router = self.router
         if not isinstance(router, KeptRouter):
             raise ValueError(f"a CarriedMoE needs a KeptRouter, got {type(router).__name__}")
@@ -172,12 +175,8 @@ class CarriedMoE(MoE):
                 f"layer, but this layer's input is gathered ({len(self.gathers)} gathers: sequence "
                 "parallelism or 2D / 2.5D / 3D tp): refused; train it in 1D tp without sequence parallelism"
             )
-        router.carried = state
-        try:
-            out = super().forward(x)
-        finally:
-            router.carried = None
-        return out, router.carried_out
+        out, routing = self.forward_routed(x, carried=state)
+        return out, routing.carried
 
 
 def kept_layer(block: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> MoE:
@@ -236,17 +235,16 @@ def kept_parts(
 ) -> dict[str, tuple[ExportPart, ...]]:
     """The converted layer's tensors (by their names in the model; ``name`` the block's) as parts
     of the block's: the experts' bands of ``experts.gate_up_proj`` and ``experts.down_proj`` (as
-    any rows bank), the kept router's every parameter and persistent buffer the block's router's
-    of the same name; with the per-expert tensors of ``merges`` as older parts."""
+    `hf_moe_banks.bank_parts` lays out any rows bank), the kept router's every parameter and
+    persistent buffer the block's router's of the same name; with the per-expert tensors of
+    ``merges`` as older parts."""
     kind = kept_kind(block)
     if kind is None:
         raise ValueError(f"{type(block).__name__}: not a block whose router is kept")
     bank = read_bank(bank_module(block, "rows"), "rows")
-    h, fused, down = bank.hidden, f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"
-    out: dict[str, tuple[ExportPart, ...]] = {  # Mixtral's rows: gate_up [E, 2h, d], down [E, d, h]
-        f"{name}.experts.w1": (ExportPart(fused, transpose=True, band=Band(-2, 0, h)),),
-        f"{name}.experts.w3": (ExportPart(fused, transpose=True, band=Band(-2, h, 2 * h)),),
-        f"{name}.experts.w2": (ExportPart(down, transpose=True),),
+    out = {  # Mixtral's rows: gate_up [E, 2h, d], down [E, d, h]
+        f"{name}.{w}": tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
+        for w, parts in bank_parts("rows", bank.experts, bank.hidden).items()
     }
     if merges:
         out = per_expert(out, merges, bank.experts)

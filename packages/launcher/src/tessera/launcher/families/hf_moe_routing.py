@@ -44,7 +44,6 @@ from typing import Any
 
 from torch import nn
 
-from tessera.launcher.families.hf_dtypes import weighs_in_float32
 from tessera.launcher.families.hf_moe_banks import bank_layout, bank_module, read_bank
 from tessera.launcher.families.hf_moe_kinds import (
     BLOCK_KINDS,
@@ -138,7 +137,9 @@ def _kind(kinds: tuple[Any, ...], module: nn.Module, what: str) -> Any:
 
 def read_layout(block: nn.Module) -> HFLayout:
     """``block`` (an HF sparse MoE block) in ``tessera.moe.MoE``'s terms; ValueError naming
-    the class and why when it cannot be reproduced."""
+    the class and why when it cannot be reproduced. Its routing's ``weights_float32`` is left
+    False: `hf_moe.moe_from_hf` reads it where it builds the router (`hf_dtypes.weighs_in_float32`,
+    a forward of the block), as the export of the block's tensors does not need it."""
     name = type(block).__name__
     try:
         kind: BlockKind = _kind(BLOCK_KINDS, block, "block")
@@ -153,8 +154,6 @@ def read_layout(block: nn.Module) -> HFLayout:
         reading = rkind.read(block, kind.router)
         if rkind.float32:  # its logits in fp32 in any dtype
             reading = replace(reading, routing=replace(reading.routing, float32=True))
-        if weighs_in_float32(block, bank_module(block, bank), found.d_model):  # Mixtral's fp32 weights
-            reading = replace(reading, routing=replace(reading.routing, weights_float32=True))
         owner = block.get_submodule(reading.weight.rpartition(".")[0])
         if isinstance(owner, nn.Linear) and owner.bias is not None:
             raise ValueError(f"its router's {reading.weight} has a bias; tessera.moe's router has none")
