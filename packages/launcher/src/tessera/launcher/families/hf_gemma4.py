@@ -26,13 +26,14 @@ mixture as the part of transformers' tensor it came from (for ``boost()``'s expo
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tessera.launcher.checkpoint.exported import Band, ExportPart
-from tessera.launcher.families.hf_moe_banks import bank_key
+from tessera.launcher.checkpoint.exported import ExportPart
+from tessera.launcher.families.hf_moe_banks import bank_key, bank_parts
 from tessera.launcher.families.hf_moe_kinds import EXPERTS, source_key
 from tessera.moe import MoE
 
@@ -142,18 +143,15 @@ def layer_mixture(layer: nn.Module, *, aux_loss_coef: float = 0.0, z_loss_coef: 
 
 def layer_parts(name: str, hidden: int) -> dict[str, tuple[ExportPart, ...]]:
     """Each tensor of the mixture held by layer ``name`` (``<name>.moe.<tensor>``) as the part of
-    transformers' tensor of the layer it is: ``experts.w1`` / ``w3`` the gate / up rows of
-    ``experts.gate_up_proj`` transposed, ``experts.w2`` ``experts.down_proj`` transposed, the
-    router's and the norms' tensors as they are (`_RENAMED`)."""
+    transformers' tensor of the layer it is: the experts' as any bank of Mixtral's rows layout
+    (`hf_moe_banks.bank_parts`: ``w1`` / ``w3`` the gate / up rows of ``experts.gate_up_proj``
+    transposed, ``w2`` ``experts.down_proj`` transposed), the router's and the norms' tensors as
+    they are (`_RENAMED`)."""
     out: dict[str, tuple[ExportPart, ...]] = {
         f"{name}.{HOLDER}.{ours}": (ExportPart(f"{name}.{theirs}"),) for ours, theirs in _RENAMED.items()
     }
-    gate_up = f"{name}.experts.gate_up_proj"
-    out[f"{name}.{HOLDER}.experts.w1"] = (ExportPart(gate_up, transpose=True, band=Band(-2, 0, hidden)),)
-    out[f"{name}.{HOLDER}.experts.w3"] = (
-        ExportPart(gate_up, transpose=True, band=Band(-2, hidden, 2 * hidden)),
-    )
-    out[f"{name}.{HOLDER}.experts.w2"] = (ExportPart(f"{name}.experts.down_proj", transpose=True),)
+    for tensor, parts in bank_parts("rows", 0, hidden).items():  # (the rows layout reads no count)
+        out[f"{name}.{HOLDER}.{tensor}"] = tuple(replace(p, name=f"{name}.{p.name}") for p in parts)
     return out
 
 
